@@ -1,0 +1,243 @@
+"""Every message on the control socket, as tagged msgspec Structs.
+
+Each message is a msgpack map whose "op" key names its type. Requests carry an
+``id`` chosen by the client; replies and errors carry it back; a streaming
+request (a followed watch) answers with several replies of the same id. Events
+not tied to a request carry ``id = 0``. New fields always get defaults, so an
+older peer keeps decoding what a newer one sends.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from ._framing import frame
+from ._version import PROTOCOL_VERSION
+
+WorkerState = Literal[
+    "starting",
+    "running",
+    "finished",
+    "failed",
+    "stopped",
+    "timed_out",
+    "stopped_by_reload",
+    "interrupted",
+]
+TERMINAL_STATES: frozenset[str] = frozenset(
+    {"finished", "failed", "stopped", "timed_out", "stopped_by_reload", "interrupted"}
+)
+EntryKind = Literal["stdout", "stderr", "state", "note"]
+
+
+# -- values carried inside messages --------------------------------------------
+
+
+class WorkerView(msgspec.Struct, kw_only=True):
+    """What a client sees of one worker."""
+
+    id: str
+    run: str
+    parent: str | None = None
+    name: str = ""
+    state: WorkerState
+    pid: int | None = None
+    exit_code: int | None = None
+    attempt: int = 1
+    turn: int = 0
+    started_at: float
+    ended_at: float | None = None
+    archive: str = ""
+    argv: list[str] = []
+    cwd: str = ""
+    agent: str | None = None
+
+
+class Entry(msgspec.Struct, kw_only=True):
+    """One journal entry. ``data`` is raw output for stdout/stderr, UTF-8 text otherwise."""
+
+    seq: int
+    kind: EntryKind
+    data: bytes
+    at: float
+
+
+class WorkerResult(msgspec.Struct, kw_only=True):
+    id: str
+    state: WorkerState
+    exit_code: int | None = None
+    result: str = ""
+
+
+class DaemonInfo(msgspec.Struct, kw_only=True):
+    version: str
+    protocol: int
+    pid: int
+    image_generation: int
+    reloads: int
+    workers: dict[str, int]
+    holds_park: bool
+    socket: str = ""
+    state_dir: str = ""
+
+
+# -- requests: client to daemon ------------------------------------------------
+
+
+class Request(msgspec.Struct, tag_field="op", kw_only=True):
+    id: int
+
+
+class Hello(Request, tag="hello"):
+    """The first message of every connection."""
+
+    version: int = PROTOCOL_VERSION
+    token: str | None = None
+    client: str = ""
+
+
+class Spawn(Request, tag="spawn"):
+    argv: list[str] = []
+    agent: str | None = None
+    name: str = ""
+    run: str | None = None
+    parent: str | None = None
+    input: bytes | None = None
+    cwd: str | None = None
+    env: dict[str, str] = {}
+    timeout: float | None = None
+    grace: float | None = None
+
+
+class NewRun(Request, tag="new_run"):
+    outer: str | None = None
+
+
+class ListWorkers(Request, tag="list_workers"):
+    all: bool = False
+    run: str | None = None
+
+
+class Status(Request, tag="status"):
+    worker: str
+
+
+class Stop(Request, tag="stop"):
+    worker: str
+    wait: bool = True
+
+
+class StopRun(Request, tag="stop_run"):
+    run: str
+    wait: bool = True
+
+
+class Watch(Request, tag="watch"):
+    worker: str
+    since: int = 0
+    follow: bool = False
+    limit: int = 1000
+
+
+class Collect(Request, tag="collect"):
+    worker: str
+    wait: bool = False
+
+
+class Wait(Request, tag="wait"):
+    worker: str
+
+
+class Info(Request, tag="info"):
+    pass
+
+
+class Abort(Request, tag="abort"):
+    """End the stream opened by request ``request`` on this connection."""
+
+    request: int
+
+
+ClientMessage = (
+    Hello | Spawn | NewRun | ListWorkers | Status | Stop | StopRun | Watch | Collect | Wait | Info
+    | Abort
+)
+
+
+# -- replies and events: daemon to client --------------------------------------
+
+
+class Reply(msgspec.Struct, tag_field="op", kw_only=True):
+    id: int
+
+
+class Welcome(Reply, tag="welcome"):
+    version: int
+    daemon_version: str
+    pid: int
+    worker: str | None = None
+
+
+class WorkerReply(Reply, tag="worker"):
+    worker: WorkerView
+
+
+class WorkerList(Reply, tag="worker_list"):
+    workers: list[WorkerView]
+
+
+class RunReply(Reply, tag="run"):
+    run: str
+
+
+class Stopped(Reply, tag="stopped"):
+    """``found`` is false for an id the daemon never saw; ``stopped`` lists the ids stopped."""
+
+    found: bool
+    stopped: list[str]
+
+
+class Page(Reply, tag="page"):
+    """Journal entries after a cursor. ``complete``: the journal will never grow again."""
+
+    entries: list[Entry]
+    next: int
+    complete: bool
+
+
+class ResultReply(Reply, tag="result"):
+    result: WorkerResult
+
+
+class InfoReply(Reply, tag="info"):
+    info: DaemonInfo
+
+
+class Done(Reply, tag="done"):
+    pass
+
+
+class Error(Reply, tag="error"):
+    code: str
+    message: str
+    retry_after: float | None = None
+
+
+DaemonMessage = (
+    Welcome | WorkerReply | WorkerList | RunReply | Stopped | Page | ResultReply | InfoReply | Done
+    | Error
+)
+
+
+# -- encoding ------------------------------------------------------------------
+
+_encoder = msgspec.msgpack.Encoder()
+client_decoder: msgspec.msgpack.Decoder[ClientMessage] = msgspec.msgpack.Decoder(ClientMessage)
+daemon_decoder: msgspec.msgpack.Decoder[DaemonMessage] = msgspec.msgpack.Decoder(DaemonMessage)
+
+
+def encode(message: Request | Reply) -> bytes:
+    """The whole frame (length prefix and body) for one message."""
+    return frame(_encoder.encode(message))

@@ -1,0 +1,33 @@
+"""Where the daemon and its clients meet: the default paths and their overrides.
+
+Both sides resolve paths here so that the CLI, the clients and the daemon find
+the same socket. Reads the environment; creates nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import platformdirs
+
+APP = "subagentd"
+
+
+def default_socket_path(environ: Mapping[str, str] = os.environ) -> Path:
+    if path := environ.get("SUBAGENTD_SOCKET"):
+        return Path(path)
+    return Path(platformdirs.user_runtime_dir(APP)) / "subagentd.sock"
+
+
+def default_state_dir(environ: Mapping[str, str] = os.environ) -> Path:
+    if path := environ.get("SUBAGENTD_STATE_DIR"):
+        return Path(path)
+    return Path(platformdirs.user_state_dir(APP))
+
+
+def default_config_path(environ: Mapping[str, str] = os.environ) -> Path:
+    if path := environ.get("SUBAGENTD_CONFIG"):
+        return Path(path)
+    return Path(platformdirs.user_config_dir(APP)) / "agents.toml"
