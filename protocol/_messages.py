@@ -161,7 +161,17 @@ class Abort(Request, tag="abort"):
 
 
 ClientMessage = (
-    Hello | Spawn | NewRun | ListWorkers | Status | Stop | StopRun | Watch | Collect | Wait | Info
+    Hello
+    | Spawn
+    | NewRun
+    | ListWorkers
+    | Status
+    | Stop
+    | StopRun
+    | Watch
+    | Collect
+    | Wait
+    | Info
     | Abort
 )
 
@@ -226,7 +236,15 @@ class Error(Reply, tag="error"):
 
 
 DaemonMessage = (
-    Welcome | WorkerReply | WorkerList | RunReply | Stopped | Page | ResultReply | InfoReply | Done
+    Welcome
+    | WorkerReply
+    | WorkerList
+    | RunReply
+    | Stopped
+    | Page
+    | ResultReply
+    | InfoReply
+    | Done
     | Error
 )
 

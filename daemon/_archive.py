@@ -1,0 +1,99 @@
+"""A worker's archive directory: what is written there, and how, in one place.
+
+The archive holds the worker's snapshot (what it was asked to run), its input,
+its journal, the result file it may write, the tail of its stdout and its last
+record. Files are written atomically (a temp file renamed over) and 0600.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import msgspec
+
+from ._registry import WorkerRecord
+
+#: The snapshot's format; a resume refuses one it cannot read.
+SNAPSHOT_VERSION = 1
+#: The result is the $SUBAGENTD_RESULT file, or else this much of stdout's end.
+STDOUT_TAIL_BYTES = 32 * 1024
+#: A result file larger than this is cut (the journal keeps the whole output).
+RESULT_LIMIT = 1024 * 1024
+
+
+class Snapshot(msgspec.Struct, kw_only=True):
+    """What a worker was asked to run, frozen at spawn."""
+
+    version: int = SNAPSHOT_VERSION
+    id: str
+    run: str
+    parent: str | None
+    name: str
+    argv: list[str]
+    cwd: str
+    env: dict[str, str]
+    agent: str | None
+    model: str | None
+    timeout: float | None
+    grace: float
+    has_input: bool
+    created_at: float
+
+
+class Archive:
+    JOURNAL = "journal"
+    INPUT = "input"
+    RESULT = "result"
+    STDOUT_TAIL = "stdout.tail"
+    SNAPSHOT = "snapshot.json"
+    RECORD = "record.json"
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def create(self) -> None:
+        self.path.mkdir(mode=0o700)
+
+    def file(self, name: str) -> Path:
+        return self.path / name
+
+    def write_snapshot(self, snapshot: Snapshot) -> None:
+        # Created exclusively: a snapshot is written once and never replaced.
+        fd = os.open(self.file(self.SNAPSHOT), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(msgspec.json.encode(snapshot))
+
+    def write_input(self, data: bytes) -> Path:
+        path = self.file(self.INPUT)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        return path
+
+    def write_record(self, record: WorkerRecord) -> None:
+        self._replace(self.RECORD, msgspec.json.encode(record))
+
+    def write_stdout_tail(self, data: bytes) -> None:
+        self._replace(self.STDOUT_TAIL, data[-STDOUT_TAIL_BYTES:])
+
+    def result_text(self) -> str:
+        """The worker's result file if it wrote one, else the tail of its stdout."""
+        for name in (self.RESULT, self.STDOUT_TAIL):
+            try:
+                with open(self.file(name), "rb") as f:
+                    raw = f.read(RESULT_LIMIT + 1)
+            except FileNotFoundError:
+                continue
+            text = raw[:RESULT_LIMIT].decode("utf-8", errors="replace")
+            if len(raw) > RESULT_LIMIT:
+                text += f"\n[result cut at {RESULT_LIMIT} bytes; the file holds the rest]"
+            return text
+        return ""
+
+    def _replace(self, name: str, data: bytes) -> None:
+        tmp = self.file(name + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, self.file(name))

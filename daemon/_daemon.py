@@ -1,0 +1,399 @@
+"""The daemon's trio shell around the registry: it starts and supervises worker
+processes, journals their output and answers what the server asks.
+
+The registry decides; this module carries decisions out against real
+processes and files. One supervise task per worker owns that worker's pipes,
+pidfd and journal until the worker has ended.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+import trio
+
+from subagentd.protocol import (
+    PROTOCOL_VERSION,
+    DaemonInfo,
+    EntryKind,
+    Page,
+    Spawn,
+    WorkerResult,
+    WorkerView,
+    package_version,
+)
+from subagentd.protocol.errors import Busy, Invalid
+
+from ._agents import AgentDef, ConfigError, load_agents
+from ._archive import STDOUT_TAIL_BYTES, Archive, Snapshot
+from ._journal import Journal
+from ._process import SpawnFailed, WorkerProcess, pump
+from ._registry import Registry, WorkerRecord
+from ._statedir import StateDir
+
+log = structlog.get_logger("subagentd")
+
+#: A watch page never holds more entries than this, whatever the client asks.
+MAX_PAGE_ENTRIES = 10_000
+#: Variables of the daemon's own environment that no worker inherits: they
+#: belong to the service manager's conversation with the daemon, not theirs.
+_PRIVATE_ENV_PREFIXES = ("NOTIFY_SOCKET", "LISTEN_", "WATCHDOG_", "SUBAGENTD_")
+
+
+@dataclass(eq=False)
+class LiveWorker:
+    """A worker whose process has not yet ended, with what supervises it."""
+
+    record: WorkerRecord
+    process: WorkerProcess
+    journal: Journal
+    stop_asked: trio.Event = field(default_factory=trio.Event)
+    exited: trio.Event = field(default_factory=trio.Event)
+    ended: trio.Event = field(default_factory=trio.Event)
+    grown: trio.Event = field(default_factory=trio.Event)
+    stdout_tail: bytearray = field(default_factory=bytearray)
+
+
+class Daemon:
+    def __init__(
+        self,
+        state_dir: StateDir,
+        *,
+        socket_path: Path,
+        config_path: Path,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.state_dir = state_dir
+        self.socket_path = socket_path
+        self.config_path = config_path
+        self.registry = Registry()
+        self.live: dict[str, LiveWorker] = {}
+        self.image_generation = 1
+        self.reloads = 0
+        self.clock = clock
+        self.agents: dict[str, AgentDef] = {}
+        self.config_error: str | None = None
+        self._nursery: trio.Nursery | None = None
+        self.load_config()
+
+    def load_config(self) -> None:
+        try:
+            self.agents = load_agents(self.config_path)
+            self.config_error = None
+        except ConfigError as exc:
+            # The daemon serves on without agents; spawns of an agent say why.
+            self.agents = {}
+            self.config_error = str(exc)
+            log.error("config.invalid", error=self.config_error)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Host the workers' supervise tasks until cancelled."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            await trio.sleep_forever()
+
+    # -- spawning ------------------------------------------------------------
+
+    def spawn(self, request: Spawn, caller: str | None) -> WorkerView:
+        """Register a worker and start its process; refusals raise RemoteError."""
+        assert self._nursery is not None, "Daemon.run is not running"
+        argv, env, timeout, grace, model = self._resolve_command(request)
+        cwd = request.cwd or os.getcwd()
+        if not os.path.isdir(cwd):
+            raise Invalid(f"working directory {cwd!r} does not exist")
+        worker_env = _inherited_env(os.environ) | env
+        _check_executable(argv[0], cwd, worker_env)
+        now = self.clock()
+        record = self.registry.register(
+            now=now,
+            argv=argv,
+            cwd=cwd,
+            archive_for=lambda worker_id: str(self.state_dir.archive(worker_id)),
+            run=request.run,
+            parent=request.parent or caller,
+            name=request.name,
+            agent=request.agent,
+            grace=grace,
+            timeout=timeout,
+        )
+        archive = Archive(Path(record.archive))
+        archive.create()
+        archive.write_snapshot(
+            Snapshot(
+                id=record.id,
+                run=record.run,
+                parent=record.parent,
+                name=record.name,
+                argv=argv,
+                cwd=cwd,
+                env=env,
+                agent=request.agent,
+                model=model,
+                timeout=record.timeout,
+                grace=record.grace,
+                has_input=request.input is not None,
+                created_at=now,
+            )
+        )
+        stdin = None if request.input is None else str(archive.write_input(request.input))
+        journal = Journal.create(archive.file(Archive.JOURNAL))
+        worker_env |= {
+            "SUBAGENTD_SOCKET": str(self.socket_path),
+            "SUBAGENTD_WORKER_ID": record.id,
+            "SUBAGENTD_RUN_ID": record.run,
+            "SUBAGENTD_TOKEN": record.token,
+            "SUBAGENTD_ARCHIVE": record.archive,
+            "SUBAGENTD_RESULT": str(archive.file(Archive.RESULT)),
+        }
+        try:
+            process = WorkerProcess.spawn(argv, cwd=cwd, env=worker_env, stdin_path=stdin)
+        except SpawnFailed as exc:
+            journal.append("note", str(exc).encode(), now)
+            self._finish(record, journal, None, b"")
+            log.warning("worker.spawn_failed", worker=record.id, error=str(exc))
+            return record.view()
+        self.registry.started(record.id, process.pid)
+        journal.append("state", f"running pid={process.pid}".encode(), now)
+        archive.write_record(record)
+        live = LiveWorker(record=record, process=process, journal=journal)
+        self.live[record.id] = live
+        self._nursery.start_soon(self._supervise, live)
+        log.info("worker.spawned", worker=record.id, run=record.run, pid=process.pid, argv=argv)
+        return record.view()
+
+    def _resolve_command(
+        self, request: Spawn
+    ) -> tuple[list[str], dict[str, str], float | None, float | None, str | None]:
+        if request.agent is None:
+            return request.argv, dict(request.env), request.timeout, request.grace, None
+        if request.argv:
+            raise Invalid("give either a command or --agent, not both")
+        agent = self.agents.get(request.agent)
+        if agent is None:
+            known = ", ".join(sorted(self.agents)) or "none"
+            why = f" ({self.config_error})" if self.config_error else ""
+            raise Invalid(
+                f"no agent {request.agent!r} in {self.config_path}{why}; agents defined: {known}"
+            )
+        timeout = request.timeout if request.timeout is not None else agent.timeout
+        grace = request.grace if request.grace is not None else agent.grace
+        return agent.render(), agent.env | request.env, timeout, grace, agent.model
+
+    # -- supervising ---------------------------------------------------------
+
+    async def _supervise(self, live: LiveWorker) -> None:
+        record, process = live.record, live.process
+        pipes_closed = trio.Event()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._pump_pipes, live, pipes_closed)
+            nursery.start_soon(self._enforce_stop, live)
+            if record.timeout:
+                nursery.start_soon(self._enforce_timeout, live)
+            await process.wait_exited()
+            live.exited.set()
+            # Whatever is left of its process group goes with it: TERM, a grace
+            # period for the pipes to close, then KILL.
+            process.signal_group(signal.SIGTERM)
+            with trio.move_on_after(record.grace):
+                await pipes_closed.wait()
+            process.signal_group(signal.SIGKILL)
+            with trio.move_on_after(0.5):  # the last bytes already in the pipes
+                await pipes_closed.wait()
+            nursery.cancel_scope.cancel()
+        returncode = process.reap()
+        process.close()
+        del self.live[record.id]
+        self._finish(record, live.journal, returncode, bytes(live.stdout_tail))
+        live.ended.set()
+        live.grown.set()
+        log.info("worker.ended", worker=record.id, state=record.state, exit_code=record.exit_code)
+
+    def _finish(
+        self, record: WorkerRecord, journal: Journal, returncode: int | None, stdout_tail: bytes
+    ) -> None:
+        now = self.clock()
+        self.registry.ended(record.id, returncode, now)
+        archive = Archive(Path(record.archive))
+        try:
+            journal.append("state", f"{record.state} exit_code={returncode}".encode(), now)
+        except OSError as exc:
+            log.error("journal.write_failed", worker=record.id, error=str(exc))
+        journal.close()
+        archive.write_stdout_tail(stdout_tail)
+        archive.write_record(record)
+
+    async def _pump_pipes(self, live: LiveWorker, closed: trio.Event) -> None:
+        async with trio.open_nursery() as nursery:
+            for kind in ("stdout", "stderr"):
+                fd = getattr(live.process, kind)
+                if fd is not None:
+                    nursery.start_soon(pump, fd, self._deliverer(live, kind))
+        closed.set()
+
+    def _deliverer(self, live: LiveWorker, kind: EntryKind) -> Callable[[bytes], Awaitable[None]]:
+        async def deliver(chunk: bytes) -> None:
+            try:
+                live.journal.append(kind, chunk, self.clock())
+            except OSError as exc:
+                log.error("journal.write_failed", worker=live.record.id, error=str(exc))
+            if kind == "stdout":
+                live.stdout_tail += chunk
+                del live.stdout_tail[:-STDOUT_TAIL_BYTES]
+            grown, live.grown = live.grown, trio.Event()
+            grown.set()
+            await trio.lowlevel.checkpoint()
+
+        return deliver
+
+    async def _enforce_stop(self, live: LiveWorker) -> None:
+        await live.stop_asked.wait()
+        live.process.signal_group(signal.SIGTERM)
+        with trio.move_on_after(live.record.grace):
+            await live.exited.wait()
+        live.process.signal_group(signal.SIGKILL)
+
+    async def _enforce_timeout(self, live: LiveWorker) -> None:
+        """Stop the worker (and what it delegated) once its timeout has passed."""
+        timeout = live.record.timeout
+        assert timeout is not None
+        with trio.move_on_after(timeout) as deadline:
+            await live.exited.wait()
+        if deadline.cancelled_caught:
+            log.info("worker.timed_out", worker=live.record.id, timeout=timeout)
+            self._ask_stop(self.registry.stop(live.record.id, reason="timeout"))
+
+    def _ask_stop(self, ids: list[str]) -> None:
+        for worker_id in ids:
+            live = self.live.get(worker_id)
+            if live is not None:
+                live.stop_asked.set()
+
+    # -- stopping ------------------------------------------------------------
+
+    async def stop(self, worker_id: str, *, wait: bool) -> tuple[bool, list[str]]:
+        """Stop a worker and its subtree; (found, ids newly stopped)."""
+        if worker_id not in self.registry.workers:
+            return False, []
+        stopped = self.registry.stop(worker_id)
+        self._ask_stop(stopped)
+        log.info("worker.stop_asked", worker=worker_id, stopped=stopped)
+        if wait:
+            await self._wait_ended(list(self.registry.subtree(worker_id)))
+        return True, stopped
+
+    async def stop_run(self, run_id: str, *, wait: bool) -> tuple[bool, list[str]]:
+        if run_id not in self.registry.runs:
+            return False, []
+        stopped = self.registry.stop_run(run_id)
+        self._ask_stop(stopped)
+        log.info("run.stop_asked", run=run_id, stopped=stopped)
+        if wait:
+            members = [r.id for r in self.registry.listing(include_ended=False, run=run_id)]
+            await self._wait_ended(members)
+        return True, stopped
+
+    async def shutdown(self) -> None:
+        """Stop every worker and wait until all are gone."""
+        ids = self.registry.stop_all("shutdown")
+        self._ask_stop(ids)
+        log.info("daemon.stopping_workers", count=len(ids))
+        await self._wait_ended(list(self.live))
+
+    async def _wait_ended(self, ids: list[str]) -> None:
+        for worker_id in ids:
+            live = self.live.get(worker_id)
+            if live is not None:
+                await live.ended.wait()
+
+    # -- reading -------------------------------------------------------------
+
+    async def wait(self, worker_id: str) -> WorkerRecord:
+        record = self.registry.worker(worker_id)
+        await self._wait_ended([worker_id])
+        return record
+
+    async def collect(self, worker_id: str, *, wait: bool) -> WorkerResult:
+        record = self.registry.worker(worker_id)
+        if wait:
+            await self._wait_ended([worker_id])
+        elif not record.ended:
+            raise Busy(f"worker {worker_id} is still {record.state}; collect --wait waits for it")
+        self.registry.collect(worker_id)
+        return WorkerResult(
+            id=record.id,
+            state=record.state,
+            exit_code=record.exit_code,
+            result=Archive(Path(record.archive)).result_text(),
+        )
+
+    def watch_page(self, worker_id: str, since: int, limit: int) -> Page:
+        record = self.registry.worker(worker_id)
+        if since < 0 or limit < 1:
+            raise Invalid(f"watch needs since >= 0 and limit >= 1, not {since} and {limit}")
+        live = self.live.get(worker_id)
+        if live is not None:
+            journal = live.journal
+        else:
+            journal = Journal.open(Path(record.archive) / Archive.JOURNAL, writable=False)
+        entries = journal.read(since, min(limit, MAX_PAGE_ENTRIES))
+        cursor = entries[-1].seq if entries else since
+        complete = live is None and cursor >= journal.last_seq
+        return Page(id=0, entries=entries, next=cursor, complete=complete)
+
+    async def follow(
+        self, worker_id: str, since: int, limit: int, send: Callable[[Page], Awaitable[None]]
+    ) -> None:
+        """Send pages from `since` as the journal grows, until it is complete.
+
+        Each page is read when the previous one has been sent, so a follower
+        that does not read holds back only itself: nothing is buffered for it.
+        """
+        cursor = since
+        while True:
+            live = self.live.get(worker_id)
+            grown = live.grown if live is not None else None
+            page = self.watch_page(worker_id, cursor, limit)
+            if page.entries or page.complete:
+                await send(page)
+            if page.complete:
+                return
+            cursor = page.next
+            if not page.entries and grown is not None:
+                await grown.wait()
+
+    def info(self) -> DaemonInfo:
+        return DaemonInfo(
+            version=package_version(),
+            protocol=PROTOCOL_VERSION,
+            pid=os.getpid(),
+            image_generation=self.image_generation,
+            reloads=self.reloads,
+            workers=self.registry.counts(),
+            holds_park=self.registry.holds_park(),
+            socket=str(self.socket_path),
+            state_dir=str(self.state_dir.root),
+        )
+
+
+def _inherited_env(environ: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in environ.items() if not k.startswith(_PRIVATE_ENV_PREFIXES)}
+
+
+def _check_executable(program: str, cwd: str, env: Mapping[str, str]) -> None:
+    """Refuse a spawn whose program cannot be found, naming where it was looked for."""
+    if "/" in program:
+        path = os.path.join(cwd, program)
+        if not os.access(path, os.X_OK) or os.path.isdir(path):
+            raise Invalid(f"cannot execute {program!r}: {path} is not an executable file")
+        return
+    search = env.get("PATH", os.defpath)
+    if shutil.which(program, path=search) is None:
+        raise Invalid(f"cannot execute {program!r}: not found on PATH ({search})")

@@ -1,0 +1,75 @@
+"""The control socket on disk: created private, a stale one replaced safely.
+
+The socket is bound under a temporary name in the 0700 runtime directory,
+made 0600, and renamed over the public path, so a client never finds a
+half-made socket, and a live daemon's socket is never taken from it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import stat
+from pathlib import Path
+
+from ._statedir import ensure_private_dir
+
+BACKLOG = 4096
+
+
+class SocketInUse(Exception):
+    """A live daemon already answers at the socket path."""
+
+
+class ControlSocket:
+    """The listening socket and the file it was bound to."""
+
+    def __init__(self, sock: socket.socket, path: Path) -> None:
+        self.sock = sock
+        self.path = path
+        # A socket file's inode is not the socket's: remember which file is ours.
+        self.inode = os.stat(path).st_ino
+
+    def remove(self) -> None:
+        """Unlink the socket file if it is still ours (a successor may have replaced it)."""
+        with contextlib.suppress(OSError):
+            if os.stat(self.path).st_ino == self.inode:
+                self.path.unlink()
+
+
+def bind_control_socket(path: Path) -> ControlSocket:
+    ensure_private_dir(path.parent)
+    with contextlib.suppress(FileNotFoundError):
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise SocketInUse(f"{path} exists and is not a socket; refusing to replace it")
+    if _answers(path):
+        raise SocketInUse(
+            f"a daemon already serves at {path}; stop it first or pass another --socket"
+        )
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(str(tmp))
+        os.chmod(tmp, 0o600)
+        sock.listen(BACKLOG)
+        os.replace(tmp, path)
+    except BaseException:
+        sock.close()
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        raise
+    return ControlSocket(sock, path)
+
+
+def _answers(path: Path) -> bool:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except OSError:  # absent, refused (stale), or not a socket at all
+        return False
+    finally:
+        probe.close()
+    return True

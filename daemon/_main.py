@@ -1,0 +1,147 @@
+"""`subagentd`: parse the command line, take the state dir and socket, serve until told to stop.
+
+SIGTERM and SIGINT stop gracefully: no new connections, every worker stopped
+and its journal and record on disk, the lock released, exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+import trio
+
+from subagentd.protocol import (
+    default_config_path,
+    default_socket_path,
+    default_state_dir,
+    package_version,
+)
+
+from ._agents import ConfigError, load_agents
+from ._daemon import Daemon
+from ._listener import SocketInUse, bind_control_socket
+from ._logging import LogFormat, configure_logging
+from ._server import Server
+from ._statedir import StateDir, StateDirLocked, ensure_private_dir
+
+log = structlog.get_logger("subagentd")
+
+
+@dataclass(frozen=True)
+class Settings:
+    socket: Path
+    state_dir: Path
+    config: Path
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="subagentd",
+        description="The per-user supervisor of agent subprocesses. Runs in the foreground; "
+        "talk to it with subagentctl.",
+    )
+    parser.add_argument(
+        "--socket", type=Path, help="control socket (default: $SUBAGENTD_SOCKET or the runtime dir)"
+    )
+    parser.add_argument(
+        "--state-dir",
+        type=Path,
+        help="archives, runs and checkpoint (default: $SUBAGENTD_STATE_DIR or the state dir)",
+    )
+    parser.add_argument(
+        "--config",
+        type=Path,
+        help="agent definitions (default: $SUBAGENTD_CONFIG or <config dir>/agents.toml)",
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=["json", "console"],
+        help="log lines on stderr: json (default when stderr is not a terminal) or console",
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="validate the install, the config and the state dir, then exit (0: usable)",
+    )
+    parser.add_argument("--version", action="version", version=f"subagentd {package_version()}")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    log_format: LogFormat | None = args.log_format
+    configure_logging(log_format)
+    settings = Settings(
+        socket=args.socket or default_socket_path(),
+        state_dir=args.state_dir or default_state_dir(),
+        config=args.config or default_config_path(),
+    )
+    if args.check:
+        return check(settings)
+    try:
+        trio.run(serve, settings)
+    except (StateDirLocked, SocketInUse, PermissionError) as exc:
+        print(f"subagentd: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def check(settings: Settings) -> int:
+    """What `subagentd --check` says: can this image serve with this config and state dir?"""
+    problems = []
+    try:
+        agents = load_agents(settings.config)
+    except ConfigError as exc:
+        problems.append(str(exc))
+        agents = {}
+    try:
+        ensure_private_dir(settings.state_dir)
+    except OSError as exc:
+        problems.append(f"state dir {settings.state_dir}: {exc}")
+    print(f"subagentd {package_version()}")
+    print(f"config: {settings.config} ({len(agents)} agents)")
+    print(f"state dir: {settings.state_dir}")
+    for problem in problems:
+        print(f"error: {problem}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+async def serve(settings: Settings) -> None:
+    state_dir = StateDir(settings.state_dir)
+    state_dir.acquire()
+    try:
+        control = bind_control_socket(settings.socket)
+    except BaseException:
+        state_dir.release()
+        raise
+    daemon = Daemon(state_dir, socket_path=settings.socket, config_path=settings.config)
+    listener = trio.SocketListener(trio.socket.from_stdlib_socket(control.sock))
+    try:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(daemon.run)
+                with trio.CancelScope() as serving:
+                    await nursery.start(Server(daemon).serve, listener)
+                    log.info(
+                        "daemon.serving",
+                        socket=str(settings.socket),
+                        state_dir=str(settings.state_dir),
+                        version=package_version(),
+                    )
+                    async for signum in signals:
+                        log.info("daemon.stopping", signal=signal.Signals(signum).name)
+                        break
+                serving.cancel()
+                with trio.CancelScope(shield=True):
+                    await daemon.shutdown()
+                nursery.cancel_scope.cancel()
+    finally:
+        control.remove()
+        await listener.aclose()
+        state_dir.release()
+        log.info("daemon.stopped")

@@ -1,0 +1,142 @@
+"""The OS side of one worker: its pid, its pidfd and the read ends of its pipes.
+
+Every worker, whether this image spawned it or adopted it across a reload, is
+waited on through its pidfd, never waitpid(-1), so no other reaper can steal
+its status. The fds live here and nowhere else, which is what lets a reload
+hand them to the next image.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+
+import trio
+
+READ_CHUNK = 64 * 1024
+#: One journal entry gathers at most this much of what a pipe has ready.
+ENTRY_BYTES = 256 * 1024
+
+
+class SpawnFailed(Exception):
+    """The worker's command could not be executed; the message names it."""
+
+
+@dataclass(eq=False)
+class WorkerProcess:
+    pid: int
+    pidfd: int
+    stdout: int | None
+    stderr: int | None
+
+    @classmethod
+    def spawn(
+        cls, argv: list[str], *, cwd: str, env: Mapping[str, str], stdin_path: str | None
+    ) -> WorkerProcess:
+        """Start `argv` in its own process group with piped stdout and stderr."""
+        out_r, out_w = os.pipe2(os.O_CLOEXEC)
+        err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        stdin = os.open(stdin_path or os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            # Popen only forks and execs here: its C fork_exec is safe in a
+            # threaded process and reports exec errors synchronously.
+            popen = subprocess.Popen(
+                argv,
+                stdin=stdin,
+                stdout=out_w,
+                stderr=err_w,
+                cwd=cwd,
+                env=dict(env),
+                process_group=0,
+                close_fds=True,
+            )
+        except OSError as exc:
+            for fd in (out_r, err_r):
+                os.close(fd)
+            reason = exc.strerror or str(exc)
+            raise SpawnFailed(f"cannot execute {argv[0]!r} in {cwd}: {reason}") from exc
+        finally:
+            for fd in (out_w, err_w, stdin):
+                os.close(fd)
+        # The child is ours and unreaped, so its pid cannot be recycled before
+        # the pidfd pins it. Popen's finaliser would waitpid() a child it thinks
+        # unreaped and steal the status the pidfd wait expects: tell it the
+        # child is accounted for, which leaves the pidfd as the only reaper.
+        pidfd = os.pidfd_open(popen.pid)
+        popen.returncode = 0
+        for fd in (out_r, err_r):
+            os.set_blocking(fd, False)
+        return cls(pid=popen.pid, pidfd=pidfd, stdout=out_r, stderr=err_r)
+
+    async def wait_exited(self) -> None:
+        """Wait until the process has exited, without reaping it.
+
+        Until `reap`, the zombie keeps its pid, and so the worker's process
+        group id, from being recycled: signalling the group stays safe.
+        """
+        await trio.lowlevel.wait_readable(self.pidfd)
+
+    def reap(self) -> int:
+        """Collect the exited process; its returncode (negative: the signal that killed it)."""
+        info = os.waitid(os.P_PIDFD, self.pidfd, os.WEXITED)
+        assert info is not None  # WNOHANG is not set
+        os.close(self.pidfd)
+        self.pidfd = -1
+        if info.si_code == os.CLD_EXITED:
+            return info.si_status
+        return -info.si_status
+
+    def signal_group(self, sig: signal.Signals) -> None:
+        """Send `sig` to the worker's process group (its pgid is its pid); only before `reap`."""
+        try:
+            os.killpg(self.pid, sig)
+        except ProcessLookupError:
+            pass
+        except PermissionError as exc:  # a member changed uid; the leader still gets it
+            if exc.errno == errno.EPERM and self.pidfd >= 0:
+                signal.pidfd_send_signal(self.pidfd, sig)
+
+    def close(self) -> None:
+        for name in ("stdout", "stderr"):
+            fd = getattr(self, name)
+            if fd is not None:
+                trio.lowlevel.notify_closing(fd)
+                os.close(fd)
+                setattr(self, name, None)
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
+
+
+async def pump(fd: int, deliver: Callable[[bytes], Awaitable[None]]) -> None:
+    """Read `fd` until end of file, handing each gathered chunk to `deliver`.
+
+    Gathers what the pipe has ready (up to ENTRY_BYTES) into one chunk, so a
+    worker writing fast fills few large entries rather than many small ones.
+    """
+    while True:
+        try:
+            await trio.lowlevel.wait_readable(fd)
+        except trio.ClosedResourceError:
+            return
+        chunks: list[bytes] = []
+        size = 0
+        eof = False
+        while size < ENTRY_BYTES:
+            try:
+                chunk = os.read(fd, READ_CHUNK)
+            except BlockingIOError:
+                break
+            if not chunk:
+                eof = True
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if chunks:
+            await deliver(b"".join(chunks))
+        if eof:
+            return

@@ -1,0 +1,319 @@
+"""The registry: every worker and run the daemon knows, and the decisions about them.
+
+A sans-I/O core: plain synchronous objects that take events (a spawn asked, a
+process started, a process ended, a stop asked) and return decisions (which
+ids to stop, which state a worker ended in). No trio and no clock in here:
+callers pass ``now``. Its records are msgspec Structs, so a checkpoint can
+write the whole registry as it is.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable, Iterator
+
+import msgspec
+
+from subagentd.protocol import TERMINAL_STATES, WorkerState, WorkerView
+from subagentd.protocol.errors import Invalid, NotFound, RunStopped
+
+#: Seconds between TERM and KILL when a spawn names none.
+DEFAULT_GRACE = 5.0
+
+
+def new_id(prefix: str) -> str:
+    """A short, url-safe, unguessable id: 'w-' or 'r-' and 10 base32 characters."""
+    return f"{prefix}-{secrets.token_bytes(8).hex()[:10]}"
+
+
+def new_token() -> str:
+    return secrets.token_urlsafe(32)
+
+
+class WorkerRecord(msgspec.Struct, kw_only=True):
+    id: str
+    run: str
+    parent: str | None
+    name: str
+    state: WorkerState
+    argv: list[str]
+    cwd: str
+    agent: str | None
+    grace: float
+    timeout: float | None
+    token: str
+    archive: str
+    attempt: int = 1
+    turn: int = 0
+    pid: int | None = None
+    exit_code: int | None = None
+    started_at: float
+    ended_at: float | None = None
+    #: Why a stop was asked ("user", "run", "timeout", "shutdown"); None while nobody asked.
+    stop_reason: str | None = None
+    collected: bool = False
+
+    @property
+    def ended(self) -> bool:
+        return self.state in TERMINAL_STATES
+
+    def view(self) -> WorkerView:
+        return WorkerView(
+            id=self.id,
+            run=self.run,
+            parent=self.parent,
+            name=self.name,
+            state=self.state,
+            pid=self.pid,
+            exit_code=self.exit_code,
+            attempt=self.attempt,
+            turn=self.turn,
+            started_at=self.started_at,
+            ended_at=self.ended_at,
+            archive=self.archive,
+            argv=self.argv,
+            cwd=self.cwd,
+            agent=self.agent,
+        )
+
+
+class RunRecord(msgspec.Struct, kw_only=True):
+    id: str
+    outer: str | None
+    created_at: float
+    stopped: bool = False
+
+
+class Registry:
+    """Workers and runs by id, and the rules that govern them."""
+
+    def __init__(self, make_id: Callable[[str], str] = new_id) -> None:
+        self.workers: dict[str, WorkerRecord] = {}
+        self.runs: dict[str, RunRecord] = {}
+        self._make_id = make_id
+        self._children: dict[str, list[str]] = {}  # worker id -> ids it delegated to
+        self._run_members: dict[str, list[str]] = {}  # run id -> worker ids
+        self._inner_runs: dict[str, list[str]] = {}  # run id -> runs nested in it
+        self._by_token: dict[str, str] = {}  # worker token -> worker id
+
+    # -- runs ----------------------------------------------------------------
+
+    def new_run(self, now: float, outer: str | None = None) -> RunRecord:
+        if outer is not None:
+            outer_run = self.run(outer)
+            if outer_run.stopped:
+                raise RunStopped(f"run {outer} was stopped; a run cannot be nested in it")
+        run = RunRecord(id=self._fresh_id("r"), outer=outer, created_at=now)
+        self.runs[run.id] = run
+        self._run_members[run.id] = []
+        self._inner_runs[run.id] = []
+        if outer is not None:
+            self._inner_runs[outer].append(run.id)
+        return run
+
+    def run(self, run_id: str) -> RunRecord:
+        try:
+            return self.runs[run_id]
+        except KeyError:
+            raise NotFound(
+                f"no run {run_id!r} (`subagentctl ls --all` lists runs' workers)"
+            ) from None
+
+    def runs_within(self, run_id: str) -> Iterator[str]:
+        """`run_id` and every run nested in it, at any depth."""
+        pending = [run_id]
+        while pending:
+            current = pending.pop()
+            yield current
+            pending.extend(self._inner_runs.get(current, ()))
+
+    # -- workers -------------------------------------------------------------
+
+    def worker(self, worker_id: str) -> WorkerRecord:
+        try:
+            return self.workers[worker_id]
+        except KeyError:
+            raise NotFound(f"no worker {worker_id!r}") from None
+
+    def register(
+        self,
+        *,
+        now: float,
+        argv: list[str],
+        cwd: str,
+        archive_for: Callable[[str], str],
+        run: str | None = None,
+        parent: str | None = None,
+        name: str = "",
+        agent: str | None = None,
+        grace: float | None = None,
+        timeout: float | None = None,
+    ) -> WorkerRecord:
+        """A new worker in state `starting`. Refuses with `run_stopped` into a stopped run."""
+        if not argv:
+            raise Invalid("spawn needs a command (argv) or an agent")
+        if grace is not None and grace < 0:
+            raise Invalid(f"grace must be zero or more seconds, not {grace}")
+        if timeout is not None and timeout < 0:
+            raise Invalid(f"timeout must be zero or more seconds, not {timeout}")
+        if parent is not None:
+            parent_record = self.worker(parent)
+            if run is not None and run != parent_record.run:
+                raise Invalid(
+                    f"worker {parent} belongs to run {parent_record.run}, not {run}: "
+                    "a delegated worker joins its parent's run"
+                )
+            run = parent_record.run
+            if parent_record.ended or parent_record.stop_reason is not None:
+                raise RunStopped(
+                    f"worker {parent} has ended ({parent_record.state}); it cannot delegate"
+                )
+        run_record = self.new_run(now) if run is None else self.run(run)
+        if self.run_stopped(run_record.id):
+            raise RunStopped(f"run {run_record.id} was stopped; it starts no new workers")
+        worker_id = self._fresh_id("w")
+        record = WorkerRecord(
+            id=worker_id,
+            run=run_record.id,
+            parent=parent,
+            name=name,
+            state="starting",
+            argv=list(argv),
+            cwd=cwd,
+            agent=agent,
+            grace=DEFAULT_GRACE if grace is None else grace,
+            timeout=timeout or None,
+            token=new_token(),
+            archive=archive_for(worker_id),
+            started_at=now,
+        )
+        self.workers[worker_id] = record
+        self._by_token[record.token] = worker_id
+        self._children[worker_id] = []
+        self._run_members[run_record.id].append(worker_id)
+        if parent is not None:
+            self._children[parent].append(worker_id)
+        return record
+
+    def worker_for_token(self, token: str) -> str | None:
+        return self._by_token.get(token)
+
+    def run_stopped(self, run_id: str) -> bool:
+        """Whether `run_id` or any run it is nested in was stopped."""
+        current: str | None = run_id
+        while current is not None:
+            run = self.runs[current]
+            if run.stopped:
+                return True
+            current = run.outer
+        return False
+
+    def started(self, worker_id: str, pid: int) -> None:
+        record = self.workers[worker_id]
+        record.pid = pid
+        if record.state == "starting":
+            record.state = "running"
+
+    def ended(self, worker_id: str, exit_code: int | None, now: float) -> WorkerRecord:
+        """The worker's process is gone: decide its terminal state.
+
+        ``exit_code`` is the returncode (negative: killed by that signal; None:
+        never started). A worker someone asked to stop ends `stopped` (or
+        `timed_out`) whatever its code; otherwise 0 is `finished`, the rest `failed`.
+        """
+        record = self.workers[worker_id]
+        if record.ended:
+            return record
+        if record.stop_reason == "timeout":
+            record.state = "timed_out"
+        elif record.stop_reason is not None:
+            record.state = "stopped"
+        elif exit_code == 0:
+            record.state = "finished"
+        else:
+            record.state = "failed"
+        record.exit_code = exit_code
+        record.ended_at = now
+        return record
+
+    def subtree(self, worker_id: str) -> Iterator[str]:
+        """`worker_id` and every worker it delegated to, at any depth."""
+        pending = [worker_id]
+        while pending:
+            current = pending.pop()
+            yield current
+            pending.extend(self._children.get(current, ()))
+
+    def stop(self, worker_id: str, reason: str = "user") -> list[str]:
+        """Ask a worker and its subtree to stop; answers the ids newly asked, sorted.
+
+        Ended workers and workers already stopping are left as they are, so a
+        second stop changes nothing. Raises NotFound for an id never seen. A
+        worker that timed out takes its subtree with it; only it is `timed_out`.
+        """
+        self.worker(worker_id)
+        root, *delegated = self.subtree(worker_id)
+        newly = self._mark_stopping([root], reason)
+        newly += self._mark_stopping(delegated, "ancestor" if reason == "timeout" else reason)
+        return sorted(newly)
+
+    def stop_all(self, reason: str) -> list[str]:
+        """Ask every worker not yet ended to stop (the daemon is shutting down)."""
+        return self._mark_stopping(list(self.workers), reason)
+
+    def stop_run(self, run_id: str) -> list[str]:
+        """Stop a run and every run nested in it; they refuse spawns from now on."""
+        self.run(run_id)
+        ids: list[str] = []
+        for current in self.runs_within(run_id):
+            self.runs[current].stopped = True
+            ids.extend(self._run_members[current])
+        return self._mark_stopping(ids, "run")
+
+    def _mark_stopping(self, ids: list[str], reason: str) -> list[str]:
+        newly: list[str] = []
+        for worker_id in ids:
+            record = self.workers[worker_id]
+            if record.ended or record.stop_reason is not None:
+                continue
+            record.stop_reason = reason
+            newly.append(worker_id)
+        return sorted(newly)
+
+    def stopping(self, worker_id: str) -> bool:
+        record = self.workers[worker_id]
+        return record.stop_reason is not None and not record.ended
+
+    def collect(self, worker_id: str) -> WorkerRecord:
+        record = self.worker(worker_id)
+        if record.ended:
+            record.collected = True
+        return record
+
+    # -- views ---------------------------------------------------------------
+
+    def listing(self, *, include_ended: bool, run: str | None = None) -> list[WorkerRecord]:
+        if run is not None:
+            ids = [w for r in self.runs_within(self.run(run).id) for w in self._run_members[r]]
+            records = [self.workers[w] for w in ids]
+        else:
+            records = list(self.workers.values())
+        if not include_ended:
+            records = [r for r in records if not r.ended]
+        return sorted(records, key=lambda r: (r.started_at, r.id))
+
+    def counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for record in self.workers.values():
+            counts[record.state] = counts.get(record.state, 0) + 1
+        return counts
+
+    def holds_park(self) -> bool:
+        """Whether shutting down now would cost a worker: one live, or a result uncollected."""
+        return any(not r.ended or not r.collected for r in self.workers.values())
+
+    def _fresh_id(self, prefix: str) -> str:
+        while True:
+            candidate = self._make_id(prefix)
+            if candidate not in self.workers and candidate not in self.runs:
+                return candidate

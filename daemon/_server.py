@@ -1,0 +1,314 @@
+"""The control socket's server: connections, the hello, and request dispatch.
+
+Each connection is checked with SO_PEERCRED (only the daemon's own uid gets
+in), must open with a hello, and then may have many requests in flight, each
+answered by its own task. A bad frame or message costs its sender an error
+and, where the stream is unreadable, the connection; never anyone else's.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import struct
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import msgspec
+import structlog
+import trio
+
+from subagentd.protocol import (
+    DEFAULT_FRAME_LIMIT,
+    PROTOCOL_VERSION,
+    Abort,
+    ClientMessage,
+    Collect,
+    Done,
+    Error,
+    FrameDecoder,
+    Hello,
+    Info,
+    InfoReply,
+    ListWorkers,
+    NewRun,
+    Page,
+    Reply,
+    ResultReply,
+    RunReply,
+    Spawn,
+    Status,
+    Stop,
+    Stopped,
+    StopRun,
+    Wait,
+    Watch,
+    Welcome,
+    WorkerList,
+    WorkerReply,
+    client_decoder,
+    encode,
+    package_version,
+)
+from subagentd.protocol.errors import ErrorCode, FrameTooLarge, Invalid, RemoteError
+
+from ._daemon import Daemon
+
+log = structlog.get_logger("subagentd")
+
+#: Requests one connection may have in flight; more are answered `busy`.
+MAX_IN_FLIGHT = 256
+_PEERCRED = struct.Struct("3i")
+_conn_ids = itertools.count(1)
+
+
+@dataclass(eq=False)
+class Connection:
+    stream: trio.SocketStream
+    conn_id: int
+    caller: str | None = None  # the worker this connection acts as, if it gave a token
+    send_lock: trio.Lock = field(default_factory=trio.Lock)
+    streams: dict[int, tuple[trio.CancelScope, trio.Event]] = field(default_factory=dict)
+
+    async def send(self, reply: Reply) -> None:
+        data = encode(reply)
+        async with self.send_lock:
+            await self.stream.send_all(data)
+
+
+class Server:
+    def __init__(self, daemon: Daemon, frame_limit: int = DEFAULT_FRAME_LIMIT) -> None:
+        self.daemon = daemon
+        self.frame_limit = frame_limit
+
+    async def serve(
+        self,
+        listener: trio.SocketListener,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        async with trio.open_nursery() as nursery:
+            task_status.started()
+            while True:
+                stream = await listener.accept()
+                nursery.start_soon(self.handle, stream)
+
+    async def handle(self, stream: trio.SocketStream) -> None:
+        conn = Connection(stream=stream, conn_id=next(_conn_ids))
+        structlog.contextvars.bind_contextvars(conn=conn.conn_id)
+        try:
+            async with stream:
+                if not await self._admit(conn):
+                    return
+                await self._serve_requests(conn)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # the client went away; its requests died with it
+        finally:
+            log.debug("conn.closed")
+
+    async def _admit(self, conn: Connection) -> bool:
+        pid, uid, _gid = _PEERCRED.unpack(
+            conn.stream.socket.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+        )
+        if uid != os.getuid():
+            log.warning("conn.refused", peer_uid=uid, peer_pid=pid)
+            await conn.send(
+                Error(
+                    id=0, code=ErrorCode.FORBIDDEN, message="only the daemon's own user may connect"
+                )
+            )
+            return False
+        return True
+
+    async def _serve_requests(self, conn: Connection) -> None:
+        decoder = FrameDecoder(self.frame_limit)
+        hello_seen = False
+        async with trio.open_nursery() as requests:
+            while True:
+                data = await conn.stream.receive_some(65536)
+                if not data:
+                    requests.cancel_scope.cancel()
+                    return
+                decoder.feed(data)
+                try:
+                    bodies = decoder.frames()
+                except FrameTooLarge as exc:
+                    await conn.send(Error(id=0, code=ErrorCode.TOO_LARGE, message=str(exc)))
+                    requests.cancel_scope.cancel()
+                    return
+                for body in bodies:
+                    message = _decode(body)
+                    if isinstance(message, Error):
+                        await conn.send(message)
+                        continue
+                    if not hello_seen:
+                        if not await self._hello(conn, message):
+                            requests.cancel_scope.cancel()
+                            return
+                        hello_seen = True
+                    elif message.id in conn.streams:
+                        await conn.send(
+                            Error(
+                                id=message.id,
+                                code=ErrorCode.INVALID,
+                                message=f"request id {message.id} is already in flight",
+                            )
+                        )
+                    elif len(conn.streams) >= MAX_IN_FLIGHT:
+                        await conn.send(
+                            Error(
+                                id=message.id,
+                                code=ErrorCode.BUSY,
+                                message=f"more than {MAX_IN_FLIGHT} requests in flight on one "
+                                "connection; wait for answers or open another connection",
+                            )
+                        )
+                    else:
+                        cancel_scope, done = trio.CancelScope(), trio.Event()
+                        conn.streams[message.id] = (cancel_scope, done)
+                        requests.start_soon(self._answer, conn, message, cancel_scope, done)
+
+    async def _hello(self, conn: Connection, message: ClientMessage) -> bool:
+        if not isinstance(message, Hello):
+            await conn.send(
+                Error(
+                    id=message.id, code=ErrorCode.INVALID, message="a connection opens with hello"
+                )
+            )
+            return False
+        if message.version != PROTOCOL_VERSION:
+            await conn.send(
+                Error(
+                    id=message.id,
+                    code=ErrorCode.UNSUPPORTED_VERSION,
+                    message=f"this daemon speaks protocol {PROTOCOL_VERSION}, "
+                    f"not {message.version}; upgrade the client or the daemon",
+                )
+            )
+            return False
+        if message.token is not None:
+            caller = self.daemon.registry.worker_for_token(message.token)
+            if caller is None:
+                await conn.send(
+                    Error(
+                        id=message.id,
+                        code=ErrorCode.FORBIDDEN,
+                        message="this worker token is not known (its worker has been reaped?)",
+                    )
+                )
+                return False
+            conn.caller = caller
+            structlog.contextvars.bind_contextvars(as_worker=caller)
+        await conn.send(
+            Welcome(
+                id=message.id,
+                version=PROTOCOL_VERSION,
+                daemon_version=package_version(),
+                pid=os.getpid(),
+                worker=conn.caller,
+            )
+        )
+        return True
+
+    async def _answer(
+        self,
+        conn: Connection,
+        request: ClientMessage,
+        cancel_scope: trio.CancelScope,
+        done: trio.Event,
+    ) -> None:
+        try:
+            with cancel_scope:
+                try:
+                    reply = await self._dispatch(conn, request)
+                except RemoteError as exc:
+                    reply = Error(
+                        id=request.id,
+                        code=exc.code,
+                        message=exc.message,
+                        retry_after=exc.retry_after,
+                    )
+                except Exception as exc:
+                    log.exception("request.failed", op=type(request).__name__)
+                    reply = Error(
+                        id=request.id,
+                        code=ErrorCode.INTERNAL,
+                        message=f"internal error ({type(exc).__name__}: {exc}); the daemon log "
+                        "has the details",
+                    )
+                if reply is not None:
+                    await conn.send(reply)
+        finally:
+            del conn.streams[request.id]
+            done.set()
+
+    async def _dispatch(self, conn: Connection, request: ClientMessage) -> Reply | None:
+        daemon = self.daemon
+        rid = request.id
+        match request:
+            case Spawn():
+                return WorkerReply(id=rid, worker=daemon.spawn(request, conn.caller))
+            case NewRun(outer=outer):
+                return RunReply(id=rid, run=daemon.registry.new_run(daemon.clock(), outer).id)
+            case ListWorkers(all=include_ended, run=run):
+                records = daemon.registry.listing(include_ended=include_ended, run=run)
+                return WorkerList(id=rid, workers=[r.view() for r in records])
+            case Status(worker=worker):
+                return WorkerReply(id=rid, worker=daemon.registry.worker(worker).view())
+            case Stop(worker=worker, wait=wait):
+                found, stopped = await daemon.stop(worker, wait=wait)
+                return Stopped(id=rid, found=found, stopped=stopped)
+            case StopRun(run=run, wait=wait):
+                found, stopped = await daemon.stop_run(run, wait=wait)
+                return Stopped(id=rid, found=found, stopped=stopped)
+            case Watch(worker=worker, since=since, limit=limit, follow=False):
+                page = daemon.watch_page(worker, since, limit)
+                page.id = rid
+                return page
+            case Watch(worker=worker, since=since, limit=limit, follow=True):
+                await daemon.follow(worker, since, limit, _sender(conn, rid))
+                return None
+            case Collect(worker=worker, wait=wait):
+                return ResultReply(id=rid, result=await daemon.collect(worker, wait=wait))
+            case Wait(worker=worker):
+                return WorkerReply(id=rid, worker=(await daemon.wait(worker)).view())
+            case Info():
+                return InfoReply(id=rid, info=daemon.info())
+            case Abort(request=target):
+                stream = conn.streams.get(target)
+                if stream is not None and target != rid:
+                    stream[0].cancel()
+                    await stream[1].wait()
+                return Done(id=rid)
+            case Hello():
+                raise Invalid("hello was already exchanged on this connection")
+        raise Invalid(f"unknown request {type(request).__name__}")
+
+
+def _sender(conn: Connection, rid: int) -> Callable[[Page], Awaitable[None]]:
+    async def send(page: Page) -> None:
+        page.id = rid
+        await conn.send(page)
+
+    return send
+
+
+def _decode(body: bytes) -> ClientMessage | Error:
+    try:
+        return client_decoder.decode(body)
+    except msgspec.DecodeError as exc:
+        request_id = _salvage_id(body)
+        return Error(id=request_id, code=ErrorCode.INVALID, message=f"malformed message: {exc}")
+
+
+def _salvage_id(body: bytes) -> int:
+    """The id of a message that failed to decode, if it has a readable one, so the
+    client can match the error to its request."""
+    try:
+        raw = msgspec.msgpack.decode(body)
+    except msgspec.DecodeError:
+        return 0
+    if isinstance(raw, dict) and isinstance(raw.get("id"), int):
+        return int(raw["id"])
+    return 0
