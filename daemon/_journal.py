@@ -99,23 +99,28 @@ class Journal:
             end = offset + ENTRY_HEADER.size + length
             if end > len(blob):
                 break  # torn body
-            body = blob[offset + ENTRY_HEADER.size : end]
-            if zlib.crc32(body) != crc:
-                if end == len(blob):
-                    break  # the last entry, half written: a torn tail
-                raise JournalCorrupt(self.path, offset, "checksum mismatch")
-            try:
-                stored = _decoder.decode(body)
-            except msgspec.DecodeError as exc:
-                raise JournalCorrupt(self.path, offset, str(exc)) from exc
-            if stored.seq != self._last_seq + 1:
-                raise JournalCorrupt(
-                    self.path, offset, f"sequence {stored.seq} follows {self._last_seq}"
-                )
+            stored, problem = self._verify(blob[offset + ENTRY_HEADER.size : end], crc)
+            if stored is None:
+                # The last entry half written, or a file extended by the crash
+                # but never filled (zeros): a torn tail. Anything else is damage.
+                if end == len(blob) or not blob[offset:].strip(b"\0"):
+                    break
+                raise JournalCorrupt(self.path, offset, problem)
             self._note(offset, _entry(stored))
             offset = end
         self._size = offset
         return offset
+
+    def _verify(self, body: bytes, crc: int) -> tuple[_Stored | None, str]:
+        if zlib.crc32(body) != crc:
+            return None, "checksum mismatch"
+        try:
+            stored = _decoder.decode(body)
+        except msgspec.DecodeError as exc:
+            return None, str(exc)
+        if stored.seq != self._last_seq + 1:
+            return None, f"sequence {stored.seq} follows {self._last_seq}"
+        return stored, ""
 
     def _note(self, offset: int, entry: Entry) -> None:
         if (entry.seq - 1) % INDEX_STRIDE == 0:

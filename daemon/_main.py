@@ -7,6 +7,7 @@ and its journal and record on disk, the lock released, exit 0.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from ._agents import ConfigError, load_agents
 from ._daemon import Daemon
 from ._listener import SocketInUse, bind_control_socket
 from ._logging import LogFormat, configure_logging
+from ._notify import notify
 from ._server import Server
 from ._statedir import StateDir, StateDirLocked, ensure_private_dir
 
@@ -127,6 +129,7 @@ async def serve(settings: Settings) -> None:
                 await nursery.start(daemon.run)
                 with trio.CancelScope() as serving:
                     await nursery.start(Server(daemon).serve, listener)
+                    notify("READY=1", f"MAINPID={os.getpid()}", "STATUS=serving")
                     log.info(
                         "daemon.serving",
                         socket=str(settings.socket),
@@ -135,6 +138,7 @@ async def serve(settings: Settings) -> None:
                     )
                     async for signum in signals:
                         log.info("daemon.stopping", signal=signal.Signals(signum).name)
+                        notify("STOPPING=1", "STATUS=stopping workers")
                         break
                 serving.cancel()
                 with trio.CancelScope(shield=True):

@@ -59,6 +59,9 @@ log = structlog.get_logger("subagentd")
 
 #: Requests one connection may have in flight; more are answered `busy`.
 MAX_IN_FLIGHT = 256
+#: How long, and how much, a refused peer may still send before the close.
+REFUSAL_DRAIN_SECONDS = 1.0
+REFUSAL_DRAIN_BYTES = 1024 * 1024
 _PEERCRED = struct.Struct("3i")
 _conn_ids = itertools.count(1)
 
@@ -75,6 +78,19 @@ class Connection:
         data = encode(reply)
         async with self.send_lock:
             await self.stream.send_all(data)
+
+    async def refuse(self, error: Error) -> None:
+        """Send `error` as the last word, then let the peer read it before the close.
+
+        Closing with the peer's bytes unread would reset the connection and
+        could destroy the error before the peer reads it: drain a little first.
+        """
+        await self.send(error)
+        await self.stream.send_eof()
+        with trio.move_on_after(REFUSAL_DRAIN_SECONDS):
+            drained = 0
+            while drained < REFUSAL_DRAIN_BYTES and (data := await self.stream.receive_some()):
+                drained += len(data)
 
 
 class Server:
@@ -113,7 +129,7 @@ class Server:
         )
         if uid != os.getuid():
             log.warning("conn.refused", peer_uid=uid, peer_pid=pid)
-            await conn.send(
+            await conn.refuse(
                 Error(
                     id=0, code=ErrorCode.FORBIDDEN, message="only the daemon's own user may connect"
                 )
@@ -124,6 +140,7 @@ class Server:
     async def _serve_requests(self, conn: Connection) -> None:
         decoder = FrameDecoder(self.frame_limit)
         hello_seen = False
+        fatal: Error | None = None
         async with trio.open_nursery() as requests:
             while True:
                 data = await conn.stream.receive_some(65536)
@@ -134,9 +151,10 @@ class Server:
                 try:
                     bodies = decoder.frames()
                 except FrameTooLarge as exc:
-                    await conn.send(Error(id=0, code=ErrorCode.TOO_LARGE, message=str(exc)))
+                    # The stream cannot be resynchronised: this connection ends here.
                     requests.cancel_scope.cancel()
-                    return
+                    fatal = Error(id=0, code=ErrorCode.TOO_LARGE, message=str(exc))
+                    break
                 for body in bodies:
                     message = _decode(body)
                     if isinstance(message, Error):
@@ -168,17 +186,19 @@ class Server:
                         cancel_scope, done = trio.CancelScope(), trio.Event()
                         conn.streams[message.id] = (cancel_scope, done)
                         requests.start_soon(self._answer, conn, message, cancel_scope, done)
+        if fatal is not None:
+            await conn.refuse(fatal)
 
     async def _hello(self, conn: Connection, message: ClientMessage) -> bool:
         if not isinstance(message, Hello):
-            await conn.send(
+            await conn.refuse(
                 Error(
                     id=message.id, code=ErrorCode.INVALID, message="a connection opens with hello"
                 )
             )
             return False
         if message.version != PROTOCOL_VERSION:
-            await conn.send(
+            await conn.refuse(
                 Error(
                     id=message.id,
                     code=ErrorCode.UNSUPPORTED_VERSION,
@@ -190,7 +210,7 @@ class Server:
         if message.token is not None:
             caller = self.daemon.registry.worker_for_token(message.token)
             if caller is None:
-                await conn.send(
+                await conn.refuse(
                     Error(
                         id=message.id,
                         code=ErrorCode.FORBIDDEN,

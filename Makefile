@@ -1,0 +1,33 @@
+# `make run` and `make test` each bootstrap .venv on a fresh machine first.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# Reinstalled when the packaging changes or a package gains or loses a module
+# (a strict editable install links the files that existed when it was made).
+STAMP := $(VENV)/.installed-stamp
+PACKAGES := -p subagentd.protocol -p subagentd.daemon -p subagentd.client
+
+.PHONY: run test lint typecheck check-units bench clean
+
+$(STAMP): pyproject.toml protocol daemon client
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[test]' --config-settings editable_mode=strict
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/subagentd
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(STAMP)
+	$(BIN)/mypy $(PACKAGES)
+	$(BIN)/mypy tests
+
+test: lint typecheck
+	$(BIN)/pytest
+
+clean:
+	rm -rf $(VENV) build *.egg-info .mypy_cache .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,142 @@
+"""A real daemon per test: its own short socket path, state dir and config,
+started as a user would start it, ready when it says READY=1 over sd_notify."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+BIN = Path(sys.executable).parent
+START_TIMEOUT = 20.0
+_Socket = socket.socket  # DaemonProcess has a field named `socket`
+
+
+@dataclass
+class DaemonProcess:
+    """A subagentd run by the test, and the datagram socket it notifies."""
+
+    root: Path
+    socket: Path
+    state_dir: Path
+    config: Path
+    notify_path: Path
+    extra_args: list[str] = field(default_factory=list)
+    proc: subprocess.Popen[bytes] | None = None
+    _notify: _Socket | None = None
+    log_path: Path | None = None
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The environment a client of this daemon runs with."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SUBAGENTD_")}
+        env["SUBAGENTD_SOCKET"] = str(self.socket)
+        return env
+
+    def start(self, *args: str) -> None:
+        if self._notify is None:
+            self._notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            self._notify.bind(str(self.notify_path))
+        self.log_path = self.root / "daemon.log"
+        env = self.env | {"NOTIFY_SOCKET": str(self.notify_path)}
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [
+                    str(BIN / "subagentd"),
+                    "--socket", str(self.socket),
+                    "--state-dir", str(self.state_dir),
+                    "--config", str(self.config),
+                    "--log-format", "json",
+                    *self.extra_args,
+                    *args,
+                ],
+                env=env,
+                stdout=log,
+                stderr=log,
+                stdin=subprocess.DEVNULL,
+            )  # fmt: skip
+        self.wait_notify("READY=1")
+
+    def wait_notify(self, wanted: str, timeout: float = START_TIMEOUT) -> list[str]:
+        """Block until a notification containing `wanted` arrives; all lines seen."""
+        assert self._notify is not None
+        self._notify.settimeout(timeout)
+        seen: list[str] = []
+        while True:
+            try:
+                datagram = self._notify.recv(4096).decode()
+            except TimeoutError:
+                raise AssertionError(
+                    f"daemon did not notify {wanted!r} within {timeout}s; saw {seen}; "
+                    f"log:\n{self.log()}"
+                ) from None
+            seen.extend(datagram.splitlines())
+            if wanted in datagram.splitlines():
+                return seen
+
+    def log(self) -> str:
+        return self.log_path.read_text() if self.log_path and self.log_path.exists() else ""
+
+    def terminate(self, timeout: float = 30.0) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait(10)
+
+    def ctl(
+        self, *args: str, input: str | None = None, timeout: float = 30.0
+    ) -> subprocess.CompletedProcess[str]:
+        """Run subagentctl against this daemon, as a person at a shell would."""
+        return subprocess.run(
+            [str(BIN / "subagentctl"), *args],
+            env=self.env,
+            input=input,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+
+@pytest.fixture
+def daemon_dirs() -> Iterator[DaemonProcess]:
+    # Unix socket paths are limited to 108 bytes: keep the root short.
+    root = Path(tempfile.mkdtemp(prefix="sa-", dir="/tmp"))
+    d = DaemonProcess(
+        root=root,
+        socket=root / "run" / "s.sock",
+        state_dir=root / "state",
+        config=root / "agents.toml",
+        notify_path=root / "notify",
+    )
+    try:
+        yield d
+    finally:
+        if d.proc is not None and d.proc.poll() is None:
+            # Gracefully, so the daemon stops its workers rather than orphaning them.
+            try:
+                d.terminate(timeout=30)
+            except subprocess.TimeoutExpired:
+                d.kill()
+        if d._notify is not None:
+            d._notify.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def daemon(daemon_dirs: DaemonProcess) -> DaemonProcess:
+    """A serving daemon, stopped and cleaned up after the test."""
+    daemon_dirs.start()
+    return daemon_dirs

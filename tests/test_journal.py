@@ -1,0 +1,104 @@
+"""The journal file format: numbering, paging, torn tails and corruption."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from subagentd.daemon._journal import INDEX_STRIDE, TAIL_BYTES, Journal, JournalCorrupt
+
+
+def _fill(path: Path, count: int, size: int = 20) -> Journal:
+    journal = Journal.create(path)
+    for i in range(count):
+        journal.append("stdout", f"{i:0{size}d}\n".encode(), float(i))
+    return journal
+
+
+def test_entries_are_numbered_from_one_and_paged_by_cursor(tmp_path: Path) -> None:
+    journal = _fill(tmp_path / "j", 1000)
+    seen: list[int] = []
+    cursor = 0
+    while page := journal.read(cursor, 77):
+        seen.extend(e.seq for e in page)
+        cursor = page[-1].seq
+    assert seen == list(range(1, 1001))
+    assert journal.read(1000, 10) == []
+    assert journal.read(5000, 10) == []
+
+
+def test_pages_from_disk_match_pages_from_memory(tmp_path: Path) -> None:
+    # Enough data that the early entries have left the in-memory tail.
+    journal = _fill(tmp_path / "j", 3000, size=400)
+    assert TAIL_BYTES < 3000 * 400
+    reopened = Journal.open(tmp_path / "j", writable=False)
+    for since in (0, 1, INDEX_STRIDE - 1, INDEX_STRIDE, 2999):
+        assert journal.read(since, 50) == reopened.read(since, 50)
+    assert [e.seq for e in reopened.read(130, 3)] == [131, 132, 133]
+
+
+def test_page_is_bounded_by_bytes_but_holds_at_least_one_entry(tmp_path: Path) -> None:
+    journal = Journal.create(tmp_path / "j")
+    big = b"x" * 700_000
+    journal.append("stdout", big, 0.0)
+    journal.append("stdout", big, 1.0)
+    page = journal.read(0, 100)
+    assert [e.seq for e in page] == [1]
+    assert page[0].data == big
+
+
+@pytest.mark.parametrize("cut", [1, 5, 9, 30])
+def test_torn_tail_is_cut_on_open_and_numbering_continues(tmp_path: Path, cut: int) -> None:
+    path = tmp_path / "j"
+    _fill(path, 10).close()
+    whole = path.stat().st_size
+    with open(path, "ab") as f:
+        f.write(b"\0" * 40)  # a header and part of a body that never finished
+    os.truncate(path, whole + cut)
+    journal = Journal.open(path, writable=True)
+    assert journal.torn_bytes == cut
+    assert path.stat().st_size == whole
+    assert journal.append("stdout", b"after\n", 11.0).seq == 11
+    assert [e.seq for e in Journal.open(path, writable=False).read(0, 100)] == list(range(1, 12))
+
+
+def test_half_written_last_entry_is_a_torn_tail(tmp_path: Path) -> None:
+    path = tmp_path / "j"
+    _fill(path, 5).close()
+    size = path.stat().st_size
+    os.truncate(path, size - 3)
+    journal = Journal.open(path, writable=True)
+    assert journal.last_seq == 4
+    assert journal.torn_bytes > 0
+
+
+def test_corruption_before_the_tail_is_reported(tmp_path: Path) -> None:
+    path = tmp_path / "j"
+    _fill(path, 5).close()
+    with open(path, "r+b") as f:
+        f.seek(12)  # inside the first entry's body
+        f.write(b"\xff")
+    with pytest.raises(JournalCorrupt, match="byte 0"):
+        Journal.open(path, writable=True)
+
+
+@settings(max_examples=50, deadline=None)
+@given(chunks=st.lists(st.binary(min_size=0, max_size=3000), max_size=60), limit=st.integers(1, 9))
+def test_any_chunks_read_back_in_order(
+    tmp_path_factory: pytest.TempPathFactory, chunks: list[bytes], limit: int
+) -> None:
+    path = tmp_path_factory.mktemp("j") / "journal"
+    journal = Journal.create(path)
+    for i, chunk in enumerate(chunks):
+        journal.append("stderr" if i % 3 else "stdout", chunk, float(i))
+    for source in (journal, Journal.open(path, writable=False)):
+        got: list[bytes] = []
+        cursor = 0
+        while page := source.read(cursor, limit):
+            got.extend(e.data for e in page)
+            cursor = page[-1].seq
+        assert got == chunks

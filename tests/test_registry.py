@@ -1,0 +1,201 @@
+"""The registry core, called directly: spawn, stop and run rules, no processes."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    invariant,
+    precondition,
+    rule,
+)
+
+from subagentd.daemon._registry import Registry, WorkerRecord
+from subagentd.protocol.errors import Invalid, NotFound, RunStopped
+
+
+def _registry() -> Registry:
+    counter = itertools.count(1)
+    return Registry(make_id=lambda prefix: f"{prefix}-{next(counter)}")
+
+
+def _spawn(reg: Registry, **kw: object) -> WorkerRecord:
+    return reg.register(now=0.0, argv=["true"], cwd="/", archive_for=lambda i: f"/a/{i}", **kw)  # type: ignore[arg-type]
+
+
+def test_spawn_without_run_starts_a_run_and_children_join_the_parents() -> None:
+    reg = _registry()
+    parent = _spawn(reg)
+    child = _spawn(reg, parent=parent.id)
+    assert parent.run in reg.runs
+    assert child.run == parent.run
+    assert child.parent == parent.id
+    assert parent.token != child.token
+    assert reg.worker_for_token(child.token) == child.id
+
+
+def test_stop_takes_the_subtree_and_nothing_else() -> None:
+    reg = _registry()
+    a = _spawn(reg)
+    a1 = _spawn(reg, parent=a.id)
+    a11 = _spawn(reg, parent=a1.id)
+    b = _spawn(reg, run=a.run)
+    assert reg.stop(a.id) == sorted([a.id, a1.id, a11.id])
+    assert not reg.stopping(b.id)
+    assert reg.stop(a.id) == []  # one-way and idempotent
+
+
+def test_a_worker_that_was_asked_to_stop_ends_stopped_whatever_its_code() -> None:
+    reg = _registry()
+    w = _spawn(reg)
+    reg.stop(w.id)
+    assert reg.ended(w.id, 0, 1.0).state == "stopped"
+    x = _spawn(reg)
+    assert reg.ended(x.id, 0, 1.0).state == "finished"
+    y = _spawn(reg)
+    assert reg.ended(y.id, -9, 1.0).state == "failed"
+
+
+def test_timeout_marks_only_the_worker_timed_out() -> None:
+    reg = _registry()
+    w = _spawn(reg)
+    child = _spawn(reg, parent=w.id)
+    reg.stop(w.id, reason="timeout")
+    assert reg.ended(w.id, -15, 1.0).state == "timed_out"
+    assert reg.ended(child.id, -15, 1.0).state == "stopped"
+
+
+def test_stopped_run_and_runs_nested_in_it_refuse_spawns() -> None:
+    reg = _registry()
+    outer = reg.new_run(0.0)
+    inner = reg.new_run(0.0, outer=outer.id)
+    w = _spawn(reg, run=inner.id)
+    assert reg.stop_run(outer.id) == [w.id]
+    with pytest.raises(RunStopped):
+        _spawn(reg, run=inner.id)
+    with pytest.raises(RunStopped):
+        _spawn(reg, run=outer.id)
+    with pytest.raises(RunStopped):
+        reg.new_run(0.0, outer=outer.id)
+
+
+def test_bad_requests_are_refused_with_the_reason() -> None:
+    reg = _registry()
+    with pytest.raises(NotFound):
+        _spawn(reg, run="r-nope")
+    with pytest.raises(NotFound):
+        _spawn(reg, parent="w-nope")
+    with pytest.raises(Invalid, match="grace"):
+        _spawn(reg, grace=-1.0)
+    with pytest.raises(NotFound):
+        reg.stop("w-nope")
+    other = _spawn(reg)
+    with pytest.raises(Invalid, match="joins its parent's run"):
+        _spawn(reg, parent=other.id, run=reg.new_run(0.0).id)
+
+
+def test_holds_park_until_every_result_is_collected() -> None:
+    reg = _registry()
+    assert not reg.holds_park()
+    w = _spawn(reg)
+    assert reg.holds_park()
+    reg.ended(w.id, 0, 1.0)
+    assert reg.holds_park()
+    reg.collect(w.id)
+    assert not reg.holds_park()
+
+
+class RegistryMachine(RuleBasedStateMachine):
+    """Any interleaving of spawns, stops, run stops and endings keeps the stop
+    promises: nothing in a stopped scope is left running, nothing outside it is touched."""
+
+    workers = Bundle("workers")
+    runs = Bundle("runs")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reg = _registry()
+        self.stopped_roots: set[str] = set()
+        self.stopped_runs: set[str] = set()
+
+    @rule(target=runs, outer=st.none() | runs)
+    def new_run(self, outer: str | None) -> str:
+        if outer is not None and self.reg.run_stopped(outer):
+            with pytest.raises(RunStopped):
+                self.reg.new_run(0.0, outer=outer)
+            return self.reg.new_run(0.0).id
+        return self.reg.new_run(0.0, outer=outer).id
+
+    @rule(target=workers, run=runs)
+    def spawn_in_run(self, run: str) -> str:
+        if self.reg.run_stopped(run):
+            with pytest.raises(RunStopped):
+                _spawn(self.reg, run=run)
+            return _spawn(self.reg).id
+        return _spawn(self.reg, run=run).id
+
+    @rule(target=workers, parent=workers)
+    def delegate(self, parent: str) -> str:
+        record = self.reg.workers[parent]
+        if record.ended or record.stop_reason is not None or self.reg.run_stopped(record.run):
+            with pytest.raises(RunStopped):
+                _spawn(self.reg, parent=parent)
+            return _spawn(self.reg).id
+        return _spawn(self.reg, parent=parent).id
+
+    @rule(worker=workers)
+    def stop(self, worker: str) -> None:
+        before = self._stopping()
+        newly = self.reg.stop(worker)
+        subtree = set(self.reg.subtree(worker))
+        assert set(newly) <= subtree
+        assert self._stopping() - before == set(newly)
+        self.stopped_roots.add(worker)
+
+    @rule(run=runs)
+    def stop_run(self, run: str) -> None:
+        before = self._stopping()
+        newly = self.reg.stop_run(run)
+        scope = {w for r in self.reg.runs_within(run) for w in self.reg._run_members[r]}
+        assert set(newly) <= scope
+        assert self._stopping() - before == set(newly)
+        self.stopped_runs.add(run)
+
+    @rule(worker=consumes(workers), code=st.sampled_from([0, 1, -9, -15]))
+    def end(self, worker: str, code: int) -> None:
+        record = self.reg.workers[worker]
+        was_ended, state = record.ended, record.state
+        self.reg.ended(worker, code, 1.0)
+        if was_ended:
+            assert record.state == state  # terminal states are final
+
+    @precondition(lambda self: self.reg.workers)
+    @invariant()
+    def nothing_in_a_stopped_scope_runs_on(self) -> None:
+        for root in self.stopped_roots:
+            for w in self.reg.subtree(root):
+                record = self.reg.workers[w]
+                assert record.ended or record.stop_reason is not None
+        for run in self.stopped_runs:
+            for r in self.reg.runs_within(run):
+                assert self.reg.run_stopped(r)
+                for w in self.reg._run_members[r]:
+                    record = self.reg.workers[w]
+                    assert record.ended or record.stop_reason is not None
+
+    @invariant()
+    def a_stopped_worker_never_ends_finished(self) -> None:
+        for record in self.reg.workers.values():
+            if record.ended and record.stop_reason not in (None,):
+                assert record.state in ("stopped", "timed_out")
+
+    def _stopping(self) -> set[str]:
+        return {w for w, r in self.reg.workers.items() if r.stop_reason is not None}
+
+
+TestRegistryMachine = RegistryMachine.TestCase
