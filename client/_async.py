@@ -1,0 +1,243 @@
+"""The trio client: one connection, many requests in flight on it at once.
+
+A reader task feeds every received byte to the sans-I/O `_core.Connection`,
+which sorts replies by request id; each caller waits for its own. So a
+followed watch and a stop can share the connection, from different tasks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Self, TypeVar
+
+import trio
+
+from subagentd.protocol import DaemonInfo, Entry, Page, Reply, Request, WorkerResult, WorkerView
+from subagentd.protocol.errors import ConnectionLost
+
+from . import _core
+
+T = TypeVar("T")
+
+
+class AsyncClient:
+    """A trio connection to the daemon: ``async with AsyncClient() as daemon:``.
+
+    ``socket`` defaults to $SUBAGENTD_SOCKET, else the per-user default path.
+    No method takes a timeout: wrap calls in `trio.fail_after`. Inside a
+    worker, the client acts as that worker ($SUBAGENTD_TOKEN).
+    """
+
+    def __init__(self, socket: str | os.PathLike[str] | None = None) -> None:
+        self.socket: Path = _core.socket_path(socket)
+        self._conn = _core.Connection()
+        self._stream: trio.SocketStream | None = None
+        # Concurrent send_all calls on one stream are an error, and frames must not interleave.
+        self._sending = trio.StrictFIFOLock()
+        self._arrivals = trio.lowlevel.ParkingLot()
+        self._exit_stack = contextlib.AsyncExitStack()
+
+    async def __aenter__(self) -> Self:
+        try:
+            stream = await trio.open_unix_socket(os.fspath(self.socket))
+        except OSError as exc:
+            raise _core.unavailable(self.socket, exc) from exc
+        async with contextlib.AsyncExitStack() as stack:
+            stack.push_async_callback(stream.aclose)
+            self._stream = stream
+            await stack.enter_async_context(_running(self._receive_replies))
+            await self._call(_core.hello(_core.token()))
+            self._exit_stack = stack.pop_all()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        return await self._exit_stack.__aexit__(exc_type, exc, tb)
+
+    # -- the daemon's operations (documented in DESIGN.md, "Client library") --
+
+    async def spawn(
+        self,
+        argv: Sequence[str],
+        *,
+        name: str = "",
+        run: str | None = None,
+        parent: str | None = None,
+        agent: str | None = None,
+        input: str | bytes | None = None,
+        cwd: str | os.PathLike[str] | None = None,
+        env: Mapping[str, str] | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109  the worker's time limit, not this call's
+        grace: float | None = None,
+    ) -> WorkerView:
+        """Start a worker; ``cwd`` defaults to this process's working directory."""
+        return await self._call(
+            _core.spawn(
+                argv,
+                name=name,
+                run=run,
+                parent=parent,
+                agent=agent,
+                input=input,
+                cwd=cwd,
+                env=env,
+                timeout=timeout,
+                grace=grace,
+            )
+        )
+
+    async def new_run(self, outer: str | None = None) -> str:
+        return await self._call(_core.new_run(outer))
+
+    async def ls(self, all: bool = False, run: str | None = None) -> list[WorkerView]:
+        return await self._call(_core.ls(all, run))
+
+    async def status(self, worker_id: str) -> WorkerView:
+        return await self._call(_core.status(worker_id))
+
+    async def stop(self, worker_id: str, wait: bool = True) -> bool:
+        """Stop a worker and its subtree; False for an id the daemon never saw."""
+        return await self._call(_core.stop(worker_id, wait))
+
+    async def stop_run(self, run_id: str, wait: bool = True) -> list[str]:
+        """Stop a whole run; answers the ids stopped, sorted."""
+        return await self._call(_core.stop_run(run_id, wait))
+
+    async def watch_page(self, worker_id: str, since: int = 0, limit: int = 1000) -> Page:
+        return await self._call(_core.watch_page(worker_id, since, limit))
+
+    async def watch(
+        self, worker_id: str, since: int = 0, follow: bool = False
+    ) -> AsyncIterator[Entry]:
+        """The journal's entries after ``since``: those there now, or with ``follow`` all until
+        the worker ends. To leave a followed watch early and have its stream aborted at once,
+        iterate inside ``contextlib.aclosing(daemon.watch(...))``."""
+        cursor = _core.JournalCursor(worker_id, since, follow=follow)
+        if not follow:
+            while not cursor.done:
+                for entry in cursor.take(await self.request(cursor.request())):
+                    yield entry
+            return
+        stream = await self._send(cursor.request())
+        try:
+            while not cursor.done:
+                for entry in cursor.take(await self._next_reply(stream)):
+                    yield entry
+        finally:
+            if cursor.done:
+                self._conn.finish(stream)
+            else:
+                await self._abort(stream)
+
+    async def collect(self, worker_id: str, wait: bool = False) -> WorkerResult:
+        return await self._call(_core.collect(worker_id, wait))
+
+    async def wait(self, worker_id: str) -> WorkerView:
+        """Return once the worker has ended, with how it ended."""
+        return await self._call(_core.wait(worker_id))
+
+    async def info(self) -> DaemonInfo:
+        return await self._call(_core.info())
+
+    async def request(self, message: Request) -> Reply:
+        """Send any request under a fresh id and answer its reply, or raise the error it carries."""
+        request_id = await self._send(message)
+        try:
+            reply = await self._next_reply(request_id)
+        except BaseException:
+            # Cancelled, most likely: the daemon need not go on waiting (a `wait`) for nobody.
+            await self._abort(request_id)
+            raise
+        self._conn.finish(request_id)
+        return _core.checked(reply)
+
+    # -- I/O --------------------------------------------------------------------
+
+    async def _call(self, call: _core.Call[T]) -> T:
+        return call.answer(await self.request(call.request))
+
+    def _connected(self) -> trio.SocketStream:
+        if self._stream is None:
+            raise RuntimeError("not connected: use `async with AsyncClient() as daemon:`")
+        return self._stream
+
+    async def _send(self, request: Request) -> int:
+        request_id, frame = self._conn.send(request)
+        try:
+            await self._send_frame(frame)
+        except BaseException:
+            self._conn.finish(request_id)
+            raise
+        return request_id
+
+    async def _send_frame(self, frame: bytes) -> None:
+        stream = self._connected()
+        async with self._sending:
+            try:
+                # Shielded: a frame cancelled halfway out would garble every frame after it.
+                # The daemon always reads, so this waits only for the frame's own bytes.
+                with trio.CancelScope(shield=True):
+                    await stream.send_all(frame)
+            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                self._conn.connection_lost(exc)
+                self._arrivals.unpark_all()
+                raise ConnectionLost(f"the connection to the daemon failed: {exc}") from exc
+
+    async def _next_reply(self, request_id: int) -> Reply:
+        while (reply := self._conn.next_reply(request_id)) is None:
+            await self._arrivals.park()
+        return reply
+
+    async def _abort(self, request_id: int) -> None:
+        frame = self._conn.abort(request_id)
+        if frame is None:
+            return
+        # The caller is likely leaving because it was cancelled; the daemon must still hear of it.
+        with trio.CancelScope(shield=True), contextlib.suppress(ConnectionLost):
+            await self._send_frame(frame)
+
+    async def _receive_replies(self) -> None:
+        stream = self._connected()
+        while not self._conn.closed:
+            try:
+                data = await stream.receive_some()
+            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                self._conn.connection_lost(exc)
+            else:
+                self._conn.receive_data(data)
+            self._arrivals.unpark_all()
+
+
+@contextlib.asynccontextmanager
+async def _running(task: Callable[[], Awaitable[None]]) -> AsyncIterator[None]:
+    """Run `task` beside the body, and cancel it when the body is done.
+
+    The body's own exception comes out as it went in: the nursery would wrap it
+    in an ExceptionGroup, which a caller of ``async with AsyncClient()`` has no
+    reason to expect from a client whose task never raises.
+    """
+    raised: BaseException | None = None
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(task)
+            try:
+                yield
+            except BaseException as exc:
+                raised = exc
+                raise
+            finally:
+                nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        _, rest = group.split(lambda exc: exc is raised or isinstance(exc, trio.Cancelled))
+        if raised is None or rest is not None:
+            raise
+    if raised is not None:
+        raise raised

@@ -1,0 +1,397 @@
+"""subagentctl: the control CLI, one daemon request per command, over the blocking `Client`.
+
+Each command asks the daemon and hands the answer to an `Output`: `Human`
+prints for a person, `Json` prints the shapes DESIGN.md fixes for programs.
+Exit status: 0 done, 1 refused or not found, 2 usage, 3 no daemon, 130 Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from datetime import datetime
+from typing import Any, BinaryIO, Protocol
+
+import msgspec
+
+from subagentd.protocol import (
+    DaemonInfo,
+    Entry,
+    Stop,
+    Stopped,
+    WorkerResult,
+    WorkerView,
+)
+from subagentd.protocol.errors import ProtocolError, RemoteError, TransportError
+
+from . import _core
+from ._sync import Client
+
+EXIT_OK = 0
+EXIT_REFUSED = 1
+EXIT_NO_DAEMON = 3  # (2, a usage error, is argparse's own)
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what any filter whose reader went away exits with
+
+WORKER_FIELDS = (
+    "id",
+    "run",
+    "parent",
+    "name",
+    "state",
+    "pid",
+    "exit_code",
+    "attempt",
+    "turn",
+    "started_at",
+    "ended_at",
+    "archive",
+)
+INFO_FIELDS = ("version", "protocol", "pid", "image_generation", "reloads", "workers", "holds_park")
+
+
+# -- output --------------------------------------------------------------------
+
+
+class Output(Protocol):
+    def worker(self, view: WorkerView) -> None: ...
+    def spawned(self, view: WorkerView) -> None: ...
+    def ended(self, view: WorkerView) -> None: ...
+    def workers(self, views: list[WorkerView]) -> None: ...
+    def run(self, run_id: str) -> None: ...
+    def stopped(self, ids: list[str]) -> None: ...
+    def entry(self, entry: Entry) -> None: ...
+    def result(self, result: WorkerResult) -> None: ...
+    def info(self, info: DaemonInfo) -> None: ...
+    def error(self, exc: RemoteError | ProtocolError) -> None: ...
+
+
+class Human:
+    """Output for a person: a line, a table or key: value lines; a watch as the raw bytes."""
+
+    def worker(self, view: WorkerView) -> None:
+        _print_fields(
+            [
+                ("id", view.id),
+                ("run", view.run),
+                ("parent", view.parent),
+                ("name", view.name),
+                ("state", view.state),
+                ("pid", view.pid),
+                ("exit_code", view.exit_code),
+                ("attempt", view.attempt),
+                ("turn", view.turn),
+                ("started_at", _time(view.started_at)),
+                ("ended_at", _time(view.ended_at)),
+                ("archive", view.archive),
+                ("agent", view.agent),
+                ("command", shlex.join(view.argv)),
+                ("cwd", view.cwd),
+            ]
+        )
+
+    def spawned(self, view: WorkerView) -> None:
+        print(f"{view.id} (run {view.run})")
+
+    def ended(self, view: WorkerView) -> None:
+        exit_code = "" if view.exit_code is None else f", exit code {view.exit_code}"
+        print(f"{view.id} {view.state}{exit_code}")
+
+    def workers(self, views: list[WorkerView]) -> None:
+        rows = [("ID", "RUN", "STATE", "PID", "EXIT", "NAME")]
+        rows += [
+            (w.id, w.run, w.state, _or_dash(w.pid), _or_dash(w.exit_code), w.name) for w in views
+        ]
+        # Every column but the last, the free-form name, is padded to its widest cell.
+        widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]) - 1)]
+        for *cells, name in rows:
+            padded = [cell.ljust(width) for cell, width in zip(cells, widths, strict=True)]
+            print("  ".join([*padded, name]))
+
+    def run(self, run_id: str) -> None:
+        print(run_id)
+
+    def stopped(self, ids: list[str]) -> None:
+        if not ids:
+            print("nothing was left running to stop", file=sys.stderr)
+        for worker_id in ids:
+            print(worker_id)
+
+    def entry(self, entry: Entry) -> None:
+        match entry.kind:
+            case "stdout":
+                _write(sys.stdout.buffer, entry.data)
+            case "stderr":
+                _write(sys.stderr.buffer, entry.data)
+            case kind:
+                line = b"[%s] %s" % (kind.encode(), entry.data.rstrip(b"\n"))
+                _write(sys.stderr.buffer, line + b"\n")
+
+    def result(self, result: WorkerResult) -> None:
+        text = result.result
+        sys.stdout.write(text if not text or text.endswith("\n") else text + "\n")
+
+    def info(self, info: DaemonInfo) -> None:
+        counts = ", ".join(f"{state} {count}" for state, count in sorted(info.workers.items()))
+        _print_fields(
+            [
+                ("version", info.version),
+                ("protocol", info.protocol),
+                ("pid", info.pid),
+                ("image_generation", info.image_generation),
+                ("reloads", info.reloads),
+                ("workers", counts or "none"),
+                ("holds_park", info.holds_park),
+                ("socket", info.socket),
+                ("state_dir", info.state_dir),
+            ]
+        )
+
+    def error(self, exc: RemoteError | ProtocolError) -> None:
+        print(f"subagentctl: {exc}", file=sys.stderr)
+
+
+class Json:
+    """Output for a program: one JSON document per answer, one line per entry when streaming."""
+
+    def worker(self, view: WorkerView) -> None:
+        _dump({field: getattr(view, field) for field in WORKER_FIELDS})
+
+    spawned = ended = worker
+
+    def workers(self, views: list[WorkerView]) -> None:
+        for view in views:
+            self.worker(view)
+
+    def run(self, run_id: str) -> None:
+        _dump({"run": run_id})
+
+    def stopped(self, ids: list[str]) -> None:
+        _dump({"stopped": ids})
+
+    def entry(self, entry: Entry) -> None:
+        data = entry.data.decode(errors="replace")
+        _dump({"seq": entry.seq, "kind": entry.kind, "data": data, "at": entry.at})
+
+    def result(self, result: WorkerResult) -> None:
+        _dump(msgspec.structs.asdict(result))
+
+    def info(self, info: DaemonInfo) -> None:
+        _dump({field: getattr(info, field) for field in INFO_FIELDS})
+
+    def error(self, exc: RemoteError | ProtocolError) -> None:
+        code = exc.code if isinstance(exc, RemoteError) else "protocol"
+        message = exc.message if isinstance(exc, RemoteError) else str(exc)
+        _dump({"error": {"code": code, "message": message}})
+
+
+def _dump(document: dict[str, Any]) -> None:
+    sys.stdout.write(msgspec.json.encode(document).decode() + "\n")
+    sys.stdout.flush()  # a program following a watch reads each line as it comes
+
+
+def _write(stream: BinaryIO, data: bytes) -> None:
+    stream.write(data)
+    stream.flush()
+
+
+def _print_fields(fields: Iterable[tuple[str, object]]) -> None:
+    for key, value in fields:
+        print(f"{key}: {_or_dash(value)}")
+
+
+def _or_dash(value: object) -> str:
+    return "-" if value is None or value == "" else str(value)
+
+
+def _time(timestamp: float | None) -> str | None:
+    if timestamp is None:
+        return None
+    return datetime.fromtimestamp(timestamp).astimezone().isoformat(timespec="seconds")
+
+
+# -- commands ------------------------------------------------------------------
+
+
+def spawn(daemon: Client, args: argparse.Namespace, out: Output) -> None:
+    text: str | None = args.input
+    worker_input: str | bytes | None = sys.stdin.buffer.read() if text == "-" else text
+    worker = daemon.spawn(
+        args.argv,
+        name=args.name,
+        run=args.run,
+        parent=args.parent,
+        agent=args.agent,
+        input=worker_input,
+        cwd=args.cwd,
+        env=dict(args.env),
+        timeout=args.timeout,
+        grace=args.grace,
+    )
+    out.spawned(worker)
+
+
+def new_run(daemon: Client, args: argparse.Namespace, out: Output) -> None:
+    out.run(daemon.new_run(args.outer))
+
+
+def ls(daemon: Client, args: argparse.Namespace, out: Output) -> None:
+    out.workers(daemon.ls(all=args.all, run=args.run))
+
+
+def status(daemon: Client, args: argparse.Namespace, out: Output) -> None:
+    out.worker(daemon.status(args.worker))
+
+
+def stop(daemon: Client, args: argparse.Namespace, out: Output) -> None:
+    wait = not args.no_wait
+    if args.run is not None:
+        out.stopped(daemon.stop_run(args.run, wait=wait))
+        return
+    # Not Client.stop: it answers only whether the worker was found, and we print what stopped.
+    answer = _core.expect(daemon.request(Stop(id=0, worker=args.worker, wait=wait)), Stopped)
+    if not answer.found:
+        raise _core.unknown_worker(args.worker)
+    out.stopped(answer.stopped)
+
+
+def watch(daemon: Client, args: argparse.Namespace, out: Output) -> None:
+    for entry in daemon.watch(args.worker, since=args.since, follow=args.follow):
+        out.entry(entry)
+
+
+def collect(daemon: Client, args: argparse.Namespace, out: Output) -> None:
+    out.result(daemon.collect(args.worker, wait=args.wait))
+
+
+def wait(daemon: Client, args: argparse.Namespace, out: Output) -> None:
+    out.ended(daemon.wait(args.worker))
+
+
+def info(daemon: Client, args: argparse.Namespace, out: Output) -> None:
+    out.info(daemon.info())
+
+
+Command = Callable[[Client, argparse.Namespace, Output], None]
+
+
+def _env_pair(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected K=V, got {text!r}")
+    return key, value
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(
+        prog="subagentctl",
+        description="Control subagentd: spawn, watch, stop and collect supervised workers.",
+    )
+    top.add_argument(
+        "--socket",
+        metavar="PATH",
+        help="the daemon's socket (default: $SUBAGENTD_SOCKET, else the per-user runtime dir)",
+    )
+    top.add_argument(
+        "--json",
+        action="store_true",
+        help="print JSON: one document per answer, one line per entry when streaming",
+    )
+    commands = top.add_subparsers(metavar="COMMAND", required=True)
+
+    def command(name: str, run: Command, summary: str) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=summary, description=summary)
+        # The parser too, so that a check argparse cannot express reports with this command's usage.
+        sub.set_defaults(command=run, parser=sub)
+        return sub
+
+    sub = command(
+        "spawn",
+        spawn,
+        "Start a worker running CMD (or the agent named by --agent) and print its id and run.",
+    )
+    sub.add_argument("--run", metavar="R", help="the run to start it in (default: a new run)")
+    sub.add_argument("--parent", metavar="W", help="the worker that delegated it")
+    sub.add_argument("--name", metavar="N", default="", help="a name to tell it by")
+    sub.add_argument("--agent", metavar="A", help="an agent from agents.toml to run")
+    sub.add_argument("--input", metavar="TEXT", help="its stdin; - reads it from this stdin")
+    sub.add_argument("--cwd", metavar="D", help="its working directory (default: this one)")
+    sub.add_argument(
+        "--env",
+        metavar="K=V",
+        type=_env_pair,
+        action="append",
+        default=[],
+        help="an environment variable for it; repeat for more",
+    )
+    sub.add_argument("--timeout", metavar="S", type=float, help="seconds before it is stopped")
+    sub.add_argument("--grace", metavar="S", type=float, help="seconds between TERM and KILL")
+    sub.add_argument("argv", nargs="*", metavar="CMD", help="the command, after --")
+
+    sub = command("new-run", new_run, "Create a run and print its id.")
+    sub.add_argument("--outer", metavar="R", help="nest it under run R: stopping R stops it too")
+
+    sub = command(
+        "ls", ls, "List the running workers (with --all, the retained finished ones too)."
+    )
+    sub.add_argument("--all", action="store_true", help="include finished workers")
+    sub.add_argument("--run", metavar="R", help="only the workers of run R")
+
+    sub = command("status", status, "Show one worker.")
+    sub.add_argument("worker", metavar="ID")
+
+    sub = command(
+        "stop",
+        stop,
+        "Stop a worker and everything it delegated, or a whole run, and print the ids stopped.",
+    )
+    target = sub.add_mutually_exclusive_group(required=True)
+    target.add_argument("worker", metavar="ID", nargs="?", help="the worker to stop")
+    target.add_argument("--run", metavar="R", help="stop every worker of run R instead")
+    sub.add_argument(
+        "--no-wait", action="store_true", help="return without waiting for the processes to exit"
+    )
+
+    sub = command("watch", watch, "Print a worker's journal: its output, state changes and notes.")
+    sub.add_argument("worker", metavar="ID")
+    sub.add_argument("--since", metavar="N", type=int, default=0, help="start after cursor N")
+    sub.add_argument(
+        "-f", "--follow", action="store_true", help="keep printing until the worker ends"
+    )
+
+    sub = command("collect", collect, "Print a worker's result and mark it collected.")
+    sub.add_argument("worker", metavar="ID")
+    sub.add_argument("--wait", action="store_true", help="wait for the worker to end first")
+
+    sub = command("wait", wait, "Block until a worker ends, then print how it ended.")
+    sub.add_argument("worker", metavar="ID")
+
+    command("info", info, "Show the daemon's version, pid, reloads and workers by state.")
+    return top
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.command is spawn and not args.argv and args.agent is None:
+        args.parser.error("give a command after -- or an --agent")
+    out: Output = Json() if args.json else Human()
+    try:
+        with Client(args.socket) as daemon:
+            args.command(daemon, args, out)
+    except TransportError as exc:
+        print(f"subagentctl: {exc}", file=sys.stderr)
+        return EXIT_NO_DAEMON
+    except (RemoteError, ProtocolError) as exc:
+        out.error(exc)
+        return EXIT_REFUSED
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # Whoever read our output has gone; point stdout at /dev/null so the
+        # interpreter's final flush does not fail a second time.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+    return EXIT_OK

@@ -1,0 +1,216 @@
+"""The blocking client: one stdlib AF_UNIX socket, one request answered at a time.
+
+Only the socket calls live here; requests, replies and routing come from
+`_core`. Replies of a followed watch that arrive while another request waits
+are kept for the watch, so a stop can be issued from inside its loop.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Self, TypeVar
+
+from subagentd.protocol import DaemonInfo, Entry, Page, Reply, Request, WorkerResult, WorkerView
+from subagentd.protocol.errors import ConnectionLost
+
+from . import _core
+
+T = TypeVar("T")
+
+_RECEIVE_SIZE = 64 * 1024
+
+
+class Client:
+    """A blocking connection to the daemon; use it as a context manager.
+
+    ``socket`` defaults to $SUBAGENTD_SOCKET, else the per-user default path.
+    ``timeout`` bounds each socket operation, as `socket.settimeout` does: a
+    call that waits longer raises `TimeoutError` (so keep it None for `wait`
+    and followed watches of long workers). Inside a worker, the client acts as
+    that worker ($SUBAGENTD_TOKEN).
+    """
+
+    _sock: socket.socket | None
+
+    def __init__(
+        self, socket: str | os.PathLike[str] | None = None, *, timeout: float | None = None
+    ) -> None:
+        self.socket: Path = _core.socket_path(socket)
+        self.timeout = timeout
+        self._conn = _core.Connection()
+        self._sock = None
+
+    def __enter__(self) -> Self:
+        self.connect()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def connect(self) -> None:
+        """Connect and say hello. Raises `DaemonUnavailable` when nothing listens."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(os.fspath(self.socket))
+        except OSError as exc:
+            sock.close()
+            raise _core.unavailable(self.socket, exc) from exc
+        self._sock = sock
+        try:
+            self._call(_core.hello(_core.token()))
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    # -- the daemon's operations (documented in DESIGN.md, "Client library") --
+
+    def spawn(
+        self,
+        argv: Sequence[str],
+        *,
+        name: str = "",
+        run: str | None = None,
+        parent: str | None = None,
+        agent: str | None = None,
+        input: str | bytes | None = None,
+        cwd: str | os.PathLike[str] | None = None,
+        env: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+        grace: float | None = None,
+    ) -> WorkerView:
+        """Start a worker; ``cwd`` defaults to this process's working directory."""
+        return self._call(
+            _core.spawn(
+                argv,
+                name=name,
+                run=run,
+                parent=parent,
+                agent=agent,
+                input=input,
+                cwd=cwd,
+                env=env,
+                timeout=timeout,
+                grace=grace,
+            )
+        )
+
+    def new_run(self, outer: str | None = None) -> str:
+        return self._call(_core.new_run(outer))
+
+    def ls(self, all: bool = False, run: str | None = None) -> list[WorkerView]:
+        return self._call(_core.ls(all, run))
+
+    def status(self, worker_id: str) -> WorkerView:
+        return self._call(_core.status(worker_id))
+
+    def stop(self, worker_id: str, wait: bool = True) -> bool:
+        """Stop a worker and its subtree; False for an id the daemon never saw."""
+        return self._call(_core.stop(worker_id, wait))
+
+    def stop_run(self, run_id: str, wait: bool = True) -> list[str]:
+        """Stop a whole run; answers the ids stopped, sorted."""
+        return self._call(_core.stop_run(run_id, wait))
+
+    def watch_page(self, worker_id: str, since: int = 0, limit: int = 1000) -> Page:
+        return self._call(_core.watch_page(worker_id, since, limit))
+
+    def watch(self, worker_id: str, since: int = 0, follow: bool = False) -> Iterator[Entry]:
+        """The journal's entries after ``since``: those there now, or with ``follow`` all until
+        the worker ends. Leaving a followed watch early aborts its stream."""
+        cursor = _core.JournalCursor(worker_id, since, follow=follow)
+        if not follow:
+            while not cursor.done:
+                yield from cursor.take(self.request(cursor.request()))
+            return
+        stream = self._send(cursor.request())
+        try:
+            while not cursor.done:
+                yield from cursor.take(self._next_reply(stream))
+        finally:
+            if cursor.done:
+                self._conn.finish(stream)
+            else:
+                self._abort(stream)
+
+    def collect(self, worker_id: str, wait: bool = False) -> WorkerResult:
+        return self._call(_core.collect(worker_id, wait))
+
+    def wait(self, worker_id: str) -> WorkerView:
+        """Block until the worker has ended; answers how it ended."""
+        return self._call(_core.wait(worker_id))
+
+    def info(self) -> DaemonInfo:
+        return self._call(_core.info())
+
+    def request(self, message: Request) -> Reply:
+        """Send any request under a fresh id and answer its reply, or raise the error it carries."""
+        request_id = self._send(message)
+        try:
+            reply = self._next_reply(request_id)
+        except BaseException:
+            # A timeout or Ctrl-C: the daemon need not go on waiting (a `wait`) for nobody.
+            self._abort(request_id)
+            raise
+        self._conn.finish(request_id)
+        return _core.checked(reply)
+
+    # -- I/O --------------------------------------------------------------------
+
+    def _call(self, call: _core.Call[T]) -> T:
+        return call.answer(self.request(call.request))
+
+    def _connected(self) -> socket.socket:
+        if self._sock is None:
+            raise RuntimeError("not connected: use `with Client() as daemon:`")
+        return self._sock
+
+    def _send(self, request: Request) -> int:
+        request_id, frame = self._conn.send(request)
+        try:
+            self._connected().sendall(frame)
+        except OSError as exc:
+            # Part of the frame may be out: nothing after it would parse, so the connection is done.
+            self._conn.connection_lost(exc)
+            self._conn.finish(request_id)
+            if isinstance(exc, TimeoutError):
+                raise
+            raise ConnectionLost(f"the connection to the daemon failed: {exc}") from exc
+        return request_id
+
+    def _next_reply(self, request_id: int) -> Reply:
+        sock = self._connected()
+        while (reply := self._conn.next_reply(request_id)) is None:
+            try:
+                data = sock.recv(_RECEIVE_SIZE)
+            except TimeoutError:
+                raise  # nothing was consumed: the connection stays usable
+            except OSError as exc:
+                self._conn.connection_lost(exc)
+            else:
+                self._conn.receive_data(data)
+        return reply
+
+    def _abort(self, request_id: int) -> None:
+        frame = self._conn.abort(request_id)
+        if frame is None or self._sock is None:
+            return
+        try:
+            self._sock.sendall(frame)
+        except OSError as exc:
+            # Nothing left to abort on a dead connection; the caller's own exception matters more.
+            self._conn.connection_lost(exc)

@@ -1,0 +1,386 @@
+"""The clients' shared core: where they find the daemon, what they send, how replies come back."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from subagentd.client import _core
+from subagentd.protocol import (
+    HEADER,
+    Abort,
+    DaemonInfo,
+    Done,
+    Entry,
+    Error,
+    FrameDecoder,
+    Hello,
+    InfoReply,
+    Page,
+    ResultReply,
+    RunReply,
+    Spawn,
+    Status,
+    Stopped,
+    Welcome,
+    WorkerList,
+    WorkerReply,
+    WorkerResult,
+    WorkerView,
+    client_decoder,
+    encode,
+    frame,
+)
+from subagentd.protocol.errors import (
+    Busy,
+    ConnectionLost,
+    DaemonUnavailable,
+    ErrorCode,
+    Forbidden,
+    Frozen,
+    Internal,
+    Invalid,
+    NotFound,
+    ProtocolError,
+    Refused,
+    Reloading,
+    RemoteError,
+    RunStopped,
+    TooLarge,
+    UnsupportedVersion,
+)
+
+WORKER = WorkerView(id="w-1", run="r-1", state="running", started_at=1.0)
+
+
+def entry(seq: int) -> Entry:
+    return Entry(seq=seq, kind="stdout", data=b"line %d\n" % seq, at=float(seq))
+
+
+def page(request_id: int, seqs: list[int], *, next: int, complete: bool = False) -> Page:
+    return Page(id=request_id, entries=[entry(seq) for seq in seqs], next=next, complete=complete)
+
+
+# -- finding the daemon ------------------------------------------------------------
+
+
+def test_an_explicit_socket_wins_over_the_environment() -> None:
+    environ = {"SUBAGENTD_SOCKET": "/from/env.sock"}
+    assert _core.socket_path("/given.sock", environ) == Path("/given.sock")
+
+
+def test_the_environment_wins_over_the_default() -> None:
+    environ = {"SUBAGENTD_SOCKET": "/from/env.sock"}
+    assert _core.socket_path(None, environ) == Path("/from/env.sock")
+
+
+def test_the_default_socket_is_in_the_user_runtime_dir(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    assert _core.socket_path(None, {}) == tmp_path / "subagentd" / "subagentd.sock"
+
+
+def test_a_client_inside_a_worker_presents_its_token() -> None:
+    assert _core.token({"SUBAGENTD_TOKEN": "t0k"}) == "t0k"
+    assert _core.token({"SUBAGENTD_TOKEN": ""}) is None
+    assert _core.token({}) is None
+
+
+@pytest.mark.parametrize("code", [errno.ENOENT, errno.ECONNREFUSED])
+def test_no_daemon_says_where_it_looked_and_how_to_start_one(code: int) -> None:
+    error = _core.unavailable(Path("/run/s.sock"), OSError(code, os.strerror(code)))
+    assert isinstance(error, DaemonUnavailable)
+    assert "/run/s.sock" in str(error)
+    assert "systemctl --user start subagentd" in str(error)
+
+
+def test_another_connect_failure_says_why_without_suggesting_a_start() -> None:
+    error = _core.unavailable(
+        Path("/run/s.sock"), PermissionError(errno.EACCES, "Permission denied")
+    )
+    assert "Permission denied" in str(error)
+    assert "start one" not in str(error)
+
+
+# -- replies -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("code", "kind"),
+    [
+        (ErrorCode.NOT_FOUND, NotFound),
+        (ErrorCode.INVALID, Invalid),
+        (ErrorCode.FORBIDDEN, Forbidden),
+        (ErrorCode.REFUSED, Refused),
+        (ErrorCode.RUN_STOPPED, RunStopped),
+        (ErrorCode.FROZEN, Frozen),
+        (ErrorCode.BUSY, Busy),
+        (ErrorCode.RELOADING, Reloading),
+        (ErrorCode.UNSUPPORTED_VERSION, UnsupportedVersion),
+        (ErrorCode.TOO_LARGE, TooLarge),
+        (ErrorCode.INTERNAL, Internal),
+    ],
+)
+def test_an_error_reply_raises_the_exception_for_its_code(
+    code: ErrorCode, kind: type[RemoteError]
+) -> None:
+    with pytest.raises(kind) as caught:
+        _core.expect(Error(id=3, code=code, message="what and why", retry_after=2.0), RunReply)
+    assert type(caught.value) is kind
+    assert (caught.value.code, caught.value.message) == (code, "what and why")
+    assert caught.value.retry_after == 2.0
+
+
+def test_run_stopped_and_frozen_are_refusals() -> None:
+    with pytest.raises(Refused):
+        _core.checked(Error(id=1, code="run_stopped", message="run r-1 was stopped"))
+    with pytest.raises(Refused):
+        _core.checked(Error(id=1, code="frozen", message="a fence stops new launches"))
+
+
+def test_a_code_from_a_newer_daemon_is_kept_verbatim() -> None:
+    with pytest.raises(RemoteError) as caught:
+        _core.checked(Error(id=1, code="quota_exceeded", message="too many workers"))
+    assert type(caught.value) is RemoteError
+    assert caught.value.code == "quota_exceeded"
+
+
+def test_a_reply_of_the_wrong_kind_is_a_protocol_error() -> None:
+    with pytest.raises(ProtocolError, match="RunReply"):
+        _core.expect(Done(id=4), RunReply)
+
+
+def test_each_call_returns_the_value_inside_its_reply() -> None:
+    result = WorkerResult(id="w-1", state="finished", exit_code=0, result="ok")
+    info = DaemonInfo(
+        version="0.1.0",
+        protocol=1,
+        pid=9,
+        image_generation=1,
+        reloads=0,
+        workers={},
+        holds_park=False,
+    )
+    assert _core.status("w-1").answer(WorkerReply(id=2, worker=WORKER)) == WORKER
+    assert _core.wait("w-1").answer(WorkerReply(id=2, worker=WORKER)) == WORKER
+    assert _core.ls(all=True).answer(WorkerList(id=2, workers=[WORKER])) == [WORKER]
+    assert _core.new_run().answer(RunReply(id=2, run="r-9")) == "r-9"
+    assert _core.collect("w-1").answer(ResultReply(id=2, result=result)) == result
+    assert _core.info().answer(InfoReply(id=2, info=info)) == info
+    assert _core.hello(None).answer(Welcome(id=1, version=1, daemon_version="0.1.0", pid=9))
+
+
+def test_stop_answers_false_for_a_worker_never_seen() -> None:
+    call = _core.stop("w-404")
+    assert call.answer(Stopped(id=2, found=False, stopped=[])) is False
+    assert call.answer(Stopped(id=2, found=True, stopped=[])) is True
+
+
+def test_stop_run_answers_the_stopped_ids_and_refuses_an_unknown_run() -> None:
+    call = _core.stop_run("r-1")
+    assert call.answer(Stopped(id=2, found=True, stopped=["w-1", "w-2"])) == ["w-1", "w-2"]
+    with pytest.raises(NotFound, match="r-1"):
+        call.answer(Stopped(id=2, found=False, stopped=[]))
+
+
+# -- requests ------------------------------------------------------------------------
+
+
+def test_spawn_starts_the_worker_where_the_caller_stands() -> None:
+    request = _core.spawn(["make"]).request
+    assert isinstance(request, Spawn)
+    assert request.cwd == os.getcwd()
+    assert _core.spawn(["make"], cwd=Path("/src")).request == Spawn(id=0, argv=["make"], cwd="/src")
+
+
+def test_spawn_sends_text_input_as_utf8_and_bytes_as_they_are() -> None:
+    text = _core.spawn(["cat"], input="héllo").request
+    raw = _core.spawn(["cat"], input=b"\xff").request
+    assert isinstance(text, Spawn)
+    assert isinstance(raw, Spawn)
+    assert (text.input, raw.input) == ("héllo".encode(), b"\xff")
+
+
+def test_hello_carries_the_token() -> None:
+    request = _core.hello("t0k").request
+    assert isinstance(request, Hello)
+    assert request.token == "t0k"
+
+
+# -- the conversation ----------------------------------------------------------------
+
+
+def sent(data: bytes) -> object:
+    """The request inside one frame the connection sent."""
+    decoder = FrameDecoder()
+    decoder.feed(data)
+    (body,) = decoder.frames()
+    return client_decoder.decode(body)
+
+
+def test_hello_is_request_1_and_ids_count_up_from_it() -> None:
+    conn = _core.Connection()
+    ids = [conn.send(request)[0] for request in (Hello(id=0), Status(id=0, worker="w-1"))]
+    assert ids == [1, 2]
+    request_id, data = conn.send(Status(id=0, worker="w-1"))
+    assert sent(data) == Status(id=request_id, worker="w-1")
+    assert request_id == 3
+
+
+def test_replies_reach_their_own_request_whatever_the_order_and_split() -> None:
+    conn = _core.Connection()
+    first, _ = conn.send(Status(id=0, worker="w-1"))
+    second, _ = conn.send(Status(id=0, worker="w-2"))
+    wire = encode(RunReply(id=second, run="r-2")) + encode(RunReply(id=first, run="r-1"))
+    conn.receive_data(wire[:5])
+    assert conn.next_reply(first) is None
+    conn.receive_data(wire[5:])
+    assert conn.next_reply(first) == RunReply(id=first, run="r-1")
+    assert conn.next_reply(second) == RunReply(id=second, run="r-2")
+    assert conn.next_reply(second) is None
+
+
+def test_a_stream_keeps_its_pages_while_another_request_is_answered() -> None:
+    conn = _core.Connection()
+    stream, _ = conn.send(_core.JournalCursor("w-1", follow=True).request())
+    stop, _ = conn.send(Status(id=0, worker="w-1"))
+    conn.receive_data(
+        encode(page(stream, [1], next=1))
+        + encode(Stopped(id=stop, found=True, stopped=["w-1"]))
+        + encode(page(stream, [2], next=2, complete=True))
+    )
+    assert conn.next_reply(stop) == Stopped(id=stop, found=True, stopped=["w-1"])
+    assert conn.next_reply(stream) == page(stream, [1], next=1)
+    assert conn.next_reply(stream) == page(stream, [2], next=2, complete=True)
+
+
+def test_events_and_replies_to_finished_requests_are_dropped() -> None:
+    conn = _core.Connection()
+    done, _ = conn.send(Status(id=0, worker="w-1"))
+    conn.finish(done)
+    waiting, _ = conn.send(Status(id=0, worker="w-1"))
+    wake = msgspec.msgpack.encode({"op": "wake", "id": 0, "worker": "w-1"})
+    conn.receive_data(
+        encode(RunReply(id=done, run="late"))
+        + frame(wake)
+        + encode(RunReply(id=waiting, run="r-1"))
+    )
+    assert conn.next_reply(waiting) == RunReply(id=waiting, run="r-1")
+    assert not conn.closed
+
+
+def test_an_aborted_stream_is_told_once_and_its_stragglers_dropped() -> None:
+    conn = _core.Connection()
+    stream, _ = conn.send(_core.JournalCursor("w-1", follow=True).request())
+    data = conn.abort(stream)
+    assert data is not None
+    abort = sent(data)
+    assert isinstance(abort, Abort)
+    assert abort.request == stream
+    later, _ = conn.send(Status(id=0, worker="w-1"))
+    assert later == abort.id + 1
+    conn.receive_data(
+        encode(page(stream, [5], next=5))
+        + encode(Done(id=abort.id))
+        + encode(WorkerReply(id=later, worker=WORKER))
+    )
+    assert conn.next_reply(later) == WorkerReply(id=later, worker=WORKER)
+
+
+def test_a_reply_that_does_not_decode_ends_the_connection() -> None:
+    conn = _core.Connection()
+    request_id, _ = conn.send(Status(id=0, worker="w-1"))
+    conn.receive_data(frame(msgspec.msgpack.encode({"op": "worker", "id": request_id})))
+    assert conn.closed
+    with pytest.raises(ProtocolError, match=f"request {request_id}"):
+        conn.next_reply(request_id)
+
+
+def test_an_oversized_frame_from_the_daemon_ends_the_connection() -> None:
+    conn = _core.Connection()
+    request_id, _ = conn.send(Status(id=0, worker="w-1"))
+    conn.receive_data(HEADER.pack(2**31))
+    with pytest.raises(ProtocolError, match="exceeds the limit"):
+        conn.next_reply(request_id)
+
+
+def test_end_of_file_fails_every_open_request_and_every_later_send() -> None:
+    conn = _core.Connection()
+    first, _ = conn.send(Status(id=0, worker="w-1"))
+    second, _ = conn.send(Status(id=0, worker="w-2"))
+    conn.receive_data(b"")
+    for request_id in (first, second):
+        with pytest.raises(ConnectionLost):
+            conn.next_reply(request_id)
+    with pytest.raises(ConnectionLost):
+        conn.send(Status(id=0, worker="w-3"))
+    assert conn.abort(first) is None
+
+
+def test_replies_that_arrived_before_the_end_are_still_delivered() -> None:
+    conn = _core.Connection()
+    request_id, _ = conn.send(Status(id=0, worker="w-1"))
+    conn.receive_data(encode(WorkerReply(id=request_id, worker=WORKER)))
+    conn.receive_data(b"")
+    assert conn.next_reply(request_id) == WorkerReply(id=request_id, worker=WORKER)
+    with pytest.raises(ConnectionLost):
+        conn.next_reply(request_id)
+
+
+def test_the_daemons_parting_error_is_what_the_end_raises() -> None:
+    conn = _core.Connection()
+    request_id, _ = conn.send(Status(id=0, worker="w-1"))
+    conn.receive_data(encode(Error(id=0, code="too_large", message="frame of 20 MiB")))
+    assert conn.next_reply(request_id) is None
+    conn.receive_data(b"")
+    with pytest.raises(TooLarge, match="20 MiB"):
+        conn.next_reply(request_id)
+
+
+def test_a_transport_failure_is_connection_lost_with_its_cause() -> None:
+    conn = _core.Connection()
+    request_id, _ = conn.send(Status(id=0, worker="w-1"))
+    reset = ConnectionResetError(errno.ECONNRESET, "Connection reset by peer")
+    conn.connection_lost(reset)
+    with pytest.raises(ConnectionLost) as caught:
+        conn.next_reply(request_id)
+    assert caught.value.__cause__ is reset
+
+
+# -- reading a journal ---------------------------------------------------------------
+
+
+def test_a_snapshot_pages_until_a_page_comes_back_empty() -> None:
+    cursor = _core.JournalCursor("w-1", since=10)
+    assert cursor.request().since == 10
+    assert cursor.take(page(1, [11, 12], next=12)) == [entry(11), entry(12)]
+    assert not cursor.done
+    assert cursor.request().since == 12
+    assert cursor.take(page(2, [], next=12)) == []
+    assert cursor.done
+
+
+def test_a_snapshot_stops_at_the_complete_page() -> None:
+    cursor = _core.JournalCursor("w-1")
+    assert cursor.take(page(1, [1, 2], next=2, complete=True)) == [entry(1), entry(2)]
+    assert cursor.done
+
+
+def test_a_followed_watch_goes_on_through_empty_pages_until_complete() -> None:
+    cursor = _core.JournalCursor("w-1", follow=True)
+    assert cursor.request().follow
+    cursor.take(page(1, [], next=0))
+    assert not cursor.done
+    cursor.take(page(1, [1], next=1, complete=True))
+    assert cursor.done
+
+
+def test_a_watch_of_an_unknown_worker_raises_not_found() -> None:
+    cursor = _core.JournalCursor("w-404")
+    with pytest.raises(NotFound):
+        cursor.take(Error(id=1, code="not_found", message="no worker 'w-404'"))
