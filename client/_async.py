@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Self, TypeVar
@@ -116,7 +116,7 @@ class AsyncClient:
 
     async def watch(
         self, worker_id: str, since: int = 0, follow: bool = False
-    ) -> AsyncIterator[Entry]:
+    ) -> AsyncGenerator[Entry, None]:
         """The journal's entries after ``since``: those there now, or with ``follow`` all until
         the worker ends. To leave a followed watch early and have its stream aborted at once,
         iterate inside ``contextlib.aclosing(daemon.watch(...))``."""

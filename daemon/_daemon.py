@@ -8,9 +8,9 @@ pidfd and journal until the worker has ended.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
-import signal
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -29,7 +29,7 @@ from subagentd.protocol import (
     WorkerView,
     package_version,
 )
-from subagentd.protocol.errors import Busy, Invalid
+from subagentd.protocol.errors import Busy, Forbidden, Invalid
 
 from ._agents import AgentDef, ConfigError, load_agents
 from ._archive import STDOUT_TAIL_BYTES, Archive, Snapshot
@@ -37,9 +37,12 @@ from ._journal import Journal
 from ._process import SpawnFailed, WorkerProcess, pump
 from ._registry import Registry, WorkerRecord
 from ._statedir import StateDir
+from ._tree import end_tree
 
 log = structlog.get_logger("subagentd")
 
+#: After the tree is gone, how long the pipes may take to give up what they hold.
+PIPE_DRAIN_SECONDS = 1.0
 #: A watch page never holds more entries than this, whatever the client asks.
 MAX_PAGE_ENTRIES = 10_000
 #: Variables of the daemon's own environment that no worker inherits: they
@@ -47,17 +50,32 @@ MAX_PAGE_ENTRIES = 10_000
 _PRIVATE_ENV_PREFIXES = ("NOTIFY_SOCKET", "LISTEN_", "WATCHDOG_", "SUBAGENTD_")
 
 
+@dataclass(frozen=True)
+class Launch:
+    """What a spawn request resolved to: the command, and where and how it runs."""
+
+    argv: list[str]
+    env: dict[str, str]  # what the spawn (and its agent) asked for
+    cwd: str
+    worker_env: dict[str, str]  # the daemon's environment, less its private variables, plus env
+    timeout: float | None
+    grace: float | None
+    model: str | None
+
+
 @dataclass(eq=False)
 class LiveWorker:
-    """A worker whose process has not yet ended, with what supervises it."""
+    """A worker not yet ended, with what supervises it. ``process`` is None while starting."""
 
     record: WorkerRecord
-    process: WorkerProcess
     journal: Journal
+    process: WorkerProcess | None = None
     stop_asked: trio.Event = field(default_factory=trio.Event)
     exited: trio.Event = field(default_factory=trio.Event)
     ended: trio.Event = field(default_factory=trio.Event)
     grown: trio.Event = field(default_factory=trio.Event)
+    terminated: trio.Event = field(default_factory=trio.Event)
+    terminating: bool = False
     stdout_tail: bytearray = field(default_factory=bytearray)
 
 
@@ -81,6 +99,7 @@ class Daemon:
         self.agents: dict[str, AgentDef] = {}
         self.config_error: str | None = None
         self._nursery: trio.Nursery | None = None
+        self._run_stopped: dict[str, trio.Event] = {}
         self.load_config()
 
     def load_config(self) -> None:
@@ -102,15 +121,22 @@ class Daemon:
 
     # -- spawning ------------------------------------------------------------
 
-    def spawn(self, request: Spawn, caller: str | None) -> WorkerView:
-        """Register a worker and start its process; refusals raise RemoteError."""
+    async def spawn(self, request: Spawn, caller: str | None) -> WorkerView:
+        """Register a worker and start its process; refusals raise RemoteError.
+
+        From registration to the supervise task, nothing may interrupt: a
+        client that hangs up mid-spawn must not leave a process unsupervised.
+        """
+        launch = self._resolve_command(request)
+        if caller is not None and request.parent is not None:
+            self.registry.authorize(caller, request.parent)
+        with trio.CancelScope(shield=True):
+            view = await self._start(request, caller, launch)
+        return view
+
+    async def _start(self, request: Spawn, caller: str | None, launch: Launch) -> WorkerView:
+        argv, env, cwd = launch.argv, launch.env, launch.cwd
         assert self._nursery is not None, "Daemon.run is not running"
-        argv, env, timeout, grace, model = self._resolve_command(request)
-        cwd = request.cwd or os.getcwd()
-        if not os.path.isdir(cwd):
-            raise Invalid(f"working directory {cwd!r} does not exist")
-        worker_env = _inherited_env(os.environ) | env
-        _check_executable(argv[0], cwd, worker_env)
         now = self.clock()
         record = self.registry.register(
             now=now,
@@ -121,8 +147,8 @@ class Daemon:
             parent=request.parent or caller,
             name=request.name,
             agent=request.agent,
-            grace=grace,
-            timeout=timeout,
+            grace=launch.grace,
+            timeout=launch.timeout,
         )
         archive = Archive(Path(record.archive))
         archive.create()
@@ -136,7 +162,7 @@ class Daemon:
                 cwd=cwd,
                 env=env,
                 agent=request.agent,
-                model=model,
+                model=launch.model,
                 timeout=record.timeout,
                 grace=record.grace,
                 has_input=request.input is not None,
@@ -145,7 +171,15 @@ class Daemon:
         )
         stdin = None if request.input is None else str(archive.write_input(request.input))
         journal = Journal.create(archive.file(Archive.JOURNAL))
-        worker_env |= {
+        live = LiveWorker(record=record, journal=journal)
+        self.live[record.id] = live
+        if record.stop_reason is not None:
+            self._end_unstarted(
+                live, f"stopped at birth: launch fence {record.fence} was cancelled"
+            )
+            return record.view()
+        worker_env = launch.worker_env | {
+            "PWD": cwd,  # the daemon's own PWD would name the wrong directory
             "SUBAGENTD_SOCKET": str(self.socket_path),
             "SUBAGENTD_WORKER_ID": record.id,
             "SUBAGENTD_RUN_ID": record.run,
@@ -154,58 +188,74 @@ class Daemon:
             "SUBAGENTD_RESULT": str(archive.file(Archive.RESULT)),
         }
         try:
-            process = WorkerProcess.spawn(argv, cwd=cwd, env=worker_env, stdin_path=stdin)
+            # fork and exec off the event loop: a slow exec delays no one else.
+            process = await trio.to_thread.run_sync(
+                functools.partial(
+                    WorkerProcess.spawn, argv, cwd=cwd, env=worker_env, stdin_path=stdin
+                )
+            )
         except SpawnFailed as exc:
-            journal.append("note", str(exc).encode(), now)
-            self._finish(record, journal, None, b"")
             log.warning("worker.spawn_failed", worker=record.id, error=str(exc))
+            self._end_unstarted(live, str(exc))
             return record.view()
-        self.registry.started(record.id, process.pid)
-        journal.append("state", f"running pid={process.pid}".encode(), now)
+        live.process = process
+        self.registry.started(record.id, process.pid, process.starttime)
+        journal.append("state", f"running pid={process.pid}".encode(), self.clock())
         archive.write_record(record)
-        live = LiveWorker(record=record, process=process, journal=journal)
-        self.live[record.id] = live
+        # A stop that came while it was starting is acted on at once by _supervise.
         self._nursery.start_soon(self._supervise, live)
         log.info("worker.spawned", worker=record.id, run=record.run, pid=process.pid, argv=argv)
         return record.view()
 
-    def _resolve_command(
-        self, request: Spawn
-    ) -> tuple[list[str], dict[str, str], float | None, float | None, str | None]:
+    def _end_unstarted(self, live: LiveWorker, why: str) -> None:
+        live.journal.append("note", why.encode(), self.clock())
+        del self.live[live.record.id]
+        self._finish(live.record, live.journal, None, b"")
+        live.ended.set()
+        live.grown.set()
+
+    def _resolve_command(self, request: Spawn) -> Launch:
+        """What a spawn request runs, with its agent's definition rendered in."""
         if request.agent is None:
-            return request.argv, dict(request.env), request.timeout, request.grace, None
-        if request.argv:
-            raise Invalid("give either a command or --agent, not both")
-        agent = self.agents.get(request.agent)
-        if agent is None:
-            known = ", ".join(sorted(self.agents)) or "none"
-            why = f" ({self.config_error})" if self.config_error else ""
-            raise Invalid(
-                f"no agent {request.agent!r} in {self.config_path}{why}; agents defined: {known}"
-            )
-        timeout = request.timeout if request.timeout is not None else agent.timeout
-        grace = request.grace if request.grace is not None else agent.grace
-        return agent.render(), agent.env | request.env, timeout, grace, agent.model
+            argv, env = request.argv, dict(request.env)
+            timeout, grace, model = request.timeout, request.grace, None
+        else:
+            if request.argv:
+                raise Invalid("give either a command or --agent, not both")
+            agent = self.agents.get(request.agent)
+            if agent is None:
+                known = ", ".join(sorted(self.agents)) or "none"
+                why = f" ({self.config_error})" if self.config_error else ""
+                raise Invalid(
+                    f"no agent {request.agent!r} in {self.config_path}{why}; "
+                    f"agents defined: {known}"
+                )
+            argv, env, model = agent.render(), agent.env | request.env, agent.model
+            timeout = request.timeout if request.timeout is not None else agent.timeout
+            grace = request.grace if request.grace is not None else agent.grace
+        cwd = request.cwd or os.getcwd()
+        if not os.path.isdir(cwd):
+            raise Invalid(f"working directory {cwd!r} does not exist")
+        worker_env = _inherited_env(os.environ) | env
+        _check_executable(argv[0], cwd, worker_env)
+        return Launch(argv, env, cwd, worker_env, timeout, grace, model)
 
     # -- supervising ---------------------------------------------------------
 
     async def _supervise(self, live: LiveWorker) -> None:
         record, process = live.record, live.process
+        assert process is not None
         pipes_closed = trio.Event()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._pump_pipes, live, pipes_closed)
-            nursery.start_soon(self._enforce_stop, live)
+            nursery.start_soon(self._stop_when_asked, live)
             if record.timeout:
                 nursery.start_soon(self._enforce_timeout, live)
             await process.wait_exited()
             live.exited.set()
-            # Whatever is left of its process group goes with it: TERM, a grace
-            # period for the pipes to close, then KILL.
-            process.signal_group(signal.SIGTERM)
-            with trio.move_on_after(record.grace):
-                await pipes_closed.wait()
-            process.signal_group(signal.SIGKILL)
-            with trio.move_on_after(0.5):  # the last bytes already in the pipes
+            # Whatever is left of its tree goes with it: TERM, grace, KILL.
+            await self._terminate(live)
+            with trio.move_on_after(PIPE_DRAIN_SECONDS):
                 await pipes_closed.wait()
             nursery.cancel_scope.cancel()
         returncode = process.reap()
@@ -215,6 +265,23 @@ class Daemon:
         live.ended.set()
         live.grown.set()
         log.info("worker.ended", worker=record.id, state=record.state, exit_code=record.exit_code)
+
+    async def _terminate(self, live: LiveWorker) -> None:
+        """End the worker's whole process tree, once, however many ask."""
+        if live.terminating:
+            await live.terminated.wait()
+            return
+        live.terminating = True
+        process = live.process
+        assert process is not None
+        try:
+            killed = await end_tree(
+                process.pid, live.record.id, process.starttime, live.record.grace
+            )
+            if killed:
+                log.info("worker.killed", worker=live.record.id, processes=killed)
+        finally:
+            live.terminated.set()
 
     def _finish(
         self, record: WorkerRecord, journal: Journal, returncode: int | None, stdout_tail: bytes
@@ -233,7 +300,7 @@ class Daemon:
     async def _pump_pipes(self, live: LiveWorker, closed: trio.Event) -> None:
         async with trio.open_nursery() as nursery:
             for kind in ("stdout", "stderr"):
-                fd = getattr(live.process, kind)
+                fd = getattr(live.process, kind, None)
                 if fd is not None:
                     nursery.start_soon(pump, fd, self._deliverer(live, kind))
         closed.set()
@@ -253,12 +320,9 @@ class Daemon:
 
         return deliver
 
-    async def _enforce_stop(self, live: LiveWorker) -> None:
+    async def _stop_when_asked(self, live: LiveWorker) -> None:
         await live.stop_asked.wait()
-        live.process.signal_group(signal.SIGTERM)
-        with trio.move_on_after(live.record.grace):
-            await live.exited.wait()
-        live.process.signal_group(signal.SIGKILL)
+        await self._terminate(live)
 
     async def _enforce_timeout(self, live: LiveWorker) -> None:
         """Stop the worker (and what it delegated) once its timeout has passed."""
@@ -278,10 +342,13 @@ class Daemon:
 
     # -- stopping ------------------------------------------------------------
 
-    async def stop(self, worker_id: str, *, wait: bool) -> tuple[bool, list[str]]:
+    async def stop(
+        self, worker_id: str, *, wait: bool, caller: str | None = None
+    ) -> tuple[bool, list[str]]:
         """Stop a worker and its subtree; (found, ids newly stopped)."""
         if worker_id not in self.registry.workers:
             return False, []
+        self.registry.authorize(caller, worker_id)
         stopped = self.registry.stop(worker_id)
         self._ask_stop(stopped)
         log.info("worker.stop_asked", worker=worker_id, stopped=stopped)
@@ -290,15 +357,44 @@ class Daemon:
         return True, stopped
 
     async def stop_run(self, run_id: str, *, wait: bool) -> tuple[bool, list[str]]:
+        """Stop a run and the runs nested in it: workers in flight, and every later spawn."""
         if run_id not in self.registry.runs:
             return False, []
         stopped = self.registry.stop_run(run_id)
         self._ask_stop(stopped)
+        for run in self.registry.runs_within(run_id):
+            if (event := self._run_stopped.pop(run, None)) is not None:
+                event.set()
         log.info("run.stop_asked", run=run_id, stopped=stopped)
         if wait:
             members = [r.id for r in self.registry.listing(include_ended=False, run=run_id)]
             await self._wait_ended(members)
         return True, stopped
+
+    async def wait_run_stopped(self, run_id: str) -> None:
+        """Return once `run_id` is stopped, by whoever and through whichever outer run."""
+        self.registry.run(run_id)
+        if not self.registry.run_stopped(run_id):
+            await self._run_stopped.setdefault(run_id, trio.Event()).wait()
+
+    def cancel(self, scope: str, caller: str | None = None) -> list[str]:
+        if caller is not None:
+            kind, _, target = scope.partition(":")
+            if kind != "worker":
+                raise Forbidden(
+                    f"a worker may cancel only worker:<id> in its subtree, not {scope!r}"
+                )
+            self.registry.authorize(caller, target)
+        cancelled = self.registry.cancel(scope)
+        self._ask_stop(cancelled)
+        log.info("scope.cancelled", scope=scope, cancelled=cancelled)
+        return cancelled
+
+    def cancel_fence(self, epoch: int) -> list[str]:
+        cancelled = self.registry.cancel_fence(epoch)
+        self._ask_stop(cancelled)
+        log.info("fence.cancelled", epoch=epoch, cancelled=cancelled)
+        return cancelled
 
     async def shutdown(self) -> None:
         """Stop every worker and wait until all are gone."""

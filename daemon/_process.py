@@ -8,14 +8,14 @@ hand them to the next image.
 
 from __future__ import annotations
 
-import errno
 import os
-import signal
 import subprocess
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
 import trio
+
+from ._tree import read_stat
 
 READ_CHUNK = 64 * 1024
 #: One journal entry gathers at most this much of what a pipe has ready.
@@ -30,6 +30,7 @@ class SpawnFailed(Exception):
 class WorkerProcess:
     pid: int
     pidfd: int
+    starttime: int  # from /proc/PID/stat: with the pid, the process's identity
     stdout: int | None
     stderr: int | None
 
@@ -68,15 +69,17 @@ class WorkerProcess:
         # child is accounted for, which leaves the pidfd as the only reaper.
         pidfd = os.pidfd_open(popen.pid)
         popen.returncode = 0
+        stat = read_stat(popen.pid)
+        assert stat is not None, "an unreaped child always has a /proc entry"
         for fd in (out_r, err_r):
             os.set_blocking(fd, False)
-        return cls(pid=popen.pid, pidfd=pidfd, stdout=out_r, stderr=err_r)
+        return cls(pid=popen.pid, pidfd=pidfd, starttime=stat.starttime, stdout=out_r, stderr=err_r)
 
     async def wait_exited(self) -> None:
         """Wait until the process has exited, without reaping it.
 
         Until `reap`, the zombie keeps its pid, and so the worker's process
-        group id, from being recycled: signalling the group stays safe.
+        group id, from being recycled: finding and ending its tree stays safe.
         """
         await trio.lowlevel.wait_readable(self.pidfd)
 
@@ -89,16 +92,6 @@ class WorkerProcess:
         if info.si_code == os.CLD_EXITED:
             return info.si_status
         return -info.si_status
-
-    def signal_group(self, sig: signal.Signals) -> None:
-        """Send `sig` to the worker's process group (its pgid is its pid); only before `reap`."""
-        try:
-            os.killpg(self.pid, sig)
-        except ProcessLookupError:
-            pass
-        except PermissionError as exc:  # a member changed uid; the leader still gets it
-            if exc.errno == errno.EPERM and self.pidfd >= 0:
-                signal.pidfd_send_signal(self.pidfd, sig)
 
     def close(self) -> None:
         for name in ("stdout", "stderr"):

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 import msgspec
 
 from subagentd.protocol import TERMINAL_STATES, WorkerState, WorkerView
-from subagentd.protocol.errors import Invalid, NotFound, RunStopped
+from subagentd.protocol.errors import Forbidden, Invalid, NotFound, RunStopped
 
 #: Seconds between TERM and KILL when a spawn names none.
 DEFAULT_GRACE = 5.0
@@ -46,12 +46,16 @@ class WorkerRecord(msgspec.Struct, kw_only=True):
     attempt: int = 1
     turn: int = 0
     pid: int | None = None
+    #: The process's start time (clock ticks after boot): tells it from a recycled pid.
+    pid_start: int | None = None
     exit_code: int | None = None
     started_at: float
     ended_at: float | None = None
     #: Why a stop was asked ("user", "run", "timeout", "shutdown"); None while nobody asked.
     stop_reason: str | None = None
     collected: bool = False
+    #: The epoch of the launch fence in force when it registered, if any.
+    fence: int | None = None
 
     @property
     def ended(self) -> bool:
@@ -77,6 +81,17 @@ class WorkerRecord(msgspec.Struct, kw_only=True):
         )
 
 
+class LaunchFence(msgspec.Struct, kw_only=True):
+    """Set by a client; cancelling it by epoch stops what registered under it and
+    stops at birth what registers later, until another fence replaces it."""
+
+    epoch: int
+    cancelled: bool = False
+
+
+CANCEL_SCOPES = "`all`, `turn:G`, `run:R` or `worker:W`"
+
+
 class RunRecord(msgspec.Struct, kw_only=True):
     id: str
     outer: str | None
@@ -95,6 +110,9 @@ class Registry:
         self._run_members: dict[str, list[str]] = {}  # run id -> worker ids
         self._inner_runs: dict[str, list[str]] = {}  # run id -> runs nested in it
         self._by_token: dict[str, str] = {}  # worker token -> worker id
+        self.turn = 0
+        self.fence: LaunchFence | None = None
+        self.fence_epochs = 0  # the last epoch handed out
 
     # -- runs ----------------------------------------------------------------
 
@@ -135,6 +153,24 @@ class Registry:
         except KeyError:
             raise NotFound(f"no worker {worker_id!r}") from None
 
+    def within(self, ancestor: str, worker_id: str) -> bool:
+        """Whether `worker_id` is `ancestor` or was delegated by it, at any depth."""
+        current: str | None = worker_id
+        while current is not None:
+            if current == ancestor:
+                return True
+            current = self.workers[current].parent
+        return False
+
+    def authorize(self, caller: str | None, worker_id: str) -> None:
+        """A connection acting as worker `caller` may touch only its own subtree."""
+        self.worker(worker_id)
+        if caller is not None and not self.within(caller, worker_id):
+            raise Forbidden(
+                f"worker {caller} may act only on itself and the workers it delegated to, "
+                f"not on {worker_id}"
+            )
+
     def register(
         self,
         *,
@@ -149,7 +185,11 @@ class Registry:
         grace: float | None = None,
         timeout: float | None = None,
     ) -> WorkerRecord:
-        """A new worker in state `starting`. Refuses with `run_stopped` into a stopped run."""
+        """A new worker in state `starting`. Refuses with `run_stopped` into a stopped run.
+
+        Under a cancelled launch fence the worker is born already asked to stop
+        (``stop_reason == "fence"``): the shell never starts its process.
+        """
         if not argv:
             raise Invalid("spawn needs a command (argv) or an agent")
         if grace is not None and grace < 0:
@@ -186,7 +226,12 @@ class Registry:
             token=new_token(),
             archive=archive_for(worker_id),
             started_at=now,
+            turn=self.turn,
         )
+        if self.fence is not None:
+            record.fence = self.fence.epoch
+            if self.fence.cancelled:
+                record.stop_reason = "fence"
         self.workers[worker_id] = record
         self._by_token[record.token] = worker_id
         self._children[worker_id] = []
@@ -208,9 +253,10 @@ class Registry:
             current = run.outer
         return False
 
-    def started(self, worker_id: str, pid: int) -> None:
+    def started(self, worker_id: str, pid: int, pid_start: int) -> None:
         record = self.workers[worker_id]
         record.pid = pid
+        record.pid_start = pid_start
         if record.state == "starting":
             record.state = "running"
 
@@ -256,6 +302,50 @@ class Registry:
         newly = self._mark_stopping([root], reason)
         newly += self._mark_stopping(delegated, "ancestor" if reason == "timeout" else reason)
         return sorted(newly)
+
+    def begin_turn(self) -> int:
+        self.turn += 1
+        return self.turn
+
+    def cancel(self, scope: str) -> list[str]:
+        """Stop every worker in `scope` not yet ended or stopping; the ids, sorted.
+
+        Scopes: ``all``, ``turn:G`` (registered in turn G), ``run:R`` (R and the
+        runs nested in it), ``worker:W`` (W and its subtree).
+        """
+        kind, _, value = scope.partition(":")
+        ids: list[str]
+        if scope == "all":
+            ids = list(self.workers)
+        elif kind == "turn" and value.isdigit():
+            ids = [w for w, r in self.workers.items() if r.turn == int(value)]
+        elif kind == "run" and value:
+            self.run(value)
+            ids = [w for r in self.runs_within(value) for w in self._run_members[r]]
+        elif kind == "worker" and value:
+            self.worker(value)
+            ids = list(self.subtree(value))
+        else:
+            raise Invalid(f"cannot cancel {scope!r}: a scope is {CANCEL_SCOPES}")
+        return self._mark_stopping(ids, "cancel")
+
+    def set_fence(self) -> int:
+        """Set a new launch fence, replacing any other; its epoch."""
+        self.fence_epochs += 1
+        self.fence = LaunchFence(epoch=self.fence_epochs)
+        return self.fence_epochs
+
+    def cancel_fence(self, epoch: int) -> list[str]:
+        """Stop what registered under fence `epoch`; a stale epoch cancels nothing."""
+        if self.fence is None or self.fence.epoch != epoch:
+            return []
+        self.fence.cancelled = True
+        return self._mark_stopping(
+            [w for w, r in self.workers.items() if r.fence == epoch], "fence"
+        )
+
+    def clear_fence(self) -> None:
+        self.fence = None
 
     def stop_all(self, reason: str) -> list[str]:
         """Ask every worker not yet ended to stop (the daemon is shutting down)."""

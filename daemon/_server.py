@@ -23,10 +23,16 @@ from subagentd.protocol import (
     DEFAULT_FRAME_LIMIT,
     PROTOCOL_VERSION,
     Abort,
+    BeginTurn,
+    Cancel,
+    CancelFence,
+    Cancelled,
+    ClearFence,
     ClientMessage,
     Collect,
     Done,
     Error,
+    FenceReply,
     FrameDecoder,
     Hello,
     Info,
@@ -37,12 +43,15 @@ from subagentd.protocol import (
     Reply,
     ResultReply,
     RunReply,
+    SetFence,
     Spawn,
     Status,
     Stop,
     Stopped,
     StopRun,
+    TurnReply,
     Wait,
+    WaitRunStopped,
     Watch,
     Welcome,
     WorkerList,
@@ -51,7 +60,7 @@ from subagentd.protocol import (
     encode,
     package_version,
 )
-from subagentd.protocol.errors import ErrorCode, FrameTooLarge, Invalid, RemoteError
+from subagentd.protocol.errors import ErrorCode, Forbidden, FrameTooLarge, Invalid, RemoteError
 
 from ._daemon import Daemon
 
@@ -113,15 +122,16 @@ class Server:
     async def handle(self, stream: trio.SocketStream) -> None:
         conn = Connection(stream=stream, conn_id=next(_conn_ids))
         structlog.contextvars.bind_contextvars(conn=conn.conn_id)
+        # One connection's failure ends that connection, never the server.
         try:
             async with stream:
-                if not await self._admit(conn):
-                    return
-                await self._serve_requests(conn)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
+                if await self._admit(conn):
+                    await self._serve_requests(conn)
+        except* (trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the client went away; its requests died with it
-        finally:
-            log.debug("conn.closed")
+        except* Exception:
+            log.exception("conn.failed")
+        log.debug("conn.closed")
 
     async def _admit(self, conn: Connection) -> bool:
         pid, uid, _gid = _PEERCRED.unpack(
@@ -264,35 +274,38 @@ class Server:
             done.set()
 
     async def _dispatch(self, conn: Connection, request: ClientMessage) -> Reply | None:
-        daemon = self.daemon
+        daemon, registry, caller = self.daemon, self.daemon.registry, conn.caller
         rid = request.id
         match request:
             case Spawn():
-                return WorkerReply(id=rid, worker=daemon.spawn(request, conn.caller))
-            case NewRun(outer=outer):
-                return RunReply(id=rid, run=daemon.registry.new_run(daemon.clock(), outer).id)
+                return WorkerReply(id=rid, worker=await daemon.spawn(request, caller))
             case ListWorkers(all=include_ended, run=run):
-                records = daemon.registry.listing(include_ended=include_ended, run=run)
+                records = registry.listing(include_ended=include_ended, run=run)
+                if caller is not None:
+                    records = [r for r in records if registry.within(caller, r.id)]
                 return WorkerList(id=rid, workers=[r.view() for r in records])
             case Status(worker=worker):
-                return WorkerReply(id=rid, worker=daemon.registry.worker(worker).view())
+                registry.authorize(caller, worker)
+                return WorkerReply(id=rid, worker=registry.worker(worker).view())
             case Stop(worker=worker, wait=wait):
-                found, stopped = await daemon.stop(worker, wait=wait)
+                found, stopped = await daemon.stop(worker, wait=wait, caller=caller)
                 return Stopped(id=rid, found=found, stopped=stopped)
-            case StopRun(run=run, wait=wait):
-                found, stopped = await daemon.stop_run(run, wait=wait)
-                return Stopped(id=rid, found=found, stopped=stopped)
-            case Watch(worker=worker, since=since, limit=limit, follow=False):
+            case Watch(worker=worker, since=since, limit=limit, follow=follow):
+                registry.authorize(caller, worker)
+                if follow:
+                    await daemon.follow(worker, since, limit, _sender(conn, rid))
+                    return None
                 page = daemon.watch_page(worker, since, limit)
                 page.id = rid
                 return page
-            case Watch(worker=worker, since=since, limit=limit, follow=True):
-                await daemon.follow(worker, since, limit, _sender(conn, rid))
-                return None
             case Collect(worker=worker, wait=wait):
+                registry.authorize(caller, worker)
                 return ResultReply(id=rid, result=await daemon.collect(worker, wait=wait))
             case Wait(worker=worker):
+                registry.authorize(caller, worker)
                 return WorkerReply(id=rid, worker=(await daemon.wait(worker)).view())
+            case Cancel(scope=scope):
+                return Cancelled(id=rid, cancelled=daemon.cancel(scope, caller))
             case Info():
                 return InfoReply(id=rid, info=daemon.info())
             case Abort(request=target):
@@ -303,6 +316,29 @@ class Server:
                 return Done(id=rid)
             case Hello():
                 raise Invalid("hello was already exchanged on this connection")
+        if caller is not None:
+            raise Forbidden(
+                f"{type(request).__name__} is not for a worker's connection: it reaches "
+                f"beyond worker {caller}'s own subtree"
+            )
+        match request:
+            case NewRun(outer=outer):
+                return RunReply(id=rid, run=registry.new_run(daemon.clock(), outer).id)
+            case StopRun(run=run, wait=wait):
+                found, stopped = await daemon.stop_run(run, wait=wait)
+                return Stopped(id=rid, found=found, stopped=stopped)
+            case WaitRunStopped(run=run):
+                await daemon.wait_run_stopped(run)
+                return Done(id=rid)
+            case BeginTurn():
+                return TurnReply(id=rid, turn=registry.begin_turn())
+            case SetFence():
+                return FenceReply(id=rid, epoch=registry.set_fence())
+            case CancelFence(epoch=epoch):
+                return Cancelled(id=rid, cancelled=daemon.cancel_fence(epoch))
+            case ClearFence():
+                registry.clear_fence()
+                return Done(id=rid)
         raise Invalid(f"unknown request {type(request).__name__}")
 
 

@@ -8,6 +8,11 @@ from ._framing import FrameDecoder as FrameDecoder
 from ._framing import frame as frame
 from ._messages import TERMINAL_STATES as TERMINAL_STATES
 from ._messages import Abort as Abort
+from ._messages import BeginTurn as BeginTurn
+from ._messages import Cancel as Cancel
+from ._messages import CancelFence as CancelFence
+from ._messages import Cancelled as Cancelled
+from ._messages import ClearFence as ClearFence
 from ._messages import ClientMessage as ClientMessage
 from ._messages import Collect as Collect
 from ._messages import DaemonInfo as DaemonInfo
@@ -16,6 +21,7 @@ from ._messages import Done as Done
 from ._messages import Entry as Entry
 from ._messages import EntryKind as EntryKind
 from ._messages import Error as Error
+from ._messages import FenceReply as FenceReply
 from ._messages import Hello as Hello
 from ._messages import Info as Info
 from ._messages import InfoReply as InfoReply
@@ -26,12 +32,15 @@ from ._messages import Reply as Reply
 from ._messages import Request as Request
 from ._messages import ResultReply as ResultReply
 from ._messages import RunReply as RunReply
+from ._messages import SetFence as SetFence
 from ._messages import Spawn as Spawn
 from ._messages import Status as Status
 from ._messages import Stop as Stop
 from ._messages import Stopped as Stopped
 from ._messages import StopRun as StopRun
+from ._messages import TurnReply as TurnReply
 from ._messages import Wait as Wait
+from ._messages import WaitRunStopped as WaitRunStopped
 from ._messages import Watch as Watch
 from ._messages import Welcome as Welcome
 from ._messages import WorkerList as WorkerList

@@ -154,6 +154,36 @@ class Info(Request, tag="info"):
     pass
 
 
+class BeginTurn(Request, tag="begin_turn"):
+    """Advance the turn generation that new registrations are stamped with."""
+
+
+class Cancel(Request, tag="cancel"):
+    """Stop every worker in ``scope``: ``all``, ``turn:G``, ``run:R`` or ``worker:W``."""
+
+    scope: str
+
+
+class SetFence(Request, tag="set_fence"):
+    """Set a launch fence (replacing any other); answered with its epoch."""
+
+
+class CancelFence(Request, tag="cancel_fence"):
+    """Stop what registered under fence ``epoch``, and every later spawn until it is replaced."""
+
+    epoch: int
+
+
+class ClearFence(Request, tag="clear_fence"):
+    pass
+
+
+class WaitRunStopped(Request, tag="wait_run_stopped"):
+    """Answered (with done) once ``run`` is stopped, however that happened."""
+
+    run: str
+
+
 class Abort(Request, tag="abort"):
     """End the stream opened by request ``request`` on this connection."""
 
@@ -223,6 +253,20 @@ class ResultReply(Reply, tag="result"):
 
 class InfoReply(Reply, tag="info"):
     info: DaemonInfo
+
+
+class TurnReply(Reply, tag="turn"):
+    turn: int
+
+
+class Cancelled(Reply, tag="cancelled"):
+    """The ids newly cancelled, sorted."""
+
+    cancelled: list[str]
+
+
+class FenceReply(Reply, tag="fence"):
+    epoch: int
 
 
 class Done(Reply, tag="done"):

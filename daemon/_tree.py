@@ -1,0 +1,158 @@
+"""A worker's whole process tree: finding every process of it, and ending them all.
+
+A worker's tree is its leader, everything descended from it, everything in
+its process group (children of an exited parent keep the group), and strays:
+processes that left the group with setsid and were orphaned to init, found by
+the worker id they inherited in their environment. Read straight from /proc:
+one read of /proc/PID/stat gives parent, group, session and start time
+together. Signals go through pidfds opened and then checked against the start
+time seen in the scan, so a recycled pid is never signalled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import trio
+
+
+@dataclass(frozen=True)
+class ProcStat:
+    pid: int
+    state: str  # "Z" for a zombie: exited, not yet reaped
+    ppid: int
+    pgid: int
+    starttime: int  # clock ticks after boot; with the pid, a process's identity
+
+
+def read_stat(pid: int) -> ProcStat | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
+    fields = raw[raw.rindex(b")") + 2 :].split()
+    return ProcStat(
+        pid=pid,
+        state=fields[0].decode(),
+        ppid=int(fields[1]),
+        pgid=int(fields[2]),
+        starttime=int(fields[19]),
+    )
+
+
+def scan() -> dict[int, ProcStat]:
+    table: dict[int, ProcStat] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit() and (stat := read_stat(int(name))) is not None:
+            table[stat.pid] = stat
+    return table
+
+
+def _carries(pid: int, marker: bytes) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return marker in f.read().split(b"\0")
+    except OSError:
+        return False
+
+
+def tree_members(leader: int, worker_id: str, leader_start: int) -> list[ProcStat]:
+    """Every live process of the tree whose leader is `leader` (its pgid)."""
+    table = scan()
+    children: dict[int, list[int]] = {}
+    for stat in table.values():
+        children.setdefault(stat.ppid, []).append(stat.pid)
+    roots = {pid for pid, stat in table.items() if pid == leader or stat.pgid == leader}
+    # A stray was born after the leader yet has a parent older than it: it was
+    # orphaned and adopted (by init or a subreaper). Only those pay an environ read.
+    marker = f"SUBAGENTD_WORKER_ID={worker_id}".encode()
+    me = os.getpid()
+    for pid, stat in table.items():
+        parent = table.get(stat.ppid)
+        if (
+            stat.starttime >= leader_start
+            and stat.ppid != me
+            and (parent is None or parent.starttime < leader_start)
+            and pid not in roots
+            and _carries(pid, marker)
+        ):
+            roots.add(pid)
+    found: dict[int, ProcStat] = {}
+    pending = list(roots)
+    while pending:
+        pid = pending.pop()
+        if pid in found or pid not in table:
+            continue
+        found[pid] = table[pid]
+        pending.extend(children.get(pid, ()))
+    return list(found.values())
+
+
+class Pinned:
+    """Pidfds of processes checked to be the ones scanned; closed on exit."""
+
+    def __init__(self, members: Iterable[ProcStat]) -> None:
+        self.fds: list[int] = []
+        for stat in members:
+            try:
+                fd = os.pidfd_open(stat.pid)
+            except OSError:
+                continue  # already gone
+            now = read_stat(stat.pid)
+            if now is None or now.starttime != stat.starttime:
+                os.close(fd)  # the pid was recycled between the scan and the open
+                continue
+            self.fds.append(fd)
+
+    def signal(self, sig: signal.Signals) -> None:
+        for fd in self.fds:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(fd, sig)
+
+    async def wait_exited(self) -> None:
+        for fd in self.fds:
+            await trio.lowlevel.wait_readable(fd)
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds.clear()
+
+    def __enter__(self) -> Pinned:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+async def end_tree(leader: int, worker_id: str, leader_start: int, grace: float) -> int:
+    """TERM every process of the tree, KILL what is left after `grace`; how many were killed.
+
+    Scans until a scan finds nothing left, so a process forked during the
+    stop is caught by the next pass.
+    """
+    find = trio.to_thread.run_sync
+    members = await find(tree_members, leader, worker_id, leader_start)
+    with Pinned(members) as pinned:
+        pinned.signal(signal.SIGTERM)
+        with trio.move_on_after(grace):
+            await pinned.wait_exited()
+    killed = 0
+    for _ in range(10):
+        members = [
+            m for m in await find(tree_members, leader, worker_id, leader_start) if m.state != "Z"
+        ]
+        if not members:
+            break
+        with Pinned(members) as pinned:
+            pinned.signal(signal.SIGKILL)
+            killed += len(pinned.fds)
+            with trio.move_on_after(1.0):
+                await pinned.wait_exited()
+    return killed

@@ -1,0 +1,200 @@
+"""Workers end to end: spawn, output, input, results, stop, over the real socket."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import trio
+
+from subagentd.client import AsyncClient
+from subagentd.protocol.errors import Busy, NotFound
+
+from .conftest import DaemonProcess
+from .helpers import alive, sh, wait_output
+
+
+@pytest.fixture
+async def client(daemon: DaemonProcess) -> AsyncIterator[AsyncClient]:
+    async with AsyncClient(daemon.socket) as client:
+        yield client
+
+
+async def test_spawn_runs_the_command_and_collect_returns_its_stdout(client: AsyncClient) -> None:
+    with trio.fail_after(20):
+        worker = await client.spawn(sh("echo hello; echo oops >&2; exit 0"), name="greeter")
+        assert worker.state == "running"
+        assert worker.name == "greeter"
+        assert worker.id.startswith("w-")
+        assert worker.run.startswith("r-")
+        result = await client.collect(worker.id, wait=True)
+        assert (result.state, result.exit_code, result.result) == ("finished", 0, "hello\n")
+        ended = await client.status(worker.id)
+        assert ended.ended_at is not None
+        assert ended.ended_at >= ended.started_at
+
+
+async def test_a_written_result_file_wins_over_stdout(client: AsyncClient) -> None:
+    with trio.fail_after(20):
+        worker = await client.spawn(sh('echo noise; printf "the answer" > "$SUBAGENTD_RESULT"'))
+        result = await client.collect(worker.id, wait=True)
+        assert result.result == "the answer"
+
+
+async def test_input_arrives_on_stdin_then_end_of_file(client: AsyncClient) -> None:
+    with trio.fail_after(20):
+        worker = await client.spawn(["wc", "-c"], input="x" * 200_000)
+        result = await client.collect(worker.id, wait=True)
+        assert result.result.strip() == "200000"
+        no_input = await client.spawn(["cat"])  # /dev/null: ends at once
+        assert (await client.collect(no_input.id, wait=True)).state == "finished"
+
+
+async def test_worker_knows_itself_and_never_sees_the_service_managers_variables(
+    client: AsyncClient, daemon: DaemonProcess
+) -> None:
+    with trio.fail_after(20):
+        worker = await client.spawn(["env"], env={"MY_SETTING": "on"}, cwd="/tmp")
+        env = dict(
+            line.split("=", 1)
+            for line in (await client.collect(worker.id, wait=True)).result.splitlines()
+            if "=" in line
+        )
+        assert env["MY_SETTING"] == "on"
+        assert env["SUBAGENTD_WORKER_ID"] == worker.id
+        assert env["SUBAGENTD_RUN_ID"] == worker.run
+        assert env["SUBAGENTD_SOCKET"] == str(daemon.socket)
+        assert env["SUBAGENTD_ARCHIVE"] == worker.archive
+        assert env["SUBAGENTD_RESULT"] == str(Path(worker.archive) / "result")
+        assert len(env["SUBAGENTD_TOKEN"]) >= 32
+        assert env["PWD"] == "/tmp"
+        # The fixture gives the daemon NOTIFY_SOCKET: it must stop at the daemon.
+        assert not [
+            k for k in env if k in ("NOTIFY_SOCKET",) or k.startswith(("LISTEN_", "WATCHDOG_"))
+        ]
+
+
+async def test_watch_pages_from_a_cursor(client: AsyncClient) -> None:
+    with trio.fail_after(20):
+        worker = await client.spawn(sh("for i in $(seq 1 300); do echo line $i; done"))
+        await client.wait(worker.id)
+        page = await client.watch_page(worker.id, since=0, limit=2)
+        assert [e.seq for e in page.entries] == [1, 2]
+        assert page.entries[0].kind == "state"
+        assert page.next == 2
+        assert not page.complete
+        text = b""
+        cursor, complete = 0, False
+        while not complete:
+            page = await client.watch_page(worker.id, since=cursor, limit=3)
+            text += b"".join(e.data for e in page.entries if e.kind == "stdout")
+            cursor, complete = page.next, page.complete
+        assert text.decode().split("\n")[:-1] == [f"line {i}" for i in range(1, 301)]
+        beyond = await client.watch_page(worker.id, since=10_000)
+        assert beyond.entries == []
+        assert beyond.next == 10_000
+
+
+async def test_follow_streams_output_until_the_worker_ends(client: AsyncClient) -> None:
+    with trio.fail_after(20):
+        worker = await client.spawn(sh("echo first; read _; echo second"), input="go\n")
+        kinds, text = [], b""
+        async for entry in client.watch(worker.id, follow=True):
+            kinds.append(entry.kind)
+            if entry.kind == "stdout":
+                text += entry.data
+        assert text == b"first\nsecond\n"
+        assert kinds[0] == "state"
+        assert kinds[-1] == "state"
+        last = (await client.watch_page(worker.id, since=0, limit=1000)).entries[-1]
+        assert last.data.startswith(b"finished")
+
+
+async def test_a_nonzero_exit_is_failed_and_a_signal_is_negative(client: AsyncClient) -> None:
+    with trio.fail_after(20):
+        failed = await client.spawn(sh("exit 3"))
+        assert (await client.wait(failed.id)).state == "failed"
+        assert (await client.status(failed.id)).exit_code == 3
+        killed = await client.spawn(sh("kill -KILL $$"))
+        view = await client.wait(killed.id)
+        assert (view.state, view.exit_code) == ("failed", -9)
+
+
+async def test_stop_is_term_then_kill_after_the_grace_period(client: AsyncClient) -> None:
+    with trio.fail_after(20):
+        polite = await client.spawn(["sleep", "60"])
+        stubborn = await client.spawn(
+            sh("trap '' TERM; echo ready; while :; do sleep 0.1; done"), grace=0.5
+        )
+        await wait_output(client, stubborn.id, b"ready")
+        assert await client.stop(polite.id)
+        view = await client.status(polite.id)
+        assert (view.state, view.exit_code) == ("stopped", -signal.SIGTERM)
+        assert await client.stop(stubborn.id)
+        view = await client.status(stubborn.id)
+        assert (view.state, view.exit_code) == ("stopped", -signal.SIGKILL)
+        assert view.pid is not None
+        assert not alive(view.pid)
+        assert not await client.stop("w-never-seen")
+
+
+async def test_timeout_ends_a_worker_timed_out(client: AsyncClient) -> None:
+    with trio.fail_after(20):
+        worker = await client.spawn(["sleep", "60"], timeout=0.3)
+        assert (await client.wait(worker.id)).state == "timed_out"
+
+
+async def test_collecting_a_running_worker_without_wait_is_busy(client: AsyncClient) -> None:
+    with trio.fail_after(20):
+        worker = await client.spawn(["sleep", "60"])
+        with pytest.raises(Busy, match="--wait"):
+            await client.collect(worker.id)
+        with pytest.raises(NotFound):
+            await client.collect("w-nope")
+        await client.stop(worker.id)
+
+
+async def test_ls_and_info_count_workers_by_state(client: AsyncClient) -> None:
+    with trio.fail_after(20):
+        running = await client.spawn(["sleep", "60"])
+        done = await client.spawn(["true"])
+        await client.wait(done.id)
+        assert [w.id for w in await client.ls()] == [running.id]
+        assert {w.id for w in await client.ls(all=True)} == {running.id, done.id}
+        assert [w.id for w in await client.ls(all=True, run=done.run)] == [done.id]
+        info = await client.info()
+        assert info.workers == {"running": 1, "finished": 1}
+        assert info.holds_park
+        assert info.pid != os.getpid()
+        assert info.image_generation == 1
+        await client.stop(running.id)
+
+
+async def test_sigterm_stops_every_worker_and_exits_zero(daemon: DaemonProcess) -> None:
+    with trio.fail_after(30):
+        async with AsyncClient(daemon.socket) as client:
+            worker = await client.spawn(
+                sh("trap 'echo bye; exit 0' TERM; echo up; while :; do sleep 0.1; done")
+            )
+            await wait_output(client, worker.id, b"up")
+        assert worker.pid is not None
+        code = await trio.to_thread.run_sync(daemon.terminate)
+        assert code == 0, daemon.log()
+        assert not alive(worker.pid)
+        assert not daemon.socket.exists()
+        record = (Path(worker.archive) / "record.json").read_text()
+        assert '"state":"stopped"' in record
+
+
+async def test_restart_after_kill_takes_over_the_stale_lock_and_socket(
+    daemon: DaemonProcess,
+) -> None:
+    with trio.fail_after(30):
+        daemon.kill()
+        assert daemon.socket.exists()  # left behind by the dead daemon
+        await trio.to_thread.run_sync(daemon.start)
+        async with AsyncClient(daemon.socket) as client:
+            assert (await client.info()).pid == daemon.proc.pid  # type: ignore[union-attr]
