@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from pathlib import Path
 
 from subagentd.client import AsyncClient
+from subagentd.protocol import Stop, Stopped
 
 
 def sh(script: str) -> list[str]:
@@ -26,13 +28,27 @@ def pids_in(path: Path) -> list[int]:
     return [int(line) for line in path.read_text().split()]
 
 
-async def wait_output(client: AsyncClient, worker_id: str, marker: bytes) -> bytes:
-    """Follow the worker's journal until its stdout holds `marker`; the stdout so far."""
+async def follow_stdout(
+    client: AsyncClient, worker_id: str, done: Callable[[bytes], bool]
+) -> bytes:
+    """Follow the worker's journal until `done(stdout so far)`; the stdout so far."""
     seen = b""
     async with contextlib.aclosing(client.watch(worker_id, follow=True)) as entries:
         async for entry in entries:
             if entry.kind == "stdout":
                 seen += entry.data
-                if marker in seen:
+                if done(seen):
                     return seen
-    raise AssertionError(f"worker {worker_id} ended without printing {marker!r}: {seen!r}")
+    raise AssertionError(f"worker {worker_id} ended before its output was complete: {seen!r}")
+
+
+async def wait_output(client: AsyncClient, worker_id: str, marker: bytes) -> bytes:
+    """Follow the worker's journal until its stdout holds `marker`; the stdout so far."""
+    return await follow_stdout(client, worker_id, lambda seen: marker in seen)
+
+
+async def stop_ids(client: AsyncClient, worker_id: str) -> list[str]:
+    """Stop a worker and answer the ids the daemon says it stopped."""
+    reply = await client.request(Stop(id=0, worker=worker_id))
+    assert isinstance(reply, Stopped)
+    return reply.stopped

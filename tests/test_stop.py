@@ -1,0 +1,121 @@
+"""Stopping: exactly the scope asked, and nothing of its process trees left alive."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator
+
+import pytest
+import trio
+
+from subagentd.client import AsyncClient
+from subagentd.protocol.errors import RunStopped
+
+from .conftest import DaemonProcess
+from .helpers import alive, follow_stdout, sh, stop_ids, wait_output
+
+
+@pytest.fixture
+async def client(daemon: DaemonProcess) -> AsyncIterator[AsyncClient]:
+    async with AsyncClient(daemon.socket) as client:
+        yield client
+
+
+# A worker whose tree holds every kind of process a stop must find: a plain
+# child, a grandchild that left the group with setsid and ignores TERM, and
+# one that double-forked away and was orphaned to init.
+TREE = r"""
+sleep 60 &
+echo child $!
+setsid sh -c 'trap "" TERM; echo setsid $$; exec sleep 60' &
+( setsid sh -c 'echo orphan $$; exec sleep 60' & )
+trap '' TERM
+while :; do sleep 0.1; done
+"""
+
+
+def _pids(stdout: bytes) -> dict[str, int]:
+    return {m[1].decode(): int(m[2]) for m in re.finditer(rb"(\w+) (\d+)\n", stdout)}
+
+
+async def test_stop_leaves_no_process_of_the_tree_alive(client: AsyncClient) -> None:
+    with trio.fail_after(30):
+        worker = await client.spawn(sh(TREE), grace=0.5)
+        pids = _pids(await follow_stdout(client, worker.id, lambda out: len(_pids(out)) == 3))
+        assert set(pids) == {"child", "setsid", "orphan"}
+        assert all(alive(pid) for pid in pids.values())
+        assert await client.stop(worker.id)
+        assert worker.pid is not None
+        left = {name: pid for name, pid in {**pids, "leader": worker.pid}.items() if alive(pid)}
+        assert left == {}
+        assert (await client.status(worker.id)).state == "stopped"
+
+
+async def test_a_worker_that_ends_takes_its_background_processes_with_it(
+    client: AsyncClient,
+) -> None:
+    with trio.fail_after(30):
+        worker = await client.spawn(sh("sleep 60 & echo bg $!; exit 0"), grace=0.5)
+        seen = await wait_output(client, worker.id, b"\n")
+        view = await client.wait(worker.id)
+        assert view.state == "finished"
+        assert not alive(int(seen.split()[1]))
+
+
+async def test_stop_one_leaves_siblings_running(client: AsyncClient) -> None:
+    with trio.fail_after(30):
+        run = await client.new_run()
+        a = await client.spawn(["sleep", "60"], run=run)
+        a_child = await client.spawn(["sleep", "60"], parent=a.id)
+        b = await client.spawn(["sleep", "60"], run=run)
+        b_child = await client.spawn(["sleep", "60"], parent=b.id)
+        assert a_child.run == run
+        stopped = await stop_ids(client, a.id)
+        assert stopped == sorted([a.id, a_child.id])
+        for sibling in (b, b_child):
+            view = await client.status(sibling.id)
+            assert view.state == "running"
+            assert view.pid is not None
+            assert alive(view.pid)
+        assert await stop_ids(client, a.id) == []  # one-way: a second stop changes nothing
+        await client.stop_run(run)
+
+
+async def test_stop_run_stops_nested_runs_and_refuses_later_spawns(client: AsyncClient) -> None:
+    with trio.fail_after(30):
+        outer = await client.new_run()
+        inner = await client.new_run(outer=outer)
+        elsewhere = await client.spawn(["sleep", "60"])
+        workers = [await client.spawn(["sleep", "60"], run=r) for r in (outer, inner, inner)]
+        stopped = await client.stop_run(outer)
+        assert stopped == sorted(w.id for w in workers)
+        for w in workers:
+            assert (await client.status(w.id)).state == "stopped"
+        for r in (outer, inner):
+            with pytest.raises(RunStopped):
+                await client.spawn(["true"], run=r)
+        assert (await client.status(elsewhere.id)).state == "running"
+        assert await client.stop_run(outer) == []
+        await client.stop(elsewhere.id)
+
+
+async def test_a_run_of_many_workers_stops_in_parallel(client: AsyncClient) -> None:
+    # Each ignores TERM for a while before it exits: stopped one after another
+    # they would take count * delay; stopped in parallel, about one delay.
+    count, delay = 40, 0.5
+    with trio.fail_after(count * delay * 0.75):
+        run = await client.new_run()
+        script = f"trap 'sleep {delay}; exit 0' TERM; echo up; while :; do sleep 0.1; done"
+        workers = [await client.spawn(sh(script), run=run) for _ in range(count)]
+        for w in workers:
+            await wait_output(client, w.id, b"up")
+        assert len(await client.stop_run(run)) == count
+        assert {(await client.status(w.id)).state for w in workers} == {"stopped"}
+
+
+async def test_timeout_takes_the_subtree(client: AsyncClient) -> None:
+    with trio.fail_after(30):
+        parent = await client.spawn(["sleep", "60"], timeout=0.5)
+        child = await client.spawn(["sleep", "60"], parent=parent.id)
+        assert (await client.wait(parent.id)).state == "timed_out"
+        assert (await client.wait(child.id)).state == "stopped"
