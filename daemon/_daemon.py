@@ -37,7 +37,7 @@ from ._journal import Journal
 from ._process import SpawnFailed, WorkerProcess, pump
 from ._registry import Registry, WorkerRecord
 from ._statedir import StateDir
-from ._tree import end_tree
+from ._tree import ProcessTable, end_tree
 
 log = structlog.get_logger("subagentd")
 
@@ -100,6 +100,7 @@ class Daemon:
         self.config_error: str | None = None
         self._nursery: trio.Nursery | None = None
         self._run_stopped: dict[str, trio.Event] = {}
+        self.processes = ProcessTable()
         self.load_config()
 
     def load_config(self) -> None:
@@ -276,7 +277,7 @@ class Daemon:
         assert process is not None
         try:
             killed = await end_tree(
-                process.pid, live.record.id, process.starttime, live.record.grace
+                self.processes, process.pid, live.record.id, process.starttime, live.record.grace
             )
             if killed:
                 log.info("worker.killed", worker=live.record.id, processes=killed)

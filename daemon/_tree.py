@@ -62,9 +62,36 @@ def _carries(pid: int, marker: bytes) -> bool:
         return False
 
 
-def tree_members(leader: int, worker_id: str, leader_start: int) -> list[ProcStat]:
+class ProcessTable:
+    """Scans of /proc, shared by everyone who asks at about the same time.
+
+    A caller gets a scan that started after it asked, never an older one, so
+    it sees every process forked before its question; but a hundred stops
+    asked at once share two scans rather than make a hundred.
+    """
+
+    def __init__(self) -> None:
+        self._lock = trio.Lock()
+        self._started = 0
+        self._finished = 0
+        self._latest: dict[int, ProcStat] = {}
+
+    async def scan(self) -> dict[int, ProcStat]:
+        fresh_enough = self._started + 1
+        async with self._lock:
+            if self._finished >= fresh_enough:
+                return self._latest
+            self._started += 1
+            number = self._started
+            table = await trio.to_thread.run_sync(scan)
+            self._finished, self._latest = number, table
+            return table
+
+
+def tree_members(
+    table: dict[int, ProcStat], leader: int, worker_id: str, leader_start: int
+) -> list[ProcStat]:
     """Every live process of the tree whose leader is `leader` (its pgid)."""
-    table = scan()
     children: dict[int, list[int]] = {}
     for stat in table.values():
         children.setdefault(stat.ppid, []).append(stat.pid)
@@ -131,23 +158,26 @@ class Pinned:
         self.close()
 
 
-async def end_tree(leader: int, worker_id: str, leader_start: int, grace: float) -> int:
+async def end_tree(
+    processes: ProcessTable, leader: int, worker_id: str, leader_start: int, grace: float
+) -> int:
     """TERM every process of the tree, KILL what is left after `grace`; how many were killed.
 
     Scans until a scan finds nothing left, so a process forked during the
     stop is caught by the next pass.
     """
-    find = trio.to_thread.run_sync
-    members = await find(tree_members, leader, worker_id, leader_start)
+
+    async def find() -> list[ProcStat]:
+        return tree_members(await processes.scan(), leader, worker_id, leader_start)
+
+    members = await find()
     with Pinned(members) as pinned:
         pinned.signal(signal.SIGTERM)
         with trio.move_on_after(grace):
             await pinned.wait_exited()
     killed = 0
     for _ in range(10):
-        members = [
-            m for m in await find(tree_members, leader, worker_id, leader_start) if m.state != "Z"
-        ]
+        members = [m for m in await find() if m.state != "Z"]
         if not members:
             break
         with Pinned(members) as pinned:
