@@ -79,10 +79,7 @@ def summary(samples: list[float]) -> dict[str, float]:
 
 
 def machine() -> str:
-    return (
-        f"{os.cpu_count()} cores, Linux {platform.release()}, "
-        f"Python {platform.python_version()}"
-    )
+    return f"{os.cpu_count()} cores, Linux {platform.release()}, Python {platform.python_version()}"
 
 
 def ms(seconds: float) -> str:

@@ -1,6 +1,6 @@
 """Control round trip: `info` from the blocking client, median and p99.
 
-    .venv/bin/python bench/roundtrip.py [--calls N]
+.venv/bin/python bench/roundtrip.py [--calls N]
 """
 
 from __future__ import annotations
