@@ -8,6 +8,7 @@ record. Files are written atomically (a temp file renamed over) and 0600.
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import msgspec
@@ -20,6 +21,19 @@ SNAPSHOT_VERSION = 1
 STDOUT_TAIL_BYTES = 32 * 1024
 #: A result file larger than this is cut (the journal keeps the whole output).
 RESULT_LIMIT = 1024 * 1024
+
+
+def prune_archives(archives: Path, cutoff: float, keep: set[str]) -> int:
+    """Delete archives of workers that ended before `cutoff` (not in `keep`); how many."""
+    pruned = 0
+    for path in archives.iterdir():
+        if path.name in keep:
+            continue
+        record = Archive(path).load_record()
+        if record is not None and record.ended_at is not None and record.ended_at < cutoff:
+            shutil.rmtree(path, ignore_errors=True)
+            pruned += 1
+    return pruned
 
 
 class Snapshot(msgspec.Struct, kw_only=True):
@@ -76,6 +90,13 @@ class Archive:
 
     def write_stdout_tail(self, data: bytes) -> None:
         self._replace(self.STDOUT_TAIL, data[-STDOUT_TAIL_BYTES:])
+
+    def load_record(self) -> WorkerRecord | None:
+        """The worker's last record, or None if there is no archive (or it no longer reads)."""
+        try:
+            return msgspec.json.decode(self.file(self.RECORD).read_bytes(), type=WorkerRecord)
+        except (OSError, msgspec.DecodeError):
+            return None
 
     def result_text(self) -> str:
         """The worker's result file if it wrote one, else the tail of its stdout."""

@@ -9,6 +9,7 @@ pidfd and journal until the worker has ended.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import shutil
 import time
@@ -21,28 +22,37 @@ import trio
 
 from subagentd.protocol import (
     PROTOCOL_VERSION,
+    TERMINAL_STATES,
     DaemonInfo,
     EntryKind,
     Page,
     Spawn,
+    Wake,
     WorkerResult,
     WorkerView,
     package_version,
 )
-from subagentd.protocol.errors import Busy, Forbidden, Invalid
+from subagentd.protocol.errors import Busy, Forbidden, Invalid, NotFound
 
 from ._agents import AgentDef, ConfigError, load_agents
-from ._archive import STDOUT_TAIL_BYTES, Archive, Snapshot
+from ._archive import STDOUT_TAIL_BYTES, Archive, Snapshot, prune_archives
 from ._journal import Journal
 from ._process import SpawnFailed, WorkerProcess, pump
-from ._registry import Registry, WorkerRecord
+from ._registry import TOMBSTONE_OUTPUT, Registry, Tombstone, WorkerRecord
 from ._statedir import StateDir
 from ._tree import ProcessTable, end_tree
+from ._wakes import WakeKey, WakeLog
 
 log = structlog.get_logger("subagentd")
 
 #: After the tree is gone, how long the pipes may take to give up what they hold.
 PIPE_DRAIN_SECONDS = 1.0
+#: Seconds a finished worker's handle is kept uncollected (`--finished-ttl`).
+DEFAULT_FINISHED_TTL = 900.0
+#: Days an ended worker's archive is kept on disk (`--keep-archives`).
+DEFAULT_KEEP_ARCHIVES_DAYS = 14.0
+#: A wake carries this much of the result, so a parent rarely needs to collect.
+WAKE_PREVIEW_CHARS = 200
 #: A watch page never holds more entries than this, whatever the client asks.
 MAX_PAGE_ENTRIES = 10_000
 #: Variables of the daemon's own environment that no worker inherits: they
@@ -86,9 +96,13 @@ class Daemon:
         *,
         socket_path: Path,
         config_path: Path,
+        finished_ttl: float = DEFAULT_FINISHED_TTL,
+        keep_archives_days: float = DEFAULT_KEEP_ARCHIVES_DAYS,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.state_dir = state_dir
+        self.finished_ttl = finished_ttl
+        self.keep_archives_days = keep_archives_days
         self.socket_path = socket_path
         self.config_path = config_path
         self.registry = Registry()
@@ -101,7 +115,18 @@ class Daemon:
         self._nursery: trio.Nursery | None = None
         self._run_stopped: dict[str, trio.Event] = {}
         self.processes = ProcessTable()
+        self.wake_log = WakeLog(state_dir.root / "wakes.log")
+        self.wakes = self.wake_log.open()
+        self._wakes_posted = trio.Event()
+        self._retention_changed = trio.Event()
+        #: Set and replaced whenever something happens that idle exit must notice.
+        self.activity = trio.Event()
         self.load_config()
+
+    def touch(self) -> None:
+        """Something happened: wake whoever waits for activity."""
+        activity, self.activity = self.activity, trio.Event()
+        activity.set()
 
     def load_config(self) -> None:
         try:
@@ -114,9 +139,11 @@ class Daemon:
             log.error("config.invalid", error=self.config_error)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Host the workers' supervise tasks until cancelled."""
+        """Host the workers' supervise tasks and the retention timers until cancelled."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            nursery.start_soon(self._expire_handles)
+            nursery.start_soon(self._prune_archives)
             task_status.started()
             await trio.sleep_forever()
 
@@ -143,7 +170,7 @@ class Daemon:
             now=now,
             argv=argv,
             cwd=cwd,
-            archive_for=lambda worker_id: str(self.state_dir.archive(worker_id)),
+            archive_for=lambda worker_id: str(self.state_dir.archives / worker_id),
             run=request.run,
             parent=request.parent or caller,
             name=request.name,
@@ -296,7 +323,31 @@ class Daemon:
             log.error("journal.write_failed", worker=record.id, error=str(exc))
         journal.close()
         archive.write_stdout_tail(stdout_tail)
+        self._post_wake(record, archive)
         archive.write_record(record)
+        self._retention_changed.set()
+        self.touch()
+
+    def _post_wake(self, record: WorkerRecord, archive: Archive) -> None:
+        """One wake for this ending, for its parent; persisted before anyone sees it."""
+        wake = self.wakes.post(
+            worker=record.id,
+            run=record.run,
+            parent=record.parent,
+            state=record.state,
+            exit_code=record.exit_code,
+            preview=archive.result_text()[:WAKE_PREVIEW_CHARS],
+            attempt=record.attempt,
+        )
+        if wake is None:
+            return
+        try:
+            self.wake_log.posted(wake)
+        except OSError as exc:
+            # Still delivered from memory; only a crash before its ack could lose it.
+            log.error("wakes.write_failed", worker=record.id, error=str(exc))
+        posted, self._wakes_posted = self._wakes_posted, trio.Event()
+        posted.set()
 
     async def _pump_pipes(self, live: LiveWorker, closed: trio.Event) -> None:
         async with trio.open_nursery() as nursery:
@@ -412,34 +463,71 @@ class Daemon:
 
     # -- reading -------------------------------------------------------------
 
-    async def wait(self, worker_id: str) -> WorkerRecord:
-        record = self.registry.worker(worker_id)
+    def lookup(self, worker_id: str) -> WorkerRecord | Tombstone:
+        """A worker by id: its handle, its tombstone, or else its record in the archive."""
+        found = self.registry.workers.get(worker_id) or self.registry.tombstones.get(worker_id)
+        if found is not None:
+            return found
+        archived = self._archive(worker_id).load_record()
+        if archived is None:
+            raise NotFound(f"no worker {worker_id!r}")
+        return archived
+
+    def authorize(self, caller: str | None, worker_id: str) -> None:
+        """A worker's connection may act only on its own subtree, archived ones included."""
+        if caller is None:
+            return
+        current: str | None = worker_id
+        while current is not None and current != caller:
+            current = self.lookup(current).parent
+        if current is None:
+            raise Forbidden(
+                f"worker {caller} may act only on itself and the workers it delegated to, "
+                f"not on {worker_id}"
+            )
+
+    def _archive(self, worker_id: str) -> Archive:
+        path = self.state_dir.archive(worker_id)
+        if path is None:
+            raise NotFound(f"no worker {worker_id!r} (not a worker id)")
+        return Archive(path)
+
+    async def wait(self, worker_id: str) -> WorkerView:
+        self.lookup(worker_id)
         await self._wait_ended([worker_id])
-        return record
+        return self.lookup(worker_id).view()
 
     async def collect(self, worker_id: str, *, wait: bool) -> WorkerResult:
-        record = self.registry.worker(worker_id)
+        found = self.lookup(worker_id)
         if wait:
             await self._wait_ended([worker_id])
-        elif not record.ended:
-            raise Busy(f"worker {worker_id} is still {record.state}; collect --wait waits for it")
-        self.registry.collect(worker_id)
-        return WorkerResult(
-            id=record.id,
-            state=record.state,
-            exit_code=record.exit_code,
-            result=Archive(Path(record.archive)).result_text(),
-        )
+            found = self.lookup(worker_id)
+        elif found.state not in TERMINAL_STATES:
+            raise Busy(f"worker {worker_id} is still {found.state}; collect --wait waits for it")
+        archive = Archive(Path(found.archive))
+        text = archive.result_text() if archive.path.exists() else ""
+        if isinstance(found, Tombstone):
+            text = text or found.output.decode("utf-8", errors="replace")
+            del self.registry.tombstones[worker_id]
+        elif worker_id in self.registry.workers:
+            self.registry.collect(worker_id)
+            self._release(worker_id)
+        return WorkerResult(id=found.id, state=found.state, exit_code=found.exit_code, result=text)
 
     def watch_page(self, worker_id: str, since: int, limit: int) -> Page:
-        record = self.registry.worker(worker_id)
         if since < 0 or limit < 1:
             raise Invalid(f"watch needs since >= 0 and limit >= 1, not {since} and {limit}")
+        found = self.lookup(worker_id)
         live = self.live.get(worker_id)
         if live is not None:
             journal = live.journal
         else:
-            journal = Journal.open(Path(record.archive) / Archive.JOURNAL, writable=False)
+            try:
+                journal = Journal.open(Path(found.archive) / Archive.JOURNAL, writable=False)
+            except FileNotFoundError:
+                raise NotFound(
+                    f"worker {worker_id}'s journal is gone (its archive was pruned)"
+                ) from None
         entries = journal.read(since, min(limit, MAX_PAGE_ENTRIES))
         cursor = entries[-1].seq if entries else since
         complete = live is None and cursor >= journal.last_seq
@@ -466,6 +554,85 @@ class Daemon:
             if not page.entries and grown is not None:
                 await grown.wait()
 
+    # -- wakes ---------------------------------------------------------------
+
+    def wake_key(self, run: str | None, worker: str | None, caller: str | None) -> WakeKey:
+        """The parent a subscription is for, checked: it exists and the caller may see it."""
+        if (run is None) == (worker is None):
+            raise Invalid("subscribe to the wakes of one parent: give a run or a worker, not both")
+        key: WakeKey = ("run", run) if run is not None else ("worker", worker)  # type: ignore[assignment]
+        if caller is not None:
+            if worker is None:
+                raise Forbidden("a worker may subscribe only to its own subtree's wakes")
+            self.authorize(caller, worker)
+        elif not self.wakes.pending_for(key):
+            if run is not None:
+                self.registry.run(run)
+            else:
+                self.lookup(key[1])
+        return key
+
+    async def subscribe(
+        self, key: WakeKey, follow: bool, send: Callable[[list[Wake], bool], Awaitable[None]]
+    ) -> None:
+        """Send every unacknowledged wake for `key`; with `follow`, then each new one."""
+        sent = 0
+        while True:
+            posted = self._wakes_posted
+            wakes = self.wakes.pending_for(key, after=sent)
+            if wakes or not follow:
+                await send(wakes, not follow)
+            if not follow:
+                return
+            if wakes:
+                sent = wakes[-1].seq
+            else:
+                await posted.wait()
+
+    def ack(self, seqs: list[int]) -> None:
+        self.wakes.ack(seqs)
+        try:
+            self.wake_log.acked(seqs)
+            if self.wake_log.should_compact(self.wakes):
+                self.wake_log.compact(self.wakes)
+        except OSError as exc:
+            log.error("wakes.write_failed", error=str(exc))
+
+    # -- retention -----------------------------------------------------------
+
+    def _release(self, worker_id: str, tombstone: Tombstone | None = None) -> None:
+        released = self.registry.release(worker_id, tombstone)
+        if released:
+            log.debug("worker.released", workers=released)
+            self.touch()
+
+    async def _expire_handles(self) -> None:
+        """Release handles left uncollected past the TTL, exactly when each expires."""
+        while True:
+            changed = self._retention_changed = trio.Event()
+            now = self.clock()
+            for worker_id in self.registry.expired(now, self.finished_ttl):
+                record = self.registry.workers[worker_id]
+                record.expired = True
+                stone = None
+                if self.registry.needs_tombstone(worker_id):
+                    stone = _tombstone(record)
+                self._release(worker_id, stone)
+            deadline = self.registry.next_expiry(self.finished_ttl)
+            with trio.move_on_after(math.inf if deadline is None else deadline - now):
+                await changed.wait()
+
+    async def _prune_archives(self) -> None:
+        """Delete archives of workers that ended more than the keep period ago; daily."""
+        while True:
+            cutoff = self.clock() - self.keep_archives_days * 86400
+            pruned = await trio.to_thread.run_sync(
+                prune_archives, self.state_dir.archives, cutoff, set(self.registry.workers)
+            )
+            if pruned:
+                log.info("archives.pruned", count=pruned)
+            await trio.sleep(86400)
+
     def info(self) -> DaemonInfo:
         return DaemonInfo(
             version=package_version(),
@@ -478,6 +645,27 @@ class Daemon:
             socket=str(self.socket_path),
             state_dir=str(self.state_dir.root),
         )
+
+
+def _tombstone(record: WorkerRecord) -> Tombstone:
+    try:
+        output = (Path(record.archive) / Archive.STDOUT_TAIL).read_bytes()
+    except OSError:
+        output = b""
+    return Tombstone(
+        id=record.id,
+        run=record.run,
+        parent=record.parent,
+        name=record.name,
+        state=record.state,
+        exit_code=record.exit_code,
+        attempt=record.attempt,
+        turn=record.turn,
+        started_at=record.started_at,
+        ended_at=record.ended_at,
+        archive=record.archive,
+        output=output[-TOMBSTONE_OUTPUT:],
+    )
 
 
 def _inherited_env(environ: Mapping[str, str]) -> dict[str, str]:

@@ -10,6 +10,7 @@ import argparse
 import os
 import signal
 import sys
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from subagentd.protocol import (
 )
 
 from ._agents import ConfigError, load_agents
-from ._daemon import Daemon
+from ._daemon import DEFAULT_FINISHED_TTL, DEFAULT_KEEP_ARCHIVES_DAYS, Daemon
 from ._listener import SocketInUse, bind_control_socket
 from ._logging import LogFormat, configure_logging
 from ._notify import notify
@@ -39,6 +40,9 @@ class Settings:
     socket: Path
     state_dir: Path
     config: Path
+    finished_ttl: float = DEFAULT_FINISHED_TTL
+    idle_exit: float | None = None
+    keep_archives_days: float = DEFAULT_KEEP_ARCHIVES_DAYS
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -66,12 +70,39 @@ def _parser() -> argparse.ArgumentParser:
         help="log lines on stderr: json (default when stderr is not a terminal) or console",
     )
     parser.add_argument(
+        "--finished-ttl",
+        type=_seconds,
+        default=DEFAULT_FINISHED_TTL,
+        metavar="S",
+        help="keep a finished worker's handle this long uncollected (default: %(default)s s)",
+    )
+    parser.add_argument(
+        "--idle-exit",
+        type=_seconds,
+        metavar="S",
+        help="exit after S idle seconds when that loses nothing (for socket activation)",
+    )
+    parser.add_argument(
+        "--keep-archives",
+        type=_seconds,
+        default=DEFAULT_KEEP_ARCHIVES_DAYS,
+        metavar="DAYS",
+        help="delete an ended worker's archive after this many days (default: %(default)s)",
+    )
+    parser.add_argument(
         "--check",
         action="store_true",
         help="validate the install, the config and the state dir, then exit (0: usable)",
     )
     parser.add_argument("--version", action="version", version=f"subagentd {package_version()}")
     return parser
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not zero or more")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         socket=args.socket or default_socket_path(),
         state_dir=args.state_dir or default_state_dir(),
         config=args.config or default_config_path(),
+        finished_ttl=args.finished_ttl,
+        idle_exit=args.idle_exit,
+        keep_archives_days=args.keep_archives,
     )
     if args.check:
         return check(settings)
@@ -113,6 +147,31 @@ def check(settings: Settings) -> int:
     return 1 if problems else 0
 
 
+async def _until_signal(signals: AsyncIterator[int], done: trio.CancelScope) -> None:
+    async for signum in signals:
+        log.info("daemon.stopping", signal=signal.Signals(signum).name)
+        done.cancel()
+        return
+
+
+async def _until_idle(
+    daemon: Daemon, server: Server, seconds: float, done: trio.CancelScope
+) -> None:
+    """Return once nothing has happened for `seconds` and stopping would cost nothing:
+    no connection open, no worker running, no result waiting within its TTL."""
+    while True:
+        activity = daemon.activity
+        if server.connections or daemon.registry.holds_park():
+            await activity.wait()
+            continue
+        with trio.move_on_after(seconds) as quiet:
+            await activity.wait()
+        if quiet.cancelled_caught:
+            log.info("daemon.idle_exit", idle_seconds=seconds)
+            done.cancel()
+            return
+
+
 async def serve(settings: Settings) -> None:
     state_dir = StateDir(settings.state_dir)
     state_dir.acquire()
@@ -121,14 +180,21 @@ async def serve(settings: Settings) -> None:
     except BaseException:
         state_dir.release()
         raise
-    daemon = Daemon(state_dir, socket_path=settings.socket, config_path=settings.config)
+    daemon = Daemon(
+        state_dir,
+        socket_path=settings.socket,
+        config_path=settings.config,
+        finished_ttl=settings.finished_ttl,
+        keep_archives_days=settings.keep_archives_days,
+    )
+    server = Server(daemon)
     listener = trio.SocketListener(trio.socket.from_stdlib_socket(control.sock))
     try:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with trio.open_nursery() as nursery:
                 await nursery.start(daemon.run)
                 with trio.CancelScope() as serving:
-                    await nursery.start(Server(daemon).serve, listener)
+                    await nursery.start(server.serve, listener)
                     notify("READY=1", f"MAINPID={os.getpid()}", "STATUS=serving")
                     log.info(
                         "daemon.serving",
@@ -136,10 +202,17 @@ async def serve(settings: Settings) -> None:
                         state_dir=str(settings.state_dir),
                         version=package_version(),
                     )
-                    async for signum in signals:
-                        log.info("daemon.stopping", signal=signal.Signals(signum).name)
-                        notify("STOPPING=1", "STATUS=stopping workers")
-                        break
+                    async with trio.open_nursery() as until_stop:
+                        until_stop.start_soon(_until_signal, signals, until_stop.cancel_scope)
+                        if settings.idle_exit is not None:
+                            until_stop.start_soon(
+                                _until_idle,
+                                daemon,
+                                server,
+                                settings.idle_exit,
+                                until_stop.cancel_scope,
+                            )
+                    notify("STOPPING=1", "STATUS=stopping workers")
                 serving.cancel()
                 with trio.CancelScope(shield=True):
                     await daemon.shutdown()

@@ -19,6 +19,8 @@ from subagentd.protocol.errors import Forbidden, Invalid, NotFound, RunStopped
 
 #: Seconds between TERM and KILL when a spawn names none.
 DEFAULT_GRACE = 5.0
+#: A tombstone keeps this much of the end of its worker's stdout.
+TOMBSTONE_OUTPUT = 32 * 1024
 
 
 def new_id(prefix: str) -> str:
@@ -56,6 +58,8 @@ class WorkerRecord(msgspec.Struct, kw_only=True):
     collected: bool = False
     #: The epoch of the launch fence in force when it registered, if any.
     fence: int | None = None
+    #: Left uncollected past the retention TTL (released once nothing needs it).
+    expired: bool = False
 
     @property
     def ended(self) -> bool:
@@ -78,6 +82,38 @@ class WorkerRecord(msgspec.Struct, kw_only=True):
             argv=self.argv,
             cwd=self.cwd,
             agent=self.agent,
+        )
+
+
+class Tombstone(msgspec.Struct, kw_only=True):
+    """What is kept of an expired, uncollected worker that a live parent may still collect."""
+
+    id: str
+    run: str
+    parent: str | None
+    name: str
+    state: WorkerState
+    exit_code: int | None
+    attempt: int
+    turn: int
+    started_at: float
+    ended_at: float | None
+    archive: str
+    output: bytes  # the last TOMBSTONE_OUTPUT bytes of its stdout
+
+    def view(self) -> WorkerView:
+        return WorkerView(
+            id=self.id,
+            run=self.run,
+            parent=self.parent,
+            name=self.name,
+            state=self.state,
+            exit_code=self.exit_code,
+            attempt=self.attempt,
+            turn=self.turn,
+            started_at=self.started_at,
+            ended_at=self.ended_at,
+            archive=self.archive,
         )
 
 
@@ -110,6 +146,7 @@ class Registry:
         self._run_members: dict[str, list[str]] = {}  # run id -> worker ids
         self._inner_runs: dict[str, list[str]] = {}  # run id -> runs nested in it
         self._by_token: dict[str, str] = {}  # worker token -> worker id
+        self.tombstones: dict[str, Tombstone] = {}
         self.turn = 0
         self.fence: LaunchFence | None = None
         self.fence_epochs = 0  # the last epoch handed out
@@ -159,7 +196,8 @@ class Registry:
         while current is not None:
             if current == ancestor:
                 return True
-            current = self.workers[current].parent
+            found = self.workers.get(current) or self.tombstones.get(current)
+            current = found.parent if found is not None else None
         return False
 
     def authorize(self, caller: str | None, worker_id: str) -> None:
@@ -380,6 +418,79 @@ class Registry:
             record.collected = True
         return record
 
+    # -- retention -----------------------------------------------------------
+
+    def expired(self, now: float, ttl: float) -> list[str]:
+        """Ended workers left uncollected for `ttl` seconds."""
+        return [
+            r.id
+            for r in self.workers.values()
+            if self._retained(r) and r.ended_at is not None and r.ended_at + ttl <= now
+        ]
+
+    def next_expiry(self, ttl: float) -> float | None:
+        """When the next uncollected handle expires, if any does."""
+        times = [
+            r.ended_at + ttl
+            for r in self.workers.values()
+            if self._retained(r) and r.ended_at is not None
+        ]
+        return min(times, default=None)
+
+    @staticmethod
+    def _retained(record: WorkerRecord) -> bool:
+        """Ended, waiting to be collected, and not yet past its TTL."""
+        return record.ended and not record.collected and not record.expired
+
+    def needs_tombstone(self, worker_id: str) -> bool:
+        """An expired handle whose parent is still live: the parent may yet collect it."""
+        parent = self.workers[worker_id].parent
+        return parent is not None and parent in self.workers and not self.workers[parent].ended
+
+    def release(self, worker_id: str, tombstone: Tombstone | None = None) -> list[str]:
+        """Let go of ended handles no longer needed in memory; the ids released.
+
+        A handle goes once it is ended and collected (or expired), and only
+        after the workers it delegated: the tree above a live worker stays
+        whole, so stops and authority keep walking it. A released parent takes
+        its children's tombstones with it; a run with nothing left goes too.
+        """
+        released: list[str] = []
+        current: str | None = worker_id
+        while current is not None and self._releasable(current):
+            record = self.workers.pop(current)
+            released.append(current)
+            del self._by_token[record.token]
+            del self._children[current]
+            self._run_members[record.run].remove(current)
+            for child in [t for t, stone in self.tombstones.items() if stone.parent == current]:
+                del self.tombstones[child]
+            if record.parent is not None and record.parent in self._children:
+                self._children[record.parent].remove(current)
+            self._release_run(record.run)
+            if current == worker_id and tombstone is not None:
+                self.tombstones[current] = tombstone
+            current = record.parent
+        return released
+
+    def _releasable(self, worker_id: str) -> bool:
+        record = self.workers.get(worker_id)
+        if record is None or not record.ended or self._children[worker_id]:
+            return False
+        return record.collected or record.expired
+
+    def _release_run(self, run_id: str) -> None:
+        while (
+            run_id in self.runs and not self._run_members[run_id] and not self._inner_runs[run_id]
+        ):
+            run = self.runs.pop(run_id)
+            del self._run_members[run_id]
+            del self._inner_runs[run_id]
+            if run.outer is None or run.outer not in self._inner_runs:
+                return
+            self._inner_runs[run.outer].remove(run_id)
+            run_id = run.outer
+
     # -- views ---------------------------------------------------------------
 
     def listing(self, *, include_ended: bool, run: str | None = None) -> list[WorkerRecord]:
@@ -399,8 +510,9 @@ class Registry:
         return counts
 
     def holds_park(self) -> bool:
-        """Whether shutting down now would cost a worker: one live, or a result uncollected."""
-        return any(not r.ended or not r.collected for r in self.workers.values())
+        """Whether shutting down now would cost a worker: one live, or a result not yet
+        collected within its TTL."""
+        return any(not r.ended or self._retained(r) for r in self.workers.values())
 
     def _fresh_id(self, prefix: str) -> str:
         while True:

@@ -23,6 +23,7 @@ from subagentd.protocol import (
     DEFAULT_FRAME_LIMIT,
     PROTOCOL_VERSION,
     Abort,
+    Ack,
     BeginTurn,
     Cancel,
     CancelFence,
@@ -49,9 +50,12 @@ from subagentd.protocol import (
     Stop,
     Stopped,
     StopRun,
+    Subscribe,
     TurnReply,
     Wait,
     WaitRunStopped,
+    Wake,
+    Wakes,
     Watch,
     Welcome,
     WorkerList,
@@ -82,6 +86,7 @@ class Connection:
     caller: str | None = None  # the worker this connection acts as, if it gave a token
     send_lock: trio.Lock = field(default_factory=trio.Lock)
     streams: dict[int, tuple[trio.CancelScope, trio.Event]] = field(default_factory=dict)
+    delivered: set[int] = field(default_factory=set)  # wake seqs sent here, not yet acked
 
     async def send(self, reply: Reply) -> None:
         data = encode(reply)
@@ -106,6 +111,7 @@ class Server:
     def __init__(self, daemon: Daemon, frame_limit: int = DEFAULT_FRAME_LIMIT) -> None:
         self.daemon = daemon
         self.frame_limit = frame_limit
+        self.connections = 0  # open now
 
     async def serve(
         self,
@@ -122,6 +128,8 @@ class Server:
     async def handle(self, stream: trio.SocketStream) -> None:
         conn = Connection(stream=stream, conn_id=next(_conn_ids))
         structlog.contextvars.bind_contextvars(conn=conn.conn_id)
+        self.connections += 1
+        self.daemon.touch()
         # One connection's failure ends that connection, never the server.
         try:
             async with stream:
@@ -131,6 +139,9 @@ class Server:
             pass  # the client went away; its requests died with it
         except* Exception:
             log.exception("conn.failed")
+        finally:
+            self.connections -= 1
+            self.daemon.touch()
         log.debug("conn.closed")
 
     async def _admit(self, conn: Connection) -> bool:
@@ -285,13 +296,13 @@ class Server:
                     records = [r for r in records if registry.within(caller, r.id)]
                 return WorkerList(id=rid, workers=[r.view() for r in records])
             case Status(worker=worker):
-                registry.authorize(caller, worker)
-                return WorkerReply(id=rid, worker=registry.worker(worker).view())
+                daemon.authorize(caller, worker)
+                return WorkerReply(id=rid, worker=daemon.lookup(worker).view())
             case Stop(worker=worker, wait=wait):
                 found, stopped = await daemon.stop(worker, wait=wait, caller=caller)
                 return Stopped(id=rid, found=found, stopped=stopped)
             case Watch(worker=worker, since=since, limit=limit, follow=follow):
-                registry.authorize(caller, worker)
+                daemon.authorize(caller, worker)
                 if follow:
                     await daemon.follow(worker, since, limit, _sender(conn, rid))
                     return None
@@ -299,11 +310,25 @@ class Server:
                 page.id = rid
                 return page
             case Collect(worker=worker, wait=wait):
-                registry.authorize(caller, worker)
+                daemon.authorize(caller, worker)
                 return ResultReply(id=rid, result=await daemon.collect(worker, wait=wait))
             case Wait(worker=worker):
-                registry.authorize(caller, worker)
-                return WorkerReply(id=rid, worker=(await daemon.wait(worker)).view())
+                daemon.authorize(caller, worker)
+                return WorkerReply(id=rid, worker=await daemon.wait(worker))
+            case Subscribe(run=run, worker=worker, follow=follow):
+                key = daemon.wake_key(run, worker, caller)
+                await daemon.subscribe(key, follow, _wake_sender(conn, rid))
+                return None
+            case Ack(wakes=seqs):
+                never = sorted(set(seqs) - conn.delivered)
+                if never:
+                    raise Invalid(
+                        f"wakes {never} were never delivered on this connection; "
+                        "acknowledge only wakes you received"
+                    )
+                daemon.ack(seqs)
+                conn.delivered.difference_update(seqs)
+                return Done(id=rid)
             case Cancel(scope=scope):
                 return Cancelled(id=rid, cancelled=daemon.cancel(scope, caller))
             case Info():
@@ -340,6 +365,14 @@ class Server:
                 registry.clear_fence()
                 return Done(id=rid)
         raise Invalid(f"unknown request {type(request).__name__}")
+
+
+def _wake_sender(conn: Connection, rid: int) -> Callable[[list[Wake], bool], Awaitable[None]]:
+    async def send(wakes: list[Wake], complete: bool) -> None:
+        await conn.send(Wakes(id=rid, wakes=wakes, complete=complete))
+        conn.delivered.update(w.seq for w in wakes)
+
+    return send
 
 
 def _sender(conn: Connection, rid: int) -> Callable[[Page], Awaitable[None]]:

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import socket
 from pathlib import Path
 
 import msgspec
+
+_WORKER_ID = re.compile(r"w-[A-Za-z0-9_-]{1,64}")
 
 
 class StateDirLocked(Exception):
@@ -84,7 +87,10 @@ class StateDir:
             os.close(self.lock_fd)
             self.lock_fd = None
 
-    def archive(self, worker_id: str) -> Path:
+    def archive(self, worker_id: str) -> Path | None:
+        """Where the worker's archive lives; None for a string that is no worker id."""
+        if not _WORKER_ID.fullmatch(worker_id):
+            return None  # never join a path from an id like "../x"
         return self.archives / worker_id
 
 

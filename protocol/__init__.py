@@ -8,6 +8,7 @@ from ._framing import FrameDecoder as FrameDecoder
 from ._framing import frame as frame
 from ._messages import TERMINAL_STATES as TERMINAL_STATES
 from ._messages import Abort as Abort
+from ._messages import Ack as Ack
 from ._messages import BeginTurn as BeginTurn
 from ._messages import Cancel as Cancel
 from ._messages import CancelFence as CancelFence
@@ -38,9 +39,12 @@ from ._messages import Status as Status
 from ._messages import Stop as Stop
 from ._messages import Stopped as Stopped
 from ._messages import StopRun as StopRun
+from ._messages import Subscribe as Subscribe
 from ._messages import TurnReply as TurnReply
 from ._messages import Wait as Wait
 from ._messages import WaitRunStopped as WaitRunStopped
+from ._messages import Wake as Wake
+from ._messages import Wakes as Wakes
 from ._messages import Watch as Watch
 from ._messages import Welcome as Welcome
 from ._messages import WorkerList as WorkerList

@@ -71,6 +71,22 @@ class WorkerResult(msgspec.Struct, kw_only=True):
     result: str = ""
 
 
+class Wake(msgspec.Struct, kw_only=True):
+    """A worker ended: posted once for its parent (the parent worker, or its run).
+
+    ``seq`` numbers wakes across the daemon's life; acknowledge by it.
+    """
+
+    seq: int
+    id: str
+    run: str
+    parent: str | None = None
+    state: WorkerState
+    exit_code: int | None = None
+    preview: str = ""
+    attempt: int = 1
+
+
 class DaemonInfo(msgspec.Struct, kw_only=True):
     version: str
     protocol: int
@@ -184,6 +200,24 @@ class WaitRunStopped(Request, tag="wait_run_stopped"):
     run: str
 
 
+class Subscribe(Request, tag="subscribe"):
+    """The wakes for one parent: ``run`` (its top-level workers) or ``worker`` (its children).
+
+    Answered with `Wakes` pages: first every wake not yet acknowledged; with
+    ``follow``, then each new one as it is posted, until aborted.
+    """
+
+    run: str | None = None
+    worker: str | None = None
+    follow: bool = False
+
+
+class Ack(Request, tag="ack"):
+    """Acknowledge wakes by seq; each must have been delivered on this connection."""
+
+    wakes: list[int]
+
+
 class Abort(Request, tag="abort"):
     """End the stream opened by request ``request`` on this connection."""
 
@@ -267,6 +301,13 @@ class Cancelled(Reply, tag="cancelled"):
 
 class FenceReply(Reply, tag="fence"):
     epoch: int
+
+
+class Wakes(Reply, tag="wakes"):
+    """Wakes for a subscription. ``complete``: no more will come on this subscription."""
+
+    wakes: list[Wake]
+    complete: bool = False
 
 
 class Done(Reply, tag="done"):

@@ -1,0 +1,183 @@
+"""Wakes: one completion event per worker ending, kept until its parent acknowledges it.
+
+`WakeQueue` is the sans-I/O core: it posts at most one wake per worker attempt
+and holds each until acknowledged. `WakeLog` makes it survive a crash: posts
+and acks are appended to a checksummed log (the journal's framing), replayed
+on start, and compacted to what is still pending.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from pathlib import Path
+
+import msgspec
+
+from subagentd.protocol import Wake, WorkerState
+
+from ._journal import ENTRY_HEADER
+
+#: A parent that wakes are for: ("run", run id) or ("worker", worker id).
+WakeKey = tuple[str, str]
+
+
+def key_of(wake: Wake) -> WakeKey:
+    return ("worker", wake.parent) if wake.parent is not None else ("run", wake.run)
+
+
+class WakeQueue:
+    def __init__(self) -> None:
+        self.pending: dict[int, Wake] = {}
+        self.last_seq = 0
+        self._posted: set[tuple[str, int]] = set()  # (worker id, attempt)
+
+    def post(
+        self,
+        *,
+        worker: str,
+        run: str,
+        parent: str | None,
+        state: WorkerState,
+        exit_code: int | None,
+        preview: str,
+        attempt: int,
+    ) -> Wake | None:
+        """The wake for this ending, or None if this attempt already posted one."""
+        if (worker, attempt) in self._posted:
+            return None
+        self.last_seq += 1
+        wake = Wake(
+            seq=self.last_seq,
+            id=worker,
+            run=run,
+            parent=parent,
+            state=state,
+            exit_code=exit_code,
+            preview=preview,
+            attempt=attempt,
+        )
+        self.restore(wake)
+        return wake
+
+    def restore(self, wake: Wake) -> None:
+        """Take back a wake read from the log."""
+        self._posted.add((wake.id, wake.attempt))
+        self.pending[wake.seq] = wake
+        self.last_seq = max(self.last_seq, wake.seq)
+
+    def was_posted(self, worker: str, attempt: int) -> bool:
+        return (worker, attempt) in self._posted
+
+    def pending_for(self, key: WakeKey, after: int = 0) -> list[Wake]:
+        """Unacknowledged wakes for `key` with seq > after, oldest first."""
+        return sorted(
+            (w for w in self.pending.values() if w.seq > after and key_of(w) == key),
+            key=lambda w: w.seq,
+        )
+
+    def ack(self, seqs: list[int]) -> None:
+        for seq in seqs:
+            self.pending.pop(seq, None)
+
+
+class _Post(msgspec.Struct, tag="post"):
+    wake: Wake
+
+
+class _Ack(msgspec.Struct, tag="ack"):
+    seqs: list[int]
+
+
+class _Floor(msgspec.Struct, tag="floor"):
+    """Written by compaction: seqs up to here were used, even if none is pending."""
+
+    last_seq: int
+
+
+_Record = _Post | _Ack | _Floor
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(_Record)
+
+
+class WakeLog:
+    """The queue's file: every post and ack appended, so a crash loses none."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd: int | None = None
+        self._records = 0
+        self._size = 0
+
+    def open(self) -> WakeQueue:
+        """Replay the log into a queue (a torn tail is cut), then compact it."""
+        queue = WakeQueue()
+        try:
+            blob = self.path.read_bytes()
+        except FileNotFoundError:
+            blob = b""
+        offset = 0
+        while offset + ENTRY_HEADER.size <= len(blob):
+            length, crc = ENTRY_HEADER.unpack_from(blob, offset)
+            body = blob[offset + ENTRY_HEADER.size : offset + ENTRY_HEADER.size + length]
+            if len(body) < length or zlib.crc32(body) != crc:
+                break  # a torn tail: the post or ack it held never completed
+            match _decoder.decode(body):
+                case _Post(wake=wake):
+                    queue.restore(wake)
+                case _Ack(seqs=seqs):
+                    queue.ack(seqs)
+                case _Floor(last_seq=last_seq):
+                    queue.last_seq = max(queue.last_seq, last_seq)
+            offset += ENTRY_HEADER.size + length
+        self.compact(queue)
+        return queue
+
+    def compact(self, queue: WakeQueue) -> None:
+        """Rewrite the log as just what is pending, atomically."""
+        records: list[_Record] = [_Floor(queue.last_seq)]
+        records += [_Post(w) for w in sorted(queue.pending.values(), key=lambda w: w.seq)]
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        data = b"".join(_frame(r) for r in records)
+        try:
+            if os.write(fd, data) != len(data):
+                raise OSError(28, "short write compacting the wake log (disk full?)", str(tmp))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.path)
+        if self._fd is not None:
+            os.close(self._fd)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+        self._records = len(records)
+        self._size = len(data)
+
+    def posted(self, wake: Wake) -> None:
+        self._append(_Post(wake))
+
+    def acked(self, seqs: list[int]) -> None:
+        self._append(_Ack(seqs))
+
+    def should_compact(self, queue: WakeQueue) -> bool:
+        return self._records > 1000 and self._records > 4 * (len(queue.pending) + 1)
+
+    def _append(self, record: _Record) -> None:
+        assert self._fd is not None, "WakeLog.open was not called"
+        data = _frame(record)
+        if os.write(self._fd, data) != len(data):
+            # Cut the partial record, or every later one would follow garbage.
+            os.ftruncate(self._fd, self._size)
+            raise OSError(28, "short write to the wake log (disk full?)", str(self.path))
+        self._records += 1
+        self._size += len(data)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _frame(record: _Record) -> bytes:
+    body = _encoder.encode(record)
+    return ENTRY_HEADER.pack(len(body), zlib.crc32(body)) + body
