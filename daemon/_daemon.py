@@ -577,11 +577,13 @@ class Daemon:
     ) -> None:
         """Send every unacknowledged wake for `key`; with `follow`, then each new one."""
         sent = 0
+        first = True  # the first page always goes: it confirms the subscription
         while True:
             posted = self._wakes_posted
             wakes = self.wakes.pending_for(key, after=sent)
-            if wakes or not follow:
+            if wakes or first:
                 await send(wakes, not follow)
+            first = False
             if not follow:
                 return
             if wakes:

@@ -236,6 +236,14 @@ ClientMessage = (
     | Collect
     | Wait
     | Info
+    | BeginTurn
+    | Cancel
+    | SetFence
+    | CancelFence
+    | ClearFence
+    | WaitRunStopped
+    | Subscribe
+    | Ack
     | Abort
 )
 
@@ -329,6 +337,10 @@ DaemonMessage = (
     | Page
     | ResultReply
     | InfoReply
+    | TurnReply
+    | Cancelled
+    | FenceReply
+    | Wakes
     | Done
     | Error
 )

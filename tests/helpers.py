@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable
 from pathlib import Path
 
+import trio
+
+from subagentd import protocol as p
 from subagentd.client import AsyncClient
-from subagentd.protocol import Stop, Stopped
+from subagentd.protocol import DaemonMessage, Stop, Stopped
 
 
 def sh(script: str) -> list[str]:
@@ -52,3 +56,31 @@ async def stop_ids(client: AsyncClient, worker_id: str) -> list[str]:
     reply = await client.request(Stop(id=0, worker=worker_id))
     assert isinstance(reply, Stopped)
     return reply.stopped
+
+
+class RawConnection:
+    """The wire, with nothing of the client library in between."""
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self.decoder = p.FrameDecoder()
+
+    @classmethod
+    async def open(cls, socket: os.PathLike[str], hello: bool = True) -> RawConnection:
+        conn = cls(await trio.open_unix_socket(os.fspath(socket)))
+        if hello:
+            await conn.send(p.Hello(id=1))
+            assert isinstance(await conn.receive(), p.Welcome)
+        return conn
+
+    async def send(self, message: p.Request) -> None:
+        await self.stream.send_all(p.encode(message))
+
+    async def receive(self) -> DaemonMessage | None:
+        """The next message, or None once the daemon closed the connection."""
+        while (body := self.decoder.next_frame()) is None:
+            data = await self.stream.receive_some(65536)
+            if not data:
+                return None
+            self.decoder.feed(data)
+        return p.daemon_decoder.decode(body)

@@ -13,38 +13,9 @@ import pytest
 import trio
 
 from subagentd import protocol as p
-from subagentd.protocol import DaemonMessage
 
 from .conftest import DaemonProcess
-
-
-class RawConnection:
-    """The wire, with nothing of the client library in between."""
-
-    def __init__(self, stream: trio.SocketStream) -> None:
-        self.stream = stream
-        self.decoder = p.FrameDecoder()
-
-    @classmethod
-    async def open(cls, daemon: DaemonProcess, hello: bool = True) -> RawConnection:
-        conn = cls(await trio.open_unix_socket(str(daemon.socket)))
-        if hello:
-            await conn.send(p.Hello(id=1))
-            assert isinstance(await conn.receive(), p.Welcome)
-        return conn
-
-    async def send(self, message: p.Request) -> None:
-        await self.stream.send_all(p.encode(message))
-
-    async def receive(self) -> DaemonMessage | None:
-        """The next message, or None once the daemon closed the connection."""
-        while (body := self.decoder.next_frame()) is None:
-            data = await self.stream.receive_some(65536)
-            if not data:
-                return None
-            self.decoder.feed(data)
-        return p.daemon_decoder.decode(body)
-
+from .helpers import RawConnection
 
 Connect = Callable[..., Awaitable[RawConnection]]
 
@@ -55,7 +26,7 @@ async def connect(daemon: DaemonProcess) -> AsyncIterator[Connect]:
     opened: list[RawConnection] = []
 
     async def open_connection(hello: bool = True) -> RawConnection:
-        conn = await RawConnection.open(daemon, hello)
+        conn = await RawConnection.open(daemon.socket, hello)
         opened.append(conn)
         return conn
 
