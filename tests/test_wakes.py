@@ -20,10 +20,12 @@ async def client(daemon: DaemonProcess) -> AsyncIterator[AsyncClient]:
         yield client
 
 
-async def _pending(daemon: DaemonProcess, **parent: str) -> list[p.Wake]:
+async def _pending(
+    daemon: DaemonProcess, run: str | None = None, worker: str | None = None
+) -> list[p.Wake]:
     conn = await RawConnection.open(daemon.socket)
     async with conn.stream:
-        await conn.send(p.Subscribe(id=2, **parent))
+        await conn.send(p.Subscribe(id=2, run=run, worker=worker))
         reply = await conn.receive()
         assert isinstance(reply, p.Wakes)
         assert reply.complete
