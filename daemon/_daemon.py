@@ -8,6 +8,7 @@ pidfd and journal until the worker has ended.
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 import os
@@ -51,6 +52,8 @@ PIPE_DRAIN_SECONDS = 1.0
 DEFAULT_FINISHED_TTL = 900.0
 #: Days an ended worker's archive is kept on disk (`--keep-archives`).
 DEFAULT_KEEP_ARCHIVES_DAYS = 14.0
+#: Ended workers' journals kept open for paging, the most recently read first.
+OPEN_JOURNALS = 16
 #: A wake carries this much of the result, so a parent rarely needs to collect.
 WAKE_PREVIEW_CHARS = 200
 #: A watch page never holds more entries than this, whatever the client asks.
@@ -115,6 +118,7 @@ class Daemon:
         self._nursery: trio.Nursery | None = None
         self._run_stopped: dict[str, trio.Event] = {}
         self.processes = ProcessTable()
+        self._journals: collections.OrderedDict[str, Journal] = collections.OrderedDict()
         self.wake_log = WakeLog(state_dir.root / "wakes.log")
         self.wakes = self.wake_log.open()
         self._wakes_posted = trio.Event()
@@ -140,10 +144,11 @@ class Daemon:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Host the workers' supervise tasks and the retention timers until cancelled."""
+        await self._prune_archives_once()  # before serving: nobody reads a doomed archive
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             nursery.start_soon(self._expire_handles)
-            nursery.start_soon(self._prune_archives)
+            nursery.start_soon(self._prune_archives_daily)
             task_status.started()
             await trio.sleep_forever()
 
@@ -519,19 +524,26 @@ class Daemon:
             raise Invalid(f"watch needs since >= 0 and limit >= 1, not {since} and {limit}")
         found = self.lookup(worker_id)
         live = self.live.get(worker_id)
-        if live is not None:
-            journal = live.journal
-        else:
-            try:
-                journal = Journal.open(Path(found.archive) / Archive.JOURNAL, writable=False)
-            except FileNotFoundError:
-                raise NotFound(
-                    f"worker {worker_id}'s journal is gone (its archive was pruned)"
-                ) from None
+        journal = live.journal if live is not None else self._ended_journal(found)
         entries = journal.read(since, min(limit, MAX_PAGE_ENTRIES))
         cursor = entries[-1].seq if entries else since
         complete = live is None and cursor >= journal.last_seq
         return Page(id=0, entries=entries, next=cursor, complete=complete)
+
+    def _ended_journal(self, found: WorkerRecord | Tombstone) -> Journal:
+        """An ended worker's journal, opened (and verified) once for many pages."""
+        journal = self._journals.pop(found.id, None)
+        if journal is None:
+            try:
+                journal = Journal.open(Path(found.archive) / Archive.JOURNAL, writable=False)
+            except FileNotFoundError:
+                raise NotFound(
+                    f"worker {found.id}'s journal is gone (its archive was pruned)"
+                ) from None
+        self._journals[found.id] = journal
+        while len(self._journals) > OPEN_JOURNALS:
+            self._journals.popitem(last=False)
+        return journal
 
     async def follow(
         self, worker_id: str, since: int, limit: int, send: Callable[[Page], Awaitable[None]]
@@ -624,16 +636,19 @@ class Daemon:
             with trio.move_on_after(math.inf if deadline is None else deadline - now):
                 await changed.wait()
 
-    async def _prune_archives(self) -> None:
-        """Delete archives of workers that ended more than the keep period ago; daily."""
+    async def _prune_archives_once(self) -> None:
+        """Delete archives of workers that ended more than the keep period ago."""
+        cutoff = self.clock() - self.keep_archives_days * 86400
+        pruned = await trio.to_thread.run_sync(
+            prune_archives, self.state_dir.archives, cutoff, set(self.registry.workers)
+        )
+        if pruned:
+            log.info("archives.pruned", count=pruned)
+
+    async def _prune_archives_daily(self) -> None:
         while True:
-            cutoff = self.clock() - self.keep_archives_days * 86400
-            pruned = await trio.to_thread.run_sync(
-                prune_archives, self.state_dir.archives, cutoff, set(self.registry.workers)
-            )
-            if pruned:
-                log.info("archives.pruned", count=pruned)
             await trio.sleep(86400)
+            await self._prune_archives_once()
 
     def info(self) -> DaemonInfo:
         return DaemonInfo(

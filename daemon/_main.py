@@ -71,20 +71,20 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--finished-ttl",
-        type=_seconds,
+        type=_non_negative,
         default=DEFAULT_FINISHED_TTL,
         metavar="S",
         help="keep a finished worker's handle this long uncollected (default: %(default)s s)",
     )
     parser.add_argument(
         "--idle-exit",
-        type=_seconds,
+        type=_non_negative,
         metavar="S",
         help="exit after S idle seconds when that loses nothing (for socket activation)",
     )
     parser.add_argument(
         "--keep-archives",
-        type=_seconds,
+        type=_non_negative,
         default=DEFAULT_KEEP_ARCHIVES_DAYS,
         metavar="DAYS",
         help="delete an ended worker's archive after this many days (default: %(default)s)",
@@ -98,7 +98,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _seconds(text: str) -> float:
+def _non_negative(text: str) -> float:
     value = float(text)
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not zero or more")
@@ -167,7 +167,7 @@ async def _until_idle(
         with trio.move_on_after(seconds) as quiet:
             await activity.wait()
         if quiet.cancelled_caught:
-            log.info("daemon.idle_exit", idle_seconds=seconds)
+            log.info("daemon.idle_exit", idle_non_negative=seconds)
             done.cancel()
             return
 
