@@ -20,6 +20,7 @@ from subagentd.protocol import DaemonInfo, Entry, Page, Reply, Request, WorkerRe
 from subagentd.protocol.errors import ConnectionLost
 
 from . import _core
+from ._switch import StopSwitch
 
 T = TypeVar("T")
 
@@ -146,6 +147,52 @@ class AsyncClient:
 
     async def info(self) -> DaemonInfo:
         return await self._call(_core.info())
+
+    @contextlib.asynccontextmanager
+    async def stop_switch(self, outer: str | None = None) -> AsyncIterator[StopSwitch]:
+        """A new run, nested in ``outer`` if given (stopping that stops this one), and the
+        `StopSwitch` that spawns into it and stops it.
+
+        Like a trio cancel scope, the block leaves nothing behind: however it is
+        left (done, raising, or cancelled), the run is stopped on the way out,
+        with whatever is still in flight in it, and the block ends once those
+        processes are gone (TERM, then KILL after each worker's grace period).
+        A run already stopped is left as it is. The client stays open.
+        """
+        switch = StopSwitch(self, await self.new_run(outer))
+        try:
+            yield switch
+        finally:
+            # Shielded: a block left because it was cancelled must still stop its run.
+            with trio.CancelScope(shield=True):
+                await self.stop_run(switch.run)
+
+    async def wait_run_stopped(self, run_id: str) -> None:
+        """Return once the run is stopped, however: `stop_run` from any client, or an outer
+        run's."""
+        await self._call(_core.wait_run_stopped(run_id))
+
+    async def begin_turn(self) -> int:
+        """Advance the turn generation; workers registered from now on carry the new one."""
+        return await self._call(_core.begin_turn())
+
+    async def cancel(self, scope: str) -> list[str]:
+        """Stop every worker in ``scope`` (``all``, ``turn:G``, ``run:R``, ``worker:W``);
+        answers the ids newly cancelled, sorted."""
+        return await self._call(_core.cancel(scope))
+
+    async def set_fence(self) -> int:
+        """Set a launch fence, replacing any other; answers its epoch."""
+        return await self._call(_core.set_fence())
+
+    async def cancel_fence(self, epoch: int) -> list[str]:
+        """Stop what registered under fence ``epoch`` and, until another fence replaces it,
+        every later spawn at birth; answers the ids stopped (none for a stale epoch)."""
+        return await self._call(_core.cancel_fence(epoch))
+
+    async def clear_fence(self) -> None:
+        """Remove the launch fence: later spawns belong to none."""
+        await self._call(_core.clear_fence())
 
     async def request(self, message: Request) -> Reply:
         """Send any request under a fresh id and answer its reply, or raise the error it carries."""

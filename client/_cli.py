@@ -18,6 +18,7 @@ from typing import Any, BinaryIO, Protocol
 import msgspec
 
 from subagentd.protocol import (
+    TERMINAL_STATES,
     DaemonInfo,
     Entry,
     Stop,
@@ -63,6 +64,9 @@ class Output(Protocol):
     def workers(self, views: list[WorkerView]) -> None: ...
     def run(self, run_id: str) -> None: ...
     def stopped(self, ids: list[str]) -> None: ...
+    def cancelled(self, ids: list[str]) -> None: ...
+    def turn(self, turn: int) -> None: ...
+    def fence(self, epoch: int | None) -> None: ...
     def entry(self, entry: Entry) -> None: ...
     def result(self, result: WorkerResult) -> None: ...
     def info(self, info: DaemonInfo) -> None: ...
@@ -95,6 +99,13 @@ class Human:
 
     def spawned(self, view: WorkerView) -> None:
         print(f"{view.id} (run {view.run})")
+        if view.state in TERMINAL_STATES:
+            # Registered but never run: a cancelled launch fence, or an exec that failed.
+            print(
+                f"subagentctl: {view.id} is already {view.state}; "
+                f"`subagentctl watch {view.id}` says why",
+                file=sys.stderr,
+            )
 
     def ended(self, view: WorkerView) -> None:
         exit_code = "" if view.exit_code is None else f", exit code {view.exit_code}"
@@ -119,6 +130,19 @@ class Human:
             print("nothing was left running to stop", file=sys.stderr)
         for worker_id in ids:
             print(worker_id)
+
+    def cancelled(self, ids: list[str]) -> None:
+        if not ids:
+            print("nothing was left running to cancel", file=sys.stderr)
+        for worker_id in ids:
+            print(worker_id)
+
+    def turn(self, turn: int) -> None:
+        print(turn)
+
+    def fence(self, epoch: int | None) -> None:
+        if epoch is not None:  # a cleared fence is said by the exit status alone
+            print(epoch)
 
     def entry(self, entry: Entry) -> None:
         match entry.kind:
@@ -171,6 +195,15 @@ class Json:
 
     def stopped(self, ids: list[str]) -> None:
         _dump({"stopped": ids})
+
+    def cancelled(self, ids: list[str]) -> None:
+        _dump({"cancelled": ids})
+
+    def turn(self, turn: int) -> None:
+        _dump({"turn": turn})
+
+    def fence(self, epoch: int | None) -> None:
+        _dump({"epoch": epoch})
 
     def entry(self, entry: Entry) -> None:
         data = entry.data.decode(errors="replace")
@@ -275,6 +308,24 @@ def info(daemon: Client, args: argparse.Namespace, out: Output) -> None:
     out.info(daemon.info())
 
 
+def turn(daemon: Client, args: argparse.Namespace, out: Output) -> None:
+    out.turn(daemon.begin_turn())
+
+
+def cancel(daemon: Client, args: argparse.Namespace, out: Output) -> None:
+    out.cancelled(daemon.cancel(args.scope))
+
+
+def fence(daemon: Client, args: argparse.Namespace, out: Output) -> None:
+    if args.cancel is not None:
+        out.cancelled(daemon.cancel_fence(args.cancel))
+    elif args.clear:
+        daemon.clear_fence()
+        out.fence(None)
+    else:
+        out.fence(daemon.set_fence())
+
+
 Command = Callable[[Client, argparse.Namespace, Output], None]
 
 
@@ -302,8 +353,11 @@ def parser() -> argparse.ArgumentParser:
     )
     commands = top.add_subparsers(metavar="COMMAND", required=True)
 
-    def command(name: str, run: Command, summary: str) -> argparse.ArgumentParser:
-        sub = commands.add_parser(name, help=summary, description=summary)
+    def command(
+        name: str, run: Command, summary: str, details: str = ""
+    ) -> argparse.ArgumentParser:
+        description = f"{summary} {details}" if details else summary
+        sub = commands.add_parser(name, help=summary, description=description)
         # The parser too, so that a check argparse cannot express reports with this command's usage.
         sub.set_defaults(command=run, parser=sub)
         return sub
@@ -368,6 +422,49 @@ def parser() -> argparse.ArgumentParser:
 
     sub = command("wait", wait, "Block until a worker ends, then print how it ended.")
     sub.add_argument("worker", metavar="ID")
+
+    command(
+        "turn",
+        turn,
+        "Begin a turn and print its generation.",
+        "Workers registered from now on carry it; `cancel turn:G` stops the workers of turn G.",
+    )
+
+    sub = command(
+        "cancel",
+        cancel,
+        "Stop every worker in a scope and print the ids cancelled.",
+        "Workers already ended or stopping are left as they are. A worker's own "
+        "subagentctl may cancel only worker:W within its subtree.",
+    )
+    sub.add_argument(
+        "scope",
+        metavar="SCOPE",
+        help="`all`; `turn:G`, the workers registered in turn G; `run:R`, run R and the runs "
+        "nested in it; `worker:W`, worker W and everything it delegated",
+    )
+
+    sub = command(
+        "fence",
+        fence,
+        "Set a launch fence and print its epoch (or cancel or clear it).",
+        "Cancelling the fence by its epoch stops every worker registered under it and "
+        "stops at birth (state stopped, never run) every later spawn, until a new fence "
+        "replaces it or it is cleared; a stale epoch cancels nothing. A worker's own "
+        "subagentctl may not touch the fence.",
+    )
+    action = sub.add_mutually_exclusive_group()
+    action.add_argument(
+        "--cancel",
+        metavar="E",
+        type=int,
+        help="cancel the fence of epoch E instead, and print the ids it stopped",
+    )
+    action.add_argument(
+        "--clear",
+        action="store_true",
+        help="remove the fence instead: later spawns start as usual (--json prints epoch null)",
+    )
 
     command("info", info, "Show the daemon's version, pid, reloads and workers by state.")
     return top

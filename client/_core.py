@@ -19,10 +19,17 @@ import msgspec
 
 from subagentd.protocol import (
     Abort,
+    BeginTurn,
+    Cancel,
+    CancelFence,
+    Cancelled,
+    ClearFence,
     Collect,
     DaemonInfo,
+    Done,
     Entry,
     Error,
+    FenceReply,
     FrameDecoder,
     Hello,
     Info,
@@ -34,12 +41,15 @@ from subagentd.protocol import (
     Request,
     ResultReply,
     RunReply,
+    SetFence,
     Spawn,
     Status,
     Stop,
     Stopped,
     StopRun,
+    TurnReply,
     Wait,
+    WaitRunStopped,
     Watch,
     Welcome,
     WorkerList,
@@ -169,6 +179,22 @@ def _info(reply: Reply) -> DaemonInfo:
     return expect(reply, InfoReply).info
 
 
+def _turn(reply: Reply) -> int:
+    return expect(reply, TurnReply).turn
+
+
+def _cancelled(reply: Reply) -> list[str]:
+    return expect(reply, Cancelled).cancelled
+
+
+def _epoch(reply: Reply) -> int:
+    return expect(reply, FenceReply).epoch
+
+
+def _done(reply: Reply) -> None:
+    expect(reply, Done)
+
+
 def hello(worker_token: str | None) -> Call[Welcome]:
     return Call(
         Hello(id=0, token=worker_token, client=f"subagentd.client/{package_version()}"), _welcome
@@ -245,6 +271,30 @@ def wait(worker_id: str) -> Call[WorkerView]:
 
 def info() -> Call[DaemonInfo]:
     return Call(Info(id=0), _info)
+
+
+def wait_run_stopped(run_id: str) -> Call[None]:
+    return Call(WaitRunStopped(id=0, run=run_id), _done)
+
+
+def begin_turn() -> Call[int]:
+    return Call(BeginTurn(id=0), _turn)
+
+
+def cancel(scope: str) -> Call[list[str]]:
+    return Call(Cancel(id=0, scope=scope), _cancelled)
+
+
+def set_fence() -> Call[int]:
+    return Call(SetFence(id=0), _epoch)
+
+
+def cancel_fence(epoch: int) -> Call[list[str]]:
+    return Call(CancelFence(id=0, epoch=epoch), _cancelled)
+
+
+def clear_fence() -> Call[None]:
+    return Call(ClearFence(id=0), _done)
 
 
 class JournalCursor:

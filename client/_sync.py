@@ -157,6 +157,33 @@ class Client:
     def info(self) -> DaemonInfo:
         return self._call(_core.info())
 
+    def wait_run_stopped(self, run_id: str) -> None:
+        """Block until the run is stopped, however: `stop_run` from any client, or an outer
+        run's. Bounded by the client's ``timeout`` (`TimeoutError`, the wait abandoned)."""
+        self._call(_core.wait_run_stopped(run_id))
+
+    def begin_turn(self) -> int:
+        """Advance the turn generation; workers registered from now on carry the new one."""
+        return self._call(_core.begin_turn())
+
+    def cancel(self, scope: str) -> list[str]:
+        """Stop every worker in ``scope`` (``all``, ``turn:G``, ``run:R``, ``worker:W``);
+        answers the ids newly cancelled, sorted."""
+        return self._call(_core.cancel(scope))
+
+    def set_fence(self) -> int:
+        """Set a launch fence, replacing any other; answers its epoch."""
+        return self._call(_core.set_fence())
+
+    def cancel_fence(self, epoch: int) -> list[str]:
+        """Stop what registered under fence ``epoch`` and, until another fence replaces it,
+        every later spawn at birth; answers the ids stopped (none for a stale epoch)."""
+        return self._call(_core.cancel_fence(epoch))
+
+    def clear_fence(self) -> None:
+        """Remove the launch fence: later spawns belong to none."""
+        self._call(_core.clear_fence())
+
     def request(self, message: Request) -> Reply:
         """Send any request under a fresh id and answer its reply, or raise the error it carries."""
         request_id = self._send(message)

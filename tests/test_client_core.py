@@ -13,19 +13,29 @@ from subagentd.client import _core
 from subagentd.protocol import (
     HEADER,
     Abort,
+    BeginTurn,
+    Cancel,
+    CancelFence,
+    Cancelled,
+    ClearFence,
     DaemonInfo,
     Done,
     Entry,
     Error,
+    FenceReply,
     FrameDecoder,
     Hello,
     InfoReply,
     Page,
+    Reply,
     ResultReply,
     RunReply,
+    SetFence,
     Spawn,
     Status,
     Stopped,
+    TurnReply,
+    WaitRunStopped,
     Welcome,
     WorkerList,
     WorkerReply,
@@ -175,6 +185,36 @@ def test_each_call_returns_the_value_inside_its_reply() -> None:
     assert _core.hello(None).answer(Welcome(id=1, version=1, daemon_version="0.1.0", pid=9))
 
 
+def test_turns_cancels_and_fences_answer_what_their_replies_carry() -> None:
+    assert _core.begin_turn().answer(TurnReply(id=2, turn=4)) == 4
+    assert _core.cancel("turn:4").answer(Cancelled(id=2, cancelled=["w-1", "w-2"])) == [
+        "w-1",
+        "w-2",
+    ]
+    assert _core.set_fence().answer(FenceReply(id=2, epoch=7)) == 7
+    assert _core.cancel_fence(7).answer(Cancelled(id=2, cancelled=[])) == []
+    assert _core.clear_fence().answer(Done(id=2)) is None
+    assert _core.wait_run_stopped("r-1").answer(Done(id=2)) is None
+
+
+def test_turns_cancels_and_fences_send_what_they_were_given() -> None:
+    assert _core.begin_turn().request == BeginTurn(id=0)
+    assert _core.cancel("worker:w-1").request == Cancel(id=0, scope="worker:w-1")
+    assert _core.set_fence().request == SetFence(id=0)
+    assert _core.cancel_fence(3).request == CancelFence(id=0, epoch=3)
+    assert _core.clear_fence().request == ClearFence(id=0)
+    assert _core.wait_run_stopped("r-1").request == WaitRunStopped(id=0, run="r-1")
+
+
+def test_a_refused_cancel_raises_what_the_daemon_said() -> None:
+    with pytest.raises(Invalid, match="turn:G"):
+        _core.cancel("bogus").answer(
+            Error(id=2, code="invalid", message="cannot cancel 'bogus': a scope is `turn:G`...")
+        )
+    with pytest.raises(Forbidden):
+        _core.set_fence().answer(Error(id=2, code="forbidden", message="not for a worker"))
+
+
 def test_stop_answers_false_for_a_worker_never_seen() -> None:
     call = _core.stop("w-404")
     assert call.answer(Stopped(id=2, found=False, stopped=[])) is False
@@ -257,6 +297,26 @@ def test_a_stream_keeps_its_pages_while_another_request_is_answered() -> None:
     assert conn.next_reply(stop) == Stopped(id=stop, found=True, stopped=["w-1"])
     assert conn.next_reply(stream) == page(stream, [1], next=1)
     assert conn.next_reply(stream) == page(stream, [2], next=2, complete=True)
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        TurnReply(id=2, turn=1),
+        Cancelled(id=2, cancelled=["w-1"]),
+        FenceReply(id=2, epoch=1),
+        Done(id=2),
+    ],
+    ids=lambda reply: type(reply).__name__,
+)
+def test_the_replies_to_turns_cancels_and_fences_reach_their_request(reply: Reply) -> None:
+    conn = _core.Connection()
+    conn.send(Hello(id=0))
+    request_id, _ = conn.send(BeginTurn(id=0))
+    assert request_id == 2
+    conn.receive_data(encode(reply))
+    assert conn.next_reply(request_id) == reply
+    assert not conn.closed
 
 
 def test_events_and_replies_to_finished_requests_are_dropped() -> None:
