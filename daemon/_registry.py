@@ -133,6 +133,9 @@ class RunRecord(msgspec.Struct, kw_only=True):
     outer: str | None
     created_at: float
     stopped: bool = False
+    #: Made for one spawn that named no run: nobody else holds its id, so it
+    #: may go once its workers have. A run asked for by name stays.
+    implicit: bool = False
 
 
 class Registry:
@@ -246,7 +249,11 @@ class Registry:
                 raise RunStopped(
                     f"worker {parent} has ended ({parent_record.state}); it cannot delegate"
                 )
-        run_record = self.new_run(now) if run is None else self.run(run)
+        if run is None:
+            run_record = self.new_run(now)
+            run_record.implicit = True
+        else:
+            run_record = self.run(run)
         if self.run_stopped(run_record.id):
             raise RunStopped(f"run {run_record.id} was stopped; it starts no new workers")
         worker_id = self._fresh_id("w")
@@ -453,7 +460,8 @@ class Registry:
         A handle goes once it is ended and collected (or expired), and only
         after the workers it delegated: the tree above a live worker stays
         whole, so stops and authority keep walking it. A released parent takes
-        its children's tombstones with it; a run with nothing left goes too.
+        its children's tombstones with it; an implicit run with nothing left
+        goes too, while runs made by name stay (a caller may still hold them).
         """
         released: list[str] = []
         current: str | None = worker_id
@@ -480,16 +488,12 @@ class Registry:
         return record.collected or record.expired
 
     def _release_run(self, run_id: str) -> None:
-        while (
-            run_id in self.runs and not self._run_members[run_id] and not self._inner_runs[run_id]
-        ):
-            run = self.runs.pop(run_id)
+        """Forget an implicit run with nothing left in it (never nested, never named)."""
+        run = self.runs[run_id]
+        if run.implicit and not self._run_members[run_id]:
+            del self.runs[run_id]
             del self._run_members[run_id]
             del self._inner_runs[run_id]
-            if run.outer is None or run.outer not in self._inner_runs:
-                return
-            self._inner_runs[run.outer].remove(run_id)
-            run_id = run.outer
 
     # -- views ---------------------------------------------------------------
 

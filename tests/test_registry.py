@@ -199,3 +199,31 @@ class RegistryMachine(RuleBasedStateMachine):
 
 
 TestRegistryMachine = RegistryMachine.TestCase
+
+
+def test_a_named_run_outlives_its_collected_workers_and_an_implicit_one_does_not() -> None:
+    reg = _registry()
+    named = reg.new_run(0.0)
+    w = _spawn(reg, run=named.id)
+    lone = _spawn(reg)
+    for record in (w, lone):
+        reg.ended(record.id, 0, 1.0)
+        reg.collect(record.id)
+        assert reg.release(record.id) == [record.id]
+    assert named.id in reg.runs
+    assert lone.run not in reg.runs
+    reg.stop_run(named.id)
+    with pytest.raises(RunStopped):
+        _spawn(reg, run=named.id)
+
+
+def test_a_parent_is_released_only_after_its_children() -> None:
+    reg = _registry()
+    parent = _spawn(reg)
+    child = _spawn(reg, parent=parent.id)
+    reg.ended(parent.id, 0, 1.0)
+    reg.collect(parent.id)
+    assert reg.release(parent.id) == []  # its child still needs the tree above it
+    reg.ended(child.id, 0, 1.0)
+    reg.collect(child.id)
+    assert reg.release(child.id) == [child.id, parent.id]

@@ -37,9 +37,13 @@ async def test_every_ending_wakes_its_parent_once(
 ) -> None:
     with trio.fail_after(20):
         run = await client.new_run()
-        ok = await client.spawn(sh("echo all good"), run=run)
+        gate = daemon.root / "gate"  # `ok` lives until its child is registered
+        ok = await client.spawn(
+            sh(f"while [ ! -e {gate} ]; do sleep 0.02; done; echo all good"), run=run
+        )
         bad = await client.spawn(sh("echo broken; exit 4"), run=run)
         child = await client.spawn(["true"], parent=ok.id)
+        gate.touch()
         for w in (ok, bad, child):
             await client.wait(w.id)
         wakes = await _pending(daemon, run=run)
