@@ -33,14 +33,14 @@ from subagentd.protocol import (
     WorkerView,
     package_version,
 )
-from subagentd.protocol.errors import Busy, Forbidden, Invalid, NotFound
+from subagentd.protocol.errors import Busy, Forbidden, Invalid, NotFound, Reloading
 
 from ._agents import AgentDef, ConfigError, load_agents
 from ._archive import STDOUT_TAIL_BYTES, Archive, Snapshot, prune_archives
 from ._journal import Journal
 from ._process import SpawnFailed, WorkerProcess, pump
 from ._registry import TOMBSTONE_OUTPUT, Registry, Tombstone, WorkerRecord
-from ._statedir import StateDir
+from ._statedir import StateDir, save_run
 from ._tree import ProcessTable, end_tree
 from ._wakes import WakeKey, WakeLog
 
@@ -48,6 +48,8 @@ log = structlog.get_logger("subagentd")
 
 #: After the tree is gone, how long the pipes may take to give up what they hold.
 PIPE_DRAIN_SECONDS = 1.0
+#: What a client refused during a reload is told to wait before it tries again.
+RELOAD_RETRY = 0.2
 #: Seconds a finished worker's handle is kept uncollected (`--finished-ttl`).
 DEFAULT_FINISHED_TTL = 900.0
 #: Days an ended worker's archive is kept on disk (`--keep-archives`).
@@ -91,6 +93,14 @@ class LiveWorker:
     terminating: bool = False
     stdout_tail: bytearray = field(default_factory=bytearray)
 
+    def reset_supervision(self) -> None:
+        """Fresh per-supervision state for a (re)adopted worker; a stop asked before stands."""
+        self.exited = trio.Event()
+        self.terminated = trio.Event()
+        self.terminating = False
+        if self.record.stop_reason is not None:
+            self.stop_asked.set()
+
 
 class Daemon:
     def __init__(
@@ -116,9 +126,18 @@ class Daemon:
         self.agents: dict[str, AgentDef] = {}
         self.config_error: str | None = None
         self._nursery: trio.Nursery | None = None
+        self._supervision = trio.CancelScope()
+        self._frozen = trio.Event()
+        self._thawed = trio.Event()
+        self._thaw_asked = trio.Event()
+        self._starting = 0  # spawns between registration and their supervise task
+        self._spawned = trio.Event()
+        #: While set, spawns are refused with `reloading` (a reload's launch fence).
+        self.reloading = False
         self._run_stopped: dict[str, trio.Event] = {}
         self.processes = ProcessTable()
         self._journals: collections.OrderedDict[str, Journal] = collections.OrderedDict()
+        self.runs_dir = state_dir.root / "runs"
         self.wake_log = WakeLog(state_dir.root / "wakes.log")
         self.wakes = self.wake_log.open()
         self._wakes_posted = trio.Event()
@@ -143,14 +162,49 @@ class Daemon:
             log.error("config.invalid", error=self.config_error)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Host the workers' supervise tasks and the retention timers until cancelled."""
+        """Host the workers' supervise tasks and the retention timers until cancelled.
+
+        A reload freezes supervision (`freeze`): every supervise task is
+        cancelled, leaving each worker's descriptors open and its process
+        unreaped, so the registry holds still while it is written down. If the
+        exec fails, `thaw` adopts every worker again, down the same path a new
+        image takes.
+        """
         await self._prune_archives_once()  # before serving: nobody reads a doomed archive
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            nursery.start_soon(self._expire_handles)
-            nursery.start_soon(self._prune_archives_daily)
-            task_status.started()
-            await trio.sleep_forever()
+        async with trio.open_nursery() as timers:
+            timers.start_soon(self._expire_handles)
+            timers.start_soon(self._prune_archives_daily)
+            started = False
+            while True:
+                with trio.CancelScope() as self._supervision:
+                    async with trio.open_nursery() as nursery:
+                        self._nursery = nursery
+                        for live in self.live.values():
+                            live.reset_supervision()
+                            nursery.start_soon(self._supervise, live)
+                        if not started:
+                            task_status.started()
+                            started = True
+                        self._thawed.set()
+                        await trio.sleep_forever()
+                self._nursery = None
+                self._frozen.set()
+                self._thawed = trio.Event()
+                await self._thaw_asked.wait()
+                self._thaw_asked = trio.Event()
+                self._frozen = trio.Event()
+
+    async def freeze(self) -> None:
+        """Stop supervising (nothing reaped, nothing closed), once no spawn is in flight."""
+        while self._starting:
+            await self._spawned.wait()
+        self._supervision.cancel()
+        await self._frozen.wait()
+
+    async def thaw(self) -> None:
+        """Supervise every live worker again."""
+        self._thaw_asked.set()
+        await self._thawed.wait()
 
     # -- spawning ------------------------------------------------------------
 
@@ -160,11 +214,19 @@ class Daemon:
         From registration to the supervise task, nothing may interrupt: a
         client that hangs up mid-spawn must not leave a process unsupervised.
         """
+        if self.reloading:
+            raise Reloading("the daemon is reloading; spawn again", retry_after=RELOAD_RETRY)
         launch = self._resolve_command(request)
         if caller is not None and request.parent is not None:
             self.registry.authorize(caller, request.parent)
-        with trio.CancelScope(shield=True):
-            view = await self._start(request, caller, launch)
+        self._starting += 1
+        try:
+            with trio.CancelScope(shield=True):
+                view = await self._start(request, caller, launch)
+        finally:
+            self._starting -= 1
+            spawned, self._spawned = self._spawned, trio.Event()
+            spawned.set()
         return view
 
     async def _start(self, request: Spawn, caller: str | None, launch: Launch) -> WorkerView:
@@ -183,6 +245,7 @@ class Daemon:
             grace=launch.grace,
             timeout=launch.timeout,
         )
+        save_run(self.runs_dir, self.registry.runs[record.run])
         archive = Archive(Path(record.archive))
         archive.create()
         archive.write_snapshot(
@@ -328,12 +391,12 @@ class Daemon:
             log.error("journal.write_failed", worker=record.id, error=str(exc))
         journal.close()
         archive.write_stdout_tail(stdout_tail)
-        self._post_wake(record, archive)
+        self.post_wake(record, archive)
         archive.write_record(record)
         self._retention_changed.set()
         self.touch()
 
-    def _post_wake(self, record: WorkerRecord, archive: Archive) -> None:
+    def post_wake(self, record: WorkerRecord, archive: Archive) -> None:
         """One wake for this ending, for its parent; persisted before anyone sees it."""
         wake = self.wakes.post(
             worker=record.id,
@@ -385,13 +448,15 @@ class Daemon:
         """Stop the worker (and what it delegated) once its timeout has passed."""
         timeout = live.record.timeout
         assert timeout is not None
-        with trio.move_on_after(timeout) as deadline:
+        # From its start, not from this supervision's: a reload does not reset it.
+        remaining = live.record.started_at + timeout - self.clock()
+        with trio.move_on_after(max(0.0, remaining)) as deadline:
             await live.exited.wait()
         if deadline.cancelled_caught:
             log.info("worker.timed_out", worker=live.record.id, timeout=timeout)
-            self._ask_stop(self.registry.stop(live.record.id, reason="timeout"))
+            self.ask_stop(self.registry.stop(live.record.id, reason="timeout"))
 
-    def _ask_stop(self, ids: list[str]) -> None:
+    def ask_stop(self, ids: list[str]) -> None:
         for worker_id in ids:
             live = self.live.get(worker_id)
             if live is not None:
@@ -407,25 +472,32 @@ class Daemon:
             return False, []
         self.registry.authorize(caller, worker_id)
         stopped = self.registry.stop(worker_id)
-        self._ask_stop(stopped)
+        self.ask_stop(stopped)
         log.info("worker.stop_asked", worker=worker_id, stopped=stopped)
         if wait:
-            await self._wait_ended(list(self.registry.subtree(worker_id)))
+            await self.wait_ended(list(self.registry.subtree(worker_id)))
         return True, stopped
+
+    def new_run(self, outer: str | None) -> str:
+        run = self.registry.new_run(self.clock(), outer)
+        save_run(self.runs_dir, run)
+        return run.id
 
     async def stop_run(self, run_id: str, *, wait: bool) -> tuple[bool, list[str]]:
         """Stop a run and the runs nested in it: workers in flight, and every later spawn."""
         if run_id not in self.registry.runs:
             return False, []
         stopped = self.registry.stop_run(run_id)
-        self._ask_stop(stopped)
+        for run in self.registry.runs_within(run_id):
+            save_run(self.runs_dir, self.registry.runs[run])
+        self.ask_stop(stopped)
         for run in self.registry.runs_within(run_id):
             if (event := self._run_stopped.pop(run, None)) is not None:
                 event.set()
         log.info("run.stop_asked", run=run_id, stopped=stopped)
         if wait:
             members = [r.id for r in self.registry.listing(include_ended=False, run=run_id)]
-            await self._wait_ended(members)
+            await self.wait_ended(members)
         return True, stopped
 
     async def wait_run_stopped(self, run_id: str) -> None:
@@ -443,24 +515,24 @@ class Daemon:
                 )
             self.registry.authorize(caller, target)
         cancelled = self.registry.cancel(scope)
-        self._ask_stop(cancelled)
+        self.ask_stop(cancelled)
         log.info("scope.cancelled", scope=scope, cancelled=cancelled)
         return cancelled
 
     def cancel_fence(self, epoch: int) -> list[str]:
         cancelled = self.registry.cancel_fence(epoch)
-        self._ask_stop(cancelled)
+        self.ask_stop(cancelled)
         log.info("fence.cancelled", epoch=epoch, cancelled=cancelled)
         return cancelled
 
     async def shutdown(self) -> None:
         """Stop every worker and wait until all are gone."""
         ids = self.registry.stop_all("shutdown")
-        self._ask_stop(ids)
+        self.ask_stop(ids)
         log.info("daemon.stopping_workers", count=len(ids))
-        await self._wait_ended(list(self.live))
+        await self.wait_ended(list(self.live))
 
-    async def _wait_ended(self, ids: list[str]) -> None:
+    async def wait_ended(self, ids: list[str]) -> None:
         for worker_id in ids:
             live = self.live.get(worker_id)
             if live is not None:
@@ -499,13 +571,13 @@ class Daemon:
 
     async def wait(self, worker_id: str) -> WorkerView:
         self.lookup(worker_id)
-        await self._wait_ended([worker_id])
+        await self.wait_ended([worker_id])
         return self.lookup(worker_id).view()
 
     async def collect(self, worker_id: str, *, wait: bool) -> WorkerResult:
         found = self.lookup(worker_id)
         if wait:
-            await self._wait_ended([worker_id])
+            await self.wait_ended([worker_id])
             found = self.lookup(worker_id)
         elif found.state not in TERMINAL_STATES:
             raise Busy(f"worker {worker_id} is still {found.state}; collect --wait waits for it")

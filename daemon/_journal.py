@@ -189,6 +189,11 @@ class Journal:
                     yield _entry(_decoder.decode(f.read(length)))
                 seq += 1
 
+    def tail_bytes(self, kind: EntryKind, limit: int) -> bytes:
+        """The last `limit` bytes of `kind` among the entries still held in memory."""
+        data = b"".join(e.data for e in self._tail if e.kind == kind)
+        return data[-limit:]
+
     def close(self) -> None:
         """Stop writing; the journal stays readable."""
         if self._write_fd is not None:

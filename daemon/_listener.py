@@ -16,6 +16,8 @@ from pathlib import Path
 from ._statedir import ensure_private_dir
 
 BACKLOG = 4096
+#: The first descriptor systemd passes to a socket-activated service.
+SD_LISTEN_FDS_START = 3
 
 
 class SocketInUse(Exception):
@@ -25,14 +27,23 @@ class SocketInUse(Exception):
 class ControlSocket:
     """The listening socket and the file it was bound to."""
 
-    def __init__(self, sock: socket.socket, path: Path) -> None:
+    def __init__(self, sock: socket.socket, path: Path, *, owned: bool = True) -> None:
         self.sock = sock
         self.path = path
+        self.owned = owned  # False: the service manager made the file and keeps it
         # A socket file's inode is not the socket's: remember which file is ours.
-        self.inode = os.stat(path).st_ino
+        self.inode = os.stat(path).st_ino if owned else 0
+
+    @classmethod
+    def inherited(cls, fd: int, path: Path) -> ControlSocket:
+        """The listening socket an earlier image handed across the exec."""
+        os.set_inheritable(fd, False)
+        return cls(socket.socket(fileno=fd), path)
 
     def remove(self) -> None:
         """Unlink the socket file if it is still ours (a successor may have replaced it)."""
+        if not self.owned:
+            return
         with contextlib.suppress(OSError):
             if os.stat(self.path).st_ino == self.inode:
                 self.path.unlink()
@@ -73,3 +84,17 @@ def _answers(path: Path) -> bool:
     finally:
         probe.close()
     return True
+
+
+def activated_socket(path: Path) -> ControlSocket | None:
+    """The listening socket systemd passed (socket activation), if it passed one to us.
+
+    The LISTEN_* variables are consumed here, so no worker ever sees them.
+    """
+    pid, fds = os.environ.pop("LISTEN_PID", None), os.environ.pop("LISTEN_FDS", None)
+    os.environ.pop("LISTEN_FDNAMES", None)
+    if pid is None or fds is None or int(pid) != os.getpid() or int(fds) < 1:
+        return None
+    sock = socket.socket(fileno=SD_LISTEN_FDS_START)
+    os.set_inheritable(SD_LISTEN_FDS_START, False)
+    return ControlSocket(sock, path, owned=False)

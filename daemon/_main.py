@@ -18,17 +18,22 @@ import structlog
 import trio
 
 from subagentd.protocol import (
+    Reply,
     default_config_path,
     default_socket_path,
     default_state_dir,
     package_version,
 )
+from subagentd.protocol.errors import Busy
 
 from ._agents import ConfigError, load_agents
+from ._checkpoint import READS_VERSIONS, Checkpoint, CheckpointUnreadable, read_checkpoint
 from ._daemon import DEFAULT_FINISHED_TTL, DEFAULT_KEEP_ARCHIVES_DAYS, Daemon
-from ._listener import SocketInUse, bind_control_socket
+from ._listener import ControlSocket, SocketInUse, activated_socket, bind_control_socket
 from ._logging import LogFormat, configure_logging
 from ._notify import notify
+from ._recovery import recover
+from ._reload import NO_CARRY_ENV, RELOAD_SIGNALS, Reloader, adopt, reload_reply
 from ._server import Server
 from ._statedir import StateDir, StateDirLocked, ensure_private_dir
 
@@ -43,6 +48,24 @@ class Settings:
     finished_ttl: float = DEFAULT_FINISHED_TTL
     idle_exit: float | None = None
     keep_archives_days: float = DEFAULT_KEEP_ARCHIVES_DAYS
+    log_format: LogFormat | None = None
+    handoff: Path | None = None
+    handoff_fds: tuple[int, int] | None = None
+
+    def daemon_args(self) -> list[str]:
+        """The command line that gives the next image these settings."""
+        args = [
+            "--socket", str(self.socket),
+            "--state-dir", str(self.state_dir),
+            "--config", str(self.config),
+            "--finished-ttl", repr(self.finished_ttl),
+            "--keep-archives", repr(self.keep_archives_days),
+        ]  # fmt: skip
+        if self.idle_exit is not None:
+            args += ["--idle-exit", repr(self.idle_exit)]
+        if self.log_format is not None:
+            args += ["--log-format", self.log_format]
+        return args
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -94,8 +117,25 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="validate the install, the config and the state dir, then exit (0: usable)",
     )
+    parser.add_argument(
+        "--handoff",
+        type=Path,
+        metavar="CHECKPOINT",
+        help="(given by a reload to the next image) adopt what this checkpoint carries",
+    )
+    parser.add_argument(
+        "--handoff-fds",
+        type=_fd_pair,
+        metavar="LISTEN,LOCK",
+        help="(given by a reload) the inherited listening socket and state-dir lock",
+    )
     parser.add_argument("--version", action="version", version=f"subagentd {package_version()}")
     return parser
+
+
+def _fd_pair(text: str) -> tuple[int, int]:
+    listen, _, lock = text.partition(",")
+    return int(listen), int(lock)
 
 
 def _non_negative(text: str) -> float:
@@ -116,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
         finished_ttl=args.finished_ttl,
         idle_exit=args.idle_exit,
         keep_archives_days=args.keep_archives,
+        log_format=log_format,
+        handoff=args.handoff,
+        handoff_fds=args.handoff_fds,
     )
     if args.check:
         return check(settings)
@@ -142,16 +185,31 @@ def check(settings: Settings) -> int:
     print(f"subagentd {package_version()}")
     print(f"config: {settings.config} ({len(agents)} agents)")
     print(f"state dir: {settings.state_dir}")
+    print(f"reads checkpoint versions: {', '.join(map(str, READS_VERSIONS))}")
     for problem in problems:
         print(f"error: {problem}", file=sys.stderr)
     return 1 if problems else 0
 
 
-async def _until_signal(signals: AsyncIterator[int], done: trio.CancelScope) -> None:
+async def _until_signal(
+    signals: AsyncIterator[int], reloader: Reloader, nursery: trio.Nursery, done: trio.CancelScope
+) -> None:
+    """SIGTERM and SIGINT stop the daemon; SIGHUP reloads it, as `subagentctl reload` does."""
     async for signum in signals:
+        if signum == signal.SIGHUP:
+            log.info("daemon.reload_signal")
+            nursery.start_soon(_reload_quietly, reloader)
+            continue
         log.info("daemon.stopping", signal=signal.Signals(signum).name)
         done.cancel()
         return
+
+
+async def _reload_quietly(reloader: Reloader) -> None:
+    try:
+        await reloader.reload(None, 0)
+    except Busy as exc:
+        log.warning("reload.refused", error=str(exc))
 
 
 async def _until_idle(
@@ -173,10 +231,15 @@ async def _until_idle(
 
 
 async def serve(settings: Settings) -> None:
+    handoff = _read_handoff(settings.handoff) if settings.handoff is not None else None
+    inherited = settings.handoff_fds  # (listen, lock): the reload's descriptors, whatever else
     state_dir = StateDir(settings.state_dir)
-    state_dir.acquire()
+    state_dir.acquire(lock_fd=inherited[1] if inherited is not None else None)
     try:
-        control = bind_control_socket(settings.socket)
+        if inherited is not None:
+            control = ControlSocket.inherited(inherited[0], settings.socket)
+        else:
+            control = activated_socket(settings.socket) or bind_control_socket(settings.socket)
     except BaseException:
         state_dir.release()
         raise
@@ -187,23 +250,54 @@ async def serve(settings: Settings) -> None:
         finished_ttl=settings.finished_ttl,
         keep_archives_days=settings.keep_archives_days,
     )
+    adopted: list[tuple[int, Reply]] = []
+    if handoff is not None:
+        carried, stopped = await adopt(daemon, handoff)
+        adopted = [
+            (c.fd, reload_reply(daemon, c.request_id, carried, stopped)) for c in handoff.requesters
+        ]
+        assert settings.handoff is not None
+        settings.handoff.unlink(missing_ok=True)
+        log.info(
+            "reload.adopted",
+            image_generation=daemon.image_generation,
+            carried_live=carried,
+            stopped_by_reload=stopped,
+        )
+    else:
+        await recover(daemon)
     server = Server(daemon)
+    reloader = Reloader(
+        daemon,
+        server,
+        checkpoint_path=settings.state_dir / "checkpoint",
+        listen_fd=control.sock.fileno(),
+        daemon_args=settings.daemon_args(),
+        no_carry=frozenset(filter(None, os.environ.get(NO_CARRY_ENV, "").split(","))),
+    )
+    server.reloader = reloader
     listener = trio.SocketListener(trio.socket.from_stdlib_socket(control.sock))
     try:
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+            # Blocked by the image before us across the exec; ours to take now.
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, RELOAD_SIGNALS)
             async with trio.open_nursery() as nursery:
+                reloader.nursery = nursery
                 await nursery.start(daemon.run)
                 with trio.CancelScope() as serving:
-                    await nursery.start(server.serve, listener)
+                    await nursery.start(server.serve, listener, adopted)
                     notify("READY=1", f"MAINPID={os.getpid()}", "STATUS=serving")
                     log.info(
                         "daemon.serving",
                         socket=str(settings.socket),
                         state_dir=str(settings.state_dir),
                         version=package_version(),
+                        image_generation=daemon.image_generation,
                     )
                     async with trio.open_nursery() as until_stop:
-                        until_stop.start_soon(_until_signal, signals, until_stop.cancel_scope)
+                        until_stop.start_soon(
+                            _until_signal, signals, reloader, nursery, until_stop.cancel_scope
+                        )
                         if settings.idle_exit is not None:
                             until_stop.start_soon(
                                 _until_idle,
@@ -222,3 +316,13 @@ async def serve(settings: Settings) -> None:
         await listener.aclose()
         state_dir.release()
         log.info("daemon.stopped")
+
+
+def _read_handoff(path: Path) -> Checkpoint | None:
+    try:
+        return read_checkpoint(path)
+    except CheckpointUnreadable as exc:
+        # Never start clean over workers we were handed: recovery from the
+        # archives ends each of them and archives it as interrupted.
+        log.critical("reload.handoff_unreadable", error=str(exc), then="stopping every worker")
+        return None

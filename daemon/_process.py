@@ -75,6 +75,36 @@ class WorkerProcess:
             os.set_blocking(fd, False)
         return cls(pid=popen.pid, pidfd=pidfd, starttime=stat.starttime, stdout=out_r, stderr=err_r)
 
+    @classmethod
+    def adopt(
+        cls, pid: int, starttime: int, stdout: int | None, stderr: int | None
+    ) -> WorkerProcess:
+        """Take over a worker handed across an exec: same pid (still our child), same pipes.
+
+        Raises ProcessLookupError if the pid is no longer the process it was.
+        """
+        pidfd = os.pidfd_open(pid)
+        stat = read_stat(pid)
+        if stat is None or stat.starttime != starttime:
+            os.close(pidfd)
+            raise ProcessLookupError(f"pid {pid} is no longer the worker it was")
+        for fd in (stdout, stderr):
+            if fd is not None:
+                os.set_inheritable(fd, False)
+        return cls(pid=pid, pidfd=pidfd, starttime=starttime, stdout=stdout, stderr=stderr)
+
+    def carry(self) -> None:
+        """Let the pipes survive the exec (the pidfd need not: the pid stays our child)."""
+        for fd in (self.stdout, self.stderr):
+            if fd is not None:
+                os.set_inheritable(fd, True)
+
+    def uncarry(self) -> None:
+        """The exec failed: close-on-exec again."""
+        for fd in (self.stdout, self.stderr):
+            if fd is not None:
+                os.set_inheritable(fd, False)
+
     async def wait_exited(self) -> None:
         """Wait until the process has exited, without reaping it.
 
@@ -133,3 +163,19 @@ async def pump(fd: int, deliver: Callable[[bytes], Awaitable[None]]) -> None:
             await deliver(b"".join(chunks))
         if eof:
             return
+
+
+async def reap(pid: int) -> None:
+    """Collect `pid` once it has exited, if it is our child; through its pidfd, as always."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        with trio.move_on_after(5.0):
+            await trio.lowlevel.wait_readable(pidfd)
+            os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG)  # noqa: ASYNC222 - readable: exited
+    except ChildProcessError:
+        pass  # not ours (an orphan of a dead daemon): init reaps it
+    finally:
+        os.close(pidfd)

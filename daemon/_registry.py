@@ -317,6 +317,8 @@ class Registry:
             return record
         if record.stop_reason == "timeout":
             record.state = "timed_out"
+        elif record.stop_reason == "reload":
+            record.state = "stopped_by_reload"
         elif record.stop_reason is not None:
             record.state = "stopped"
         elif exit_code == 0:
@@ -424,6 +426,41 @@ class Registry:
         if record.ended:
             record.collected = True
         return record
+
+    # -- carrying across a reload ----------------------------------------------
+
+    def restore(
+        self,
+        *,
+        runs: list[RunRecord],
+        records: list[WorkerRecord],
+        tombstones: list[Tombstone],
+        turn: int,
+        fence: LaunchFence | None,
+        fence_epochs: int,
+    ) -> None:
+        """Rebuild the registry as a checkpoint or the archives describe it."""
+        for run in runs:
+            self.runs[run.id] = run
+            self._run_members.setdefault(run.id, [])
+            self._inner_runs.setdefault(run.id, [])
+        for run in runs:
+            if run.outer is not None and run.outer in self._inner_runs:
+                self._inner_runs[run.outer].append(run.id)
+        for record in sorted(records, key=lambda r: (r.started_at, r.id)):
+            if record.run not in self.runs:  # a run the archives no longer describe
+                self.runs[record.run] = RunRecord(id=record.run, outer=None, created_at=0.0)
+                self._run_members[record.run] = []
+                self._inner_runs[record.run] = []
+            self.workers[record.id] = record
+            self._by_token[record.token] = record.id
+            self._children.setdefault(record.id, [])
+            self._run_members[record.run].append(record.id)
+        for record in self.workers.values():
+            if record.parent is not None and record.parent in self._children:
+                self._children[record.parent].append(record.id)
+        self.tombstones = {t.id: t for t in tombstones}
+        self.turn, self.fence, self.fence_epochs = turn, fence, fence_epochs
 
     # -- retention -----------------------------------------------------------
 

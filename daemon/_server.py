@@ -41,6 +41,7 @@ from subagentd.protocol import (
     ListWorkers,
     NewRun,
     Page,
+    Reload,
     Reply,
     ResultReply,
     RunReply,
@@ -66,7 +67,8 @@ from subagentd.protocol import (
 )
 from subagentd.protocol.errors import ErrorCode, Forbidden, FrameTooLarge, Invalid, RemoteError
 
-from ._daemon import Daemon
+from ._daemon import RELOAD_RETRY, Daemon
+from ._reload import Reloader
 
 log = structlog.get_logger("subagentd")
 
@@ -112,28 +114,84 @@ class Server:
         self.daemon = daemon
         self.frame_limit = frame_limit
         self.connections = 0  # open now
+        self.reloader: Reloader | None = None
+        self._open: set[Connection] = set()
+        self._scope = trio.CancelScope()
+        self._paused = trio.Event()
+        self._resumed: list[tuple[int, Reply]] | None = None
+        self._resume = trio.Event()
 
     async def serve(
         self,
         listener: trio.SocketListener,
+        adopted: list[tuple[int, Reply]] | None = None,
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        async with trio.open_nursery() as nursery:
-            task_status.started()
-            while True:
-                stream = await listener.accept()
-                nursery.start_soon(self.handle, stream)
+        """Accept connections until cancelled. ``adopted``: connections handed over by a
+        reload (their descriptor, and the reply they are owed), served first.
 
-    async def handle(self, stream: trio.SocketStream) -> None:
+        While paused (a reload under way) nothing is accepted: connects wait in
+        the listening socket's backlog, which survives the exec.
+        """
+        pending = adopted or []
+        task_status.started()
+        while True:
+            with trio.CancelScope() as self._scope:
+                async with trio.open_nursery() as nursery:
+                    for fd, reply in pending:
+                        nursery.start_soon(self._handle_adopted, fd, reply)
+                    while True:
+                        stream = await listener.accept()
+                        nursery.start_soon(self.handle, stream)
+            self._paused.set()
+            await self._resume.wait()
+            self._resume = trio.Event()
+            self._paused = trio.Event()
+            pending, self._resumed = self._resumed or [], None
+
+    async def pause(self, keep: list[object]) -> dict[object, int]:
+        """Tell every client `reloading` and stop serving; the `keep` connections survive
+        as duplicated descriptors (the caller owns them)."""
+        kept = {conn: os.dup(conn.stream.socket.fileno()) for conn in self._open if conn in keep}
+        notice = Error(
+            id=0,
+            code=ErrorCode.RELOADING,
+            message="the daemon is reloading; reconnect",
+            retry_after=RELOAD_RETRY,
+        )
+        for conn in list(self._open):
+            if conn not in kept:
+                with trio.move_on_after(0.2):  # a client that does not read is not waited for
+                    await conn.send(notice)
+        self._scope.cancel()
+        await self._paused.wait()
+        return {conn: fd for conn, fd in kept.items()}
+
+    def resume(self, adopted: list[tuple[int, Reply]]) -> None:
+        self._resumed = adopted
+        self._resume.set()
+
+    async def _handle_adopted(self, fd: int, reply: Reply) -> None:
+        sock = trio.socket.from_stdlib_socket(socket.socket(fileno=fd))
+        os.set_inheritable(fd, False)
+        stream = trio.SocketStream(sock)
+        await self.handle(stream, first=reply)
+
+    async def handle(self, stream: trio.SocketStream, first: Reply | None = None) -> None:
+        """Serve one connection; ``first``: an adopted connection (past its hello), owed it."""
         conn = Connection(stream=stream, conn_id=next(_conn_ids))
         structlog.contextvars.bind_contextvars(conn=conn.conn_id)
         self.connections += 1
+        self._open.add(conn)
         self.daemon.touch()
         # One connection's failure ends that connection, never the server.
         try:
             async with stream:
-                if await self._admit(conn):
+                if first is not None:
+                    await conn.send(first)
+                    await self._serve_requests(conn, hello_seen=True)
+                elif await self._admit(conn):
                     await self._serve_requests(conn)
         except* (trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the client went away; its requests died with it
@@ -141,6 +199,7 @@ class Server:
             log.exception("conn.failed")
         finally:
             self.connections -= 1
+            self._open.discard(conn)
             self.daemon.touch()
         log.debug("conn.closed")
 
@@ -158,9 +217,8 @@ class Server:
             return False
         return True
 
-    async def _serve_requests(self, conn: Connection) -> None:
+    async def _serve_requests(self, conn: Connection, hello_seen: bool = False) -> None:
         decoder = FrameDecoder(self.frame_limit)
-        hello_seen = False
         fatal: Error | None = None
         async with trio.open_nursery() as requests:
             while True:
@@ -348,7 +406,7 @@ class Server:
             )
         match request:
             case NewRun(outer=outer):
-                return RunReply(id=rid, run=registry.new_run(daemon.clock(), outer).id)
+                return RunReply(id=rid, run=daemon.new_run(outer))
             case StopRun(run=run, wait=wait):
                 found, stopped = await daemon.stop_run(run, wait=wait)
                 return Stopped(id=rid, found=found, stopped=stopped)
@@ -359,6 +417,9 @@ class Server:
                 return TurnReply(id=rid, turn=registry.begin_turn())
             case SetFence():
                 return FenceReply(id=rid, epoch=registry.set_fence())
+            case Reload():
+                assert self.reloader is not None
+                return await self.reloader.reload(conn, rid)
             case CancelFence(epoch=epoch):
                 return Cancelled(id=rid, cancelled=daemon.cancel_fence(epoch))
             case ClearFence():

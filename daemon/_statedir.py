@@ -8,6 +8,7 @@ and a held one is refused naming who holds it.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import re
@@ -15,6 +16,8 @@ import socket
 from pathlib import Path
 
 import msgspec
+
+from ._registry import RunRecord
 
 _WORKER_ID = re.compile(r"w-[A-Za-z0-9_-]{1,64}")
 
@@ -102,3 +105,20 @@ def _read_holder(fd: int) -> LockHolder | None:
         return msgspec.json.decode(raw, type=LockHolder)
     except msgspec.DecodeError:
         return None
+
+
+def save_run(runs_dir: Path, run: RunRecord) -> None:
+    """Runs outlive a crash: nesting and stop flags are on disk, one small file each."""
+    runs_dir.mkdir(mode=0o700, exist_ok=True)
+    tmp = runs_dir / f".{run.id}.tmp"
+    tmp.write_bytes(msgspec.json.encode(run))
+    tmp.replace(runs_dir / f"{run.id}.json")
+
+
+def load_runs(runs_dir: Path) -> list[RunRecord]:
+    runs = []
+    for path in runs_dir.glob("r-*.json") if runs_dir.exists() else ():
+        # A run file half written by a crash is skipped: its workers still name the run.
+        with contextlib.suppress(OSError, msgspec.DecodeError):
+            runs.append(msgspec.json.decode(path.read_bytes(), type=RunRecord))
+    return runs

@@ -95,7 +95,11 @@ def tree_members(
     children: dict[int, list[int]] = {}
     for stat in table.values():
         children.setdefault(stat.ppid, []).append(stat.pid)
-    roots = {pid for pid, stat in table.items() if pid == leader or stat.pgid == leader}
+    now_leader = table.get(leader)
+    if now_leader is not None and now_leader.starttime != leader_start:
+        roots: set[int] = set()  # the pid was recycled: that process and its group are strangers
+    else:
+        roots = {pid for pid, stat in table.items() if pid == leader or stat.pgid == leader}
     # A stray was born after the leader yet has a parent older than it: it was
     # orphaned and adopted (by init or a subreaper). Only those pay an environ read.
     marker = f"SUBAGENTD_WORKER_ID={worker_id}".encode()

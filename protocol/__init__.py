@@ -29,6 +29,8 @@ from ._messages import InfoReply as InfoReply
 from ._messages import ListWorkers as ListWorkers
 from ._messages import NewRun as NewRun
 from ._messages import Page as Page
+from ._messages import Reload as Reload
+from ._messages import ReloadReply as ReloadReply
 from ._messages import Reply as Reply
 from ._messages import Request as Request
 from ._messages import ResultReply as ResultReply

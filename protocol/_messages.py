@@ -200,6 +200,10 @@ class WaitRunStopped(Request, tag="wait_run_stopped"):
     run: str
 
 
+class Reload(Request, tag="reload"):
+    """Re-exec the daemon's image in place, keeping every worker. Answered by the new image."""
+
+
 class Subscribe(Request, tag="subscribe"):
     """The wakes for one parent: ``run`` (its top-level workers) or ``worker`` (its children).
 
@@ -244,6 +248,7 @@ ClientMessage = (
     | WaitRunStopped
     | Subscribe
     | Ack
+    | Reload
     | Abort
 )
 
@@ -318,6 +323,14 @@ class Wakes(Reply, tag="wakes"):
     complete: bool = False
 
 
+class ReloadReply(Reply, tag="reloaded"):
+    """The new image serves: it carried ``carried_live`` workers and had to stop the rest."""
+
+    image_generation: int
+    carried_live: int
+    stopped_by_reload: list[str] = []
+
+
 class Done(Reply, tag="done"):
     pass
 
@@ -341,6 +354,7 @@ DaemonMessage = (
     | Cancelled
     | FenceReply
     | Wakes
+    | ReloadReply
     | Done
     | Error
 )

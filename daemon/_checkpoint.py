@@ -1,0 +1,98 @@
+"""The checkpoint a reload hands to the next image: the whole registry and every
+descriptor that must survive the exec, versioned and written atomically, 0600.
+
+Each carried worker is an envelope (its pid, start time and pipe descriptors,
+which any image can read) around its record, encoded on its own: a new image
+that cannot read one worker's record still knows enough to stop that worker
+and archive it, and keeps every other.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import msgspec
+
+from ._registry import LaunchFence, RunRecord, Tombstone
+
+#: The format written here. Bump on an incompatible change and keep reading the old.
+CHECKPOINT_VERSION = 1
+#: Every format this image reads (announced by `subagentd --check`).
+READS_VERSIONS = (1,)
+
+
+class CarriedWorker(msgspec.Struct, kw_only=True):
+    id: str
+    pid: int
+    pid_start: int
+    stdout: int | None  # descriptor numbers, valid across the exec
+    stderr: int | None
+    archive: str
+    record: bytes  # a msgpack WorkerRecord, decoded on its own
+
+
+class CarriedConnection(msgspec.Struct, kw_only=True):
+    """The connection that asked for the reload, answered by the new image."""
+
+    fd: int
+    request_id: int
+
+
+class Checkpoint(msgspec.Struct, kw_only=True):
+    version: int = CHECKPOINT_VERSION
+    image_generation: int
+    reloads: int
+    listen_fd: int
+    lock_fd: int
+    runs: list[RunRecord]
+    ended: list[bytes]  # msgpack WorkerRecords of ended, still retained workers
+    tombstones: list[Tombstone]
+    live: list[CarriedWorker]
+    turn: int
+    fence: LaunchFence | None
+    fence_epochs: int
+    #: The connections that asked for this reload, each owed an answer.
+    requesters: list[CarriedConnection] = []
+    #: Workers the old image had to stop rather than carry.
+    stopped_by_reload: list[str] = []
+
+
+class _Version(msgspec.Struct):
+    version: int
+
+
+class CheckpointUnreadable(Exception):
+    pass
+
+
+def write_checkpoint(path: Path, checkpoint: Checkpoint) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    data = msgspec.msgpack.encode(checkpoint)
+    try:
+        if os.write(fd, data) != len(data):
+            raise OSError(28, "short write of the checkpoint (disk full?)", str(tmp))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def read_checkpoint(path: Path) -> Checkpoint:
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise CheckpointUnreadable(f"cannot read checkpoint {path}: {exc.strerror}") from exc
+    try:
+        version = msgspec.msgpack.decode(raw, type=_Version).version
+    except msgspec.DecodeError as exc:
+        raise CheckpointUnreadable(f"checkpoint {path} is not a checkpoint: {exc}") from exc
+    if version not in READS_VERSIONS:
+        raise CheckpointUnreadable(
+            f"checkpoint {path} has version {version}; this image reads {list(READS_VERSIONS)}"
+        )
+    try:
+        return msgspec.msgpack.decode(raw, type=Checkpoint)
+    except msgspec.DecodeError as exc:
+        raise CheckpointUnreadable(f"checkpoint {path} does not decode: {exc}") from exc

@@ -1,0 +1,355 @@
+"""Reload in place: check the new image, freeze, checkpoint, exec; and, in the new
+image, adopt everything the checkpoint carries.
+
+The old image keeps every worker alive across the exec: their pipes, the
+listening socket, the state-dir lock and the connections that asked are
+inherited descriptors; each pid stays our child, so the new image waits on it
+through a fresh pidfd. Signals are blocked from just before the exec until
+the new image's handlers are in place. If the check or the exec fails, the old
+image thaws and serves on, having lost and withheld nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import msgspec
+import structlog
+import trio
+
+from subagentd.protocol import Error, ReloadReply, Reply
+from subagentd.protocol.errors import Busy, ErrorCode, Refused
+
+from ._archive import STDOUT_TAIL_BYTES, Archive
+from ._checkpoint import (
+    CHECKPOINT_VERSION,
+    CarriedConnection,
+    CarriedWorker,
+    Checkpoint,
+    write_checkpoint,
+)
+from ._daemon import Daemon, LiveWorker
+from ._journal import Journal
+from ._notify import monotonic_usec, notify
+from ._process import WorkerProcess, reap
+from ._registry import WorkerRecord
+from ._tree import end_tree
+
+log = structlog.get_logger("subagentd")
+
+#: Blocked from just before the exec until the new image can handle them.
+RELOAD_SIGNALS = {signal.SIGHUP, signal.SIGTERM, signal.SIGINT}
+#: A reload this soon after the last one is refused `busy`, with the time left.
+MIN_INTERVAL = 1.0
+#: The new image must pass `subagentd --check` within this.
+CHECK_TIMEOUT = 60.0
+#: Environment variable naming workers (by name, comma-separated) a reload must
+#: not carry live: a fault-injection hook for tests of the stop-and-archive path.
+NO_CARRY_ENV = "SUBAGENTD_FAULT_NO_CARRY"
+
+
+def image_command(*args: str) -> list[str]:
+    """How to run the image installed now: this interpreter, the package on disk."""
+    return [sys.executable, "-m", "subagentd.daemon", *args]
+
+
+@dataclass(eq=False)
+class _Attempt:
+    requesters: list[tuple[object, int]] = field(default_factory=list)
+    done: trio.Event = field(default_factory=trio.Event)
+    failure: Error | None = None
+    stopped_by_reload: list[str] = field(default_factory=list)
+
+
+class Reloader:
+    """One reload at a time: a second request joins the one under way."""
+
+    def __init__(
+        self,
+        daemon: Daemon,
+        server: ServerLike,
+        *,
+        checkpoint_path: Path,
+        listen_fd: int,
+        daemon_args: Sequence[str],
+        no_carry: frozenset[str] = frozenset(),
+    ) -> None:
+        self.daemon = daemon
+        self.server = server
+        self.checkpoint_path = checkpoint_path
+        self.listen_fd = listen_fd
+        self.daemon_args = list(daemon_args)
+        self.no_carry = no_carry
+        self._attempt: _Attempt | None = None
+        self._last = -math.inf
+        self.nursery: trio.Nursery | None = None  # where attempts run: set by the daemon
+
+    async def reload(self, requester: object | None, request_id: int) -> Reply | None:
+        """Reload, or join the reload under way; None once the exec has happened (the new
+        image answers the requester), else the error that stopped it.
+
+        The attempt runs in the daemon's own nursery, not in the requesting
+        connection's task: pausing the server cancels every connection's tasks.
+        """
+        attempt = self._attempt
+        if attempt is None:
+            wait = self._last + MIN_INTERVAL - time.monotonic()
+            if wait > 0:
+                raise Busy(f"a reload finished {MIN_INTERVAL - wait:.1f} s ago", retry_after=wait)
+            assert self.nursery is not None, "Reloader.nursery is not set"
+            attempt = self._attempt = _Attempt()
+            self.nursery.start_soon(self._run, attempt)
+        if requester is not None:
+            attempt.requesters.append((requester, request_id))
+        await attempt.done.wait()
+        return _answer(attempt.failure, request_id)
+
+    async def _run(self, attempt: _Attempt) -> None:
+        try:
+            await self._reload(attempt)
+        except (Refused, OSError) as exc:
+            message = exc.message if isinstance(exc, Refused) else f"exec failed: {exc}"
+            attempt.failure = Error(id=0, code=ErrorCode.REFUSED, message=message)
+            log.error("reload.failed", error=message)
+        finally:
+            self._attempt = None
+            self._last = time.monotonic()
+            attempt.done.set()
+
+    async def _reload(self, attempt: _Attempt) -> None:
+        daemon = self.daemon
+        daemon.reloading = True
+        try:
+            log.info("reload.checking")
+            await self._check_new_image()
+            if self.no_carry:
+                attempt.stopped_by_reload = await self._stop_uncarriable()
+            notify("RELOADING=1", monotonic_usec(), "STATUS=reloading")
+            kept = await self.server.pause([conn for conn, _ in attempt.requesters])
+            await daemon.freeze()
+            try:
+                self._exec(attempt, kept)
+            except OSError as exc:
+                await daemon.thaw()
+                refusal = f"exec failed: {exc}; the old image serves on"
+                self.server.resume(
+                    [
+                        (kept[conn], Error(id=rid, code=ErrorCode.REFUSED, message=refusal))
+                        for conn, rid in attempt.requesters
+                        if conn in kept
+                    ]
+                )
+                notify("READY=1", "STATUS=serving (reload failed)")
+                raise
+        finally:
+            daemon.reloading = False
+
+    async def _check_new_image(self) -> None:
+        """Refuse the reload unless the image on disk now reads this checkpoint format."""
+        settings = self.daemon
+        command = image_command(
+            "--check",
+            "--config",
+            str(settings.config_path),
+            "--state-dir",
+            str(settings.state_dir.root),
+        )
+        with trio.move_on_after(CHECK_TIMEOUT) as timer:
+            result = await trio.run_process(
+                command, capture_stdout=True, capture_stderr=True, check=False
+            )
+        if timer.cancelled_caught:
+            raise Refused(f"the new image's --check did not finish within {CHECK_TIMEOUT} s")
+        said = (result.stdout + result.stderr).decode(errors="replace").strip()
+        if result.returncode != 0:
+            raise Refused(f"the new image refuses this reload: {said}")
+        versions = _versions_read(result.stdout.decode(errors="replace"))
+        if CHECKPOINT_VERSION not in versions:
+            raise Refused(
+                f"the new image reads checkpoint versions {sorted(versions)}, not "
+                f"{CHECKPOINT_VERSION}; stop the daemon to change to it"
+            )
+
+    async def _stop_uncarriable(self) -> list[str]:
+        """Stop, before the exec, the workers that cannot be carried live."""
+        daemon = self.daemon
+        ids = [w.record.id for w in daemon.live.values() if w.record.name in self.no_carry]
+        stopped = sorted(i for w in ids for i in daemon.registry.stop(w, reason="reload"))
+        daemon.ask_stop(stopped)
+        await daemon.wait_ended(stopped)
+        if stopped:
+            log.warning("reload.stopped_uncarriable", workers=stopped)
+        return stopped
+
+    def _exec(self, attempt: _Attempt, kept: dict[object, int]) -> None:
+        daemon = self.daemon
+        state_dir = daemon.state_dir
+        assert state_dir.lock_fd is not None
+        checkpoint = Checkpoint(
+            image_generation=daemon.image_generation,
+            reloads=daemon.reloads,
+            listen_fd=self.listen_fd,
+            lock_fd=state_dir.lock_fd,
+            runs=list(daemon.registry.runs.values()),
+            ended=[msgspec.msgpack.encode(r) for r in daemon.registry.workers.values() if r.ended],
+            tombstones=list(daemon.registry.tombstones.values()),
+            live=[_carried(live) for live in daemon.live.values()],
+            turn=daemon.registry.turn,
+            fence=daemon.registry.fence,
+            fence_epochs=daemon.registry.fence_epochs,
+            requesters=[
+                CarriedConnection(fd=kept[conn], request_id=rid)
+                for conn, rid in attempt.requesters
+                if conn in kept
+            ],
+            stopped_by_reload=attempt.stopped_by_reload,
+        )
+        write_checkpoint(self.checkpoint_path, checkpoint)
+        carried = [self.listen_fd, state_dir.lock_fd, *kept.values()]
+        for fd in carried:
+            os.set_inheritable(fd, True)
+        for live in daemon.live.values():
+            assert live.process is not None
+            live.process.carry()
+        command = image_command(
+            "--handoff",
+            str(self.checkpoint_path),
+            "--handoff-fds",
+            f"{self.listen_fd},{state_dir.lock_fd}",
+            *self.daemon_args,
+        )
+        log.info("reload.exec", workers=len(checkpoint.live), command=command)
+        signal.pthread_sigmask(signal.SIG_BLOCK, RELOAD_SIGNALS)
+        try:
+            os.execv(command[0], command)
+        except OSError:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, RELOAD_SIGNALS)
+            for fd in carried[:2]:
+                os.set_inheritable(fd, False)
+            for live in daemon.live.values():
+                assert live.process is not None
+                live.process.uncarry()
+            self.checkpoint_path.unlink(missing_ok=True)
+            raise
+
+
+class ServerLike(Protocol):
+    """What the reloader needs of the server (the real one is `_server.Server`)."""
+
+    async def pause(self, keep: list[object]) -> dict[object, int]:
+        """Tell every client `reloading`, stop serving; dup'ed fds of the `keep` connections."""
+
+    def resume(self, adopted: list[tuple[int, Reply]]) -> None:
+        """Serve again, first answering each adopted connection (fd) with its reply."""
+
+
+def _carried(live: LiveWorker) -> CarriedWorker:
+    process = live.process
+    assert process is not None, "no spawn is in flight once frozen"
+    return CarriedWorker(
+        id=live.record.id,
+        pid=process.pid,
+        pid_start=process.starttime,
+        stdout=process.stdout,
+        stderr=process.stderr,
+        archive=live.record.archive,
+        record=msgspec.msgpack.encode(live.record),
+    )
+
+
+def _answer(failure: Error | None, request_id: int) -> Reply | None:
+    if failure is None:
+        return None
+    return Error(id=request_id, code=failure.code, message=failure.message)
+
+
+def _versions_read(check_output: str) -> set[int]:
+    for line in check_output.splitlines():
+        if line.startswith("reads checkpoint versions:"):
+            return {int(v) for v in line.split(":", 1)[1].replace(",", " ").split()}
+    return set()
+
+
+# -- the new image's side ------------------------------------------------------
+
+
+async def adopt(daemon: Daemon, checkpoint: Checkpoint) -> tuple[int, list[str]]:
+    """Take over everything the checkpoint carries; (workers carried live, ids stopped).
+
+    A worker whose record does not decode, or whose pid is no longer it, is
+    stopped (if alive), archived as `stopped_by_reload`, and said loudly.
+    """
+    records = []
+    for blob in checkpoint.ended:
+        try:
+            records.append(msgspec.msgpack.decode(blob, type=WorkerRecord))
+        except msgspec.DecodeError as exc:
+            log.error("reload.unreadable_record", error=str(exc))
+    stopped = list(checkpoint.stopped_by_reload)
+    unadoptable: list[WorkerRecord] = []
+    for carried in checkpoint.live:
+        try:
+            record = msgspec.msgpack.decode(carried.record, type=WorkerRecord)
+            process = WorkerProcess.adopt(
+                carried.pid, carried.pid_start, carried.stdout, carried.stderr
+            )
+        except (msgspec.DecodeError, ProcessLookupError, OSError) as exc:
+            log.error("reload.cannot_adopt", worker=carried.id, pid=carried.pid, error=str(exc))
+            ended = await _stop_unadoptable(daemon, carried)
+            stopped.append(carried.id)
+            if ended is not None:
+                records.append(ended)
+                unadoptable.append(ended)
+            continue
+        journal = Journal.open(Path(record.archive) / Archive.JOURNAL, writable=True)
+        live = LiveWorker(record=record, journal=journal, process=process)
+        live.stdout_tail += journal.tail_bytes("stdout", STDOUT_TAIL_BYTES)
+        daemon.live[record.id] = live
+        records.append(record)
+    daemon.registry.restore(
+        runs=checkpoint.runs,
+        records=records,
+        tombstones=checkpoint.tombstones,
+        turn=checkpoint.turn,
+        fence=checkpoint.fence,
+        fence_epochs=checkpoint.fence_epochs,
+    )
+    daemon.image_generation = checkpoint.image_generation + 1
+    daemon.reloads = checkpoint.reloads + 1
+    for record in unadoptable:
+        daemon.post_wake(record, Archive(Path(record.archive)))
+    return len(daemon.live), stopped
+
+
+async def _stop_unadoptable(daemon: Daemon, carried: CarriedWorker) -> WorkerRecord | None:
+    """End a carried worker the new image cannot supervise; its record, archived so."""
+    for fd in (carried.stdout, carried.stderr):
+        if fd is not None:
+            os.close(fd)
+    await end_tree(daemon.processes, carried.pid, carried.id, carried.pid_start, 0.5)
+    await reap(carried.pid)
+    archive = Archive(Path(carried.archive))
+    record = archive.load_record()
+    if record is None:
+        return None
+    record.state = "stopped_by_reload"
+    record.ended_at = daemon.clock()
+    archive.write_record(record)
+    return record
+
+
+def reload_reply(daemon: Daemon, request_id: int, carried: int, stopped: list[str]) -> Reply:
+    return ReloadReply(
+        id=request_id,
+        image_generation=daemon.image_generation,
+        carried_live=carried,
+        stopped_by_reload=sorted(stopped),
+    )
