@@ -47,11 +47,23 @@ def load_agents(path: Path) -> dict[str, AgentDef]:
         document = tomllib.loads(raw.decode("utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
-    try:
-        agents = msgspec.convert(document, AgentsFile).agents
-    except msgspec.ValidationError as exc:
-        # msgspec names the path of the bad key, e.g. "at `$.agents.reviewer.timeout`"
-        raise ConfigError(f"{path}: {exc}") from exc
+    unknown = set(document) - {"agents"}
+    if unknown:
+        raise ConfigError(
+            f"{path}: unknown top-level key {sorted(unknown)[0]!r}; expected [agents.NAME]"
+        )
+    tables = document.get("agents", {})
+    if not isinstance(tables, dict):
+        raise ConfigError(f"{path}: agents must be a table of [agents.NAME] tables")
+    agents: dict[str, AgentDef] = {}
+    for name, table in tables.items():
+        try:
+            agents[name] = msgspec.convert(table, AgentDef)
+        except msgspec.ValidationError as exc:
+            # msgspec says "... - at `$.timeout`"; name the key as it stands in the file.
+            message, _, where = str(exc).partition(" - at `$")
+            key = f"agents.{name}{where.rstrip('`')}" if where else f"agents.{name}"
+            raise ConfigError(f"{path}: {key}: {message}") from exc
     for name, agent in agents.items():
         if not agent.command:
             raise ConfigError(f"{path}: agents.{name}.command is empty")

@@ -168,9 +168,14 @@ class Reloader:
             )
         if timer.cancelled_caught:
             raise Refused(f"the new image's --check did not finish within {CHECK_TIMEOUT} s")
-        said = (result.stdout + result.stderr).decode(errors="replace").strip()
         if result.returncode != 0:
-            raise Refused(f"the new image refuses this reload: {said}")
+            said = result.stderr.decode(errors="replace").strip()
+            errors = [
+                line.removeprefix("error: ")
+                for line in said.splitlines()
+                if line.startswith("error: ")
+            ]
+            raise Refused(f"the new image refuses this reload: {'; '.join(errors) or said}")
         versions = _versions_read(result.stdout.decode(errors="replace"))
         if CHECKPOINT_VERSION not in versions:
             raise Refused(

@@ -74,6 +74,8 @@ log = structlog.get_logger("subagentd")
 
 #: Requests one connection may have in flight; more are answered `busy`.
 MAX_IN_FLIGHT = 256
+#: How long a reload waits to tell each client `reloading` (all told at once).
+NOTICE_SECONDS = 0.2
 #: How long, and how much, a refused peer may still send before the close.
 REFUSAL_DRAIN_SECONDS = 1.0
 REFUSAL_DRAIN_BYTES = 1024 * 1024
@@ -160,13 +162,21 @@ class Server:
             message="the daemon is reloading; reconnect",
             retry_after=RELOAD_RETRY,
         )
-        for conn in list(self._open):
-            if conn not in kept:
-                with trio.move_on_after(0.2):  # a client that does not read is not waited for
-                    await conn.send(notice)
+        async with trio.open_nursery() as notices:
+            for conn in self._open:
+                if conn not in kept:
+                    notices.start_soon(self._notify_reloading, conn, notice)
         self._scope.cancel()
         await self._paused.wait()
         return {conn: fd for conn, fd in kept.items()}
+
+    @staticmethod
+    async def _notify_reloading(conn: Connection, notice: Error) -> None:
+        with trio.move_on_after(NOTICE_SECONDS):  # a client that does not read is not waited for
+            try:
+                await conn.send(notice)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass  # gone already: nothing to tell
 
     def resume(self, adopted: list[tuple[int, Reply]]) -> None:
         self._resumed = adopted

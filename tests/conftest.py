@@ -42,12 +42,13 @@ class DaemonProcess:
         env["SUBAGENTD_SOCKET"] = str(self.socket)
         return env
 
-    def start(self, *args: str) -> None:
+    def start(self, *args: str, env: dict[str, str] | None = None) -> None:
+        """Start the daemon (`env`: variables for it alone) and wait for its READY=1."""
         if self._notify is None:
             self._notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
             self._notify.bind(str(self.notify_path))
         self.log_path = self.root / "daemon.log"
-        env = self.env | {"NOTIFY_SOCKET": str(self.notify_path)}
+        env = self.env | {"NOTIFY_SOCKET": str(self.notify_path)} | (env or {})
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [
