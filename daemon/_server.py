@@ -8,6 +8,7 @@ and, where the stream is unreadable, the connection; never anyone else's.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import socket
@@ -173,10 +174,9 @@ class Server:
     @staticmethod
     async def _notify_reloading(conn: Connection, notice: Error) -> None:
         with trio.move_on_after(NOTICE_SECONDS):  # a client that does not read is not waited for
-            try:
+            # A client already gone has nothing to be told.
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                 await conn.send(notice)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                pass  # gone already: nothing to tell
 
     def resume(self, adopted: list[tuple[int, Reply]]) -> None:
         self._resumed = adopted

@@ -3,8 +3,8 @@ reload leaves the old image serving; a crash leaves nothing running unowned."""
 
 from __future__ import annotations
 
-import signal
 import functools
+import signal
 import socket
 import threading
 import time
