@@ -587,7 +587,8 @@ class Daemon:
             text = text or found.output.decode("utf-8", errors="replace")
             del self.registry.tombstones[worker_id]
         elif worker_id in self.registry.workers:
-            self.registry.collect(worker_id)
+            collected = self.registry.collect(worker_id)
+            archive.write_record(collected)  # a restart must not hold it again
             self._release(worker_id)
         return WorkerResult(id=found.id, state=found.state, exit_code=found.exit_code, result=text)
 

@@ -120,6 +120,9 @@ class Server:
         self.reloader: Reloader | None = None
         self._open: set[Connection] = set()
         self._scope = trio.CancelScope()
+        self._accepting = trio.CancelScope()
+        self._keep: set[Connection] = set()
+        self._closed = trio.Event()  # set and replaced each time a connection closes
         self._paused = trio.Event()
         self._resumed: list[tuple[int, Reply]] | None = None
         self._resume = trio.Event()
@@ -144,9 +147,11 @@ class Server:
                 async with trio.open_nursery() as nursery:
                     for fd, reply in pending:
                         nursery.start_soon(self._handle_adopted, fd, reply)
-                    while True:
-                        stream = await listener.accept()
-                        nursery.start_soon(self.handle, stream)
+                    with trio.CancelScope() as self._accepting:
+                        while True:
+                            stream = await listener.accept()
+                            nursery.start_soon(self.handle, stream)
+                    await trio.sleep_forever()  # not accepting: pause() ends the handlers
             self._paused.set()
             await self._resume.wait()
             self._resume = trio.Event()
@@ -163,12 +168,20 @@ class Server:
             message="the daemon is reloading; reconnect",
             retry_after=RELOAD_RETRY,
         )
+        self._accepting.cancel()  # from now on, connects wait in the backlog
+        self._keep = set(kept)
         async with trio.open_nursery() as notices:
             for conn in self._open:
                 if conn not in kept:
                     notices.start_soon(self._notify_reloading, conn, notice)
+        # Clients that read the notice hang up; closing on them first would reset
+        # their connections (our unread bytes) before they could read it.
+        with trio.move_on_after(NOTICE_SECONDS):
+            while self._open - self._keep:
+                await self._closed.wait()
         self._scope.cancel()
         await self._paused.wait()
+        self._keep = set()
         return {conn: fd for conn, fd in kept.items()}
 
     @staticmethod
@@ -210,6 +223,8 @@ class Server:
         finally:
             self.connections -= 1
             self._open.discard(conn)
+            closed, self._closed = self._closed, trio.Event()
+            closed.set()
             self.daemon.touch()
         log.debug("conn.closed")
 
