@@ -53,6 +53,8 @@ class Snapshot(msgspec.Struct, kw_only=True):
     grace: float
     has_input: bool
     created_at: float
+    #: The git branch HEAD was on in cwd at spawn (None outside a work tree, or detached).
+    branch: str | None = None
 
 
 class Archive:

@@ -33,13 +33,21 @@ from subagentd.protocol import (
     WorkerView,
     package_version,
 )
-from subagentd.protocol.errors import Busy, Forbidden, Invalid, NotFound, Reloading
+from subagentd.protocol.errors import (
+    Busy,
+    Forbidden,
+    Invalid,
+    NotFound,
+    Refused,
+    Reloading,
+)
 
 from ._agents import AgentDef, ConfigError, load_agents
 from ._archive import STDOUT_TAIL_BYTES, Archive, Snapshot, prune_archives
 from ._journal import Journal
 from ._process import SpawnFailed, WorkerProcess, pump
 from ._registry import TOMBSTONE_OUTPUT, Registry, Tombstone, WorkerRecord
+from ._resume import RESUMABLE, check_branch, git_branch, read_snapshot
 from ._statedir import StateDir, save_run
 from ._tree import ProcessTable, end_tree
 from ._wakes import WakeKey, WakeLog
@@ -263,6 +271,7 @@ class Daemon:
                 grace=record.grace,
                 has_input=request.input is not None,
                 created_at=now,
+                branch=git_branch(cwd),
             )
         )
         stdin = None if request.input is None else str(archive.write_input(request.input))
@@ -274,7 +283,21 @@ class Daemon:
                 live, f"stopped at birth: launch fence {record.fence} was cancelled"
             )
             return record.view()
-        worker_env = launch.worker_env | {
+        return await self._launch(live, argv, cwd, launch.worker_env, stdin)
+
+    async def _launch(
+        self,
+        live: LiveWorker,
+        argv: list[str],
+        cwd: str,
+        base_env: dict[str, str],
+        stdin: str | None,
+    ) -> WorkerView:
+        """Start the process of a registered worker (a new one, or a resumed attempt)."""
+        assert self._nursery is not None, "Daemon.run is not running"
+        record = live.record
+        archive = Archive(Path(record.archive))
+        worker_env = base_env | {
             "PWD": cwd,  # the daemon's own PWD would name the wrong directory
             "SUBAGENTD_SOCKET": str(self.socket_path),
             "SUBAGENTD_WORKER_ID": record.id,
@@ -283,6 +306,8 @@ class Daemon:
             "SUBAGENTD_ARCHIVE": record.archive,
             "SUBAGENTD_RESULT": str(archive.file(Archive.RESULT)),
         }
+        if record.attempt > 1:
+            worker_env["SUBAGENTD_RESUME"] = str(record.attempt)
         try:
             # fork and exec off the event loop: a slow exec delays no one else.
             process = await trio.to_thread.run_sync(
@@ -296,12 +321,141 @@ class Daemon:
             return record.view()
         live.process = process
         self.registry.started(record.id, process.pid, process.starttime)
-        journal.append("state", f"running pid={process.pid}".encode(), self.clock())
+        live.journal.append("state", f"running pid={process.pid}".encode(), self.clock())
         archive.write_record(record)
         # A stop that came while it was starting is acted on at once by _supervise.
         self._nursery.start_soon(self._supervise, live)
-        log.info("worker.spawned", worker=record.id, run=record.run, pid=process.pid, argv=argv)
+        log.info(
+            "worker.started",
+            worker=record.id,
+            run=record.run,
+            pid=process.pid,
+            attempt=record.attempt,
+            argv=argv,
+        )
         return record.view()
+
+    # -- resuming --------------------------------------------------------------
+
+    async def resume(
+        self, worker_id: str, worker_timeout: float | None, caller: str | None = None
+    ) -> WorkerView:
+        """Carry a stopped, failed, timed-out or interrupted worker on from its snapshot:
+        same id, next attempt, same journal; only the timeout may be given anew."""
+        if self.reloading:
+            raise Reloading("the daemon is reloading; resume again", retry_after=RELOAD_RETRY)
+        self.authorize(caller, worker_id)
+        found = self.lookup(worker_id)
+        self._check_resumable(found.id, found.state)
+        archive = Archive(Path(found.archive))
+        snapshot = read_snapshot(archive, worker_id)
+        check_branch(snapshot, worker_id)
+        record = self.registry.workers.get(worker_id) or archive.load_record()
+        if record is None:
+            raise Refused(f"worker {worker_id} cannot be resumed: its record is unreadable")
+        if worker_timeout is not None and worker_timeout < 0:
+            raise Invalid(f"timeout must be zero or more seconds, not {worker_timeout}")
+        self._starting += 1
+        try:
+            with trio.CancelScope(shield=True):
+                view = await self._reopen(record, snapshot, archive, worker_timeout)
+        finally:
+            self._starting -= 1
+            spawned, self._spawned = self._spawned, trio.Event()
+            spawned.set()
+        return view
+
+    async def _reopen(
+        self,
+        record: WorkerRecord,
+        snapshot: Snapshot,
+        archive: Archive,
+        worker_timeout: float | None,
+    ) -> WorkerView:
+        self.registry.tombstones.pop(record.id, None)
+        record = self.registry.reopen(
+            record,
+            self.clock(),
+            snapshot.timeout if worker_timeout is None else worker_timeout or None,
+        )
+        save_run(self.runs_dir, self.registry.runs[record.run])
+        self._journals.pop(record.id, None)  # its read-only view is about to go stale
+        journal = Journal.open(archive.file(Archive.JOURNAL), writable=True)
+        journal.append("note", f"attempt {record.attempt}: resumed".encode(), self.clock())
+        live = LiveWorker(record=record, journal=journal)
+        live.stdout_tail += journal.tail_bytes("stdout", STDOUT_TAIL_BYTES)
+        self.live[record.id] = live
+        stdin = str(archive.file(Archive.INPUT)) if snapshot.has_input else None
+        base_env = _inherited_env(os.environ) | snapshot.env
+        return await self._launch(live, snapshot.argv, snapshot.cwd, base_env, stdin)
+
+    @staticmethod
+    def _check_resumable(worker_id: str, state: str) -> None:
+        if state == "finished":
+            raise Refused(f"worker {worker_id} ended well (finished): there is nothing to resume")
+        if state not in RESUMABLE:
+            raise Refused(f"worker {worker_id} is {state}: only an ended worker can be resumed")
+
+    def _run_records(self, run_id: str) -> list[WorkerRecord]:
+        """Every worker of a run, whether its handle is in memory or only its archive."""
+        records = {r.id: r for r in self.registry.workers.values() if r.run == run_id}
+        for path in self.state_dir.archives.iterdir():
+            if path.name not in records:
+                record = Archive(path).load_record()
+                if record is not None and record.run == run_id:
+                    records[record.id] = record
+        return list(records.values())
+
+    def _resumable_heads(self, run_id: str) -> list[WorkerRecord]:
+        """The highest unfinished workers of a run: those a resume of the run restarts.
+
+        Refuses, with the reason, when the run ended well or a resume could not start.
+        """
+        records = self._run_records(run_id)
+        if not records:
+            raise NotFound(f"no run {run_id!r} in this state dir")
+        if any(not r.ended for r in records):
+            raise Refused(f"run {run_id} is still live: stop it, or resume its workers one by one")
+        unfinished = {r.id: r for r in records if r.state in RESUMABLE}
+        if not unfinished:
+            raise Refused(f"run {run_id} ended well: every worker finished")
+        heads = [r for r in unfinished.values() if r.parent not in unfinished]
+        for record in heads:
+            check_branch(read_snapshot(Archive(Path(record.archive)), record.id), record.id)
+        return sorted(heads, key=lambda r: (r.started_at, r.id))
+
+    async def resume_run(self, run_id: str) -> list[WorkerView]:
+        """A new live attempt of a run: its highest unfinished workers carry on."""
+        heads = self._resumable_heads(run_id)
+        self.registry.reopen_run(run_id, self.clock())
+        return [await self.resume(record.id, None) for record in heads]
+
+    def latest_resumable(self, cwd: str) -> tuple[str, bool, str]:
+        """The newest run started in `cwd` that a resume would take: (run, True, "");
+        else the newest run of `cwd` and why not: (run, False, reason)."""
+        started: dict[str, float] = {}  # run -> when its first worker was spawned
+        for path in self.state_dir.archives.iterdir():
+            record = Archive(path).load_record()
+            if record is not None and record.parent is None and record.cwd == cwd:
+                try:
+                    spawned = read_snapshot(Archive(path), record.id).created_at
+                except Refused:
+                    spawned = record.started_at  # a later attempt's start: the best left
+                started[record.run] = min(started.get(record.run, math.inf), spawned)
+        if not started:
+            raise NotFound(f"no run was started in {cwd}")
+        newest_first = sorted(started, key=lambda run: started[run], reverse=True)
+        for run in newest_first:
+            try:
+                self._resumable_heads(run)
+            except (Refused, NotFound):
+                continue
+            return run, True, ""
+        try:
+            self._resumable_heads(newest_first[0])
+        except (Refused, NotFound) as exc:
+            return newest_first[0], False, exc.message
+        raise AssertionError("unreachable: the newest run was just found not resumable")
 
     def _end_unstarted(self, live: LiveWorker, why: str) -> None:
         live.journal.append("note", why.encode(), self.clock())

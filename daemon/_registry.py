@@ -462,6 +462,47 @@ class Registry:
         self.tombstones = {t.id: t for t in tombstones}
         self.turn, self.fence, self.fence_epochs = turn, fence, fence_epochs
 
+    # -- resuming ------------------------------------------------------------
+
+    def reopen(self, record: WorkerRecord, now: float, timeout: float | None) -> WorkerRecord:
+        """The next attempt of an ended worker: same id, run, parent and token.
+
+        `record` may come from the archive when its handle was released: it is
+        taken back into memory. Its run is live again.
+        """
+        if record.id not in self.workers:
+            self.restore_worker(record)
+        record.attempt += 1
+        record.state = "starting"
+        record.stop_reason = None
+        record.exit_code = None
+        record.pid = record.pid_start = None
+        record.started_at = now
+        record.ended_at = None
+        record.collected = record.expired = False
+        record.timeout = timeout
+        record.turn = self.turn
+        self.reopen_run(record.run, now)
+        return record
+
+    def reopen_run(self, run_id: str, now: float) -> None:
+        """Make a stopped run live again (a resume is an explicit wish to carry on)."""
+        if run_id not in self.runs:
+            self.runs[run_id] = RunRecord(id=run_id, outer=None, created_at=now)
+            self._run_members[run_id] = []
+            self._inner_runs[run_id] = []
+        self.runs[run_id].stopped = False
+
+    def restore_worker(self, record: WorkerRecord) -> None:
+        """Take a worker back into memory from its archived record."""
+        self.reopen_run(record.run, record.started_at)
+        self.workers[record.id] = record
+        self._by_token[record.token] = record.id
+        self._children.setdefault(record.id, [])
+        self._run_members[record.run].append(record.id)
+        if record.parent is not None and record.parent in self._children:
+            self._children[record.parent].append(record.id)
+
     # -- retention -----------------------------------------------------------
 
     def expired(self, now: float, ttl: float) -> list[str]:

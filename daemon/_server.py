@@ -39,12 +39,16 @@ from subagentd.protocol import (
     Hello,
     Info,
     InfoReply,
+    Latest,
+    LatestResumable,
     ListWorkers,
     NewRun,
     Page,
     Reload,
     Reply,
     ResultReply,
+    Resume,
+    ResumeRun,
     RunReply,
     SetFence,
     Spawn,
@@ -66,7 +70,14 @@ from subagentd.protocol import (
     encode,
     package_version,
 )
-from subagentd.protocol.errors import ErrorCode, Forbidden, FrameTooLarge, Invalid, RemoteError
+from subagentd.protocol.errors import (
+    ErrorCode,
+    Forbidden,
+    FrameTooLarge,
+    Frozen,
+    Invalid,
+    RemoteError,
+)
 
 from ._daemon import RELOAD_RETRY, Daemon
 from ._reload import Reloader
@@ -412,6 +423,22 @@ class Server:
                 daemon.ack(seqs)
                 conn.delivered.difference_update(seqs)
                 return Done(id=rid)
+            case Resume(worker=worker, timeout=timeout):
+                given = [
+                    name
+                    for name, value in (
+                        ("input", request.input),
+                        ("command", request.argv),
+                        ("model", request.model),
+                    )
+                    if value is not None
+                ]
+                if given:
+                    raise Frozen(
+                        f"a resume runs what worker {worker}'s snapshot froze at spawn: "
+                        f"{', '.join(given)} cannot be given again (only --timeout can)"
+                    )
+                return WorkerReply(id=rid, worker=await daemon.resume(worker, timeout, caller))
             case Cancel(scope=scope):
                 return Cancelled(id=rid, cancelled=daemon.cancel(scope, caller))
             case Info():
@@ -445,6 +472,11 @@ class Server:
             case Reload():
                 assert self.reloader is not None
                 return await self.reloader.reload(conn, rid)
+            case ResumeRun(run=run):
+                return WorkerList(id=rid, workers=await daemon.resume_run(run))
+            case LatestResumable(cwd=cwd):
+                run, resumable, reason = daemon.latest_resumable(cwd)
+                return Latest(id=rid, run=run, resumable=resumable, reason=reason)
             case CancelFence(epoch=epoch):
                 return Cancelled(id=rid, cancelled=daemon.cancel_fence(epoch))
             case ClearFence():

@@ -26,6 +26,8 @@ from ._messages import FenceReply as FenceReply
 from ._messages import Hello as Hello
 from ._messages import Info as Info
 from ._messages import InfoReply as InfoReply
+from ._messages import Latest as Latest
+from ._messages import LatestResumable as LatestResumable
 from ._messages import ListWorkers as ListWorkers
 from ._messages import NewRun as NewRun
 from ._messages import Page as Page
@@ -34,6 +36,8 @@ from ._messages import ReloadReply as ReloadReply
 from ._messages import Reply as Reply
 from ._messages import Request as Request
 from ._messages import ResultReply as ResultReply
+from ._messages import Resume as Resume
+from ._messages import ResumeRun as ResumeRun
 from ._messages import RunReply as RunReply
 from ._messages import SetFence as SetFence
 from ._messages import Spawn as Spawn

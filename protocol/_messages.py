@@ -200,6 +200,32 @@ class WaitRunStopped(Request, tag="wait_run_stopped"):
     run: str
 
 
+class Resume(Request, tag="resume"):
+    """Carry an ended (not finished) worker on from its snapshot: same id, next attempt.
+
+    Only ``timeout`` may be given again; ``input``, ``argv`` or ``model`` are
+    refused with `frozen` (the snapshot holds what the worker was given).
+    """
+
+    worker: str
+    timeout: float | None = None
+    input: bytes | None = None
+    argv: list[str] | None = None
+    model: str | None = None
+
+
+class ResumeRun(Request, tag="resume_run"):
+    """A new live attempt of a run: its highest unfinished workers carry on."""
+
+    run: str
+
+
+class LatestResumable(Request, tag="latest_resumable"):
+    """The newest run started in ``cwd`` that a resume would take, or the newest and why not."""
+
+    cwd: str
+
+
 class Reload(Request, tag="reload"):
     """Re-exec the daemon's image in place, keeping every worker. Answered by the new image."""
 
@@ -249,6 +275,9 @@ ClientMessage = (
     | Subscribe
     | Ack
     | Reload
+    | Resume
+    | ResumeRun
+    | LatestResumable
     | Abort
 )
 
@@ -331,6 +360,14 @@ class ReloadReply(Reply, tag="reloaded"):
     stopped_by_reload: list[str] = []
 
 
+class Latest(Reply, tag="latest"):
+    """``resumable``: a resume of ``run`` would go ahead; else ``reason`` says why not."""
+
+    run: str
+    resumable: bool
+    reason: str = ""
+
+
 class Done(Reply, tag="done"):
     pass
 
@@ -355,6 +392,7 @@ DaemonMessage = (
     | FenceReply
     | Wakes
     | ReloadReply
+    | Latest
     | Done
     | Error
 )
