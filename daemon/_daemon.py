@@ -9,12 +9,13 @@ pidfd and journal until the worker has ended.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import math
 import os
 import shutil
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,7 +39,6 @@ from subagentd.protocol.errors import (
     Forbidden,
     Invalid,
     NotFound,
-    Refused,
     Reloading,
 )
 
@@ -47,7 +47,7 @@ from ._archive import STDOUT_TAIL_BYTES, Archive, Snapshot, prune_archives
 from ._journal import Journal
 from ._process import SpawnFailed, WorkerProcess, pump
 from ._registry import TOMBSTONE_OUTPUT, Registry, Tombstone, WorkerRecord
-from ._resume import RESUMABLE, check_branch, git_branch, read_snapshot
+from ._resume import git_branch
 from ._statedir import StateDir, save_run
 from ._tree import ProcessTable, end_tree
 from ._wakes import WakeKey, WakeLog
@@ -138,13 +138,13 @@ class Daemon:
         self._frozen = trio.Event()
         self._thawed = trio.Event()
         self._thaw_asked = trio.Event()
-        self._starting = 0  # spawns between registration and their supervise task
-        self._spawned = trio.Event()
+        self.starting = 0  # spawns between registration and their supervise task
+        self.spawned = trio.Event()
         #: While set, spawns are refused with `reloading` (a reload's launch fence).
         self.reloading = False
         self._run_stopped: dict[str, trio.Event] = {}
         self.processes = ProcessTable()
-        self._journals: collections.OrderedDict[str, Journal] = collections.OrderedDict()
+        self.journals: collections.OrderedDict[str, Journal] = collections.OrderedDict()
         self.runs_dir = state_dir.root / "runs"
         self.wake_log = WakeLog(state_dir.root / "wakes.log")
         self.wakes = self.wake_log.open()
@@ -204,8 +204,8 @@ class Daemon:
 
     async def freeze(self) -> None:
         """Stop supervising (nothing reaped, nothing closed), once no spawn is in flight."""
-        while self._starting:
-            await self._spawned.wait()
+        while self.starting:
+            await self.spawned.wait()
         self._supervision.cancel()
         await self._frozen.wait()
 
@@ -227,15 +227,20 @@ class Daemon:
         launch = self._resolve_command(request)
         if caller is not None and request.parent is not None:
             self.registry.authorize(caller, request.parent)
-        self._starting += 1
-        try:
-            with trio.CancelScope(shield=True):
-                view = await self._start(request, caller, launch)
-        finally:
-            self._starting -= 1
-            spawned, self._spawned = self._spawned, trio.Event()
-            spawned.set()
+        with self.launching(), trio.CancelScope(shield=True):
+            view = await self._start(request, caller, launch)
         return view
+
+    @contextlib.contextmanager
+    def launching(self) -> Iterator[None]:
+        """Count a launch in flight, so a reload's freeze waits for it to finish."""
+        self.starting += 1
+        try:
+            yield
+        finally:
+            self.starting -= 1
+            spawned, self.spawned = self.spawned, trio.Event()
+            spawned.set()
 
     async def _start(self, request: Spawn, caller: str | None, launch: Launch) -> WorkerView:
         argv, env, cwd = launch.argv, launch.env, launch.cwd
@@ -283,9 +288,9 @@ class Daemon:
                 live, f"stopped at birth: launch fence {record.fence} was cancelled"
             )
             return record.view()
-        return await self._launch(live, argv, cwd, launch.worker_env, stdin)
+        return await self.launch(live, argv, cwd, launch.worker_env, stdin)
 
-    async def _launch(
+    async def launch(
         self,
         live: LiveWorker,
         argv: list[str],
@@ -335,128 +340,6 @@ class Daemon:
         )
         return record.view()
 
-    # -- resuming --------------------------------------------------------------
-
-    async def resume(
-        self, worker_id: str, worker_timeout: float | None, caller: str | None = None
-    ) -> WorkerView:
-        """Carry a stopped, failed, timed-out or interrupted worker on from its snapshot:
-        same id, next attempt, same journal; only the timeout may be given anew."""
-        if self.reloading:
-            raise Reloading("the daemon is reloading; resume again", retry_after=RELOAD_RETRY)
-        self.authorize(caller, worker_id)
-        found = self.lookup(worker_id)
-        self._check_resumable(found.id, found.state)
-        archive = Archive(Path(found.archive))
-        snapshot = read_snapshot(archive, worker_id)
-        check_branch(snapshot, worker_id)
-        record = self.registry.workers.get(worker_id) or archive.load_record()
-        if record is None:
-            raise Refused(f"worker {worker_id} cannot be resumed: its record is unreadable")
-        if worker_timeout is not None and worker_timeout < 0:
-            raise Invalid(f"timeout must be zero or more seconds, not {worker_timeout}")
-        self._starting += 1
-        try:
-            with trio.CancelScope(shield=True):
-                view = await self._reopen(record, snapshot, archive, worker_timeout)
-        finally:
-            self._starting -= 1
-            spawned, self._spawned = self._spawned, trio.Event()
-            spawned.set()
-        return view
-
-    async def _reopen(
-        self,
-        record: WorkerRecord,
-        snapshot: Snapshot,
-        archive: Archive,
-        worker_timeout: float | None,
-    ) -> WorkerView:
-        self.registry.tombstones.pop(record.id, None)
-        record = self.registry.reopen(
-            record,
-            self.clock(),
-            snapshot.timeout if worker_timeout is None else worker_timeout or None,
-        )
-        save_run(self.runs_dir, self.registry.runs[record.run])
-        self._journals.pop(record.id, None)  # its read-only view is about to go stale
-        journal = Journal.open(archive.file(Archive.JOURNAL), writable=True)
-        journal.append("note", f"attempt {record.attempt}: resumed".encode(), self.clock())
-        live = LiveWorker(record=record, journal=journal)
-        live.stdout_tail += journal.tail_bytes("stdout", STDOUT_TAIL_BYTES)
-        self.live[record.id] = live
-        stdin = str(archive.file(Archive.INPUT)) if snapshot.has_input else None
-        base_env = _inherited_env(os.environ) | snapshot.env
-        return await self._launch(live, snapshot.argv, snapshot.cwd, base_env, stdin)
-
-    @staticmethod
-    def _check_resumable(worker_id: str, state: str) -> None:
-        if state == "finished":
-            raise Refused(f"worker {worker_id} ended well (finished): there is nothing to resume")
-        if state not in RESUMABLE:
-            raise Refused(f"worker {worker_id} is {state}: only an ended worker can be resumed")
-
-    def _run_records(self, run_id: str) -> list[WorkerRecord]:
-        """Every worker of a run, whether its handle is in memory or only its archive."""
-        records = {r.id: r for r in self.registry.workers.values() if r.run == run_id}
-        for path in self.state_dir.archives.iterdir():
-            if path.name not in records:
-                record = Archive(path).load_record()
-                if record is not None and record.run == run_id:
-                    records[record.id] = record
-        return list(records.values())
-
-    def _resumable_heads(self, run_id: str) -> list[WorkerRecord]:
-        """The highest unfinished workers of a run: those a resume of the run restarts.
-
-        Refuses, with the reason, when the run ended well or a resume could not start.
-        """
-        records = self._run_records(run_id)
-        if not records:
-            raise NotFound(f"no run {run_id!r} in this state dir")
-        if any(not r.ended for r in records):
-            raise Refused(f"run {run_id} is still live: stop it, or resume its workers one by one")
-        unfinished = {r.id: r for r in records if r.state in RESUMABLE}
-        if not unfinished:
-            raise Refused(f"run {run_id} ended well: every worker finished")
-        heads = [r for r in unfinished.values() if r.parent not in unfinished]
-        for record in heads:
-            check_branch(read_snapshot(Archive(Path(record.archive)), record.id), record.id)
-        return sorted(heads, key=lambda r: (r.started_at, r.id))
-
-    async def resume_run(self, run_id: str) -> list[WorkerView]:
-        """A new live attempt of a run: its highest unfinished workers carry on."""
-        heads = self._resumable_heads(run_id)
-        self.registry.reopen_run(run_id, self.clock())
-        return [await self.resume(record.id, None) for record in heads]
-
-    def latest_resumable(self, cwd: str) -> tuple[str, bool, str]:
-        """The newest run started in `cwd` that a resume would take: (run, True, "");
-        else the newest run of `cwd` and why not: (run, False, reason)."""
-        started: dict[str, float] = {}  # run -> when its first worker was spawned
-        for path in self.state_dir.archives.iterdir():
-            record = Archive(path).load_record()
-            if record is not None and record.parent is None and record.cwd == cwd:
-                try:
-                    spawned = read_snapshot(Archive(path), record.id).created_at
-                except Refused:
-                    spawned = record.started_at  # a later attempt's start: the best left
-                started[record.run] = min(started.get(record.run, math.inf), spawned)
-        if not started:
-            raise NotFound(f"no run was started in {cwd}")
-        newest_first = sorted(started, key=lambda run: started[run], reverse=True)
-        for run in newest_first:
-            try:
-                self._resumable_heads(run)
-            except (Refused, NotFound):
-                continue
-            return run, True, ""
-        try:
-            self._resumable_heads(newest_first[0])
-        except (Refused, NotFound) as exc:
-            return newest_first[0], False, exc.message
-        raise AssertionError("unreachable: the newest run was just found not resumable")
-
     def _end_unstarted(self, live: LiveWorker, why: str) -> None:
         live.journal.append("note", why.encode(), self.clock())
         del self.live[live.record.id]
@@ -486,7 +369,7 @@ class Daemon:
         cwd = request.cwd or os.getcwd()
         if not os.path.isdir(cwd):
             raise Invalid(f"working directory {cwd!r} does not exist")
-        worker_env = _inherited_env(os.environ) | env
+        worker_env = inherited_env(os.environ) | env
         _check_executable(argv[0], cwd, worker_env)
         return Launch(argv, env, cwd, worker_env, timeout, grace, model)
 
@@ -759,7 +642,7 @@ class Daemon:
 
     def _ended_journal(self, found: WorkerRecord | Tombstone) -> Journal:
         """An ended worker's journal, opened (and verified) once for many pages."""
-        journal = self._journals.pop(found.id, None)
+        journal = self.journals.pop(found.id, None)
         if journal is None:
             try:
                 journal = Journal.open(Path(found.archive) / Archive.JOURNAL, writable=False)
@@ -767,9 +650,9 @@ class Daemon:
                 raise NotFound(
                     f"worker {found.id}'s journal is gone (its archive was pruned)"
                 ) from None
-        self._journals[found.id] = journal
-        while len(self._journals) > OPEN_JOURNALS:
-            self._journals.popitem(last=False)
+        self.journals[found.id] = journal
+        while len(self.journals) > OPEN_JOURNALS:
+            self.journals.popitem(last=False)
         return journal
 
     async def follow(
@@ -912,7 +795,7 @@ def _tombstone(record: WorkerRecord) -> Tombstone:
     )
 
 
-def _inherited_env(environ: Mapping[str, str]) -> dict[str, str]:
+def inherited_env(environ: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in environ.items() if not k.startswith(_PRIVATE_ENV_PREFIXES)}
 
 

@@ -81,6 +81,7 @@ from subagentd.protocol.errors import (
 
 from ._daemon import RELOAD_RETRY, Daemon
 from ._reload import Reloader
+from ._resumer import Resumer
 
 log = structlog.get_logger("subagentd")
 
@@ -129,6 +130,7 @@ class Server:
         self.frame_limit = frame_limit
         self.connections = 0  # open now
         self.reloader: Reloader | None = None
+        self.resumer = Resumer(daemon)
         self._open: set[Connection] = set()
         self._scope = trio.CancelScope()
         self._accepting = trio.CancelScope()
@@ -438,7 +440,9 @@ class Server:
                         f"a resume runs what worker {worker}'s snapshot froze at spawn: "
                         f"{', '.join(given)} cannot be given again (only --timeout can)"
                     )
-                return WorkerReply(id=rid, worker=await daemon.resume(worker, timeout, caller))
+                return WorkerReply(
+                    id=rid, worker=await self.resumer.resume(worker, timeout, caller)
+                )
             case Cancel(scope=scope):
                 return Cancelled(id=rid, cancelled=daemon.cancel(scope, caller))
             case Info():
@@ -473,9 +477,9 @@ class Server:
                 assert self.reloader is not None
                 return await self.reloader.reload(conn, rid)
             case ResumeRun(run=run):
-                return WorkerList(id=rid, workers=await daemon.resume_run(run))
+                return WorkerList(id=rid, workers=await self.resumer.resume_run(run))
             case LatestResumable(cwd=cwd):
-                run, resumable, reason = daemon.latest_resumable(cwd)
+                run, resumable, reason = self.resumer.latest_resumable(cwd)
                 return Latest(id=rid, run=run, resumable=resumable, reason=reason)
             case CancelFence(epoch=epoch):
                 return Cancelled(id=rid, cancelled=daemon.cancel_fence(epoch))

@@ -1,0 +1,143 @@
+"""Resuming: carrying an ended worker or run on from its archive.
+
+The rules of what may be resumed live in `_resume`; this module does it, on
+the daemon: a worker comes back into memory as its next attempt and starts
+down the same launch path as a new spawn.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import trio
+
+from subagentd.protocol import WorkerView
+from subagentd.protocol.errors import Invalid, NotFound, Refused, Reloading
+
+from ._archive import STDOUT_TAIL_BYTES, Archive, Snapshot
+from ._daemon import RELOAD_RETRY, Daemon, LiveWorker, inherited_env
+from ._journal import Journal
+from ._registry import WorkerRecord
+from ._resume import RESUMABLE, check_branch, read_snapshot
+from ._statedir import save_run
+
+
+class Resumer:
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+
+    async def resume(
+        self, worker_id: str, worker_timeout: float | None, caller: str | None = None
+    ) -> WorkerView:
+        """Carry a stopped, failed, timed-out or interrupted worker on from its snapshot:
+        same id, next attempt, same journal; only the timeout may be given anew."""
+        if self.daemon.reloading:
+            raise Reloading("the daemon is reloading; resume again", retry_after=RELOAD_RETRY)
+        self.daemon.authorize(caller, worker_id)
+        found = self.daemon.lookup(worker_id)
+        self._check_resumable(found.id, found.state)
+        archive = Archive(Path(found.archive))
+        snapshot = read_snapshot(archive, worker_id)
+        check_branch(snapshot, worker_id)
+        record = self.daemon.registry.workers.get(worker_id) or archive.load_record()
+        if record is None:
+            raise Refused(f"worker {worker_id} cannot be resumed: its record is unreadable")
+        if worker_timeout is not None and worker_timeout < 0:
+            raise Invalid(f"timeout must be zero or more seconds, not {worker_timeout}")
+        with self.daemon.launching(), trio.CancelScope(shield=True):
+            view = await self._reopen(record, snapshot, archive, worker_timeout)
+        return view
+
+    async def _reopen(
+        self,
+        record: WorkerRecord,
+        snapshot: Snapshot,
+        archive: Archive,
+        worker_timeout: float | None,
+    ) -> WorkerView:
+        self.daemon.registry.tombstones.pop(record.id, None)
+        record = self.daemon.registry.reopen(
+            record,
+            self.daemon.clock(),
+            snapshot.timeout if worker_timeout is None else worker_timeout or None,
+        )
+        save_run(self.daemon.runs_dir, self.daemon.registry.runs[record.run])
+        self.daemon.journals.pop(record.id, None)  # its read-only view is about to go stale
+        journal = Journal.open(archive.file(Archive.JOURNAL), writable=True)
+        journal.append("note", f"attempt {record.attempt}: resumed".encode(), self.daemon.clock())
+        live = LiveWorker(record=record, journal=journal)
+        live.stdout_tail += journal.tail_bytes("stdout", STDOUT_TAIL_BYTES)
+        self.daemon.live[record.id] = live
+        stdin = str(archive.file(Archive.INPUT)) if snapshot.has_input else None
+        base_env = inherited_env(os.environ) | snapshot.env
+        return await self.daemon.launch(live, snapshot.argv, snapshot.cwd, base_env, stdin)
+
+    @staticmethod
+    def _check_resumable(worker_id: str, state: str) -> None:
+        if state == "finished":
+            raise Refused(f"worker {worker_id} ended well (finished): there is nothing to resume")
+        if state not in RESUMABLE:
+            raise Refused(f"worker {worker_id} is {state}: only an ended worker can be resumed")
+
+    def _run_records(self, run_id: str) -> list[WorkerRecord]:
+        """Every worker of a run, whether its handle is in memory or only its archive."""
+        records = {r.id: r for r in self.daemon.registry.workers.values() if r.run == run_id}
+        for path in self.daemon.state_dir.archives.iterdir():
+            if path.name not in records:
+                record = Archive(path).load_record()
+                if record is not None and record.run == run_id:
+                    records[record.id] = record
+        return list(records.values())
+
+    def _resumable_heads(self, run_id: str) -> list[WorkerRecord]:
+        """The highest unfinished workers of a run: those a resume of the run restarts.
+
+        Refuses, with the reason, when the run ended well or a resume could not start.
+        """
+        records = self._run_records(run_id)
+        if not records:
+            raise NotFound(f"no run {run_id!r} in this state dir")
+        if any(not r.ended for r in records):
+            raise Refused(f"run {run_id} is still live: stop it, or resume its workers one by one")
+        unfinished = {r.id: r for r in records if r.state in RESUMABLE}
+        if not unfinished:
+            raise Refused(f"run {run_id} ended well: every worker finished")
+        heads = [r for r in unfinished.values() if r.parent not in unfinished]
+        for record in heads:
+            check_branch(read_snapshot(Archive(Path(record.archive)), record.id), record.id)
+        return sorted(heads, key=lambda r: (r.started_at, r.id))
+
+    async def resume_run(self, run_id: str) -> list[WorkerView]:
+        """A new live attempt of a run: its highest unfinished workers carry on."""
+        heads = self._resumable_heads(run_id)
+        self.daemon.registry.reopen_run(run_id, self.daemon.clock())
+        return [await self.resume(record.id, None) for record in heads]
+
+    def latest_resumable(self, cwd: str) -> tuple[str, bool, str]:
+        """The newest run started in `cwd` that a resume would take: (run, True, "");
+        else the newest run of `cwd` and why not: (run, False, reason)."""
+        started: dict[str, float] = {}  # run -> when its first worker was spawned
+        for path in self.daemon.state_dir.archives.iterdir():
+            record = Archive(path).load_record()
+            if record is not None and record.parent is None and record.cwd == cwd:
+                try:
+                    spawned = read_snapshot(Archive(path), record.id).created_at
+                except Refused:
+                    spawned = record.started_at  # a later attempt's start: the best left
+                started[record.run] = min(started.get(record.run, math.inf), spawned)
+        if not started:
+            raise NotFound(f"no run was started in {cwd}")
+        newest_first = sorted(started, key=lambda run: started[run], reverse=True)
+        for run in newest_first:
+            try:
+                self._resumable_heads(run)
+            except (Refused, NotFound):
+                continue
+            return run, True, ""
+        try:
+            self._resumable_heads(newest_first[0])
+        except (Refused, NotFound) as exc:
+            return newest_first[0], False, exc.message
+        raise AssertionError("unreachable: the newest run was just found not resumable")
