@@ -133,8 +133,10 @@ class Reloader:
             if self.no_carry:
                 attempt.stopped_by_reload = await self._stop_uncarriable()
             notify("RELOADING=1", monotonic_usec(), "STATUS=reloading")
+            log.info("reload.checked")
             kept = await self.server.pause([conn for conn, _ in attempt.requesters])
             await daemon.freeze()
+            log.info("reload.frozen")
             try:
                 self._exec(attempt, kept)
             except OSError as exc:
