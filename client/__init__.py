@@ -11,6 +11,7 @@ from subagentd.protocol import DaemonInfo as DaemonInfo
 from subagentd.protocol import Entry as Entry
 from subagentd.protocol import EntryKind as EntryKind
 from subagentd.protocol import Page as Page
+from subagentd.protocol import Wake as Wake
 from subagentd.protocol import WorkerResult as WorkerResult
 from subagentd.protocol import WorkerState as WorkerState
 from subagentd.protocol import WorkerView as WorkerView

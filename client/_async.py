@@ -9,15 +9,32 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Mapping,
+    Sequence,
+)
 from pathlib import Path
 from types import TracebackType
 from typing import Self, TypeVar
 
 import trio
 
-from subagentd.protocol import DaemonInfo, Entry, Page, Reply, Request, WorkerResult, WorkerView
-from subagentd.protocol.errors import ConnectionLost
+from subagentd.protocol import (
+    DaemonInfo,
+    Entry,
+    Page,
+    Reply,
+    Request,
+    Wake,
+    WorkerResult,
+    WorkerView,
+)
+from subagentd.protocol.errors import ConnectionLost, SubagentdError
 
 from . import _core
 from ._switch import StopSwitch
@@ -40,6 +57,10 @@ class AsyncClient:
         # Concurrent send_all calls on one stream are an error, and frames must not interleave.
         self._sending = trio.StrictFIFOLock()
         self._arrivals = trio.lowlevel.ParkingLot()
+        # Once the reader task is gone (cancelled by a scope around the whole client), a
+        # waiter shielded from that cancel (a switch stopping its run) reads for itself.
+        self._reader_running = True
+        self._receiving = trio.Lock()
         self._exit_stack = contextlib.AsyncExitStack()
 
     async def __aenter__(self) -> Self:
@@ -137,6 +158,49 @@ class AsyncClient:
                 self._conn.finish(stream)
             else:
                 await self._abort(stream)
+
+    async def events(
+        self,
+        run: str | None = None,
+        worker: str | None = None,
+        follow: bool = False,
+        *,
+        ack: bool = True,
+    ) -> AsyncGenerator[Wake, None]:
+        """The wakes of one parent (a ``run``'s top-level workers, or a ``worker``'s children)
+        not yet acknowledged, each acknowledged once handed over: when the caller asks for
+        the next one, or leaves the loop having got it (even cancelled). A wake never
+        handed over stays for the next subscriber. With ``follow``, then each new wake
+        until the caller leaves; iterate inside ``contextlib.aclosing(daemon.events(...))``
+        to have the stream aborted, and the last wake acknowledged, at once.
+
+        With ``ack=False`` nothing is acknowledged: call `ack` once a wake is safely
+        dealt with, so that a crash in between gets it again.
+        """
+        subscription = _core.WakeSubscription(run, worker, follow=follow)
+        stream = await self._send(subscription.request())
+        try:
+            while not subscription.done:
+                for wake in subscription.take(await self._next_reply(stream)):
+                    try:
+                        yield wake
+                    except BaseException:
+                        # Left with the wake in hand (a break, a cancel): it was handed over.
+                        if ack:
+                            await self._ack_leaving(wake)
+                        raise
+                    if ack:
+                        await self._acknowledge(wake)
+        finally:
+            if subscription.done:
+                self._conn.finish(stream)
+            else:
+                await self._abort(stream)
+
+    async def ack(self, seqs: Iterable[int]) -> None:
+        """Acknowledge wakes by seq: no subscriber gets them again. Each must have been
+        delivered on this connection (else `Invalid`)."""
+        await self._call(_core.ack(seqs))
 
     async def collect(self, worker_id: str, wait: bool = False) -> WorkerResult:
         return await self._call(_core.collect(worker_id, wait))
@@ -240,8 +304,25 @@ class AsyncClient:
 
     async def _next_reply(self, request_id: int) -> Reply:
         while (reply := self._conn.next_reply(request_id)) is None:
-            await self._arrivals.park()
+            if self._reader_running:
+                await self._arrivals.park()
+                continue
+            async with self._receiving:
+                # Another waiter may have read this request's reply while we queued.
+                if (reply := self._conn.next_reply(request_id)) is not None:
+                    return reply
+                await self._receive_once()
         return reply
+
+    async def _acknowledge(self, wake: Wake) -> None:
+        # Shielded: a caller cancelled once it asked for more had still got this wake.
+        with trio.CancelScope(shield=True):
+            await self.ack([wake.seq])
+
+    async def _ack_leaving(self, wake: Wake) -> None:
+        # A failure here must not hide why the caller left; the wake then stays pending.
+        with contextlib.suppress(SubagentdError):
+            await self._acknowledge(wake)
 
     async def _abort(self, request_id: int) -> None:
         frame = self._conn.abort(request_id)
@@ -252,15 +333,22 @@ class AsyncClient:
             await self._send_frame(frame)
 
     async def _receive_replies(self) -> None:
+        try:
+            while not self._conn.closed:
+                await self._receive_once()
+        finally:
+            self._reader_running = False
+            self._arrivals.unpark_all()  # the waiters left read for themselves
+
+    async def _receive_once(self) -> None:
         stream = self._connected()
-        while not self._conn.closed:
-            try:
-                data = await stream.receive_some()
-            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-                self._conn.connection_lost(exc)
-            else:
-                self._conn.receive_data(data)
-            self._arrivals.unpark_all()
+        try:
+            data = await stream.receive_some()
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            self._conn.connection_lost(exc)
+        else:
+            self._conn.receive_data(data)
+        self._arrivals.unpark_all()
 
 
 @contextlib.asynccontextmanager

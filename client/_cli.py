@@ -23,6 +23,7 @@ from subagentd.protocol import (
     Entry,
     Stop,
     Stopped,
+    Wake,
     WorkerResult,
     WorkerView,
 )
@@ -51,6 +52,7 @@ WORKER_FIELDS = (
     "ended_at",
     "archive",
 )
+WAKE_FIELDS = ("id", "run", "parent", "state", "exit_code", "preview")
 INFO_FIELDS = ("version", "protocol", "pid", "image_generation", "reloads", "workers", "holds_park")
 
 
@@ -68,6 +70,8 @@ class Output(Protocol):
     def turn(self, turn: int) -> None: ...
     def fence(self, epoch: int | None) -> None: ...
     def entry(self, entry: Entry) -> None: ...
+    def wake(self, wake: Wake) -> None: ...
+    def no_wakes(self, parent: str) -> None: ...
     def result(self, result: WorkerResult) -> None: ...
     def info(self, info: DaemonInfo) -> None: ...
     def error(self, exc: RemoteError | ProtocolError) -> None: ...
@@ -154,6 +158,15 @@ class Human:
                 line = b"[%s] %s" % (kind.encode(), entry.data.rstrip(b"\n"))
                 _write(sys.stderr.buffer, line + b"\n")
 
+    def wake(self, wake: Wake) -> None:
+        words = [wake.id, wake.state, f"exit={_or_dash(wake.exit_code)}"]
+        if preview := _one_line(wake.preview):
+            words.append(preview)
+        print(" ".join(words), flush=True)  # flushed before it is acknowledged
+
+    def no_wakes(self, parent: str) -> None:
+        print(f"no wakes pending for {parent}", file=sys.stderr)
+
     def result(self, result: WorkerResult) -> None:
         text = result.result
         sys.stdout.write(text if not text or text.endswith("\n") else text + "\n")
@@ -209,6 +222,12 @@ class Json:
         data = entry.data.decode(errors="replace")
         _dump({"seq": entry.seq, "kind": entry.kind, "data": data, "at": entry.at})
 
+    def wake(self, wake: Wake) -> None:
+        _dump({field: getattr(wake, field) for field in WAKE_FIELDS})
+
+    def no_wakes(self, parent: str) -> None:
+        pass  # no line at all: a program reads an empty stream
+
     def result(self, result: WorkerResult) -> None:
         _dump(msgspec.structs.asdict(result))
 
@@ -229,6 +248,13 @@ def _dump(document: dict[str, Any]) -> None:
 def _write(stream: BinaryIO, data: bytes) -> None:
     stream.write(data)
     stream.flush()
+
+
+def _one_line(text: str) -> str:
+    """`text` on one line: newlines and other control characters escaped as Python writes them,
+    so a worker's output can neither break the line nor drive the terminal."""
+    text = text.rstrip()
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def _print_fields(fields: Iterable[tuple[str, object]]) -> None:
@@ -294,6 +320,18 @@ def stop(daemon: Client, args: argparse.Namespace, out: Output) -> None:
 def watch(daemon: Client, args: argparse.Namespace, out: Output) -> None:
     for entry in daemon.watch(args.worker, since=args.since, follow=args.follow):
         out.entry(entry)
+
+
+def events(daemon: Client, args: argparse.Namespace, out: Output) -> None:
+    printed = 0
+    # Acknowledged only once printed and flushed: a reader that went away (or a Ctrl-C)
+    # before that leaves the wake pending for the next `events`.
+    for wake in daemon.events(run=args.run, worker=args.worker, follow=args.follow, ack=False):
+        out.wake(wake)
+        daemon.ack([wake.seq])
+        printed += 1
+    if not printed:
+        out.no_wakes(f"run {args.run}" if args.run is not None else f"worker {args.worker}")
 
 
 def collect(daemon: Client, args: argparse.Namespace, out: Output) -> None:
@@ -414,6 +452,28 @@ def parser() -> argparse.ArgumentParser:
     sub.add_argument("--since", metavar="N", type=int, default=0, help="start after cursor N")
     sub.add_argument(
         "-f", "--follow", action="store_true", help="keep printing until the worker ends"
+    )
+
+    sub = command(
+        "events",
+        events,
+        "Print the wakes of one parent: each ending of a run's top-level worker, or of a "
+        "worker's delegated children.",
+        "Each wake is acknowledged as soon as it is printed, and is then never printed "
+        "again, here or by any other subscriber; a wake not yet printed (the command "
+        "interrupted, its reader gone) stays pending for the next `events`. Without -f, "
+        "prints what is pending and exits. A line reads ID STATE exit=CODE PREVIEW, the "
+        "preview being the start of the worker's result; --json prints id, run, parent, "
+        "state, exit_code and preview.",
+    )
+    parent = sub.add_mutually_exclusive_group(required=True)
+    parent.add_argument("--run", metavar="R", help="the wakes of run R's top-level workers")
+    parent.add_argument("--worker", metavar="W", help="the wakes of the workers W delegated")
+    sub.add_argument(
+        "-f",
+        "--follow",
+        action="store_true",
+        help="keep printing wakes as workers end, until Ctrl-C",
     )
 
     sub = command("collect", collect, "Print a worker's result and mark it collected.")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import errno
 import os
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Generic, NoReturn, TypeVar
@@ -19,6 +19,7 @@ import msgspec
 
 from subagentd.protocol import (
     Abort,
+    Ack,
     BeginTurn,
     Cancel,
     CancelFence,
@@ -47,9 +48,12 @@ from subagentd.protocol import (
     Stop,
     Stopped,
     StopRun,
+    Subscribe,
     TurnReply,
     Wait,
     WaitRunStopped,
+    Wake,
+    Wakes,
     Watch,
     Welcome,
     WorkerList,
@@ -297,6 +301,10 @@ def clear_fence() -> Call[None]:
     return Call(ClearFence(id=0), _done)
 
 
+def ack(seqs: Iterable[int]) -> Call[None]:
+    return Call(Ack(id=0, wakes=list(seqs)), _done)
+
+
 class JournalCursor:
     """Where one reading of a worker's journal stands: what to ask for next, and when it is over.
 
@@ -320,6 +328,35 @@ class JournalCursor:
         self.since = page.next
         self.done = page.complete or (not self.follow and not page.entries)
         return page.entries
+
+
+class WakeSubscription:
+    """Where one subscription to a parent's wakes stands: what to subscribe with, and when
+    it is over.
+
+    The first page always comes, empty or not: it confirms the subscription.
+    Unfollowed, that page is the whole answer; followed, pages come as wakes are
+    posted until the caller aborts. Acknowledging is the caller's business: a
+    wake is delivered again, to any subscriber, until it is acknowledged.
+    """
+
+    def __init__(
+        self, run: str | None = None, worker: str | None = None, *, follow: bool = False
+    ) -> None:
+        self.run = run
+        self.worker = worker
+        self.follow = follow
+        self.done = False
+
+    def request(self) -> Subscribe:
+        return Subscribe(id=0, run=self.run, worker=self.worker, follow=self.follow)
+
+    def take(self, reply: Reply) -> list[Wake]:
+        """The wakes of the next page; raises what an error reply carries, which ends it."""
+        self.done = True  # an error ends the subscription as surely as a complete page
+        page = expect(reply, Wakes)
+        self.done = page.complete or not self.follow
+        return page.wakes
 
 
 # -- the conversation ----------------------------------------------------------

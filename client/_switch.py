@@ -1,17 +1,17 @@
 """The stop switch: one run that a trio workflow spawns into, stops piece by piece or whole,
 and obeys however it was stopped.
 
-Made of `AsyncClient` requests alone (spawn, stop, stop_run, wait_run_stopped);
-it owns no connection and closes nothing it did not open.
+Made of `AsyncClient` requests alone (spawn, stop, stop_run, wait_run_stopped,
+events); it owns no connection and closes nothing it did not open.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from subagentd.protocol import WorkerView
+from subagentd.protocol import Wake, WorkerView
 
 if TYPE_CHECKING:
     from ._async import AsyncClient
@@ -21,8 +21,9 @@ class StopSwitch:
     """The switch of one run, as ``async with daemon.stop_switch() as switch:`` gives it.
 
     ``run`` is the run's id; ``ids`` the workers spawned through this switch, in
-    order. `one` stops one of them, `all` the whole run, and `wait_stopped`
-    returns once the run is stopped by anyone. Nothing here closes the client.
+    order. `one` stops one of them, `all` the whole run, `wait_stopped`
+    returns once the run is stopped by anyone, and `wakes` tells each ending of
+    the run's top-level workers. Nothing here closes the client.
     """
 
     def __init__(self, client: AsyncClient, run: str) -> None:
@@ -74,7 +75,10 @@ class StopSwitch:
         this switch: False, and the daemon is not asked."""
         if worker_id not in self._ids:
             return False
-        return await self._client.stop(worker_id)
+        # The daemon may answer False for a worker collected and let go: it came through
+        # this switch all the same, and is not running.
+        await self._client.stop(worker_id)
+        return True
 
     async def all(self) -> list[str]:
         """Stop the run: every worker in flight (delegated ones and nested runs' too), and
@@ -87,3 +91,13 @@ class StopSwitch:
         `stop_run`, or the stop of a run this one is nested in. A workflow waits on
         this to know it must stop."""
         await self._client.wait_run_stopped(self.run)
+
+    def wakes(self) -> AsyncGenerator[Wake, None]:
+        """The wakes of this run's top-level workers, as they end (one per worker, ended
+        by itself or stopped), each acknowledged once handed over; it goes on until the
+        caller leaves. Wakes of delegated workers go to their parent worker, not here.
+
+            async with contextlib.aclosing(switch.wakes()) as wakes:
+                async for wake in wakes: ...
+        """
+        return self._client.events(run=self.run, follow=True)

@@ -7,15 +7,25 @@ are kept for the watch, so a stop can be issued from inside its loop.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Generator, Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Self, TypeVar
 
-from subagentd.protocol import DaemonInfo, Entry, Page, Reply, Request, WorkerResult, WorkerView
-from subagentd.protocol.errors import ConnectionLost
+from subagentd.protocol import (
+    DaemonInfo,
+    Entry,
+    Page,
+    Reply,
+    Request,
+    Wake,
+    WorkerResult,
+    WorkerView,
+)
+from subagentd.protocol.errors import ConnectionLost, SubagentdError
 
 from . import _core
 
@@ -129,7 +139,9 @@ class Client:
     def watch_page(self, worker_id: str, since: int = 0, limit: int = 1000) -> Page:
         return self._call(_core.watch_page(worker_id, since, limit))
 
-    def watch(self, worker_id: str, since: int = 0, follow: bool = False) -> Iterator[Entry]:
+    def watch(
+        self, worker_id: str, since: int = 0, follow: bool = False
+    ) -> Generator[Entry, None, None]:
         """The journal's entries after ``since``: those there now, or with ``follow`` all until
         the worker ends. Leaving a followed watch early aborts its stream."""
         cursor = _core.JournalCursor(worker_id, since, follow=follow)
@@ -184,6 +196,48 @@ class Client:
         """Remove the launch fence: later spawns belong to none."""
         self._call(_core.clear_fence())
 
+    def events(
+        self,
+        run: str | None = None,
+        worker: str | None = None,
+        follow: bool = False,
+        *,
+        ack: bool = True,
+    ) -> Generator[Wake, None, None]:
+        """The wakes of one parent (a ``run``'s top-level workers, or a ``worker``'s children)
+        not yet acknowledged, each acknowledged once handed over: when the caller asks for
+        the next one, or leaves the loop having got it. A wake never handed over stays
+        for the next subscriber. With ``follow``, then each new wake until the caller
+        leaves, which aborts the stream (``contextlib.closing`` makes that prompt).
+
+        With ``ack=False`` nothing is acknowledged: call `ack` once a wake is safely
+        dealt with, so that a crash in between gets it again.
+        """
+        subscription = _core.WakeSubscription(run, worker, follow=follow)
+        stream = self._send(subscription.request())
+        try:
+            while not subscription.done:
+                for wake in subscription.take(self._next_reply(stream)):
+                    try:
+                        yield wake
+                    except BaseException:
+                        # Left with the wake in hand (a break, most likely): it was handed over.
+                        if ack:
+                            self._ack_leaving(wake)
+                        raise
+                    if ack:
+                        self.ack([wake.seq])
+        finally:
+            if subscription.done:
+                self._conn.finish(stream)
+            else:
+                self._abort(stream)
+
+    def ack(self, seqs: Iterable[int]) -> None:
+        """Acknowledge wakes by seq: no subscriber gets them again. Each must have been
+        delivered on this connection (else `Invalid`)."""
+        self._call(_core.ack(seqs))
+
     def request(self, message: Request) -> Reply:
         """Send any request under a fresh id and answer its reply, or raise the error it carries."""
         request_id = self._send(message)
@@ -231,6 +285,13 @@ class Client:
             else:
                 self._conn.receive_data(data)
         return reply
+
+    def _ack_leaving(self, wake: Wake) -> None:
+        if self._sock is None:
+            return  # closed under the caller: the wake stays pending, for the next subscriber
+        # A failure here must not hide why the caller left; the wake then stays pending.
+        with contextlib.suppress(SubagentdError, OSError):
+            self.ack([wake.seq])
 
     def _abort(self, request_id: int) -> None:
         frame = self._conn.abort(request_id)

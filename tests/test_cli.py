@@ -131,8 +131,12 @@ def test_the_readme_tour_reads_as_the_readme_shows(daemon: DaemonProcess) -> Non
     ).stdout
     match = re.fullmatch(r"(w-[\w-]+) \(run (r-[\w-]+)\)\n", spawned)
     assert match, spawned
-    counter = match[1]
-    sleeper = ok(daemon.ctl("spawn", "--name", "sleeper", "--", "sleep", "600")).stdout.split()[0]
+    counter, run = match[1], match[2]
+    sleeper_spawned = ok(
+        daemon.ctl("spawn", "--run", run, "--name", "sleeper", "--", "sleep", "600")
+    ).stdout
+    sleeper = sleeper_spawned.split()[0]
+    assert sleeper_spawned == f"{sleeper} (run {run})\n"
 
     table = ok(daemon.ctl("ls")).stdout.splitlines()
     assert table[0].split() == ["ID", "RUN", "STATE", "PID", "EXIT", "NAME"]
@@ -154,11 +158,18 @@ def test_the_readme_tour_reads_as_the_readme_shows(daemon: DaemonProcess) -> Non
         }
 
     assert counter not in listed()
+    assert ok(daemon.ctl("stop", sleeper)).stdout == f"{sleeper}\n"
     retained = listed("--all")
     assert retained[counter][2:] == ["finished", retained[counter][3], "0", "counter"]
-    assert ok(daemon.ctl("collect", counter)).stdout == "tick 1\ntick 2\ntick 3\n"
-    assert ok(daemon.ctl("stop", sleeper)).stdout == f"{sleeper}\n"
+    assert retained[sleeper][2:] == ["stopped", retained[sleeper][3], "-15", "sleeper"]
 
+    wakes = ok(daemon.ctl("events", "--run", run)).stdout.splitlines()
+    assert sorted(wakes) == sorted(
+        [f"{counter} finished exit=0 tick 1\\ntick 2\\ntick 3", f"{sleeper} stopped exit=-15"]
+    )
+    assert ok(daemon.ctl("events", "--run", run)).stdout == ""  # each was acknowledged
+
+    assert ok(daemon.ctl("collect", counter)).stdout == "tick 1\ntick 2\ntick 3\n"
     rows = listed("--all")
     assert rows[sleeper][2:] == ["stopped", rows[sleeper][3], "-15", "sleeper"]
     assert counter not in rows  # collected: its handle is let go (DESIGN.md, Retention)
@@ -264,6 +275,8 @@ def test_no_daemon_at_the_socket_exits_3_saying_how_to_start_one(tmp_path: Path)
         (["cancel"], "the following arguments are required: SCOPE"),
         (["fence", "--cancel", "one"], "invalid int value: 'one'"),
         (["fence", "--cancel", "1", "--clear"], "not allowed with argument"),
+        (["events"], "one of the arguments --run --worker is required"),
+        (["events", "--run", "r-1", "--worker", "w-1"], "not allowed with argument"),
     ],
 )
 def test_a_usage_error_exits_2_before_asking_any_daemon(
@@ -286,6 +299,9 @@ def test_a_usage_error_exits_2_before_asking_any_daemon(
         ("fence", "--cancel E"),
         ("fence", "--clear"),
         ("fence", "stale epoch cancels nothing"),
+        ("events", "acknowledged as soon as it is printed"),
+        ("events", "stays pending for the next `events`"),
+        ("events", "until Ctrl-C"),
     ],
 )
 def test_help_explains_each_command(tmp_path: Path, command: str, says: str) -> None:

@@ -13,6 +13,7 @@ from subagentd.client import _core
 from subagentd.protocol import (
     HEADER,
     Abort,
+    Ack,
     BeginTurn,
     Cancel,
     CancelFence,
@@ -34,8 +35,11 @@ from subagentd.protocol import (
     Spawn,
     Status,
     Stopped,
+    Subscribe,
     TurnReply,
     WaitRunStopped,
+    Wake,
+    Wakes,
     Welcome,
     WorkerList,
     WorkerReply,
@@ -444,3 +448,67 @@ def test_a_watch_of_an_unknown_worker_raises_not_found() -> None:
     cursor = _core.JournalCursor("w-404")
     with pytest.raises(NotFound):
         cursor.take(Error(id=1, code="not_found", message="no worker 'w-404'"))
+
+
+# -- wakes ---------------------------------------------------------------------------
+
+
+def wake(seq: int) -> Wake:
+    return Wake(seq=seq, id=f"w-{seq}", run="r-1", state="finished", exit_code=0, preview="ok")
+
+
+def test_a_subscription_asks_for_one_parent_and_follows_only_if_told() -> None:
+    assert _core.WakeSubscription(run="r-1").request() == Subscribe(id=0, run="r-1")
+    followed = _core.WakeSubscription(worker="w-1", follow=True).request()
+    assert followed == Subscribe(id=0, worker="w-1", follow=True)
+
+
+def test_an_unfollowed_subscription_ends_with_its_first_page_even_an_empty_one() -> None:
+    subscription = _core.WakeSubscription(run="r-1")
+    assert subscription.take(Wakes(id=2, wakes=[], complete=True)) == []
+    assert subscription.done
+    again = _core.WakeSubscription(run="r-1")
+    assert again.take(Wakes(id=2, wakes=[wake(1), wake(2)], complete=True)) == [wake(1), wake(2)]
+    assert again.done
+
+
+def test_a_followed_subscription_goes_on_through_empty_pages() -> None:
+    subscription = _core.WakeSubscription(run="r-1", follow=True)
+    assert subscription.take(Wakes(id=2, wakes=[])) == []
+    assert not subscription.done
+    assert subscription.take(Wakes(id=2, wakes=[wake(3)])) == [wake(3)]
+    assert not subscription.done
+    subscription.take(Wakes(id=2, wakes=[], complete=True))
+    assert subscription.done
+
+
+def test_a_refused_subscription_raises_and_is_over() -> None:
+    subscription = _core.WakeSubscription(run="r-404", follow=True)
+    with pytest.raises(NotFound, match="r-404"):
+        subscription.take(Error(id=2, code="not_found", message="no run 'r-404'"))
+    assert subscription.done  # nothing left to abort
+    with pytest.raises(Invalid):
+        _core.WakeSubscription().take(Error(id=2, code="invalid", message="give a run or a worker"))
+
+
+def test_ack_sends_the_seqs_and_answers_done() -> None:
+    call = _core.ack(iter([4, 7]))
+    assert call.request == Ack(id=0, wakes=[4, 7])
+    assert call.answer(Done(id=3)) is None
+    with pytest.raises(Invalid, match="never delivered"):
+        call.answer(Error(id=3, code="invalid", message="wakes [9] were never delivered"))
+
+
+def test_an_ack_is_answered_while_its_subscription_keeps_its_pages() -> None:
+    conn = _core.Connection()
+    stream, _ = conn.send(_core.WakeSubscription(run="r-1", follow=True).request())
+    ack, data = conn.send(_core.ack([1]).request)
+    assert sent(data) == Ack(id=ack, wakes=[1])
+    conn.receive_data(
+        encode(Wakes(id=stream, wakes=[wake(1)]))
+        + encode(Wakes(id=stream, wakes=[wake(2)]))
+        + encode(Done(id=ack))
+    )
+    assert conn.next_reply(ack) == Done(id=ack)
+    assert conn.next_reply(stream) == Wakes(id=stream, wakes=[wake(1)])
+    assert conn.next_reply(stream) == Wakes(id=stream, wakes=[wake(2)])

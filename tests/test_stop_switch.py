@@ -3,6 +3,9 @@ and obeyed however it was stopped."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 
 import pytest
@@ -235,3 +238,60 @@ async def test_the_blocking_client_waits_for_a_run_to_stop_within_its_timeout(
                 blocking.wait_run_stopped(run)
 
         await trio.to_thread.run_sync(wait_stopped)
+
+
+async def test_a_switch_outlives_the_collection_of_all_its_workers(client: AsyncClient) -> None:
+    with trio.fail_after(20):
+        async with client.stop_switch() as switch:
+            first = [await switch.spawn(sh(f"echo {i}")) for i in range(3)]
+            for worker in first:
+                assert (
+                    await client.collect(worker.id, wait=True)
+                ).result == f"{first.index(worker)}\n"
+            # Collected, so let go by the daemon: the run is all that is left of them.
+            assert not {w.id for w in first} & {w.id for w in await client.ls(all=True)}
+            assert await switch.one(first[0].id)  # it came through this switch: stopped already
+            again = await switch.spawn(["sleep", "60"])
+            assert again.run == switch.run
+            assert await _running(client, again.id)
+        assert await _ended(client, again.id) == "stopped"
+        with pytest.raises(RunStopped):
+            await client.spawn(["true"], run=switch.run)
+
+
+#: A workflow whose cancel scope holds the whole client, reader task and all. Run in a
+#: process of its own: what it guards against is a hang no trio.fail_after can end.
+CANCELLED_WORKFLOW = """
+import trio
+from subagentd.client import AsyncClient
+
+async def main():
+    with trio.CancelScope() as scope:
+        async with AsyncClient() as daemon, daemon.stop_switch() as switch:
+            worker = await switch.spawn(["sleep", "60"])
+            print(worker.id, flush=True)
+            scope.cancel()
+            await trio.sleep_forever()
+    assert scope.cancelled_caught
+    print("left", flush=True)
+
+trio.run(main)
+"""
+
+
+def test_a_cancel_that_takes_the_client_with_it_still_stops_the_run(
+    daemon: DaemonProcess,
+) -> None:
+    workflow = subprocess.run(
+        [sys.executable, "-c", CANCELLED_WORKFLOW],
+        env=daemon.env,
+        capture_output=True,
+        text=True,
+        timeout=20,
+    )
+    assert workflow.returncode == 0, workflow.stderr
+    worker, left = workflow.stdout.split()
+    assert left == "left"
+    view = json.loads(daemon.ctl("--json", "status", worker).stdout)
+    assert view["state"] == "stopped"
+    assert not alive(view["pid"])
