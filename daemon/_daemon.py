@@ -40,6 +40,7 @@ from subagentd.protocol.errors import (
     Invalid,
     NotFound,
     Reloading,
+    RunStopped,
 )
 
 from ._agents import AgentDef, ConfigError, load_agents
@@ -225,8 +226,13 @@ class Daemon:
         if self.reloading:
             raise Reloading("the daemon is reloading; spawn again", retry_after=RELOAD_RETRY)
         launch = self._resolve_command(request)
-        if caller is not None and request.parent is not None:
-            self.registry.authorize(caller, request.parent)
+        if request.parent is not None:
+            self.authorize(caller, request.parent)
+            if request.parent not in self.registry.workers:
+                ended = self.lookup(request.parent)  # released: it has ended
+                raise RunStopped(
+                    f"worker {request.parent} has ended ({ended.state}); it cannot delegate"
+                )
         with self.launching(), trio.CancelScope(shield=True):
             view = await self._start(request, caller, launch)
         return view
@@ -504,9 +510,18 @@ class Daemon:
     async def stop(
         self, worker_id: str, *, wait: bool, caller: str | None = None
     ) -> tuple[bool, list[str]]:
-        """Stop a worker and its subtree; (found, ids newly stopped)."""
+        """Stop a worker and its subtree; (found, ids newly stopped).
+
+        An id whose handle was released (collected, expired) is found, ended,
+        and so stops nothing; only an id never seen is not found.
+        """
         if worker_id not in self.registry.workers:
-            return False, []
+            try:
+                self.lookup(worker_id)
+            except NotFound:
+                return False, []
+            self.authorize(caller, worker_id)
+            return True, []
         self.registry.authorize(caller, worker_id)
         stopped = self.registry.stop(worker_id)
         self.ask_stop(stopped)
@@ -550,7 +565,11 @@ class Daemon:
                 raise Forbidden(
                     f"a worker may cancel only worker:<id> in its subtree, not {scope!r}"
                 )
-            self.registry.authorize(caller, target)
+            self.authorize(caller, target)
+        kind, _, target = scope.partition(":")
+        if kind == "worker" and target not in self.registry.workers:
+            self.lookup(target)  # not_found for an id never seen
+            return []  # ended and released: nothing to cancel
         cancelled = self.registry.cancel(scope)
         self.ask_stop(cancelled)
         log.info("scope.cancelled", scope=scope, cancelled=cancelled)

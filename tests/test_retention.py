@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import shutil
 
+import pytest
 import trio
 
 from subagentd.client import AsyncClient
+from subagentd.protocol.errors import RunStopped
 
 from .conftest import DaemonProcess
 from .helpers import sh
@@ -95,3 +97,15 @@ def test_old_archives_are_pruned_at_start(daemon_dirs: DaemonProcess) -> None:
     status = daemon_dirs.ctl("status", done)
     assert status.returncode == 1
     assert "not_found" in status.stderr
+
+
+async def test_a_released_worker_is_ended_not_unknown(daemon: DaemonProcess) -> None:
+    with trio.fail_after(20):
+        async with AsyncClient(daemon.socket) as client:
+            worker = await client.spawn(["true"])
+            await client.collect(worker.id, wait=True)
+            assert await client.stop(worker.id)  # found: ended, so nothing to stop
+            assert await client.cancel(f"worker:{worker.id}") == []
+            with pytest.raises(RunStopped, match="has ended"):
+                await client.spawn(["true"], parent=worker.id)
+            assert not await client.stop("w-never-seen")
