@@ -259,52 +259,57 @@ class Server:
         decoder = FrameDecoder(self.frame_limit)
         fatal: Error | None = None
         async with trio.open_nursery() as requests:
-            while True:
+            while fatal is None:
                 data = await conn.stream.receive_some(65536)
                 if not data:
                     requests.cancel_scope.cancel()
                     return
                 decoder.feed(data)
-                try:
-                    bodies = decoder.frames()
-                except FrameTooLarge as exc:
-                    # The stream cannot be resynchronised: this connection ends here.
-                    requests.cancel_scope.cancel()
-                    fatal = Error(id=0, code=ErrorCode.TOO_LARGE, message=str(exc))
-                    break
-                for body in bodies:
+                # Frame by frame: what came before a bad frame is answered first.
+                while True:
+                    try:
+                        body = decoder.next_frame()
+                    except FrameTooLarge as exc:
+                        # The stream cannot be resynchronised: this connection ends here.
+                        requests.cancel_scope.cancel()
+                        fatal = Error(id=0, code=ErrorCode.TOO_LARGE, message=str(exc))
+                        break
+                    if body is None:
+                        break
                     message = _decode(body)
                     if isinstance(message, Error):
                         await conn.send(message)
-                        continue
-                    if not hello_seen:
+                    elif not hello_seen:
                         if not await self._hello(conn, message):
                             requests.cancel_scope.cancel()
                             return
                         hello_seen = True
-                    elif message.id in conn.streams:
-                        await conn.send(
-                            Error(
-                                id=message.id,
-                                code=ErrorCode.INVALID,
-                                message=f"request id {message.id} is already in flight",
-                            )
-                        )
-                    elif len(conn.streams) >= MAX_IN_FLIGHT:
-                        await conn.send(
-                            Error(
-                                id=message.id,
-                                code=ErrorCode.BUSY,
-                                message=f"more than {MAX_IN_FLIGHT} requests in flight on one "
-                                "connection; wait for answers or open another connection",
-                            )
-                        )
+                    elif refusal := self._admission(conn, message):
+                        await conn.send(refusal)
                     else:
                         cancel_scope, done = trio.CancelScope(), trio.Event()
                         conn.streams[message.id] = (cancel_scope, done)
                         requests.start_soon(self._answer, conn, message, cancel_scope, done)
         if fatal is not None:
             await conn.refuse(fatal)
+
+    @staticmethod
+    def _admission(conn: Connection, message: ClientMessage) -> Error | None:
+        """Why a request cannot be taken on this connection now, if it cannot."""
+        if message.id in conn.streams:
+            return Error(
+                id=message.id,
+                code=ErrorCode.INVALID,
+                message=f"request id {message.id} is already in flight",
+            )
+        if len(conn.streams) >= MAX_IN_FLIGHT:
+            return Error(
+                id=message.id,
+                code=ErrorCode.BUSY,
+                message=f"more than {MAX_IN_FLIGHT} requests in flight on one "
+                "connection; wait for answers or open another connection",
+            )
+        return None
 
     async def _hello(self, conn: Connection, message: ClientMessage) -> bool:
         if not isinstance(message, Hello):
