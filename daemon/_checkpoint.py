@@ -14,6 +14,7 @@ from pathlib import Path
 
 import msgspec
 
+from ._journal import short_write
 from ._registry import LaunchFence, RunRecord, Tombstone
 
 #: The format written here. Bump on an incompatible change and keep reading the old.
@@ -72,7 +73,7 @@ def write_checkpoint(path: Path, checkpoint: Checkpoint) -> None:
     data = msgspec.msgpack.encode(checkpoint)
     try:
         if os.write(fd, data) != len(data):
-            raise OSError(28, "short write of the checkpoint (disk full?)", str(tmp))
+            raise short_write("of the checkpoint", str(tmp))
         os.fsync(fd)
     finally:
         os.close(fd)

@@ -39,6 +39,7 @@ from subagentd.protocol.errors import (
     Forbidden,
     Invalid,
     NotFound,
+    Refused,
     Reloading,
     RunStopped,
 )
@@ -57,6 +58,9 @@ log = structlog.get_logger("subagentd")
 
 #: After the tree is gone, how long the pipes may take to give up what they hold.
 PIPE_DRAIN_SECONDS = 1.0
+#: A write that failed (disk full, EIO) is tried again after this, doubling up to the max.
+DISK_RETRY_FIRST = 0.1
+DISK_RETRY_MAX = 5.0
 #: What a client refused during a reload is told to wait before it tries again.
 RELOAD_RETRY = 0.2
 #: Seconds a finished worker's handle is kept uncollected (`--finished-ttl`).
@@ -145,6 +149,8 @@ class Daemon:
         self.reloading = False
         self._run_stopped: dict[str, trio.Event] = {}
         self.processes = ProcessTable()
+        #: The last failed write, while writes fail (reported by `info`).
+        self.disk_problem: str | None = None
         self.journals: collections.OrderedDict[str, Journal] = collections.OrderedDict()
         self.runs_dir = state_dir.root / "runs"
         self.wake_log = WakeLog(state_dir.root / "wakes.log")
@@ -264,29 +270,38 @@ class Daemon:
             grace=launch.grace,
             timeout=launch.timeout,
         )
-        save_run(self.runs_dir, self.registry.runs[record.run])
-        archive = Archive(Path(record.archive))
-        archive.create()
-        archive.write_snapshot(
-            Snapshot(
-                id=record.id,
-                run=record.run,
-                parent=record.parent,
-                name=record.name,
-                argv=argv,
-                cwd=cwd,
-                env=env,
-                agent=request.agent,
-                model=launch.model,
-                timeout=record.timeout,
-                grace=record.grace,
-                has_input=request.input is not None,
-                created_at=now,
-                branch=git_branch(cwd),
+        try:
+            save_run(self.runs_dir, self.registry.runs[record.run])
+            archive = Archive(Path(record.archive))
+            archive.create()
+            archive.write_snapshot(
+                Snapshot(
+                    id=record.id,
+                    run=record.run,
+                    parent=record.parent,
+                    name=record.name,
+                    argv=argv,
+                    cwd=cwd,
+                    env=env,
+                    agent=request.agent,
+                    model=launch.model,
+                    timeout=record.timeout,
+                    grace=record.grace,
+                    has_input=request.input is not None,
+                    created_at=now,
+                    branch=git_branch(cwd),
+                )
             )
-        )
-        stdin = None if request.input is None else str(archive.write_input(request.input))
-        journal = Journal.create(archive.file(Archive.JOURNAL))
+            stdin = None if request.input is None else str(archive.write_input(request.input))
+            journal = Journal.create(archive.file(Archive.JOURNAL))
+        except OSError as exc:
+            # A full disk: the worker never starts, and says why.
+            self.registry.ended(record.id, None, now)
+            self._disk_trouble(f"archive of {record.id}", exc)
+            raise Refused(
+                f"cannot create worker {record.id}'s archive in {self.state_dir.archives}: "
+                f"{exc.strerror or exc}; free some space and spawn again"
+            ) from exc
         live = LiveWorker(record=record, journal=journal)
         self.live[record.id] = live
         if record.stop_reason is not None:
@@ -428,16 +443,31 @@ class Daemon:
         now = self.clock()
         self.registry.ended(record.id, returncode, now)
         archive = Archive(Path(record.archive))
+        # Each write may meet a full disk; the ending stands in memory regardless
+        # (and its wake is delivered from memory) and is reported.
         try:
             journal.append("state", f"{record.state} exit_code={returncode}".encode(), now)
         except OSError as exc:
-            log.error("journal.write_failed", worker=record.id, error=str(exc))
+            self._disk_trouble(f"journal of {record.id}", exc)
         journal.close()
-        archive.write_stdout_tail(stdout_tail)
+        try:
+            archive.write_stdout_tail(stdout_tail)
+        except OSError as exc:
+            self._disk_trouble(f"archive of {record.id}", exc)
         self.post_wake(record, archive)
-        archive.write_record(record)
+        try:
+            archive.write_record(record)
+        except OSError as exc:
+            self._disk_trouble(f"record of {record.id}", exc)
         self._retention_changed.set()
         self.touch()
+
+    def _disk_trouble(self, what: str, exc: OSError) -> None:
+        """Report a failed write (disk full, I/O error) once per kind of trouble."""
+        problem = f"cannot write the {what}: {exc.strerror or exc}"
+        if problem != self.disk_problem:
+            log.error("disk.write_failed", problem=problem, errno=exc.errno)
+        self.disk_problem = problem
 
     def post_wake(self, record: WorkerRecord, archive: Archive) -> None:
         """One wake for this ending, for its parent; persisted before anyone sees it."""
@@ -456,7 +486,7 @@ class Daemon:
             self.wake_log.posted(wake)
         except OSError as exc:
             # Still delivered from memory; only a crash before its ack could lose it.
-            log.error("wakes.write_failed", worker=record.id, error=str(exc))
+            self._disk_trouble("wake log", exc)
         posted, self._wakes_posted = self._wakes_posted, trio.Event()
         posted.set()
 
@@ -470,10 +500,18 @@ class Daemon:
 
     def _deliverer(self, live: LiveWorker, kind: EntryKind) -> Callable[[bytes], Awaitable[None]]:
         async def deliver(chunk: bytes) -> None:
-            try:
-                live.journal.append(kind, chunk, self.clock())
-            except OSError as exc:
-                log.error("journal.write_failed", worker=live.record.id, error=str(exc))
+            # A full or failing disk holds this chunk (and, through the pipe,
+            # the worker) until the write goes through: nothing is dropped.
+            delay = DISK_RETRY_FIRST
+            while True:
+                try:
+                    live.journal.append(kind, chunk, self.clock())
+                    break
+                except OSError as exc:
+                    self._disk_trouble(f"journal of {live.record.id}", exc)
+                    await trio.sleep(delay)
+                    delay = min(delay * 2, DISK_RETRY_MAX)
+            self.disk_problem = None
             if kind == "stdout":
                 live.stdout_tail += chunk
                 del live.stdout_tail[:-STDOUT_TAIL_BYTES]
@@ -790,6 +828,7 @@ class Daemon:
             holds_park=self.registry.holds_park(),
             socket=str(self.socket_path),
             state_dir=str(self.state_dir.root),
+            problems=[self.disk_problem] if self.disk_problem else [],
         )
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import collections.abc
+import errno
 import mmap
 import os
 import struct
@@ -155,7 +156,7 @@ class Journal:
             # A short write to a regular file means the disk is full; cut it so
             # the file stays a sequence of whole entries.
             os.ftruncate(self._write_fd, self._size)
-            raise OSError(28, "short write to journal (disk full?)", str(self.path))
+            raise short_write("to journal", str(self.path))
         self._note(self._size, entry)
         self._size += len(record)
         return entry
@@ -199,6 +200,11 @@ class Journal:
         if self._write_fd is not None:
             os.close(self._write_fd)
             self._write_fd = None
+
+
+def short_write(what: str, path: str) -> OSError:
+    """A write to a regular file that stopped short: the disk is full."""
+    return OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (short write {what})", path)
 
 
 def _entry(stored: _Stored) -> Entry:

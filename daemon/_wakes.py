@@ -16,7 +16,7 @@ import msgspec
 
 from subagentd.protocol import Wake, WorkerState
 
-from ._journal import ENTRY_HEADER
+from ._journal import ENTRY_HEADER, short_write
 
 #: A parent that wakes are for: ("run", run id) or ("worker", worker id).
 WakeKey = tuple[str, str]
@@ -142,7 +142,7 @@ class WakeLog:
         data = b"".join(_frame(r) for r in records)
         try:
             if os.write(fd, data) != len(data):
-                raise OSError(28, "short write compacting the wake log (disk full?)", str(tmp))
+                raise short_write("compacting the wake log", str(tmp))
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -168,7 +168,7 @@ class WakeLog:
         if os.write(self._fd, data) != len(data):
             # Cut the partial record, or every later one would follow garbage.
             os.ftruncate(self._fd, self._size)
-            raise OSError(28, "short write to the wake log (disk full?)", str(self.path))
+            raise short_write("to the wake log", str(self.path))
         self._records += 1
         self._size += len(data)
 

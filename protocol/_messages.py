@@ -97,6 +97,8 @@ class DaemonInfo(msgspec.Struct, kw_only=True):
     holds_park: bool
     socket: str = ""
     state_dir: str = ""
+    #: What is wrong right now that a person should know (a full disk, say).
+    problems: list[str] = []
 
 
 # -- requests: client to daemon ------------------------------------------------
