@@ -3,6 +3,7 @@ started as a user would start it, ready when it says READY=1 over sd_notify."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -47,6 +48,12 @@ class DaemonProcess:
         if self._notify is None:
             self._notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
             self._notify.bind(str(self.notify_path))
+        # What an earlier daemon said is not what this one will say.
+        self._notify.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                self._notify.recv(4096)
+        self._notify.setblocking(True)
         self.log_path = self.root / "daemon.log"
         env = self.env | {"NOTIFY_SOCKET": str(self.notify_path)} | (env or {})
         with open(self.log_path, "ab") as log:
@@ -65,10 +72,13 @@ class DaemonProcess:
                 stderr=log,
                 stdin=subprocess.DEVNULL,
             )  # fmt: skip
-        self.wait_notify("READY=1")
+        self.wait_notify("READY=1", mainpid=self.proc.pid)
 
-    def wait_notify(self, wanted: str, timeout: float = START_TIMEOUT) -> list[str]:
-        """Block until a notification containing `wanted` arrives; all lines seen."""
+    def wait_notify(
+        self, wanted: str, timeout: float = START_TIMEOUT, mainpid: int | None = None
+    ) -> list[str]:
+        """Block until a notification containing `wanted` (from `mainpid`, if given)
+        arrives; all lines seen."""
         assert self._notify is not None
         self._notify.settimeout(timeout)
         seen: list[str] = []
@@ -80,8 +90,9 @@ class DaemonProcess:
                     f"daemon did not notify {wanted!r} within {timeout}s; saw {seen}; "
                     f"log:\n{self.log()}"
                 ) from None
-            seen.extend(datagram.splitlines())
-            if wanted in datagram.splitlines():
+            lines = datagram.splitlines()
+            seen.extend(lines)
+            if wanted in lines and (mainpid is None or f"MAINPID={mainpid}" in lines):
                 return seen
 
     def log(self) -> str:

@@ -69,8 +69,12 @@ class RawConnection:
     async def open(cls, socket: os.PathLike[str], hello: bool = True) -> RawConnection:
         conn = cls(await trio.open_unix_socket(os.fspath(socket)))
         if hello:
-            await conn.send(p.Hello(id=1))
-            assert isinstance(await conn.receive(), p.Welcome)
+            try:
+                await conn.send(p.Hello(id=1))
+                assert isinstance(await conn.receive(), p.Welcome)
+            except BaseException:
+                await trio.aclose_forcefully(conn.stream)
+                raise
         return conn
 
     async def send(self, message: p.Request) -> None:
