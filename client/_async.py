@@ -27,14 +27,16 @@ import trio
 from subagentd.protocol import (
     DaemonInfo,
     Entry,
+    Latest,
     Page,
+    ReloadReply,
     Reply,
     Request,
     Wake,
     WorkerResult,
     WorkerView,
 )
-from subagentd.protocol.errors import ConnectionLost, SubagentdError
+from subagentd.protocol.errors import SubagentdError
 
 from . import _core
 from ._switch import StopSwitch
@@ -52,7 +54,7 @@ class AsyncClient:
 
     def __init__(self, socket: str | os.PathLike[str] | None = None) -> None:
         self.socket: Path = _core.socket_path(socket)
-        self._conn = _core.Connection()
+        self._conn = _core.Connection(reconnect=True)
         self._stream: trio.SocketStream | None = None
         # Concurrent send_all calls on one stream are an error, and frames must not interleave.
         self._sending = trio.StrictFIFOLock()
@@ -65,12 +67,13 @@ class AsyncClient:
 
     async def __aenter__(self) -> Self:
         try:
-            stream = await trio.open_unix_socket(os.fspath(self.socket))
+            stream = await _open(self.socket)
         except OSError as exc:
             raise _core.unavailable(self.socket, exc) from exc
         async with contextlib.AsyncExitStack() as stack:
-            stack.push_async_callback(stream.aclose)
             self._stream = stream
+            # Whichever stream is current then: a reconnect replaces it.
+            stack.push_async_callback(self._close_stream)
             await stack.enter_async_context(_running(self._receive_replies))
             await self._call(_core.hello(_core.token()))
             self._exit_stack = stack.pop_all()
@@ -148,7 +151,7 @@ class AsyncClient:
                 for entry in cursor.take(await self.request(cursor.request())):
                     yield entry
             return
-        stream = await self._send(cursor.request())
+        stream = await self._send(cursor.request(), again=cursor.request)
         try:
             while not cursor.done:
                 for entry in cursor.take(await self._next_reply(stream)):
@@ -178,10 +181,15 @@ class AsyncClient:
         dealt with, so that a crash in between gets it again.
         """
         subscription = _core.WakeSubscription(run, worker, follow=follow)
-        stream = await self._send(subscription.request())
+        stream = await self._send(subscription.request(), again=subscription.request)
         try:
             while not subscription.done:
-                for wake in subscription.take(await self._next_reply(stream)):
+                reply = await self._next_reply(stream)
+                fresh = subscription.take(reply, self._conn.owed_acks)
+                if subscription.to_ack:
+                    # Handed over and acknowledged on a connection that went: once more here.
+                    await self._ack_again(subscription.to_ack)
+                for wake in fresh:
                     try:
                         yield wake
                     except BaseException:
@@ -201,6 +209,30 @@ class AsyncClient:
         """Acknowledge wakes by seq: no subscriber gets them again. Each must have been
         delivered on this connection (else `Invalid`)."""
         await self._call(_core.ack(seqs))
+
+    async def reload(self) -> ReloadReply:
+        """Re-exec the daemon in place, keeping every worker; answers once the new image
+        serves (`Refused` with the reason when the new image or config would not do,
+        `Busy` right after another reload)."""
+        return await self._call(_core.reload())
+
+    async def resume(
+        self,
+        worker_id: str,
+        timeout: float | None = None,  # noqa: ASYNC109  the worker's time limit, not this call's
+    ) -> WorkerView:
+        """Carry an ended (not finished) worker on from its snapshot: same id, next attempt.
+        It runs what it was spawned with; only its ``timeout`` may be given again."""
+        return await self._call(_core.resume(worker_id, timeout))
+
+    async def resume_run(self, run_id: str) -> list[WorkerView]:
+        """A new live attempt of a run: its highest unfinished workers carry on; answers them."""
+        return await self._call(_core.resume_run(run_id))
+
+    async def latest_resumable(self, cwd: str | os.PathLike[str] | None = None) -> Latest:
+        """The newest run started in ``cwd`` (default: this process's) that a resume would
+        take, or else the newest and why not (`NotFound`: none was started there)."""
+        return await self._call(_core.latest_resumable(cwd))
 
     async def collect(self, worker_id: str, wait: bool = False) -> WorkerResult:
         return await self._call(_core.collect(worker_id, wait))
@@ -259,48 +291,65 @@ class AsyncClient:
         await self._call(_core.clear_fence())
 
     async def request(self, message: Request) -> Reply:
-        """Send any request under a fresh id and answer its reply, or raise the error it carries."""
-        request_id = await self._send(message)
-        try:
-            reply = await self._next_reply(request_id)
-        except BaseException:
-            # Cancelled, most likely: the daemon need not go on waiting (a `wait`) for nobody.
-            await self._abort(request_id)
-            raise
-        self._conn.finish(request_id)
-        return _core.checked(reply)
+        """Send any request under a fresh id and answer its reply, or raise the error it carries.
+
+        A spawn or resume refused because a reload is under way is sent again once it is over.
+        """
+        deadline = trio.current_time() + _core.RECONNECT_WINDOW
+        while True:
+            request_id = await self._send(message)
+            try:
+                reply = await self._next_reply(request_id)
+            except BaseException:
+                # Cancelled, most likely: the daemon need not go on waiting (a `wait`) for nobody.
+                await self._abort(request_id)
+                raise
+            self._conn.finish(request_id)
+            delay = _core.retry_delay(message, reply)
+            if delay is None or trio.current_time() + delay > deadline:
+                return _core.checked(reply)
+            await trio.sleep(delay)
 
     # -- I/O --------------------------------------------------------------------
 
     async def _call(self, call: _core.Call[T]) -> T:
         return call.answer(await self.request(call.request))
 
+    async def _close_stream(self) -> None:
+        if self._stream is not None:
+            await self._stream.aclose()
+
     def _connected(self) -> trio.SocketStream:
         if self._stream is None:
             raise RuntimeError("not connected: use `async with AsyncClient() as daemon:`")
         return self._stream
 
-    async def _send(self, request: Request) -> int:
-        request_id, frame = self._conn.send(request)
-        try:
-            await self._send_frame(frame)
-        except BaseException:
-            self._conn.finish(request_id)
-            raise
+    async def _send(self, request: Request, *, again: Callable[[], Request] | None = None) -> int:
+        """Open `request`; a transport failure comes out of `_next_reply`, where a request
+        sent again on a new connection has its answer."""
+        self._connected()
+        # Under the lock: the frame goes out on the socket the conversation stood on when it
+        # was opened, and a reconnect sends again exactly what was opened before it.
+        async with self._sending:
+            request_id, frame = self._conn.send(request, again=again)
+            if frame is not None:
+                await self._send_locked(frame)
         return request_id
 
     async def _send_frame(self, frame: bytes) -> None:
-        stream = self._connected()
         async with self._sending:
-            try:
-                # Shielded: a frame cancelled halfway out would garble every frame after it.
-                # The daemon always reads, so this waits only for the frame's own bytes.
-                with trio.CancelScope(shield=True):
-                    await stream.send_all(frame)
-            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-                self._conn.connection_lost(exc)
-                self._arrivals.unpark_all()
-                raise ConnectionLost(f"the connection to the daemon failed: {exc}") from exc
+            await self._send_locked(frame)
+
+    async def _send_locked(self, frame: bytes) -> None:
+        stream = self._connected()
+        try:
+            # Shielded: a frame cancelled halfway out would garble every frame after it.
+            # The daemon always reads, so this waits only for the frame's own bytes.
+            with trio.CancelScope(shield=True):
+                await stream.send_all(frame)
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            self._conn.connection_lost(exc)
+            self._arrivals.unpark_all()
 
     async def _next_reply(self, request_id: int) -> Reply:
         while (reply := self._conn.next_reply(request_id)) is None:
@@ -319,18 +368,23 @@ class AsyncClient:
         with trio.CancelScope(shield=True):
             await self.ack([wake.seq])
 
+    async def _ack_again(self, seqs: list[int]) -> None:
+        with trio.CancelScope(shield=True):
+            await self.ack(seqs)
+        self._conn.owed_acks.difference_update(seqs)
+
     async def _ack_leaving(self, wake: Wake) -> None:
         # A failure here must not hide why the caller left; the wake then stays pending.
         with contextlib.suppress(SubagentdError):
             await self._acknowledge(wake)
 
     async def _abort(self, request_id: int) -> None:
-        frame = self._conn.abort(request_id)
-        if frame is None:
-            return
         # The caller is likely leaving because it was cancelled; the daemon must still hear of it.
-        with trio.CancelScope(shield=True), contextlib.suppress(ConnectionLost):
-            await self._send_frame(frame)
+        with trio.CancelScope(shield=True):
+            async with self._sending:
+                frame = self._conn.abort(request_id)
+                if frame is not None:
+                    await self._send_locked(frame)
 
     async def _receive_replies(self) -> None:
         try:
@@ -341,6 +395,9 @@ class AsyncClient:
             self._arrivals.unpark_all()  # the waiters left read for themselves
 
     async def _receive_once(self) -> None:
+        if self._conn.reconnecting:
+            await self._reconnect()
+            return
         stream = self._connected()
         try:
             data = await stream.receive_some()
@@ -349,6 +406,60 @@ class AsyncClient:
         else:
             self._conn.receive_data(data)
         self._arrivals.unpark_all()
+
+    async def _reconnect(self) -> None:
+        """The daemon went away under open requests, or is reloading: connect again (a
+        reload's connects wait in the backlog), say hello, and send what the conversation
+        still needs answered; no frame goes out meanwhile."""
+        async with self._sending:
+            if self._stream is not None:
+                # Hanging up at once lets a reloading daemon stop waiting for us.
+                with trio.CancelScope(shield=True):
+                    await self._stream.aclose()
+            deadline = trio.current_time() + _core.RECONNECT_WINDOW
+            pause = _core.RECONNECT_PAUSE
+            while True:
+                try:
+                    stream, rest = await self._handshake()
+                except (OSError, SubagentdError, trio.BrokenResourceError) as exc:
+                    if not _core.retry_reconnect(exc) or trio.current_time() + pause > deadline:
+                        self._conn.reconnect_failed(exc)
+                        break
+                    await trio.sleep(pause)
+                    pause = min(pause * 2, _core.RECONNECT_PAUSE_MAX)
+                    continue
+                self._stream = stream
+                for frame in self._conn.reconnected(rest):
+                    await self._send_locked(frame)
+                break
+        self._arrivals.unpark_all()
+
+    async def _handshake(self) -> tuple[trio.SocketStream, bytes]:
+        """A new connection past its hello, and what came after the daemon's welcome."""
+        stream = await _open(self.socket)
+        try:
+            handshake = _core.Handshake(_core.token())
+            await stream.send_all(handshake.frame)
+            while handshake.receive_data(await stream.receive_some()) is None:
+                pass
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await stream.aclose()
+            raise
+        return stream, handshake.rest
+
+
+async def _open(path: Path) -> trio.SocketStream:
+    """A connection to `path`. A full backlog (a reload under load) is EAGAIN for a
+    non-blocking connect: it means "shortly", so it is tried again for a moment."""
+    deadline = trio.current_time() + 1.0
+    while True:
+        try:
+            return await trio.open_unix_socket(os.fspath(path))
+        except BlockingIOError:
+            if trio.current_time() > deadline:
+                raise
+            await trio.sleep(_core.RECONNECT_PAUSE)
 
 
 @contextlib.asynccontextmanager

@@ -8,6 +8,7 @@ defaults; opens no socket.
 from __future__ import annotations
 
 import errno
+import functools
 import os
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -35,12 +36,18 @@ from subagentd.protocol import (
     Hello,
     Info,
     InfoReply,
+    Latest,
+    LatestResumable,
     ListWorkers,
     NewRun,
     Page,
+    Reload,
+    ReloadReply,
     Reply,
     Request,
     ResultReply,
+    Resume,
+    ResumeRun,
     RunReply,
     SetFence,
     Spawn,
@@ -63,6 +70,7 @@ from subagentd.protocol import (
     daemon_decoder,
     default_socket_path,
     encode,
+    frame,
     package_version,
 )
 from subagentd.protocol.errors import (
@@ -70,6 +78,8 @@ from subagentd.protocol.errors import (
     DaemonUnavailable,
     NotFound,
     ProtocolError,
+    Reloading,
+    RemoteError,
     remote_error,
 )
 
@@ -78,6 +88,15 @@ R = TypeVar("R", bound=Reply)
 
 #: The first request of every connection; later ids count up from here.
 HELLO_ID = 1
+
+#: How long a client keeps trying to get back to a daemon that went away under it
+#: (a reload: the new image serves again within a few seconds).
+RECONNECT_WINDOW = 30.0
+#: The first pause between connect attempts, doubled up to `RECONNECT_PAUSE_MAX`.
+RECONNECT_PAUSE = 0.02
+RECONNECT_PAUSE_MAX = 0.5
+#: A connect failing so is "not serving yet": the socket is being re-bound, or its backlog is full.
+RETRY_CONNECT_ERRNOS = frozenset({errno.ENOENT, errno.ECONNREFUSED, errno.EAGAIN})
 
 
 # -- where the daemon is and who we are ----------------------------------------
@@ -199,6 +218,14 @@ def _done(reply: Reply) -> None:
     expect(reply, Done)
 
 
+def _reloaded(reply: Reply) -> ReloadReply:
+    return expect(reply, ReloadReply)
+
+
+def _latest(reply: Reply) -> Latest:
+    return expect(reply, Latest)
+
+
 def hello(worker_token: str | None) -> Call[Welcome]:
     return Call(
         Hello(id=0, token=worker_token, client=f"subagentd.client/{package_version()}"), _welcome
@@ -305,6 +332,47 @@ def ack(seqs: Iterable[int]) -> Call[None]:
     return Call(Ack(id=0, wakes=list(seqs)), _done)
 
 
+def reload() -> Call[ReloadReply]:
+    return Call(Reload(id=0), _reloaded)
+
+
+def resume(worker_id: str, timeout: float | None = None) -> Call[WorkerView]:
+    return Call(Resume(id=0, worker=worker_id, timeout=timeout), _worker)
+
+
+def resume_run(run_id: str) -> Call[list[WorkerView]]:
+    return Call(ResumeRun(id=0, run=run_id), _workers)
+
+
+def latest_resumable(cwd: str | os.PathLike[str] | None = None) -> Call[Latest]:
+    # As for spawn: "here" is where the caller stands, not where the daemon runs.
+    return Call(
+        LatestResumable(id=0, cwd=os.fspath(cwd) if cwd is not None else os.getcwd()), _latest
+    )
+
+
+def retry_delay(request: Request, reply: Reply) -> float | None:
+    """How long to wait before sending `request` again, for a `reloading` answer to a
+    spawn or resume (refused only while the launch fence of a reload is up); None: no retry."""
+    fenced = isinstance(request, Spawn | Resume | ResumeRun)
+    if fenced and isinstance(reply, Error) and reply.code == Reloading.code:
+        return reply.retry_after if reply.retry_after is not None else 0.2
+    return None
+
+
+def resend(request: Request) -> bool:
+    """Whether `request`, lost with a connection, may be sent again on the next one: it
+    asks without changing anything, so a second asking answers the same."""
+    match request:
+        case Status() | ListWorkers() | Info() | Wait() | Watch() | WaitRunStopped():
+            return True
+        case LatestResumable() | Subscribe():
+            return True
+        case Collect(wait=wait):
+            return wait
+    return False
+
+
 class JournalCursor:
     """Where one reading of a worker's journal stands: what to ask for next, and when it is over.
 
@@ -338,6 +406,12 @@ class WakeSubscription:
     Unfollowed, that page is the whole answer; followed, pages come as wakes are
     posted until the caller aborts. Acknowledging is the caller's business: a
     wake is delivered again, to any subscriber, until it is acknowledged.
+
+    Subscribed again on a new connection (after a reload), the daemon delivers
+    again what was not acknowledged, which may include a wake already handed
+    over whose acknowledgement was lost with the old connection: `take` hands
+    each wake over once, and lists in `to_ack` the ones whose lost
+    acknowledgement must be sent again.
     """
 
     def __init__(
@@ -347,16 +421,23 @@ class WakeSubscription:
         self.worker = worker
         self.follow = follow
         self.done = False
+        self.to_ack: list[int] = []
+        self._handed: set[int] = set()
 
     def request(self) -> Subscribe:
         return Subscribe(id=0, run=self.run, worker=self.worker, follow=self.follow)
 
-    def take(self, reply: Reply) -> list[Wake]:
-        """The wakes of the next page; raises what an error reply carries, which ends it."""
+    def take(self, reply: Reply, owed: Iterable[int] = ()) -> list[Wake]:
+        """The wakes of the next page not handed over before; raises what an error reply
+        carries, which ends it. ``owed``: seqs whose acknowledgement was lost."""
         self.done = True  # an error ends the subscription as surely as a complete page
         page = expect(reply, Wakes)
         self.done = page.complete or not self.follow
-        return page.wakes
+        owed = set(owed)
+        fresh = [w for w in page.wakes if w.seq not in self._handed and w.seq not in owed]
+        self.to_ack = [w.seq for w in page.wakes if w.seq in owed]
+        self._handed.update(wake.seq for wake in fresh)
+        return fresh
 
 
 # -- the conversation ----------------------------------------------------------
@@ -371,20 +452,53 @@ class _Envelope(msgspec.Struct):
 _envelope_decoder = msgspec.msgpack.Decoder(_Envelope)
 
 
+@dataclass(slots=True)
+class _Open:
+    """A request still waiting for (more of) its answer."""
+
+    request: Request
+    # What to send instead on a new connection (None: it must not be sent twice).
+    again: Callable[[], Request] | None
+    stream: bool
+    sent: bool
+
+
+@dataclass(frozen=True, slots=True)
+class _Lost:
+    """Put in a request's inbox when its answer went with the connection: raises on reading."""
+
+    cause: Error | Exception | None
+
+
 class Connection:
-    """The client's side of one connection, sans I/O: ids out, replies sorted by request id.
+    """The client's side of one conversation, sans I/O: ids out, replies sorted by request id.
 
     Feed it what the socket returned with `receive_data` (b"" at end of file) and
     send what `send` and `abort` return. A reply is kept only while its request
     is open: replies to finished or aborted requests, and events (id 0) this
     client does not handle, are dropped.
+
+    With ``reconnect``, the conversation outlives its socket across a reload: once
+    the daemon says `reloading`, or the socket ends while requests are open,
+    `reconnecting` turns true and the shell connects again, says hello (a
+    `Handshake`) and sends what `reconnected` returns: every open request that
+    asks without changing anything (streams from their cursors), and those made
+    meanwhile. One that changes something (a spawn, a stop) and whose answer
+    was lost raises `ConnectionLost`: whether it was done is unknown. Request
+    ids carry over, so a caller waiting for its answer never notices.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, reconnect: bool = False) -> None:
         self._frames = FrameDecoder()
         self._next_id = HELLO_ID
-        self._inboxes: dict[int, deque[Reply]] = {}
+        self._inboxes: dict[int, deque[Reply | _Lost]] = {}
+        self._open: dict[int, _Open] = {}
+        self._reconnect = reconnect
+        self._reconnecting = False
         self._closed = False
+        #: Wakes acknowledged by the caller whose acknowledgement went with a connection:
+        #: acknowledged again when a subscription gets them again.
+        self.owed_acks: set[int] = set()
         # Why the connection ended: the daemon's parting Error (too_large,
         # reloading), or the transport or protocol failure that ended it.
         self._cause: Error | Exception | None = None
@@ -393,33 +507,59 @@ class Connection:
     def closed(self) -> bool:
         return self._closed
 
-    def send(self, request: Request) -> tuple[int, bytes]:
-        """Open `request` under a fresh id; answers (id, the frame to send)."""
+    @property
+    def reconnecting(self) -> bool:
+        """The socket is gone and the conversation goes on on a new one: connect again."""
+        return self._reconnecting
+
+    def send(
+        self, request: Request, *, again: Callable[[], Request] | None = None
+    ) -> tuple[int, bytes | None]:
+        """Open `request` under a fresh id; answers (id, the frame to send). The frame is
+        None while reconnecting: the request goes out on the new connection.
+
+        ``again``: the request to send instead on a new connection, for a stream
+        that must carry on from its cursor rather than start over.
+        """
         if self._closed:
             self._raise_closed()
         request_id = self._take_id()
         self._inboxes[request_id] = deque()
+        if again is None and resend(request):
+            again = functools.partial(_same, request)
+        self._open[request_id] = _Open(
+            request, again, stream=_streams(request), sent=not self._reconnecting
+        )
+        if self._reconnecting:
+            if isinstance(request, Ack):
+                # Delivered on the old connection, these wakes cannot be acknowledged on a new
+                # one until delivered there again: owed until then.
+                self.owed_acks.update(request.wakes)
+                self._inboxes[request_id].append(Done(id=request_id))
+                del self._open[request_id]
+            return request_id, None
         return request_id, encode(msgspec.structs.replace(request, id=request_id))
 
     def finish(self, request_id: int) -> None:
         """Forget `request_id`; whatever still arrives for it is dropped."""
         self._inboxes.pop(request_id, None)
+        self._open.pop(request_id, None)
 
     def abort(self, request_id: int) -> bytes | None:
         """Finish `request_id` and answer the Abort frame that stops the daemon working on it
         (None: the connection is gone, and the work with it)."""
         self.finish(request_id)
-        if self._closed:
+        if self._closed or self._reconnecting:
             return None
         # The Abort's own id is never opened, so its Done is dropped with the request's stragglers.
         return encode(Abort(id=self._take_id(), request=request_id))
 
     def receive_data(self, data: bytes) -> None:
         """Take what the socket returned, split anywhere; b"" means the daemon closed."""
-        if self._closed:
+        if self._closed or self._reconnecting:
             return
         if not data:
-            self._closed = True
+            self._ended(None)
             return
         self._frames.feed(data)
         try:
@@ -431,24 +571,87 @@ class Connection:
                     inbox.append(reply)
                 elif reply.id == 0 and isinstance(reply, Error):
                     self._cause = reply
+                    if reply.code == Reloading.code:
+                        # Nothing more comes on this socket: hang up and reconnect now.
+                        self._ended(reply)
+                        return
         except ProtocolError as exc:
             self._closed = True
             self._cause = exc
 
     def connection_lost(self, exc: Exception) -> None:
-        """The transport failed with `exc`: every open request and later send raises."""
-        if not self._closed:
-            self._closed = True
-            self._cause = exc
+        """The transport failed with `exc`: every open request and later send raises, unless
+        the conversation goes on on a new connection."""
+        if not self._closed and not self._reconnecting:
+            self._ended(exc)
+
+    def reconnected(self, rest: bytes = b"") -> list[bytes]:
+        """A new connection said welcome (`rest`: what came after it): the frames to send on
+        it, in order, before anything else."""
+        self._frames = FrameDecoder()
+        self._reconnecting = False
+        self._cause = None
+        frames = []
+        for request_id, entry in self._open.items():
+            if entry.sent and (
+                entry.again is None or (self._inboxes[request_id] and not entry.stream)
+            ):
+                continue  # answered already (or failed with the old connection)
+            request = entry.request if not entry.sent else entry.again()  # type: ignore[misc]
+            if entry.sent and entry.stream:
+                # Pages not yet taken come again from the cursor, which has not passed them.
+                self._inboxes[request_id].clear()
+            entry.sent = True
+            frames.append(encode(msgspec.structs.replace(request, id=request_id)))
+        if rest:
+            self.receive_data(rest)
+        return frames
+
+    def reconnect_failed(self, exc: Exception) -> None:
+        """No new connection within the window: the conversation is over, with `exc` as why."""
+        self._reconnecting = False
+        self._closed = True
+        lost = ConnectionLost(
+            f"the daemon went away and did not serve again within {RECONNECT_WINDOW:g} s: {exc}"
+        )
+        lost.__cause__ = exc
+        self._cause = lost
 
     def next_reply(self, request_id: int) -> Reply | None:
         """The next reply to `request_id`; None until one arrives; raises once none ever can."""
         inbox = self._inboxes[request_id]
         if inbox:
-            return inbox.popleft()
+            reply = inbox.popleft()
+            if isinstance(reply, _Lost):
+                inbox.appendleft(reply)  # every later read raises the same
+                self._raise_lost(reply.cause)
+            return reply
         if self._closed:
             self._raise_closed()
         return None
+
+    def _ended(self, cause: Error | Exception | None) -> None:
+        """The socket is over, because of `cause` (None: the daemon closed it)."""
+        if cause is not None:
+            self._cause = cause
+        told_reloading = isinstance(self._cause, Error) and self._cause.code == Reloading.code
+        # A parting error of another kind (too_large) says why, and that is final.
+        parted = isinstance(self._cause, Error) and not told_reloading
+        if not self._reconnect or parted or not (told_reloading or self._open):
+            self._closed = True
+            return
+        self._reconnecting = True
+        for request_id, entry in list(self._open.items()):
+            inbox = self._inboxes[request_id]
+            if isinstance(entry.request, Ack):
+                self.owed_acks.update(entry.request.wakes)
+                if not inbox:
+                    inbox.append(Done(id=request_id))
+                del self._open[request_id]
+            elif entry.again is None and entry.sent:
+                # Its answer is lost and whether it was done unknown: that is the caller's call.
+                inbox.append(_Lost(self._cause))
+                del self._open[request_id]
 
     def _take_id(self) -> int:
         request_id = self._next_id
@@ -456,17 +659,73 @@ class Connection:
         return request_id
 
     def _raise_closed(self) -> NoReturn:
+        self._raise_lost(self._cause)
+
+    @staticmethod
+    def _raise_lost(cause: Error | Exception | None) -> NoReturn:
         # A fresh exception on every call: several waiters may raise it, and a
         # shared instance would grow one traceback across all of them.
-        match self._cause:
+        match cause:
+            case Error(code=Reloading.code):
+                raise ConnectionLost(
+                    "the daemon reloaded before answering; whether the request was done is "
+                    "unknown: check (`subagentctl ls --all`) before asking again"
+                )
             case Error(code=code, message=message, retry_after=retry_after):
                 raise remote_error(code, message, retry_after)
-            case ProtocolError() as cause:
+            case ProtocolError():
                 raise ProtocolError(str(cause)) from cause
-            case Exception() as cause:
+            case ConnectionLost():
+                raise ConnectionLost(str(cause)) from cause.__cause__
+            case Exception():
                 raise ConnectionLost(f"the connection to the daemon failed: {cause}") from cause
             case _:
                 raise ConnectionLost("the daemon closed the connection before answering")
+
+
+def _same(request: Request) -> Request:
+    return request
+
+
+def _streams(request: Request) -> bool:
+    """Whether `request` is answered with many replies, carrying on from a cursor."""
+    return isinstance(request, Subscribe) or (isinstance(request, Watch) and request.follow)
+
+
+class Handshake:
+    """The hello of a new connection, sans I/O: `frame` to send, then `receive_data` until
+    it answers the daemon's Welcome; `rest` is what came after it."""
+
+    def __init__(self, worker_token: str | None) -> None:
+        self.frame = encode(msgspec.structs.replace(hello(worker_token).request, id=HELLO_ID))
+        self._frames = FrameDecoder()
+        self.rest = b""
+
+    def receive_data(self, data: bytes) -> Welcome | None:
+        """The Welcome once it came; raises `ConnectionLost` for an end before it, and what
+        an Error says (`Reloading` again: another reload)."""
+        if not data:
+            raise ConnectionLost("the daemon closed the connection before its welcome")
+        self._frames.feed(data)
+        body = self._frames.next_frame()
+        if body is None:
+            return None
+        reply = _decode(body)
+        if reply is None:
+            return None
+        welcome = expect(reply, Welcome)
+        frames = self._frames.frames()
+        self.rest = b"".join(frame(body) for body in frames)
+        return welcome
+
+
+def retry_reconnect(exc: BaseException) -> bool:
+    """Whether a failed reconnect is worth another try: the daemon is not serving yet."""
+    if isinstance(exc, OSError) and not isinstance(exc, TimeoutError):
+        return exc.errno in RETRY_CONNECT_ERRNOS or isinstance(exc, ConnectionError)
+    if isinstance(exc, RemoteError):
+        return exc.code in (Reloading.code, "busy")
+    return isinstance(exc, ConnectionLost)
 
 
 def _decode(body: bytes) -> Reply | None:

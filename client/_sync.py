@@ -10,7 +10,8 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-from collections.abc import Generator, Iterable, Mapping, Sequence
+import time
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Self, TypeVar
@@ -18,14 +19,16 @@ from typing import Self, TypeVar
 from subagentd.protocol import (
     DaemonInfo,
     Entry,
+    Latest,
     Page,
+    ReloadReply,
     Reply,
     Request,
     Wake,
     WorkerResult,
     WorkerView,
 )
-from subagentd.protocol.errors import ConnectionLost, SubagentdError
+from subagentd.protocol.errors import SubagentdError
 
 from . import _core
 
@@ -51,7 +54,7 @@ class Client:
     ) -> None:
         self.socket: Path = _core.socket_path(socket)
         self.timeout = timeout
-        self._conn = _core.Connection()
+        self._conn = _core.Connection(reconnect=True)
         self._sock = None
 
     def __enter__(self) -> Self:
@@ -149,7 +152,7 @@ class Client:
             while not cursor.done:
                 yield from cursor.take(self.request(cursor.request()))
             return
-        stream = self._send(cursor.request())
+        stream = self._send(cursor.request(), again=cursor.request)
         try:
             while not cursor.done:
                 yield from cursor.take(self._next_reply(stream))
@@ -158,6 +161,26 @@ class Client:
                 self._conn.finish(stream)
             else:
                 self._abort(stream)
+
+    def reload(self) -> ReloadReply:
+        """Re-exec the daemon in place, keeping every worker; answers once the new image
+        serves (`Refused` with the reason when the new image or config would not do,
+        `Busy` right after another reload)."""
+        return self._call(_core.reload())
+
+    def resume(self, worker_id: str, timeout: float | None = None) -> WorkerView:
+        """Carry an ended (not finished) worker on from its snapshot: same id, next attempt.
+        It runs what it was spawned with; only its ``timeout`` may be given again."""
+        return self._call(_core.resume(worker_id, timeout))
+
+    def resume_run(self, run_id: str) -> list[WorkerView]:
+        """A new live attempt of a run: its highest unfinished workers carry on; answers them."""
+        return self._call(_core.resume_run(run_id))
+
+    def latest_resumable(self, cwd: str | os.PathLike[str] | None = None) -> Latest:
+        """The newest run started in ``cwd`` (default: this process's) that a resume would
+        take, or else the newest and why not (`NotFound`: none was started there)."""
+        return self._call(_core.latest_resumable(cwd))
 
     def collect(self, worker_id: str, wait: bool = False) -> WorkerResult:
         return self._call(_core.collect(worker_id, wait))
@@ -214,10 +237,15 @@ class Client:
         dealt with, so that a crash in between gets it again.
         """
         subscription = _core.WakeSubscription(run, worker, follow=follow)
-        stream = self._send(subscription.request())
+        stream = self._send(subscription.request(), again=subscription.request)
         try:
             while not subscription.done:
-                for wake in subscription.take(self._next_reply(stream)):
+                fresh = subscription.take(self._next_reply(stream), self._conn.owed_acks)
+                if subscription.to_ack:
+                    # Handed over and acknowledged on a connection that went: once more here.
+                    self.ack(subscription.to_ack)
+                    self._conn.owed_acks.difference_update(subscription.to_ack)
+                for wake in fresh:
                     try:
                         yield wake
                     except BaseException:
@@ -239,16 +267,24 @@ class Client:
         self._call(_core.ack(seqs))
 
     def request(self, message: Request) -> Reply:
-        """Send any request under a fresh id and answer its reply, or raise the error it carries."""
-        request_id = self._send(message)
-        try:
-            reply = self._next_reply(request_id)
-        except BaseException:
-            # A timeout or Ctrl-C: the daemon need not go on waiting (a `wait`) for nobody.
-            self._abort(request_id)
-            raise
-        self._conn.finish(request_id)
-        return _core.checked(reply)
+        """Send any request under a fresh id and answer its reply, or raise the error it carries.
+
+        A spawn or resume refused because a reload is under way is sent again once it is over.
+        """
+        deadline = time.monotonic() + _core.RECONNECT_WINDOW
+        while True:
+            request_id = self._send(message)
+            try:
+                reply = self._next_reply(request_id)
+            except BaseException:
+                # A timeout or Ctrl-C: the daemon need not go on waiting (a `wait`) for nobody.
+                self._abort(request_id)
+                raise
+            self._conn.finish(request_id)
+            delay = _core.retry_delay(message, reply)
+            if delay is None or time.monotonic() + delay > deadline:
+                return _core.checked(reply)
+            time.sleep(delay)
 
     # -- I/O --------------------------------------------------------------------
 
@@ -260,24 +296,32 @@ class Client:
             raise RuntimeError("not connected: use `with Client() as daemon:`")
         return self._sock
 
-    def _send(self, request: Request) -> int:
-        request_id, frame = self._conn.send(request)
-        try:
-            self._connected().sendall(frame)
-        except OSError as exc:
-            # Part of the frame may be out: nothing after it would parse, so the connection is done.
-            self._conn.connection_lost(exc)
-            self._conn.finish(request_id)
-            if isinstance(exc, TimeoutError):
+    def _send(self, request: Request, *, again: Callable[[], Request] | None = None) -> int:
+        """Open `request`; a transport failure comes out of `_next_reply`, where a request
+        sent again on a new connection has its answer."""
+        self._connected()
+        if self._conn.reconnecting:
+            self._reconnect()
+        request_id, frame = self._conn.send(request, again=again)
+        if frame is not None:
+            try:
+                self._connected().sendall(frame)
+            except TimeoutError as exc:
+                # Part of the frame may be out: nothing after it would parse.
+                self._conn.connection_lost(exc)
+                self._conn.finish(request_id)
                 raise
-            raise ConnectionLost(f"the connection to the daemon failed: {exc}") from exc
+            except OSError as exc:
+                self._conn.connection_lost(exc)
         return request_id
 
     def _next_reply(self, request_id: int) -> Reply:
-        sock = self._connected()
         while (reply := self._conn.next_reply(request_id)) is None:
+            if self._conn.reconnecting:
+                self._reconnect()
+                continue
             try:
-                data = sock.recv(_RECEIVE_SIZE)
+                data = self._connected().recv(_RECEIVE_SIZE)
             except TimeoutError:
                 raise  # nothing was consumed: the connection stays usable
             except OSError as exc:
@@ -285,6 +329,49 @@ class Client:
             else:
                 self._conn.receive_data(data)
         return reply
+
+    def _reconnect(self) -> None:
+        """The daemon went away under open requests, or is reloading: connect again (a
+        reload's connects wait in the backlog), say hello, and send what the conversation
+        still needs answered."""
+        if self._sock is not None:
+            self._sock.close()  # hanging up at once lets a reloading daemon stop waiting for us
+        deadline = time.monotonic() + _core.RECONNECT_WINDOW
+        pause = _core.RECONNECT_PAUSE
+        while True:
+            try:
+                sock, rest = self._handshake(deadline)
+            except (OSError, SubagentdError) as exc:
+                if not _core.retry_reconnect(exc) or time.monotonic() + pause > deadline:
+                    self._conn.reconnect_failed(exc)
+                    return
+                time.sleep(pause)
+                pause = min(pause * 2, _core.RECONNECT_PAUSE_MAX)
+                continue
+            self._sock = sock
+            try:
+                for frame in self._conn.reconnected(rest):
+                    sock.sendall(frame)
+            except OSError as exc:
+                self._conn.connection_lost(exc)
+            return
+
+    def _handshake(self, deadline: float) -> tuple[socket.socket, bytes]:
+        """A new connection past its hello, and what came after the daemon's welcome."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            # A connect during a reload waits in the backlog until the new image serves.
+            sock.settimeout(max(deadline - time.monotonic(), 0.1))
+            sock.connect(os.fspath(self.socket))
+            handshake = _core.Handshake(_core.token())
+            sock.sendall(handshake.frame)
+            while handshake.receive_data(sock.recv(_RECEIVE_SIZE)) is None:
+                pass
+            sock.settimeout(self.timeout)
+        except BaseException:
+            sock.close()
+            raise
+        return sock, handshake.rest
 
     def _ack_leaving(self, wake: Wake) -> None:
         if self._sock is None:
@@ -294,7 +381,7 @@ class Client:
             self.ack([wake.seq])
 
     def _abort(self, request_id: int) -> None:
-        frame = self._conn.abort(request_id)
+        frame = self._conn.abort(request_id)  # None while reconnecting: nothing to abort
         if frame is None or self._sock is None:
             return
         try:
