@@ -21,13 +21,22 @@ from subagentd.protocol import (
     TERMINAL_STATES,
     DaemonInfo,
     Entry,
+    ReloadReply,
+    Resume,
     Stop,
     Stopped,
     Wake,
+    WorkerReply,
     WorkerResult,
     WorkerView,
 )
-from subagentd.protocol.errors import ProtocolError, RemoteError, TransportError
+from subagentd.protocol.errors import (
+    NotFound,
+    ProtocolError,
+    Refused,
+    RemoteError,
+    TransportError,
+)
 
 from . import _core
 from ._sync import Client
@@ -53,6 +62,7 @@ WORKER_FIELDS = (
     "archive",
 )
 WAKE_FIELDS = ("id", "run", "parent", "state", "exit_code", "preview")
+RELOAD_FIELDS = ("image_generation", "carried_live", "stopped_by_reload")
 INFO_FIELDS = ("version", "protocol", "pid", "image_generation", "reloads", "workers", "holds_park")
 
 
@@ -74,6 +84,7 @@ class Output(Protocol):
     def no_wakes(self, parent: str) -> None: ...
     def result(self, result: WorkerResult) -> None: ...
     def info(self, info: DaemonInfo) -> None: ...
+    def reloaded(self, reply: ReloadReply) -> None: ...
     def error(self, exc: RemoteError | ProtocolError) -> None: ...
 
 
@@ -187,6 +198,13 @@ class Human:
             ]
         )
 
+    def reloaded(self, reply: ReloadReply) -> None:
+        stopped = ", ".join(reply.stopped_by_reload) or "none"
+        print(
+            f"image generation {reply.image_generation}: carried {reply.carried_live} live, "
+            f"stopped by reload: {stopped}"
+        )
+
     def error(self, exc: RemoteError | ProtocolError) -> None:
         print(f"subagentctl: {exc}", file=sys.stderr)
 
@@ -233,6 +251,9 @@ class Json:
 
     def info(self, info: DaemonInfo) -> None:
         _dump({field: getattr(info, field) for field in INFO_FIELDS})
+
+    def reloaded(self, reply: ReloadReply) -> None:
+        _dump({field: getattr(reply, field) for field in RELOAD_FIELDS})
 
     def error(self, exc: RemoteError | ProtocolError) -> None:
         code = exc.code if isinstance(exc, RemoteError) else "protocol"
@@ -362,6 +383,47 @@ def fence(daemon: Client, args: argparse.Namespace, out: Output) -> None:
         out.fence(None)
     else:
         out.fence(daemon.set_fence())
+
+
+def reload(daemon: Client, args: argparse.Namespace, out: Output) -> None:
+    out.reloaded(daemon.reload())
+
+
+def resume(daemon: Client, args: argparse.Namespace, out: Output) -> None:
+    if args.run is not None:
+        _resumed(daemon.resume_run(args.run), out)
+    elif args.latest:
+        here = os.getcwd()
+        try:
+            latest = daemon.latest_resumable(here)
+        except NotFound:
+            raise NotFound(f"no run was started in {here}") from None
+        if not latest.resumable:
+            raise Refused(
+                f"the newest run started in {here}, {latest.run}, would not resume: {latest.reason}"
+            )
+        _resumed(daemon.resume_run(latest.run), out)
+    elif args.input is None and not args.argv and args.model is None:
+        out.spawned(daemon.resume(args.worker, timeout=args.timeout))
+    else:
+        # Sent all the same, for the daemon to say why it will not (frozen): one refusal,
+        # one message, whichever client asks.
+        given = Resume(
+            id=0,
+            worker=args.worker,
+            timeout=args.timeout,
+            input=args.input.encode() if args.input is not None else None,
+            argv=args.argv or None,
+            model=args.model,
+        )
+        out.spawned(_core.expect(daemon.request(given), WorkerReply).worker)
+
+
+def _resumed(workers: list[WorkerView], out: Output) -> None:
+    if not workers:
+        print("nothing in that run was left to resume", file=sys.stderr)
+    for worker in workers:
+        out.spawned(worker)
 
 
 Command = Callable[[Client, argparse.Namespace, Output], None]
@@ -526,6 +588,53 @@ def parser() -> argparse.ArgumentParser:
         help="remove the fence instead: later spawns start as usual (--json prints epoch null)",
     )
 
+    command(
+        "reload",
+        reload,
+        "Reload the daemon in place and print what it carried.",
+        "The daemon re-execs its image from disk (a new version, a new agents.toml) in the "
+        "same pid and keeps every running worker, its output and its pending wakes; this "
+        "returns once the new image serves. Prints the new image generation, how many "
+        "workers were carried live, and those that could not be, stopped by the reload "
+        "and resumable by their ids. A broken agents.toml or an image that fails its "
+        "check refuses the reload with the reason (exit 1), and the old image serves on; "
+        "so does a reload asked less than a second after the last (busy). Other clients "
+        "reconnect by themselves.",
+    )
+
+    sub = command(
+        "resume",
+        resume,
+        "Carry an ended worker, or a run, on from where it stopped, and print it.",
+        "A stopped, failed, timed-out, interrupted or stopped-by-reload worker resumes "
+        "under the same id as its next attempt, with the same journal: it runs what its "
+        "snapshot froze at spawn (the command, the agent definition as it was then, its "
+        "model, env, cwd and input), never today's agents.toml, and sees its attempt in "
+        "$SUBAGENTD_RESUME. Only --timeout may be given again; a new input, command or "
+        "model is refused (frozen). A worker that finished well, one still running, a "
+        "missing snapshot, or a git work tree now on another branch refuses the resume "
+        "with the reason (exit 1).",
+    )
+    which = sub.add_mutually_exclusive_group(required=True)
+    which.add_argument("worker", metavar="ID", nargs="?", help="the worker to resume")
+    which.add_argument(
+        "--run",
+        metavar="R",
+        help="resume run R instead: its highest unfinished workers, one line each",
+    )
+    which.add_argument(
+        "--latest",
+        action="store_true",
+        help="resume the newest resumable run started in this directory; if none would "
+        "resume, print the newest and why not (exit 1)",
+    )
+    sub.add_argument(
+        "--timeout", metavar="S", type=float, help="seconds before it is stopped, this attempt"
+    )
+    sub.add_argument("--input", metavar="TEXT", help="refused: the snapshot holds its input")
+    sub.add_argument("--model", metavar="M", help="refused: the snapshot holds its model")
+    sub.add_argument("argv", nargs="*", metavar="CMD", help="refused: the snapshot holds it")
+
     command("info", info, "Show the daemon's version, pid, reloads and workers by state.")
     return top
 
@@ -534,6 +643,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.command is spawn and not args.argv and args.agent is None:
         args.parser.error("give a command after -- or an --agent")
+    if args.command is resume and args.worker is None:
+        given = [
+            flag
+            for flag, value in (
+                ("--timeout", args.timeout),
+                ("--input", args.input),
+                ("--model", args.model),
+                ("CMD", args.argv or None),
+            )
+            if value is not None
+        ]
+        if given:
+            args.parser.error(f"{', '.join(given)}: only with a worker ID")
     out: Output = Json() if args.json else Human()
     try:
         with Client(args.socket) as daemon:

@@ -29,17 +29,22 @@ from subagentd.protocol import (
     InfoReply,
     Page,
     Reply,
+    Request,
     ResultReply,
+    Resume,
     RunReply,
     SetFence,
     Spawn,
     Status,
+    Stop,
     Stopped,
     Subscribe,
     TurnReply,
+    Wait,
     WaitRunStopped,
     Wake,
     Wakes,
+    Watch,
     Welcome,
     WorkerList,
     WorkerReply,
@@ -259,8 +264,9 @@ def test_hello_carries_the_token() -> None:
 # -- the conversation ----------------------------------------------------------------
 
 
-def sent(data: bytes) -> object:
+def sent(data: bytes | None) -> object:
     """The request inside one frame the connection sent."""
+    assert data is not None, "nothing was sent"
     decoder = FrameDecoder()
     decoder.feed(data)
     (body,) = decoder.frames()
@@ -512,3 +518,115 @@ def test_an_ack_is_answered_while_its_subscription_keeps_its_pages() -> None:
     assert conn.next_reply(ack) == Done(id=ack)
     assert conn.next_reply(stream) == Wakes(id=stream, wakes=[wake(1)])
     assert conn.next_reply(stream) == Wakes(id=stream, wakes=[wake(2)])
+
+
+# -- across a reload -----------------------------------------------------------------
+
+RELOADING = encode(
+    Error(id=0, code="reloading", message="the daemon is reloading; reconnect", retry_after=0.2)
+)
+
+
+def reconnect(conn: _core.Connection) -> list[Request]:
+    """What a shell does once a new connection said welcome: the requests it sends on it."""
+    assert conn.reconnecting
+    return [client_decoder.decode(data[HEADER.size :]) for data in conn.reconnected()]
+
+
+def test_told_reloading_the_conversation_goes_on_with_what_only_asks() -> None:
+    conn = _core.Connection(reconnect=True)
+    waiting, _ = conn.send(Wait(id=0, worker="w-1"))
+    answered, _ = conn.send(Status(id=0, worker="w-1"))
+    conn.receive_data(encode(WorkerReply(id=answered, worker=WORKER)) + RELOADING)
+    assert not conn.closed
+    assert reconnect(conn) == [Wait(id=waiting, worker="w-1")]  # the status had its answer
+    assert conn.next_reply(answered) == WorkerReply(id=answered, worker=WORKER)
+    conn.receive_data(encode(WorkerReply(id=waiting, worker=WORKER)))
+    assert conn.next_reply(waiting) == WorkerReply(id=waiting, worker=WORKER)
+
+
+def test_a_spawn_whose_answer_went_with_the_connection_is_connection_lost() -> None:
+    conn = _core.Connection(reconnect=True)
+    spawned, _ = conn.send(Spawn(id=0, argv=["true"]))
+    conn.receive_data(RELOADING)
+    assert reconnect(conn) == []
+    with pytest.raises(ConnectionLost, match="whether the request was done is unknown"):
+        conn.next_reply(spawned)
+
+
+def test_a_request_made_while_reconnecting_goes_out_on_the_new_connection() -> None:
+    conn = _core.Connection(reconnect=True)
+    conn.receive_data(RELOADING)
+    spawned, data = conn.send(Spawn(id=0, argv=["true"]))
+    assert data is None
+    assert reconnect(conn) == [Spawn(id=spawned, argv=["true"])]
+
+
+def test_a_followed_watch_carries_on_from_its_cursor_without_pages_twice() -> None:
+    conn = _core.Connection(reconnect=True)
+    cursor = _core.JournalCursor("w-1", follow=True)
+    stream, _ = conn.send(cursor.request(), again=cursor.request)
+    conn.receive_data(encode(page(stream, [1, 2], next=2)) + encode(page(stream, [3], next=3)))
+    assert cursor.take(conn.next_reply(stream)) == [entry(1), entry(2)]  # type: ignore[arg-type]
+    conn.connection_lost(ConnectionResetError(errno.ECONNRESET, "reset"))
+    # Page 3 was never taken: it comes again, from the cursor at 2.
+    assert reconnect(conn) == [Watch(id=stream, worker="w-1", since=2, follow=True)]
+    assert conn.next_reply(stream) is None
+
+
+def test_an_end_with_nothing_open_and_no_notice_is_just_the_end() -> None:
+    conn = _core.Connection(reconnect=True)
+    conn.receive_data(b"")
+    assert conn.closed
+    assert not conn.reconnecting
+
+
+def test_no_daemon_within_the_window_fails_what_waited() -> None:
+    conn = _core.Connection(reconnect=True)
+    waiting, _ = conn.send(Wait(id=0, worker="w-1"))
+    conn.receive_data(RELOADING)
+    conn.reconnect_failed(FileNotFoundError(errno.ENOENT, "No such file or directory"))
+    with pytest.raises(ConnectionLost, match="did not serve again"):
+        conn.next_reply(waiting)
+
+
+def test_a_wake_whose_ack_was_lost_is_acknowledged_again_not_handed_twice() -> None:
+    conn = _core.Connection(reconnect=True)
+    subscription = _core.WakeSubscription(run="r-1", follow=True)
+    stream, _ = conn.send(subscription.request(), again=subscription.request)
+    conn.receive_data(encode(Wakes(id=stream, wakes=[wake(1)])))
+    assert subscription.take(conn.next_reply(stream)) == [wake(1)]  # type: ignore[arg-type]
+    acked, _ = conn.send(_core.ack([1]).request)
+    conn.receive_data(RELOADING)
+    assert conn.next_reply(acked) == Done(id=acked)  # owed, not failed
+    assert reconnect(conn) == [Subscribe(id=stream, run="r-1", follow=True)]
+    conn.receive_data(encode(Wakes(id=stream, wakes=[wake(1), wake(2)])))
+    reply = conn.next_reply(stream)
+    assert reply is not None
+    assert subscription.take(reply, conn.owed_acks) == [wake(2)]
+    assert subscription.to_ack == [1]
+
+
+def test_a_handshake_answers_the_welcome_and_keeps_what_followed() -> None:
+    handshake = _core.Handshake("tok")
+    hello = client_decoder.decode(handshake.frame[HEADER.size :])
+    assert isinstance(hello, Hello)
+    assert (hello.id, hello.token) == (_core.HELLO_ID, "tok")
+    welcome = Welcome(id=1, version=1, daemon_version="0.1.0", pid=7)
+    after = encode(Wakes(id=5, wakes=[]))
+    data = encode(welcome) + after
+    assert handshake.receive_data(data[:3]) is None
+    assert handshake.receive_data(data[3:]) == welcome
+    assert handshake.rest == after
+    with pytest.raises(Reloading):
+        _core.Handshake(None).receive_data(RELOADING)
+    with pytest.raises(ConnectionLost):
+        _core.Handshake(None).receive_data(b"")
+
+
+def test_only_a_spawn_or_resume_refused_as_reloading_is_sent_again() -> None:
+    reloading = Error(id=2, code="reloading", message="reloading", retry_after=0.3)
+    assert _core.retry_delay(Spawn(id=2), reloading) == 0.3
+    assert _core.retry_delay(Resume(id=2, worker="w-1"), reloading) == 0.3
+    assert _core.retry_delay(Stop(id=2, worker="w-1"), reloading) is None
+    assert _core.retry_delay(Spawn(id=2), Error(id=2, code="busy", message="busy")) is None
