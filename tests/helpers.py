@@ -51,6 +51,17 @@ async def wait_output(client: AsyncClient, worker_id: str, marker: bytes) -> byt
     return await follow_stdout(client, worker_id, lambda seen: marker in seen)
 
 
+async def paged_stdout(client: AsyncClient, worker_id: str, limit: int = 10_000) -> bytes:
+    """A finished worker's whole stdout, read back page by page from cursor 0."""
+    text, cursor = b"", 0
+    while True:
+        page = await client.watch_page(worker_id, since=cursor, limit=limit)
+        text += b"".join(e.data for e in page.entries if e.kind == "stdout")
+        cursor = page.next
+        if page.complete:
+            return text
+
+
 async def stop_ids(client: AsyncClient, worker_id: str) -> list[str]:
     """Stop a worker and answer the ids the daemon says it stopped."""
     reply = await client.request(Stop(id=0, worker=worker_id))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import struct
-import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -183,18 +182,3 @@ async def test_another_uid_is_refused_even_with_the_socket_opened_up(
     assert replies[0].code == "forbidden"
     with trio.fail_after(10):
         await _still_serves(connect)
-
-
-def test_second_daemon_on_the_same_state_dir_is_refused_naming_the_holder(
-    daemon: DaemonProcess,
-) -> None:
-    from .conftest import BIN
-
-    other = subprocess.run(
-        [str(BIN / "subagentd"), "--socket", str(daemon.root / "other.sock"),
-         "--state-dir", str(daemon.state_dir)],
-        capture_output=True, text=True, timeout=30,
-    )  # fmt: skip
-    assert other.returncode == 1
-    assert daemon.proc is not None
-    assert f"pid {daemon.proc.pid}" in other.stderr

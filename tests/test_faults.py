@@ -19,7 +19,7 @@ from subagentd.client import AsyncClient
 from subagentd.protocol.errors import Refused
 
 from .conftest import DaemonProcess
-from .helpers import alive, sh, wait_output
+from .helpers import alive, paged_stdout, sh, wait_output
 
 
 @pytest.fixture
@@ -59,13 +59,7 @@ async def test_a_full_disk_is_reported_holds_the_writer_and_loses_nothing(
             await trio.run_process(["mount", "-o", "remount,size=64m", str(small_disk)])
             view = await client.wait(worker.id)
             assert view.state == "finished"
-            lines, cursor = b"", 0
-            while True:
-                page = await client.watch_page(worker.id, since=cursor, limit=10_000)
-                lines += b"".join(e.data for e in page.entries if e.kind == "stdout")
-                cursor = page.next
-                if page.complete:
-                    break
+            lines = await paged_stdout(client, worker.id)
             assert lines == b"".join(b"%d\n" % i for i in range(1, 400_001))
             assert (await client.info()).problems == []
 
@@ -84,13 +78,7 @@ async def test_kill_9_mid_output_leaves_a_journal_readable_to_its_torn_tail(
             assert view.state == "interrupted"
             assert view.pid is not None
             assert not alive(view.pid)
-            text, cursor = b"", 0
-            while True:
-                page = await client.watch_page(worker.id, since=cursor, limit=10_000)
-                text += b"".join(e.data for e in page.entries if e.kind == "stdout")
-                cursor = page.next
-                if page.complete:
-                    break
+            text = await paged_stdout(client, worker.id)
             numbers = text.split(b"\n")[:-1]
             assert numbers == [b"%d" % i for i in range(1, len(numbers) + 1)]  # no gap, no junk
             assert len(numbers) >= 100_000

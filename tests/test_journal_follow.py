@@ -11,7 +11,7 @@ from subagentd import protocol as p
 from subagentd.client import AsyncClient
 
 from .conftest import DaemonProcess
-from .helpers import RawConnection
+from .helpers import RawConnection, paged_stdout
 
 LINES = 50_000
 
@@ -30,13 +30,7 @@ async def test_tens_of_thousands_of_lines_paged_and_followed_without_gaps(
                     followed += entry.data
             assert followed == expected
             assert seqs == list(range(1, len(seqs) + 1))
-            paged, cursor = b"", 0
-            while True:
-                page = await client.watch_page(worker.id, since=cursor, limit=7)
-                paged += b"".join(e.data for e in page.entries if e.kind == "stdout")
-                cursor = page.next
-                if page.complete:
-                    break
+            paged = await paged_stdout(client, worker.id, limit=7)
             assert paged == expected
 
 
