@@ -1,8 +1,8 @@
 """subagentd's daemon: the registry, worker processes, journals and the control server.
 
-Nothing imports this package but its own entry point; clients speak the
-protocol over the socket.
+Nothing imports this package but its own entry points (`subagentd`, and
+`python -m subagentd.daemon`, which a reload runs); clients speak the protocol
+over the socket. Importing it stays light: `--check` runs on a reload's path.
 """
 
-from ._daemon import Daemon as Daemon
 from ._main import main as main

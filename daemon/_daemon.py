@@ -48,7 +48,14 @@ from ._agents import AgentDef, ConfigError, load_agents
 from ._archive import STDOUT_TAIL_BYTES, Archive, Snapshot, prune_archives
 from ._journal import Journal
 from ._process import SpawnFailed, WorkerProcess, pump
-from ._registry import TOMBSTONE_OUTPUT, Registry, Tombstone, WorkerRecord
+from ._registry import (
+    DEFAULT_FINISHED_TTL,
+    DEFAULT_KEEP_ARCHIVES_DAYS,
+    TOMBSTONE_OUTPUT,
+    Registry,
+    Tombstone,
+    WorkerRecord,
+)
 from ._resume import git_branch
 from ._statedir import StateDir, save_run
 from ._tree import ProcessTable, end_tree
@@ -63,10 +70,6 @@ DISK_RETRY_FIRST = 0.1
 DISK_RETRY_MAX = 5.0
 #: What a client refused during a reload is told to wait before it tries again.
 RELOAD_RETRY = 0.2
-#: Seconds a finished worker's handle is kept uncollected (`--finished-ttl`).
-DEFAULT_FINISHED_TTL = 900.0
-#: Days an ended worker's archive is kept on disk (`--keep-archives`).
-DEFAULT_KEEP_ARCHIVES_DAYS = 14.0
 #: Ended workers' journals kept open for paging, the most recently read first.
 OPEN_JOURNALS = 16
 #: A wake carries this much of the result, so a parent rarely needs to collect.

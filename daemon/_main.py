@@ -7,35 +7,24 @@ and its journal and record on disk, the lock released, exit 0.
 from __future__ import annotations
 
 import argparse
-import os
-import signal
 import sys
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
-import trio
 
 from subagentd.protocol import (
-    Reply,
     default_config_path,
     default_socket_path,
     default_state_dir,
     package_version,
 )
-from subagentd.protocol.errors import Busy
 
 from ._agents import ConfigError, load_agents
-from ._checkpoint import READS_VERSIONS, Checkpoint, CheckpointUnreadable, read_checkpoint
-from ._daemon import DEFAULT_FINISHED_TTL, DEFAULT_KEEP_ARCHIVES_DAYS, Daemon
-from ._listener import ControlSocket, SocketInUse, activated_socket, bind_control_socket
+from ._checkpoint import READS_VERSIONS
 from ._logging import LogFormat, configure_logging
-from ._notify import notify
-from ._recovery import recover
-from ._reload import NO_CARRY_ENV, RELOAD_SIGNALS, Reloader, adopt, reload_reply
-from ._server import Server
-from ._statedir import StateDir, StateDirLocked, ensure_private_dir
+from ._registry import DEFAULT_FINISHED_TTL, DEFAULT_KEEP_ARCHIVES_DAYS
+from ._statedir import StateDirLocked, ensure_private_dir
 
 log = structlog.get_logger("subagentd")
 
@@ -162,6 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.check:
         return check(settings)
+    import trio  # only a serving daemon needs it: --check stays quick for reloads
+
+    from ._listener import SocketInUse
+    from ._serve import serve
+
     try:
         trio.run(serve, settings)
     except (StateDirLocked, SocketInUse, PermissionError) as exc:
@@ -189,140 +183,3 @@ def check(settings: Settings) -> int:
     for problem in problems:
         print(f"error: {problem}", file=sys.stderr)
     return 1 if problems else 0
-
-
-async def _until_signal(
-    signals: AsyncIterator[int], reloader: Reloader, nursery: trio.Nursery, done: trio.CancelScope
-) -> None:
-    """SIGTERM and SIGINT stop the daemon; SIGHUP reloads it, as `subagentctl reload` does."""
-    async for signum in signals:
-        if signum == signal.SIGHUP:
-            log.info("daemon.reload_signal")
-            nursery.start_soon(_reload_quietly, reloader)
-            continue
-        log.info("daemon.stopping", signal=signal.Signals(signum).name)
-        done.cancel()
-        return
-
-
-async def _reload_quietly(reloader: Reloader) -> None:
-    try:
-        await reloader.reload(None, 0)
-    except Busy as exc:
-        log.warning("reload.refused", error=str(exc))
-
-
-async def _until_idle(
-    daemon: Daemon, server: Server, seconds: float, done: trio.CancelScope
-) -> None:
-    """Return once nothing has happened for `seconds` and stopping would cost nothing:
-    no connection open, no worker running, no result waiting within its TTL."""
-    while True:
-        activity = daemon.activity
-        if server.connections or daemon.registry.holds_park():
-            await activity.wait()
-            continue
-        with trio.move_on_after(seconds) as quiet:
-            await activity.wait()
-        if quiet.cancelled_caught:
-            log.info("daemon.idle_exit", idle_non_negative=seconds)
-            done.cancel()
-            return
-
-
-async def serve(settings: Settings) -> None:
-    handoff = _read_handoff(settings.handoff) if settings.handoff is not None else None
-    inherited = settings.handoff_fds  # (listen, lock): the reload's descriptors, whatever else
-    state_dir = StateDir(settings.state_dir)
-    state_dir.acquire(lock_fd=inherited[1] if inherited is not None else None)
-    try:
-        if inherited is not None:
-            control = ControlSocket.inherited(inherited[0], settings.socket)
-        else:
-            control = activated_socket(settings.socket) or bind_control_socket(settings.socket)
-    except BaseException:
-        state_dir.release()
-        raise
-    daemon = Daemon(
-        state_dir,
-        socket_path=settings.socket,
-        config_path=settings.config,
-        finished_ttl=settings.finished_ttl,
-        keep_archives_days=settings.keep_archives_days,
-    )
-    adopted: list[tuple[int, Reply]] = []
-    if handoff is not None:
-        carried, stopped = await adopt(daemon, handoff)
-        adopted = [
-            (c.fd, reload_reply(daemon, c.request_id, carried, stopped)) for c in handoff.requesters
-        ]
-        assert settings.handoff is not None
-        settings.handoff.unlink(missing_ok=True)
-        log.info(
-            "reload.adopted",
-            image_generation=daemon.image_generation,
-            carried_live=carried,
-            stopped_by_reload=stopped,
-        )
-    else:
-        await recover(daemon)
-    server = Server(daemon)
-    reloader = Reloader(
-        daemon,
-        server,
-        checkpoint_path=settings.state_dir / "checkpoint",
-        listen_fd=control.sock.fileno(),
-        daemon_args=settings.daemon_args(),
-        no_carry=frozenset(filter(None, os.environ.get(NO_CARRY_ENV, "").split(","))),
-    )
-    server.reloader = reloader
-    listener = trio.SocketListener(trio.socket.from_stdlib_socket(control.sock))
-    try:
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
-            # Blocked by the image before us across the exec; ours to take now.
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, RELOAD_SIGNALS)
-            async with trio.open_nursery() as nursery:
-                reloader.nursery = nursery
-                await nursery.start(daemon.run)
-                with trio.CancelScope() as serving:
-                    await nursery.start(server.serve, listener, adopted)
-                    notify("READY=1", f"MAINPID={os.getpid()}", "STATUS=serving")
-                    log.info(
-                        "daemon.serving",
-                        socket=str(settings.socket),
-                        state_dir=str(settings.state_dir),
-                        version=package_version(),
-                        image_generation=daemon.image_generation,
-                    )
-                    async with trio.open_nursery() as until_stop:
-                        until_stop.start_soon(
-                            _until_signal, signals, reloader, nursery, until_stop.cancel_scope
-                        )
-                        if settings.idle_exit is not None:
-                            until_stop.start_soon(
-                                _until_idle,
-                                daemon,
-                                server,
-                                settings.idle_exit,
-                                until_stop.cancel_scope,
-                            )
-                    notify("STOPPING=1", "STATUS=stopping workers")
-                serving.cancel()
-                with trio.CancelScope(shield=True):
-                    await daemon.shutdown()
-                nursery.cancel_scope.cancel()
-    finally:
-        control.remove()
-        await listener.aclose()
-        state_dir.release()
-        log.info("daemon.stopped")
-
-
-def _read_handoff(path: Path) -> Checkpoint | None:
-    try:
-        return read_checkpoint(path)
-    except CheckpointUnreadable as exc:
-        # Never start clean over workers we were handed: recovery from the
-        # archives ends each of them and archives it as interrupted.
-        log.critical("reload.handoff_unreadable", error=str(exc), then="stopping every worker")
-        return None

@@ -19,6 +19,10 @@ from subagentd.protocol.errors import Forbidden, Invalid, NotFound, RunStopped
 
 #: Seconds between TERM and KILL when a spawn names none.
 DEFAULT_GRACE = 5.0
+#: Seconds a finished worker's handle is kept uncollected (`--finished-ttl`).
+DEFAULT_FINISHED_TTL = 900.0
+#: Days an ended worker's archive is kept on disk (`--keep-archives`).
+DEFAULT_KEEP_ARCHIVES_DAYS = 14.0
 #: A tombstone keeps this much of the end of its worker's stdout.
 TOMBSTONE_OUTPUT = 32 * 1024
 

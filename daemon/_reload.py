@@ -163,6 +163,8 @@ class Reloader:
             str(settings.config_path),
             "--state-dir",
             str(settings.state_dir.root),
+            "--socket",
+            str(settings.socket_path),
         )
         with trio.move_on_after(CHECK_TIMEOUT) as timer:
             result = await trio.run_process(
