@@ -88,7 +88,7 @@ log = structlog.get_logger("subagentd")
 #: Requests one connection may have in flight; more are answered `busy`.
 MAX_IN_FLIGHT = 256
 #: How long a reload waits to tell each client `reloading` (all told at once).
-NOTICE_SECONDS = 0.2
+NOTICE_SECONDS = 0.1
 #: How long, and how much, a refused peer may still send before the close.
 REFUSAL_DRAIN_SECONDS = 1.0
 REFUSAL_DRAIN_BYTES = 1024 * 1024
