@@ -63,7 +63,16 @@ WORKER_FIELDS = (
 )
 WAKE_FIELDS = ("id", "run", "parent", "state", "exit_code", "preview")
 RELOAD_FIELDS = ("image_generation", "carried_live", "stopped_by_reload")
-INFO_FIELDS = ("version", "protocol", "pid", "image_generation", "reloads", "workers", "holds_park")
+INFO_FIELDS = (
+    "version",
+    "protocol",
+    "pid",
+    "image_generation",
+    "reloads",
+    "workers",
+    "holds_park",
+    "problems",
+)
 
 
 # -- output --------------------------------------------------------------------
@@ -195,6 +204,7 @@ class Human:
                 ("holds_park", info.holds_park),
                 ("socket", info.socket),
                 ("state_dir", info.state_dir),
+                *(("problem", problem) for problem in info.problems),
             ]
         )
 

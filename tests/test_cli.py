@@ -40,7 +40,16 @@ WORKER_FIELDS = {
 }
 COLLECT_FIELDS = {"id", "state", "exit_code", "result"}
 ENTRY_FIELDS = {"seq", "kind", "data", "at"}
-INFO_FIELDS = {"version", "protocol", "pid", "image_generation", "reloads", "workers", "holds_park"}
+INFO_FIELDS = {
+    "version",
+    "protocol",
+    "pid",
+    "image_generation",
+    "reloads",
+    "workers",
+    "holds_park",
+    "problems",  # added after DESIGN's list: fields may be added, never renamed
+}
 SCOPE_FORMS = ("`all`", "`turn:G`", "`run:R`", "`worker:W`")
 
 STUBBORN = "trap '' TERM; echo ready; while :; do sleep 0.1; done"
