@@ -29,5 +29,11 @@ typecheck: $(STAMP)
 test: lint typecheck
 	$(BIN)/pytest
 
+# Every benchmark, side by side with supervisord (from PyPI, into the venv):
+# writes bench/results/<date>.md and .json and prints the table. See bench/README.md.
+bench: $(STAMP)
+	$(BIN)/python -m pip install --quiet supervisor
+	$(BIN)/python bench/run.py
+
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .pytest_cache .ruff_cache .hypothesis
