@@ -156,6 +156,7 @@ class Daemon:
         self.disk_problem: str | None = None
         self.journals: collections.OrderedDict[str, Journal] = collections.OrderedDict()
         self.runs_dir = state_dir.root / "runs"
+        self._saved_runs: set[str] = set()
         self.wake_log = WakeLog(state_dir.root / "wakes.log")
         self.wakes = self.wake_log.open()
         self._wakes_posted = trio.Event()
@@ -274,7 +275,8 @@ class Daemon:
             timeout=launch.timeout,
         )
         try:
-            save_run(self.runs_dir, self.registry.runs[record.run])
+            if record.run not in self._saved_runs:  # a run's file changes only when the run does
+                self.save_run(record.run)
             archive = Archive(Path(record.archive))
             archive.create()
             archive.write_snapshot(
@@ -573,8 +575,13 @@ class Daemon:
 
     def new_run(self, outer: str | None) -> str:
         run = self.registry.new_run(self.clock(), outer)
-        save_run(self.runs_dir, run)
+        self.save_run(run.id)
         return run.id
+
+    def save_run(self, run_id: str) -> None:
+        """Write a run's file (its nesting and stop flag outlive a crash)."""
+        save_run(self.runs_dir, self.registry.runs[run_id])
+        self._saved_runs.add(run_id)
 
     async def stop_run(self, run_id: str, *, wait: bool) -> tuple[bool, list[str]]:
         """Stop a run and the runs nested in it: workers in flight, and every later spawn."""
@@ -582,7 +589,7 @@ class Daemon:
             return False, []
         stopped = self.registry.stop_run(run_id)
         for run in self.registry.runs_within(run_id):
-            save_run(self.runs_dir, self.registry.runs[run])
+            self.save_run(run)
         self.ask_stop(stopped)
         for run in self.registry.runs_within(run_id):
             if (event := self._run_stopped.pop(run, None)) is not None:

@@ -21,7 +21,6 @@ from ._daemon import RELOAD_RETRY, Daemon, LiveWorker, inherited_env
 from ._journal import Journal
 from ._registry import WorkerRecord
 from ._resume import RESUMABLE, check_branch, read_snapshot
-from ._statedir import save_run
 
 
 class Resumer:
@@ -63,7 +62,7 @@ class Resumer:
             self.daemon.clock(),
             snapshot.timeout if worker_timeout is None else worker_timeout or None,
         )
-        save_run(self.daemon.runs_dir, self.daemon.registry.runs[record.run])
+        self.daemon.save_run(record.run)
         self.daemon.journals.pop(record.id, None)  # its read-only view is about to go stale
         journal = Journal.open(archive.file(Archive.JOURNAL), writable=True)
         journal.append("note", f"attempt {record.attempt}: resumed".encode(), self.daemon.clock())

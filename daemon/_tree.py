@@ -30,11 +30,17 @@ class ProcStat:
 
 
 def read_stat(pid: int) -> ProcStat | None:
+    # os.open/os.read, not open(): no file object per process on a hot path.
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return None
+    try:
+        raw = os.read(fd, 4096)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
     # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
     fields = raw[raw.rindex(b")") + 2 :].split()
     return ProcStat(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from importlib import metadata
 
 #: Bumped when a message changes incompatibly; fields added with defaults do not bump it.
@@ -11,7 +12,9 @@ PROTOCOL_VERSION = 1
 DEFAULT_FRAME_LIMIT = 16 * 1024 * 1024
 
 
+@functools.cache
 def package_version() -> str:
+    """This installation's version (read once: importlib.metadata parses files each call)."""
     try:
         return metadata.version("subagentd")
     except metadata.PackageNotFoundError:  # running from a tree that was never installed
