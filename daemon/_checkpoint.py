@@ -45,6 +45,8 @@ class Checkpoint(msgspec.Struct, kw_only=True):
     image_generation: int
     reloads: int
     listen_fd: int
+    #: False when the service manager made the socket file (activation): never unlink it.
+    listen_owned: bool = True
     lock_fd: int
     runs: list[RunRecord]
     ended: list[bytes]  # msgpack WorkerRecords of ended, still retained workers

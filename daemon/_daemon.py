@@ -150,6 +150,8 @@ class Daemon:
         self.spawned = trio.Event()
         #: While set, spawns are refused with `reloading` (a reload's launch fence).
         self.reloading = False
+        #: Set once for good when the daemon begins to stop: no spawn, resume or reload.
+        self.shutting_down = False
         self._run_stopped: dict[str, trio.Event] = {}
         self.processes = ProcessTable()
         #: The last failed write, while writes fail (reported by `info`).
@@ -233,6 +235,8 @@ class Daemon:
         From registration to the supervise task, nothing may interrupt: a
         client that hangs up mid-spawn must not leave a process unsupervised.
         """
+        if self.shutting_down:
+            raise Refused("the daemon is shutting down: it starts no new workers")
         if self.reloading:
             raise Reloading("the daemon is reloading; spawn again", retry_after=RELOAD_RETRY)
         launch = self._resolve_command(request)
@@ -352,10 +356,14 @@ class Daemon:
             return record.view()
         live.process = process
         self.registry.started(record.id, process.pid, process.starttime)
-        live.journal.append("state", f"running pid={process.pid}".encode(), self.clock())
-        archive.write_record(record)
+        # Supervised before anything else can fail: a process nobody reaps is lost.
         # A stop that came while it was starting is acted on at once by _supervise.
         self._nursery.start_soon(self._supervise, live)
+        try:
+            live.journal.append("state", f"running pid={process.pid}".encode(), self.clock())
+            archive.write_record(record)
+        except OSError as exc:
+            self._disk_trouble(f"archive of {record.id}", exc)
         log.info(
             "worker.started",
             worker=record.id,
@@ -630,11 +638,13 @@ class Daemon:
         return cancelled
 
     async def shutdown(self) -> None:
-        """Stop every worker and wait until all are gone."""
-        ids = self.registry.stop_all("shutdown")
-        self.ask_stop(ids)
-        log.info("daemon.stopping_workers", count=len(ids))
-        await self.wait_ended(list(self.live))
+        """Stop every worker and wait until all are gone; start none meanwhile."""
+        self.shutting_down = True
+        while self.live:  # a spawn already past its checks may still land: stop it too
+            ids = self.registry.stop_all("shutdown")
+            self.ask_stop(ids)
+            log.info("daemon.stopping_workers", count=len(ids))
+            await self.wait_ended(list(self.live))
 
     async def wait_ended(self, ids: list[str]) -> None:
         for worker_id in ids:

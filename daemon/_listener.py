@@ -35,10 +35,10 @@ class ControlSocket:
         self.inode = os.stat(path).st_ino if owned else 0
 
     @classmethod
-    def inherited(cls, fd: int, path: Path) -> ControlSocket:
+    def inherited(cls, fd: int, path: Path, *, owned: bool = True) -> ControlSocket:
         """The listening socket an earlier image handed across the exec."""
         os.set_inheritable(fd, False)
-        return cls(socket.socket(fileno=fd), path)
+        return cls(socket.socket(fileno=fd), path, owned=owned)
 
     def remove(self) -> None:
         """Unlink the socket file if it is still ours (a successor may have replaced it)."""

@@ -7,6 +7,7 @@ and its journal and record on disk, the lock released, exit 0.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -167,6 +168,12 @@ def main(argv: list[str] | None = None) -> int:
 def check(settings: Settings) -> int:
     """What `subagentd --check` says: can this image serve with this config and state dir?"""
     problems = []
+    try:
+        # Everything the serving image imports, so a broken install fails here,
+        # before a reload execs into it, not after.
+        importlib.import_module("subagentd.daemon._serve")
+    except Exception as exc:
+        problems.append(f"the install does not import: {exc!r}")
     try:
         agents = load_agents(settings.config)
     except ConfigError as exc:

@@ -39,9 +39,14 @@ class WorkerProcess:
         cls, argv: list[str], *, cwd: str, env: Mapping[str, str], stdin_path: str | None
     ) -> WorkerProcess:
         """Start `argv` in its own process group with piped stdout and stderr."""
+        try:
+            stdin = os.open(stdin_path or os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise SpawnFailed(
+                f"cannot open the worker's input {stdin_path}: {exc.strerror}"
+            ) from exc
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
-        stdin = os.open(stdin_path or os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         try:
             # Popen only forks and execs here: its C fork_exec is safe in a
             # threaded process and reports exec errors synchronously.
@@ -55,10 +60,10 @@ class WorkerProcess:
                 process_group=0,
                 close_fds=True,
             )
-        except OSError as exc:
+        except (OSError, ValueError, TypeError) as exc:  # ValueError: a NUL in an argument
             for fd in (out_r, err_r):
                 os.close(fd)
-            reason = exc.strerror or str(exc)
+            reason = getattr(exc, "strerror", None) or str(exc)
             raise SpawnFailed(f"cannot execute {argv[0]!r} in {cwd}: {reason}") from exc
         finally:
             for fd in (out_w, err_w, stdin):

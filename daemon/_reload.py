@@ -37,7 +37,7 @@ from ._checkpoint import (
     write_checkpoint,
 )
 from ._daemon import Daemon, LiveWorker
-from ._journal import Journal
+from ._journal import Journal, JournalCorrupt
 from ._notify import monotonic_usec, notify
 from ._process import WorkerProcess, reap
 from ._registry import WorkerRecord
@@ -79,6 +79,7 @@ class Reloader:
         *,
         checkpoint_path: Path,
         listen_fd: int,
+        listen_owned: bool = True,
         daemon_args: Sequence[str],
         no_carry: frozenset[str] = frozenset(),
     ) -> None:
@@ -86,6 +87,7 @@ class Reloader:
         self.server = server
         self.checkpoint_path = checkpoint_path
         self.listen_fd = listen_fd
+        self.listen_owned = listen_owned
         self.daemon_args = list(daemon_args)
         self.no_carry = no_carry
         self._attempt: _Attempt | None = None
@@ -99,6 +101,8 @@ class Reloader:
         The attempt runs in the daemon's own nursery, not in the requesting
         connection's task: pausing the server cancels every connection's tasks.
         """
+        if self.daemon.shutting_down:
+            raise Refused("the daemon is shutting down; it will not reload")
         attempt = self._attempt
         if attempt is None:
             wait = self._last + MIN_INTERVAL - time.monotonic()
@@ -119,6 +123,14 @@ class Reloader:
             message = exc.message if isinstance(exc, Refused) else f"exec failed: {exc}"
             attempt.failure = Error(id=0, code=ErrorCode.REFUSED, message=message)
             log.error("reload.failed", error=message)
+        except Exception as exc:
+            # Whatever went wrong, the old image must not stay frozen: serve on.
+            log.exception("reload.failed")
+            attempt.failure = Error(
+                id=0, code=ErrorCode.INTERNAL, message=f"reload failed: {exc!r}; serving on"
+            )
+            await self.daemon.thaw()
+            self.server.resume([])
         finally:
             self._attempt = None
             self._last = time.monotonic()
@@ -137,6 +149,12 @@ class Reloader:
             kept = await self.server.pause([conn for conn, _ in attempt.requesters])
             await daemon.freeze()
             log.info("reload.frozen")
+            if daemon.shutting_down:  # SIGTERM came while we froze: stopping wins
+                for fd in kept.values():
+                    os.close(fd)
+                await daemon.thaw()
+                self.server.resume([])
+                raise Refused("the daemon is shutting down; it will not reload")
             try:
                 self._exec(attempt, kept)
             except OSError as exc:
@@ -206,6 +224,7 @@ class Reloader:
             image_generation=daemon.image_generation,
             reloads=daemon.reloads,
             listen_fd=self.listen_fd,
+            listen_owned=self.listen_owned,
             lock_fd=state_dir.lock_fd,
             runs=list(daemon.registry.runs.values()),
             ended=[msgspec.msgpack.encode(r) for r in daemon.registry.workers.values() if r.ended],
@@ -318,7 +337,17 @@ async def adopt(daemon: Daemon, checkpoint: Checkpoint) -> tuple[int, list[str]]
                 records.append(ended)
                 unadoptable.append(ended)
             continue
-        journal = Journal.open(Path(record.archive) / Archive.JOURNAL, writable=True)
+        try:
+            journal = Journal.open(Path(record.archive) / Archive.JOURNAL, writable=True)
+        except (OSError, JournalCorrupt) as exc:
+            log.error("reload.cannot_adopt", worker=carried.id, pid=carried.pid, error=str(exc))
+            os.close(process.pidfd)  # its pipes are closed by _stop_unadoptable
+            ended = await _stop_unadoptable(daemon, carried)
+            stopped.append(carried.id)
+            if ended is not None:
+                records.append(ended)
+                unadoptable.append(ended)
+            continue
         live = LiveWorker(record=record, journal=journal, process=process)
         live.stdout_tail += journal.tail_bytes("stdout", STDOUT_TAIL_BYTES)
         daemon.live[record.id] = live

@@ -32,6 +32,8 @@ class Resumer:
     ) -> WorkerView:
         """Carry a stopped, failed, timed-out or interrupted worker on from its snapshot:
         same id, next attempt, same journal; only the timeout may be given anew."""
+        if self.daemon.shutting_down:
+            raise Refused("the daemon is shutting down: it resumes nothing")
         if self.daemon.reloading:
             raise Reloading("the daemon is reloading; resume again", retry_after=RELOAD_RETRY)
         self.daemon.authorize(caller, worker_id)
@@ -56,6 +58,8 @@ class Resumer:
         archive: Archive,
         worker_timeout: float | None,
     ) -> WorkerView:
+        # The journal first: if it cannot be opened, nothing has changed yet.
+        journal = Journal.open(archive.file(Archive.JOURNAL), writable=True)
         self.daemon.registry.tombstones.pop(record.id, None)
         record = self.daemon.registry.reopen(
             record,
@@ -64,7 +68,6 @@ class Resumer:
         )
         self.daemon.save_run(record.run)
         self.daemon.journals.pop(record.id, None)  # its read-only view is about to go stale
-        journal = Journal.open(archive.file(Archive.JOURNAL), writable=True)
         journal.append("note", f"attempt {record.attempt}: resumed".encode(), self.daemon.clock())
         live = LiveWorker(record=record, journal=journal)
         live.stdout_tail += journal.tail_bytes("stdout", STDOUT_TAIL_BYTES)

@@ -17,7 +17,7 @@ import structlog
 import trio
 
 from subagentd.protocol import Reply, package_version
-from subagentd.protocol.errors import Busy
+from subagentd.protocol.errors import RemoteError
 
 from ._checkpoint import Checkpoint, CheckpointUnreadable, read_checkpoint
 from ._daemon import Daemon
@@ -48,9 +48,12 @@ async def _until_signal(
 
 async def _reload_quietly(reloader: Reloader) -> None:
     try:
-        await reloader.reload(None, 0)
-    except Busy as exc:
+        reply = await reloader.reload(None, 0)
+    except RemoteError as exc:  # busy (rate limit) or refused (shutting down)
         log.warning("reload.refused", error=str(exc))
+        return
+    if reply is not None:
+        log.warning("reload.refused", error=getattr(reply, "message", ""))
 
 
 async def _until_idle(
@@ -78,7 +81,8 @@ async def serve(settings: Settings) -> None:
     state_dir.acquire(lock_fd=inherited[1] if inherited is not None else None)
     try:
         if inherited is not None:
-            control = ControlSocket.inherited(inherited[0], settings.socket)
+            owned = handoff.listen_owned if handoff is not None else True
+            control = ControlSocket.inherited(inherited[0], settings.socket, owned=owned)
         else:
             control = activated_socket(settings.socket) or bind_control_socket(settings.socket)
     except BaseException:
@@ -113,6 +117,7 @@ async def serve(settings: Settings) -> None:
         server,
         checkpoint_path=settings.state_dir / "checkpoint",
         listen_fd=control.sock.fileno(),
+        listen_owned=control.owned,
         daemon_args=settings.daemon_args(),
         no_carry=frozenset(filter(None, os.environ.get(NO_CARRY_ENV, "").split(","))),
     )
@@ -125,30 +130,31 @@ async def serve(settings: Settings) -> None:
             async with trio.open_nursery() as nursery:
                 reloader.nursery = nursery
                 await nursery.start(daemon.run)
-                with trio.CancelScope() as serving:
-                    await nursery.start(server.serve, listener, adopted)
-                    notify("READY=1", f"MAINPID={os.getpid()}", "STATUS=serving")
-                    log.info(
-                        "daemon.serving",
-                        socket=str(settings.socket),
-                        state_dir=str(settings.state_dir),
-                        version=package_version(),
-                        image_generation=daemon.image_generation,
+                await nursery.start(server.serve, listener, adopted)
+                notify("READY=1", f"MAINPID={os.getpid()}", "STATUS=serving")
+                log.info(
+                    "daemon.serving",
+                    socket=str(settings.socket),
+                    state_dir=str(settings.state_dir),
+                    version=package_version(),
+                    image_generation=daemon.image_generation,
+                )
+                async with trio.open_nursery() as until_stop:
+                    until_stop.start_soon(
+                        _until_signal, signals, reloader, nursery, until_stop.cancel_scope
                     )
-                    async with trio.open_nursery() as until_stop:
+                    if settings.idle_exit is not None:
                         until_stop.start_soon(
-                            _until_signal, signals, reloader, nursery, until_stop.cancel_scope
+                            _until_idle,
+                            daemon,
+                            server,
+                            settings.idle_exit,
+                            until_stop.cancel_scope,
                         )
-                        if settings.idle_exit is not None:
-                            until_stop.start_soon(
-                                _until_idle,
-                                daemon,
-                                server,
-                                settings.idle_exit,
-                                until_stop.cancel_scope,
-                            )
-                    notify("STOPPING=1", "STATUS=stopping workers")
-                serving.cancel()
+                notify("STOPPING=1", "STATUS=stopping workers")
+                # Requests still get answers while workers stop (status, watch);
+                # spawns, resumes and reloads are refused from here on.
+                daemon.shutting_down = True
                 with trio.CancelScope(shield=True):
                     await daemon.shutdown()
                 nursery.cancel_scope.cancel()

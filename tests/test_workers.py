@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 import trio
 
+from subagentd import protocol as p
 from subagentd.client import AsyncClient
-from subagentd.protocol.errors import Busy, NotFound
+from subagentd.protocol.errors import Busy, NotFound, Refused
 
 from .conftest import DaemonProcess
-from .helpers import alive, sh, wait_output
+from .helpers import RawConnection, alive, sh, wait_output
 
 
 @pytest.fixture
@@ -198,3 +199,33 @@ async def test_restart_after_kill_takes_over_the_stale_lock_and_socket(
         await trio.to_thread.run_sync(daemon.start)
         async with AsyncClient(daemon.socket) as client:
             assert (await client.info()).pid == daemon.proc.pid  # type: ignore[union-attr]
+
+
+async def test_a_spawn_the_os_rejects_ends_failed_and_leaves_nothing_starting(
+    client: AsyncClient, daemon: DaemonProcess
+) -> None:
+    with trio.fail_after(30):
+        worker = await client.spawn(["/bin/sleep", "1\x0000"])  # a NUL inside an argument
+        assert worker.state == "failed"
+        page = await client.watch_page(worker.id)
+        assert any(b"null byte" in e.data for e in page.entries if e.kind == "note")
+        assert "starting" not in (await client.info()).workers
+    conn = await RawConnection.open(daemon.socket)
+    async with conn.stream:
+        await conn.send(p.Reload(id=2))
+        assert isinstance(await conn.receive(), p.ReloadReply)  # nothing stuck blocks it
+
+
+async def test_while_stopping_the_daemon_starts_nothing_new(daemon: DaemonProcess) -> None:
+    assert daemon.proc is not None
+    with trio.fail_after(30):
+        async with AsyncClient(daemon.socket) as client:
+            slow = await client.spawn(sh("trap '' TERM; echo up; sleep 60"), grace=2)
+            await wait_output(client, slow.id, b"up")
+            daemon.proc.send_signal(signal.SIGTERM)
+            await trio.to_thread.run_sync(daemon.wait_notify, "STOPPING=1")
+            with pytest.raises(Refused, match="shutting down"):
+                await client.spawn(["sleep", "60"])
+        assert await trio.to_thread.run_sync(daemon.proc.wait, 20) == 0
+        assert slow.pid is not None
+        assert not alive(slow.pid)
