@@ -802,10 +802,15 @@ class Daemon:
     # -- retention -----------------------------------------------------------
 
     def _release(self, worker_id: str, tombstone: Tombstone | None = None) -> None:
+        run = self.registry.workers[worker_id].run  # a release cascades within one run
         released = self.registry.release(worker_id, tombstone)
         if released:
             log.debug("worker.released", workers=released)
             self.touch()
+        if run not in self.registry.runs:  # an implicit run went with its last worker
+            self._saved_runs.discard(run)
+            with contextlib.suppress(FileNotFoundError):
+                (self.runs_dir / f"{run}.json").unlink()
 
     async def _expire_handles(self) -> None:
         """Release handles left uncollected past the TTL, exactly when each expires."""

@@ -109,3 +109,17 @@ async def test_a_released_worker_is_ended_not_unknown(daemon: DaemonProcess) -> 
             with pytest.raises(RunStopped, match="has ended"):
                 await client.spawn(["true"], parent=worker.id)
             assert not await client.stop("w-never-seen")
+
+
+async def test_a_lone_spawns_run_leaves_no_file_once_collected(daemon: DaemonProcess) -> None:
+    with trio.fail_after(20):
+        async with AsyncClient(daemon.socket) as client:
+            worker = await client.spawn(["true"])
+            run_file = daemon.state_dir / "runs" / f"{worker.run}.json"
+            assert run_file.exists()
+            await client.collect(worker.id, wait=True)
+            assert not run_file.exists()
+            named = await client.new_run()
+            kept = await client.spawn(["true"], run=named)
+            await client.collect(kept.id, wait=True)
+            assert (daemon.state_dir / "runs" / f"{named}.json").exists()  # named runs stay
