@@ -324,24 +324,17 @@ async def adopt(daemon: Daemon, checkpoint: Checkpoint) -> tuple[int, list[str]]
     stopped = list(checkpoint.stopped_by_reload)
     unadoptable: list[WorkerRecord] = []
     for carried in checkpoint.live:
+        process: WorkerProcess | None = None
         try:
             record = msgspec.msgpack.decode(carried.record, type=WorkerRecord)
             process = WorkerProcess.adopt(
                 carried.pid, carried.pid_start, carried.stdout, carried.stderr
             )
-        except (msgspec.DecodeError, ProcessLookupError, OSError) as exc:
-            log.error("reload.cannot_adopt", worker=carried.id, pid=carried.pid, error=str(exc))
-            ended = await _stop_unadoptable(daemon, carried)
-            stopped.append(carried.id)
-            if ended is not None:
-                records.append(ended)
-                unadoptable.append(ended)
-            continue
-        try:
             journal = Journal.open(Path(record.archive) / Archive.JOURNAL, writable=True)
-        except (OSError, JournalCorrupt) as exc:
+        except (msgspec.DecodeError, OSError, JournalCorrupt) as exc:  # OSError: pid gone too
             log.error("reload.cannot_adopt", worker=carried.id, pid=carried.pid, error=str(exc))
-            os.close(process.pidfd)  # its pipes are closed by _stop_unadoptable
+            if process is not None:
+                os.close(process.pidfd)  # its pipes are closed by _stop_unadoptable
             ended = await _stop_unadoptable(daemon, carried)
             stopped.append(carried.id)
             if ended is not None:
