@@ -51,7 +51,6 @@ from ._process import SpawnFailed, WorkerProcess, pump
 from ._registry import (
     DEFAULT_FINISHED_TTL,
     DEFAULT_KEEP_ARCHIVES_DAYS,
-    TOMBSTONE_OUTPUT,
     Registry,
     Tombstone,
     WorkerRecord,
@@ -859,23 +858,10 @@ class Daemon:
 
 def _tombstone(record: WorkerRecord) -> Tombstone:
     try:
-        output = (Path(record.archive) / Archive.STDOUT_TAIL).read_bytes()
+        stdout = (Path(record.archive) / Archive.STDOUT_TAIL).read_bytes()
     except OSError:
-        output = b""
-    return Tombstone(
-        id=record.id,
-        run=record.run,
-        parent=record.parent,
-        name=record.name,
-        state=record.state,
-        exit_code=record.exit_code,
-        attempt=record.attempt,
-        turn=record.turn,
-        started_at=record.started_at,
-        ended_at=record.ended_at,
-        archive=record.archive,
-        output=output[-TOMBSTONE_OUTPUT:],
-    )
+        stdout = b""
+    return Tombstone.of(record, stdout)
 
 
 def inherited_env(environ: Mapping[str, str]) -> dict[str, str]:

@@ -89,36 +89,20 @@ class WorkerRecord(msgspec.Struct, kw_only=True):
         )
 
 
-class Tombstone(msgspec.Struct, kw_only=True):
-    """What is kept of an expired, uncollected worker that a live parent may still collect."""
+class Tombstone(WorkerView, kw_only=True):
+    """What is kept of an expired, uncollected worker that a live parent may still
+    collect: its last view, and the end of its stdout."""
 
-    id: str
-    run: str
-    parent: str | None
-    name: str
-    state: WorkerState
-    exit_code: int | None
-    attempt: int
-    turn: int
-    started_at: float
-    ended_at: float | None
-    archive: str
-    output: bytes  # the last TOMBSTONE_OUTPUT bytes of its stdout
+    output: bytes = b""
+
+    @classmethod
+    def of(cls, record: WorkerRecord, stdout: bytes) -> Tombstone:
+        return cls(**msgspec.structs.asdict(record.view()), output=stdout[-TOMBSTONE_OUTPUT:])
 
     def view(self) -> WorkerView:
-        return WorkerView(
-            id=self.id,
-            run=self.run,
-            parent=self.parent,
-            name=self.name,
-            state=self.state,
-            exit_code=self.exit_code,
-            attempt=self.attempt,
-            turn=self.turn,
-            started_at=self.started_at,
-            ended_at=self.ended_at,
-            archive=self.archive,
-        )
+        fields = msgspec.structs.asdict(self)
+        del fields["output"]
+        return WorkerView(**fields)
 
 
 class LaunchFence(msgspec.Struct, kw_only=True):
