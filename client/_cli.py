@@ -202,6 +202,7 @@ class Human:
                 ("reloads", info.reloads),
                 ("workers", counts or "none"),
                 ("holds_park", info.holds_park),
+                ("tree_tracking", info.tree_tracking),
                 ("socket", info.socket),
                 ("state_dir", info.state_dir),
                 *(("problem", problem) for problem in info.problems),

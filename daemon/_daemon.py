@@ -46,6 +46,7 @@ from subagentd.protocol.errors import (
 
 from ._agents import AgentDef, ConfigError, load_agents
 from ._archive import STDOUT_TAIL_BYTES, Archive, Snapshot, prune_archives
+from ._cgroup import Cgroups, end_cgroup
 from ._journal import Journal
 from ._process import SpawnFailed, WorkerProcess, pump
 from ._registry import (
@@ -127,8 +128,14 @@ class Daemon:
         finished_ttl: float = DEFAULT_FINISHED_TTL,
         keep_archives_days: float = DEFAULT_KEEP_ARCHIVES_DAYS,
         clock: Callable[[], float] = time.time,
+        cgroups: Cgroups | None = None,
+        tree_tracking: str = "",
     ) -> None:
         self.state_dir = state_dir
+        #: Where workers' cgroups go; None: their trees are found by scanning /proc.
+        self.cgroups = cgroups
+        #: How trees are tracked, and if not by cgroups why not (reported by `info`).
+        self.tree_tracking = tree_tracking
         self.finished_ttl = finished_ttl
         self.keep_archives_days = keep_archives_days
         self.socket_path = socket_path
@@ -346,7 +353,12 @@ class Daemon:
             # fork and exec off the event loop: a slow exec delays no one else.
             process = await trio.to_thread.run_sync(
                 functools.partial(
-                    WorkerProcess.spawn, argv, cwd=cwd, env=worker_env, stdin_path=stdin
+                    WorkerProcess.spawn,
+                    argv,
+                    cwd=cwd,
+                    env=worker_env,
+                    stdin_path=stdin,
+                    cgroup=self.cgroups.worker(record.id) if self.cgroups else None,
                 )
             )
         except SpawnFailed as exc:
@@ -354,6 +366,8 @@ class Daemon:
             self._end_unstarted(live, str(exc))
             return record.view()
         live.process = process
+        if process.cgroup_error is not None:
+            log.warning("worker.no_cgroup", worker=record.id, error=process.cgroup_error)
         self.registry.started(record.id, process.pid, process.starttime)
         # Supervised before anything else can fail: a process nobody reaps is lost.
         # A stop that came while it was starting is acted on at once by _supervise.
@@ -426,6 +440,7 @@ class Daemon:
             nursery.cancel_scope.cancel()
         returncode = process.reap()
         process.close()
+        self._remove_cgroup(record.id, process)
         del self.live[record.id]
         self._finish(record, live.journal, returncode, bytes(live.stdout_tail))
         live.ended.set()
@@ -441,13 +456,57 @@ class Daemon:
         process = live.process
         assert process is not None
         try:
-            killed = await end_tree(
-                self.processes, process.pid, live.record.id, process.starttime, live.record.grace
-            )
+            if process.cgroup is not None:
+                killed = await end_cgroup(process.cgroup, live.record.grace)
+            else:
+                killed = await end_tree(
+                    self.processes,
+                    process.pid,
+                    live.record.id,
+                    process.starttime,
+                    live.record.grace,
+                )
             if killed:
                 log.info("worker.killed", worker=live.record.id, processes=killed)
         finally:
             live.terminated.set()
+
+    def _remove_cgroup(self, worker_id: str, process: WorkerProcess) -> None:
+        if process.cgroup is None:
+            return
+        try:
+            if not process.cgroup.remove():
+                log.warning("worker.cgroup_busy", worker=worker_id, cgroup=str(process.cgroup.path))
+        except OSError as exc:
+            log.warning("worker.cgroup_not_removed", worker=worker_id, error=str(exc))
+
+    async def end_leftover_tree(
+        self, worker_id: str, pid: int | None, pid_start: int | None, grace: float
+    ) -> int:
+        """End what is left of a worker no supervise task watches (a dead daemon's, say).
+
+        Through its cgroup if it has one, else by scanning for its leader's tree.
+        """
+        group = self.cgroups.worker(worker_id) if self.cgroups else None
+        if group is not None and group.exists():
+            killed = await end_cgroup(group, grace)
+            group.remove()
+            return killed
+        if pid is None or pid_start is None:
+            return 0
+        return await end_tree(self.processes, pid, worker_id, pid_start, grace)
+
+    async def sweep_cgroups(self) -> None:
+        """At a clean start: end and remove every worker cgroup a dead daemon left."""
+        if self.cgroups is None:
+            return
+        for group in self.cgroups.leftovers():
+            if group.path.name in self.live:
+                continue
+            killed = await end_cgroup(group, 0)
+            if killed:
+                log.warning("cgroup.leftover_killed", cgroup=str(group.path), processes=killed)
+            group.remove()
 
     def _finish(
         self, record: WorkerRecord, journal: Journal, returncode: int | None, stdout_tail: bytes
@@ -850,6 +909,7 @@ class Daemon:
             reloads=self.reloads,
             workers=self.registry.counts(),
             holds_park=self.registry.holds_park(),
+            tree_tracking=self.tree_tracking,
             socket=str(self.socket_path),
             state_dir=str(self.state_dir.root),
             problems=[self.disk_problem] if self.disk_problem else [],

@@ -11,6 +11,7 @@ import importlib
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import structlog
 
@@ -41,6 +42,7 @@ class Settings:
     log_format: LogFormat | None = None
     handoff: Path | None = None
     handoff_fds: tuple[int, int] | None = None
+    cgroups: Literal["auto", "off"] = "auto"
 
     def daemon_args(self) -> list[str]:
         """The command line that gives the next image these settings."""
@@ -55,6 +57,8 @@ class Settings:
             args += ["--idle-exit", repr(self.idle_exit)]
         if self.log_format is not None:
             args += ["--log-format", self.log_format]
+        if self.cgroups != "auto":
+            args += ["--cgroups", self.cgroups]
         return args
 
 
@@ -103,6 +107,14 @@ def _parser() -> argparse.ArgumentParser:
         help="delete an ended worker's archive after this many days (default: %(default)s)",
     )
     parser.add_argument(
+        "--cgroups",
+        choices=["auto", "off"],
+        default="auto",
+        help="auto (default): give each worker its own cgroup where the daemon's cgroup is "
+        "delegated to it (Delegate=yes, or root), so a stop finds every process however it "
+        "forked; off: always find trees by scanning /proc. `subagentctl info` says which is used",
+    )
+    parser.add_argument(
         "--check",
         action="store_true",
         help="validate the install, the config and the state dir, then exit (0: usable)",
@@ -149,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         log_format=log_format,
         handoff=args.handoff,
         handoff_fds=args.handoff_fds,
+        cgroups=args.cgroups,
     )
     if args.check:
         return check(settings)

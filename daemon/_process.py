@@ -8,6 +8,7 @@ hand them to the next image.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 from collections.abc import Awaitable, Callable, Mapping
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 import trio
 
+from ._cgroup import WorkerCgroup
 from ._tree import read_stat
 
 READ_CHUNK = 64 * 1024
@@ -33,12 +35,23 @@ class WorkerProcess:
     starttime: int  # from /proc/PID/stat: with the pid, the process's identity
     stdout: int | None
     stderr: int | None
+    #: Its own cgroup, holding its whole tree; None where the tree is found by scanning /proc.
+    cgroup: WorkerCgroup | None = None
+    #: Why it has no cgroup although one was asked for.
+    cgroup_error: str | None = None
 
     @classmethod
     def spawn(
-        cls, argv: list[str], *, cwd: str, env: Mapping[str, str], stdin_path: str | None
+        cls,
+        argv: list[str],
+        *,
+        cwd: str,
+        env: Mapping[str, str],
+        stdin_path: str | None,
+        cgroup: WorkerCgroup | None = None,
     ) -> WorkerProcess:
-        """Start `argv` in its own process group with piped stdout and stderr."""
+        """Start `argv` in its own process group (and `cgroup`) with piped stdout and stderr."""
+        cgroup_error = None
         try:
             stdin = os.open(stdin_path or os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         except OSError as exc:
@@ -48,21 +61,34 @@ class WorkerProcess:
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
         try:
-            # Popen only forks and execs here: its C fork_exec is safe in a
-            # threaded process and reports exec errors synchronously.
-            popen = subprocess.Popen(
-                argv,
-                stdin=stdin,
-                stdout=out_w,
-                stderr=err_w,
-                cwd=cwd,
-                env=dict(env),
-                process_group=0,
-                close_fds=True,
-            )
+            with contextlib.ExitStack() as birthplace:
+                if cgroup is not None:
+                    try:
+                        cgroup.create()
+                        birthplace.enter_context(cgroup.born_in())
+                    except OSError as exc:  # its tree is found by scanning, as without cgroups
+                        with contextlib.suppress(OSError):
+                            cgroup.remove()
+                        cgroup_error = f"cannot use {cgroup.path}: {exc.strerror or exc}"
+                        cgroup = None
+                # Popen only forks and execs here: its C fork_exec is safe in a
+                # threaded process and reports exec errors synchronously.
+                popen = subprocess.Popen(
+                    argv,
+                    stdin=stdin,
+                    stdout=out_w,
+                    stderr=err_w,
+                    cwd=cwd,
+                    env=dict(env),
+                    process_group=0,
+                    close_fds=True,
+                )
         except (OSError, ValueError, TypeError) as exc:  # ValueError: a NUL in an argument
             for fd in (out_r, err_r):
                 os.close(fd)
+            if cgroup is not None:
+                with contextlib.suppress(OSError):
+                    cgroup.remove()
             reason = getattr(exc, "strerror", None) or str(exc)
             raise SpawnFailed(f"cannot execute {argv[0]!r} in {cwd}: {reason}") from exc
         finally:
@@ -78,13 +104,28 @@ class WorkerProcess:
         assert stat is not None, "an unreaped child always has a /proc entry"
         for fd in (out_r, err_r):
             os.set_blocking(fd, False)
-        return cls(pid=popen.pid, pidfd=pidfd, starttime=stat.starttime, stdout=out_r, stderr=err_r)
+        return cls(
+            pid=popen.pid,
+            pidfd=pidfd,
+            starttime=stat.starttime,
+            stdout=out_r,
+            stderr=err_r,
+            cgroup=cgroup,
+            cgroup_error=cgroup_error,
+        )
 
     @classmethod
     def adopt(
-        cls, pid: int, starttime: int, stdout: int | None, stderr: int | None
+        cls,
+        pid: int,
+        starttime: int,
+        stdout: int | None,
+        stderr: int | None,
+        cgroup: WorkerCgroup | None = None,
     ) -> WorkerProcess:
         """Take over a worker handed across an exec: same pid (still our child), same pipes.
+
+        `cgroup` is kept if it exists: the image before put the worker in it.
 
         Raises ProcessLookupError if the pid is no longer the process it was.
         """
@@ -96,7 +137,11 @@ class WorkerProcess:
         for fd in (stdout, stderr):
             if fd is not None:
                 os.set_inheritable(fd, False)
-        return cls(pid=pid, pidfd=pidfd, starttime=starttime, stdout=stdout, stderr=stderr)
+        if cgroup is not None and not cgroup.exists():
+            cgroup = None  # spawned where its tree was found by scanning
+        return cls(
+            pid=pid, pidfd=pidfd, starttime=starttime, stdout=stdout, stderr=stderr, cgroup=cgroup
+        )
 
     def carry(self) -> None:
         """Let the pipes survive the exec (the pidfd need not: the pid stays our child)."""

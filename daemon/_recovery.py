@@ -17,7 +17,6 @@ from ._journal import Journal, JournalCorrupt
 from ._process import reap
 from ._registry import WorkerRecord
 from ._statedir import load_runs
-from ._tree import end_tree
 
 log = structlog.get_logger("subagentd")
 
@@ -65,9 +64,9 @@ async def _interrupt(daemon: Daemon, record: WorkerRecord, archive: Archive) -> 
         record.ended_at = daemon.clock()
         archive.write_record(record)
         return
-    if record.pid is not None and record.pid_start is not None:
-        killed = await end_tree(
-            daemon.processes, record.pid, record.id, record.pid_start, record.grace
+    if record.pid is not None:
+        killed = await daemon.end_leftover_tree(
+            record.id, record.pid, record.pid_start, record.grace
         )
         await reap(record.pid)
         if killed:

@@ -41,7 +41,6 @@ from ._journal import Journal, JournalCorrupt
 from ._notify import monotonic_usec, notify
 from ._process import WorkerProcess, reap
 from ._registry import WorkerRecord
-from ._tree import end_tree
 
 log = structlog.get_logger("subagentd")
 
@@ -328,7 +327,11 @@ async def adopt(daemon: Daemon, checkpoint: Checkpoint) -> tuple[int, list[str]]
         try:
             record = msgspec.msgpack.decode(carried.record, type=WorkerRecord)
             process = WorkerProcess.adopt(
-                carried.pid, carried.pid_start, carried.stdout, carried.stderr
+                carried.pid,
+                carried.pid_start,
+                carried.stdout,
+                carried.stderr,
+                cgroup=daemon.cgroups.worker(carried.id) if daemon.cgroups else None,
             )
             journal = Journal.open(Path(record.archive) / Archive.JOURNAL, writable=True)
         except (msgspec.DecodeError, OSError, JournalCorrupt) as exc:  # OSError: pid gone too
@@ -365,7 +368,7 @@ async def _stop_unadoptable(daemon: Daemon, carried: CarriedWorker) -> WorkerRec
     for fd in (carried.stdout, carried.stderr):
         if fd is not None:
             os.close(fd)
-    await end_tree(daemon.processes, carried.pid, carried.id, carried.pid_start, 0.5)
+    await daemon.end_leftover_tree(carried.id, carried.pid, carried.pid_start, 0.5)
     await reap(carried.pid)
     archive = Archive(Path(carried.archive))
     record = archive.load_record()

@@ -19,6 +19,7 @@ import trio
 from subagentd.protocol import Reply, package_version
 from subagentd.protocol.errors import RemoteError
 
+from ._cgroup import Cgroups, CgroupsUnavailable
 from ._checkpoint import Checkpoint, CheckpointUnreadable, read_checkpoint
 from ._daemon import Daemon
 from ._listener import ControlSocket, activated_socket, bind_control_socket
@@ -88,12 +89,15 @@ async def serve(settings: Settings) -> None:
     except BaseException:
         state_dir.release()
         raise
+    cgroups, tree_tracking = _tree_tracking(settings)
     daemon = Daemon(
         state_dir,
         socket_path=settings.socket,
         config_path=settings.config,
         finished_ttl=settings.finished_ttl,
         keep_archives_days=settings.keep_archives_days,
+        cgroups=cgroups,
+        tree_tracking=tree_tracking,
     )
     adopted: list[tuple[int, Reply]] = []
     if handoff is not None:
@@ -111,6 +115,7 @@ async def serve(settings: Settings) -> None:
         )
     else:
         await recover(daemon)
+        await daemon.sweep_cgroups()
     server = Server(daemon)
     reloader = Reloader(
         daemon,
@@ -159,10 +164,24 @@ async def serve(settings: Settings) -> None:
                     await daemon.shutdown()
                 nursery.cancel_scope.cancel()
     finally:
+        if cgroups is not None and not daemon.live:
+            cgroups.remove()
         control.remove()
         await listener.aclose()
         state_dir.release()
         log.info("daemon.stopped")
+
+
+def _tree_tracking(settings: Settings) -> tuple[Cgroups | None, str]:
+    """Per-worker cgroups where they can be had (and are wanted); else /proc scans, saying why."""
+    if settings.cgroups == "off":
+        return None, "/proc scan (cgroups turned off: --cgroups off)"
+    try:
+        cgroups = Cgroups.find(settings.state_dir)
+    except CgroupsUnavailable as exc:
+        log.warning("daemon.no_cgroups", reason=str(exc), then="finding trees by scanning /proc")
+        return None, f"/proc scan ({exc})"
+    return cgroups, f"cgroup {cgroups.base}"
 
 
 def _read_handoff(path: Path) -> Checkpoint | None:

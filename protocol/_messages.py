@@ -95,6 +95,8 @@ class DaemonInfo(msgspec.Struct, kw_only=True):
     reloads: int
     workers: dict[str, int]
     holds_park: bool
+    #: How workers' process trees are tracked: "cgroup <path>", or "/proc scan (<why>)".
+    tree_tracking: str = ""
     socket: str = ""
     state_dir: str = ""
     #: What is wrong right now that a person should know (a full disk, say).

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 import trio
 
-from subagentd.client import AsyncClient
+from subagentd.client import AsyncClient, Client
 from subagentd.protocol.errors import RunStopped
 
 from .conftest import DaemonProcess
@@ -34,11 +35,36 @@ while :; do sleep 0.1; done
 """
 
 
+@pytest.fixture(params=["cgroup", "scan"])
+def tracking(request: pytest.FixtureRequest, daemon_dirs: DaemonProcess) -> DaemonProcess:
+    """A daemon finding trees each way: its workers in cgroups, or by scanning /proc."""
+    daemon_dirs.start(*(["--cgroups", "off"] if request.param == "scan" else []))
+    with Client(daemon_dirs.socket) as sync:
+        how = sync.info().tree_tracking
+    if request.param == "cgroup" and not how.startswith("cgroup "):
+        pytest.skip(f"this machine gives the daemon no cgroup: {how}")
+    if request.param == "scan":
+        assert how == "/proc scan (cgroups turned off: --cgroups off)"
+    return daemon_dirs
+
+
+@pytest.fixture
+async def tracked(tracking: DaemonProcess) -> AsyncIterator[AsyncClient]:
+    async with AsyncClient(tracking.socket) as client:
+        yield client
+
+
+# Double-forked away, out of the group and session, with nothing of the
+# worker left in its environment: only the worker's cgroup still knows it.
+HIDDEN = "( setsid env -i sh -c 'echo hidden $$; exec sleep 60' & ); exec sleep 60"
+
+
 def _pids(stdout: bytes) -> dict[str, int]:
     return {m[1].decode(): int(m[2]) for m in re.finditer(rb"(\w+) (\d+)\n", stdout)}
 
 
-async def test_stop_leaves_no_process_of_the_tree_alive(client: AsyncClient) -> None:
+async def test_stop_leaves_no_process_of_the_tree_alive(tracked: AsyncClient) -> None:
+    client = tracked
     with trio.fail_after(30):
         worker = await client.spawn(sh(TREE), grace=0.5)
         pids = _pids(await follow_stdout(client, worker.id, lambda out: len(_pids(out)) == 3))
@@ -52,14 +78,62 @@ async def test_stop_leaves_no_process_of_the_tree_alive(client: AsyncClient) -> 
 
 
 async def test_a_worker_that_ends_takes_its_background_processes_with_it(
-    client: AsyncClient,
+    tracked: AsyncClient,
 ) -> None:
+    client = tracked
     with trio.fail_after(30):
         worker = await client.spawn(sh("sleep 60 & echo bg $!; exit 0"), grace=0.5)
         seen = await wait_output(client, worker.id, b"\n")
         view = await client.wait(worker.id)
         assert view.state == "finished"
         assert not alive(int(seen.split()[1]))
+
+
+@pytest.mark.parametrize("tracking", ["cgroup"], indirect=True)
+async def test_a_hidden_orphan_is_found_by_its_cgroup(tracked: AsyncClient) -> None:
+    client = tracked
+    with trio.fail_after(30):
+        worker = await client.spawn(sh(HIDDEN), grace=0.5)
+        pid = _pids(await follow_stdout(client, worker.id, lambda out: b"\n" in out))["hidden"]
+        assert alive(pid)
+        assert await client.stop(worker.id)
+        assert not alive(pid)
+        assert (await client.status(worker.id)).state == "stopped"
+
+
+@pytest.mark.parametrize("tracking", ["cgroup"], indirect=True)
+async def test_a_worker_cgroup_is_carried_across_a_reload_and_removed_at_its_end(
+    tracking: DaemonProcess,
+) -> None:
+    async with AsyncClient(tracking.socket) as client:
+        base = Path((await client.info()).tree_tracking.removeprefix("cgroup "))
+        with trio.fail_after(30):
+            worker = await client.spawn(sh(HIDDEN), grace=0.5)
+            pid = _pids(await follow_stdout(client, worker.id, lambda out: b"\n" in out))["hidden"]
+            assert (base / worker.id).is_dir()
+            assert (await client.reload()).carried_live == 1
+            assert await client.stop(worker.id)
+            assert not alive(pid)
+            assert not (base / worker.id).exists()
+
+
+@pytest.mark.parametrize("tracking", ["cgroup"], indirect=True)
+async def test_after_a_crash_the_next_daemon_ends_what_the_cgroups_hold(
+    tracking: DaemonProcess,
+) -> None:
+    with Client(tracking.socket) as client:
+        worker = client.spawn(sh(HIDDEN))
+        base = Path(client.info().tree_tracking.removeprefix("cgroup "))
+    with trio.fail_after(30):
+        async with AsyncClient(tracking.socket) as client:
+            pid = _pids(await follow_stdout(client, worker.id, lambda out: b"\n" in out))["hidden"]
+    tracking.kill()
+    assert alive(pid)
+    tracking.start()
+    with Client(tracking.socket) as client:
+        assert client.status(worker.id).state == "interrupted"
+    assert not alive(pid)
+    assert not (base / worker.id).exists()
 
 
 async def test_stop_one_leaves_siblings_running(client: AsyncClient) -> None:

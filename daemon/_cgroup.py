@@ -1,0 +1,227 @@
+"""Per-worker cgroups: the kernel's own record of which processes are a worker's.
+
+Where the daemon's cgroup (v2) is delegated to it (a user service with
+Delegate=yes, or a daemon run as root), every worker gets a cgroup of its own,
+``<the daemon's cgroup>/subagentd-<state dir hash>/<worker id>``. Whatever the
+worker forks is born in it and stays there, double forks, setsid and a cleared
+environment included. Finding a worker's processes is then one read of
+``cgroup.procs``, and ``cgroup.kill`` ends what ignored TERM. Where there is no
+such cgroup to use, the daemon says so and falls back to scanning /proc (see
+_tree); the checks here never guess.
+
+A worker is born in its cgroup (see `WorkerCgroup.born_in`), so not even
+what it forks in its first microseconds escapes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import trio
+
+#: Held while the daemon stands in a worker's cgroup to fork it.
+_FORK_LOCK = threading.Lock()
+
+
+class CgroupsUnavailable(Exception):
+    """No cgroup of ours to put workers in; the message says why."""
+
+
+@dataclass(frozen=True)
+class WorkerCgroup:
+    """One worker's cgroup. Created for each attempt, removed once the attempt has ended."""
+
+    path: Path
+
+    def create(self) -> None:
+        # One left by an attempt that ended without removing it is reused.
+        with contextlib.suppress(FileExistsError):
+            self.path.mkdir()
+
+    def exists(self) -> bool:
+        return self.path.is_dir()
+
+    @contextlib.contextmanager
+    def born_in(self) -> Iterator[None]:
+        """What forks inside this block is born in the cgroup: the daemon steps in for the fork.
+
+        Python cannot fork straight into a cgroup (no CLONE_INTO_CGROUP), and
+        moving a worker in after its exec is too late: a shell forks within
+        microseconds. So the daemon moves itself in, forks, and moves back;
+        one fork at a time. Nothing signals this cgroup meanwhile: a worker's
+        cgroup is stopped only once its spawn has returned.
+        """
+        with _FORK_LOCK:
+            home = _own_cgroup_dir()
+            if home is None:
+                raise OSError(errno.ENOENT, "this process is in no cgroup v2 hierarchy")
+            _move(self.path, os.getpid())
+            try:
+                yield
+            finally:
+                _move(home, os.getpid())
+
+    def members(self) -> list[int]:
+        """The pids in the cgroup now (an exited process is not one); none once it is removed."""
+        try:
+            with open(self.path / "cgroup.procs", "rb") as f:
+                pids = [int(line) for line in f.read().split()]
+        except FileNotFoundError:
+            return []
+        # Never the daemon, should it be caught standing in the cgroup to fork.
+        me = os.getpid()
+        return [pid for pid in pids if pid != me]
+
+    def kill(self) -> None:
+        """SIGKILL everything in the cgroup, and whatever it forks meanwhile."""
+        with open(self.path / "cgroup.kill", "wb") as f:
+            f.write(b"1")
+
+    def remove(self) -> bool:
+        """Remove the (empty) cgroup; False if something still lives in it."""
+        try:
+            self.path.rmdir()
+        except FileNotFoundError:
+            return True
+        except OSError as exc:
+            if exc.errno == errno.EBUSY:
+                return False
+            raise
+        return True
+
+
+class Cgroups:
+    """The cgroup that holds this daemon's workers' cgroups."""
+
+    def __init__(self, base: Path) -> None:
+        self.base = base
+
+    @classmethod
+    def find(cls, state_dir: Path) -> Cgroups:
+        """The workers' cgroup for this state dir, made if need be; else CgroupsUnavailable."""
+        mount = _cgroup2_mount()
+        if mount is None:
+            raise CgroupsUnavailable("no cgroup v2 hierarchy is mounted")
+        own = _own_cgroup()
+        if own is None:
+            raise CgroupsUnavailable("this process is not in a cgroup v2 hierarchy")
+        parent = mount / own.lstrip("/")
+        if not os.access(parent / "cgroup.procs", os.W_OK):
+            raise CgroupsUnavailable(
+                f"the daemon's cgroup {parent} is not delegated to it "
+                "(run it as a user service with Delegate=yes)"
+            )
+        digest = hashlib.sha256(str(state_dir.resolve()).encode()).hexdigest()[:12]
+        base = parent / f"subagentd-{digest}"
+        try:
+            base.mkdir(exist_ok=True)
+        except OSError as exc:
+            raise CgroupsUnavailable(f"cannot create {base}: {exc.strerror or exc}") from exc
+        if not (base / "cgroup.kill").exists():
+            raise CgroupsUnavailable("the kernel has no cgroup.kill (Linux 5.14 or later has)")
+        return cls(base)
+
+    def worker(self, worker_id: str) -> WorkerCgroup:
+        return WorkerCgroup(self.base / worker_id)
+
+    def leftovers(self) -> list[WorkerCgroup]:
+        """Worker cgroups present now (at a clean start: those a dead daemon left)."""
+        try:
+            return [WorkerCgroup(p) for p in self.base.iterdir() if p.is_dir()]
+        except FileNotFoundError:
+            return []
+
+    def remove(self) -> None:
+        """Remove the workers' cgroup if it is empty (the daemon is stopping)."""
+        # A worker cgroup left in it keeps it: the next start sweeps that.
+        with contextlib.suppress(OSError):
+            self.base.rmdir()
+
+
+def _cgroup2_mount() -> Path | None:
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                # "id parent dev root mountpoint options [optional...] - fstype source opts"
+                fields = line.split()
+                separator = fields.index("-")
+                if fields[separator + 1] == "cgroup2":
+                    return Path(fields[4])
+    except OSError:
+        return None
+    return None
+
+
+def _move(cgroup: Path, pid: int) -> None:
+    with open(cgroup / "cgroup.procs", "wb") as f:
+        f.write(str(pid).encode())
+
+
+def _own_cgroup_dir() -> Path | None:
+    mount, own = _cgroup2_mount(), _own_cgroup()
+    return None if mount is None or own is None else mount / own.lstrip("/")
+
+
+def _own_cgroup() -> str | None:
+    try:
+        with open("/proc/self/cgroup") as f:
+            for line in f:
+                if line.startswith("0::"):
+                    return line[3:].strip()
+    except OSError:
+        return None
+    return None
+
+
+async def end_cgroup(group: WorkerCgroup, grace: float) -> int:
+    """TERM all in the cgroup, cgroup.kill what is left after `grace`; how many were killed.
+
+    Reads the cgroup again once each wave has exited, so what was forked
+    meanwhile is signalled too; returns once the cgroup is empty.
+    """
+    with trio.move_on_after(grace):
+        while pids := group.members():
+            with _pinned(group, pids) as fds:
+                for fd in fds:
+                    with contextlib.suppress(ProcessLookupError):
+                        signal.pidfd_send_signal(fd, signal.SIGTERM)
+                for fd in fds:
+                    await trio.lowlevel.wait_readable(fd)
+        return 0
+    killed = 0
+    for _ in range(10):
+        pids = group.members()
+        if not pids:
+            break
+        group.kill()
+        killed += len(pids)
+        with _pinned(group, pids) as fds:
+            with trio.move_on_after(1.0):
+                for fd in fds:
+                    await trio.lowlevel.wait_readable(fd)
+    return killed
+
+
+@contextlib.contextmanager
+def _pinned(group: WorkerCgroup, pids: list[int]) -> Iterator[list[int]]:
+    """Pidfds of `pids` that are still in the cgroup once opened (so none was recycled)."""
+    opened: dict[int, int] = {}
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            opened[pid] = os.pidfd_open(pid)
+    still = set(group.members())
+    for pid in [p for p in opened if p not in still]:
+        os.close(opened.pop(pid))
+    try:
+        yield list(opened.values())
+    finally:
+        for fd in opened.values():
+            os.close(fd)
