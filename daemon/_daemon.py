@@ -169,6 +169,8 @@ class Daemon:
         self.wakes = self.wake_log.open()
         self._wakes_posted = trio.Event()
         self._retention_changed = trio.Event()
+        self._tails_to_write: list[tuple[Archive, bytes]] = []
+        self._tails_waiting = trio.Event()
         #: Set and replaced whenever something happens that idle exit must notice.
         self.activity = trio.Event()
         self.load_config()
@@ -201,6 +203,7 @@ class Daemon:
         async with trio.open_nursery() as timers:
             timers.start_soon(self._expire_handles)
             timers.start_soon(self._prune_archives_daily)
+            timers.start_soon(self._write_stdout_tails)
             started = False
             while True:
                 with trio.CancelScope() as self._supervision:
@@ -521,17 +524,35 @@ class Daemon:
         except OSError as exc:
             self._disk_trouble(f"journal of {record.id}", exc)
         journal.close()
-        try:
-            archive.write_stdout_tail(stdout_tail)
-        except OSError as exc:
-            self._disk_trouble(f"archive of {record.id}", exc)
-        self.post_wake(record, archive)
+        self._keep_journal_open(record.id, journal)  # its tail serves the collect that follows
+        self.post_wake(record, archive, stdout_tail)
         try:
             archive.write_record(record)
         except OSError as exc:
             self._disk_trouble(f"record of {record.id}", exc)
+        # stdout.tail spares a later reader the journal, but costs a new file:
+        # written off the event loop, not on the way to a stop's answer.
+        self._tails_to_write.append((archive, stdout_tail))
+        self._tails_waiting.set()
         self._retention_changed.set()
         self.touch()
+
+    async def _write_stdout_tails(self) -> None:
+        """Write ended workers' stdout tails, in a thread, as they come."""
+        while True:
+            await self._tails_waiting.wait()
+            self._tails_waiting = trio.Event()
+            batch, self._tails_to_write = self._tails_to_write, []
+            failed = await trio.to_thread.run_sync(_write_tails, batch)
+            for archive, exc in failed:
+                self._disk_trouble(f"archive of {archive.path.name}", exc)
+
+    def _stdout_tail(self, found: WorkerRecord | Tombstone) -> bytes:
+        """The end of an ended worker's stdout, from memory if its journal is open."""
+        journal = self.journals.get(found.id)
+        if journal is not None:
+            return journal.tail_bytes("stdout", STDOUT_TAIL_BYTES)
+        return Archive(Path(found.archive)).stdout_tail()
 
     def _disk_trouble(self, what: str, exc: OSError) -> None:
         """Report a failed write (disk full, I/O error) once per kind of trouble."""
@@ -540,15 +561,21 @@ class Daemon:
             log.error("disk.write_failed", problem=problem, errno=exc.errno)
         self.disk_problem = problem
 
-    def post_wake(self, record: WorkerRecord, archive: Archive) -> None:
+    def post_wake(
+        self, record: WorkerRecord, archive: Archive, stdout_tail: bytes | None = None
+    ) -> None:
         """One wake for this ending, for its parent; persisted before anyone sees it."""
+
+        def tail() -> bytes:
+            return archive.stdout_tail() if stdout_tail is None else stdout_tail
+
         wake = self.wakes.post(
             worker=record.id,
             run=record.run,
             parent=record.parent,
             state=record.state,
             exit_code=record.exit_code,
-            preview=archive.result_text()[:WAKE_PREVIEW_CHARS],
+            preview=archive.result_text(tail)[:WAKE_PREVIEW_CHARS],
             attempt=record.attempt,
         )
         if wake is None:
@@ -754,7 +781,9 @@ class Daemon:
         elif found.state not in TERMINAL_STATES:
             raise Busy(f"worker {worker_id} is still {found.state}; collect --wait waits for it")
         archive = Archive(Path(found.archive))
-        text = archive.result_text() if archive.path.exists() else ""
+        text = ""
+        if archive.path.exists():
+            text = archive.result_text(lambda: self._stdout_tail(found))
         if isinstance(found, Tombstone):
             text = text or found.output.decode("utf-8", errors="replace")
             del self.registry.tombstones[worker_id]
@@ -785,10 +814,14 @@ class Daemon:
                 raise NotFound(
                     f"worker {found.id}'s journal is gone (its archive was pruned)"
                 ) from None
-        self.journals[found.id] = journal
+        self._keep_journal_open(found.id, journal)
+        return journal
+
+    def _keep_journal_open(self, worker_id: str, journal: Journal) -> None:
+        self.journals.pop(worker_id, None)
+        self.journals[worker_id] = journal
         while len(self.journals) > OPEN_JOURNALS:
             self.journals.popitem(last=False)
-        return journal
 
     async def follow(
         self, worker_id: str, since: int, limit: int, send: Callable[[Page], Awaitable[None]]
@@ -880,7 +913,7 @@ class Daemon:
                 record.expired = True
                 stone = None
                 if self.registry.needs_tombstone(worker_id):
-                    stone = _tombstone(record)
+                    stone = Tombstone.of(record, self._stdout_tail(record))
                 self._release(worker_id, stone)
             deadline = self.registry.next_expiry(self.finished_ttl)
             with trio.move_on_after(math.inf if deadline is None else deadline - now):
@@ -916,12 +949,14 @@ class Daemon:
         )
 
 
-def _tombstone(record: WorkerRecord) -> Tombstone:
-    try:
-        stdout = (Path(record.archive) / Archive.STDOUT_TAIL).read_bytes()
-    except OSError:
-        stdout = b""
-    return Tombstone.of(record, stdout)
+def _write_tails(batch: list[tuple[Archive, bytes]]) -> list[tuple[Archive, OSError]]:
+    failed = []
+    for archive, tail in batch:
+        try:
+            archive.write_stdout_tail(tail)
+        except OSError as exc:
+            failed.append((archive, exc))
+    return failed
 
 
 def inherited_env(environ: Mapping[str, str]) -> dict[str, str]:

@@ -9,6 +9,7 @@ write the whole registry as it is.
 
 from __future__ import annotations
 
+import heapq
 import secrets
 from collections.abc import Callable, Iterator
 
@@ -138,6 +139,9 @@ class Registry:
         self._inner_runs: dict[str, list[str]] = {}  # run id -> runs nested in it
         self._by_token: dict[str, str] = {}  # worker token -> worker id
         self.tombstones: dict[str, Tombstone] = {}
+        #: (ended_at, id) of ended handles, soonest to expire first. Stale
+        #: entries (collected, released, resumed) are dropped when they surface.
+        self._endings: list[tuple[float, str]] = []
         self.turn = 0
         self.fence: LaunchFence | None = None
         self.fence_epochs = 0  # the last epoch handed out
@@ -315,6 +319,7 @@ class Registry:
             record.state = "failed"
         record.exit_code = exit_code
         record.ended_at = now
+        heapq.heappush(self._endings, (now, worker_id))
         return record
 
     def subtree(self, worker_id: str) -> Iterator[str]:
@@ -447,6 +452,8 @@ class Registry:
         for record in self.workers.values():
             if record.parent is not None and record.parent in self._children:
                 self._children[record.parent].append(record.id)
+            if record.ended_at is not None:
+                heapq.heappush(self._endings, (record.ended_at, record.id))
         self.tombstones = {t.id: t for t in tombstones}
         self.turn, self.fence, self.fence_epochs = turn, fence, fence_epochs
 
@@ -490,25 +497,33 @@ class Registry:
         self._run_members[record.run].append(record.id)
         if record.parent is not None and record.parent in self._children:
             self._children[record.parent].append(record.id)
+        if record.ended_at is not None:
+            heapq.heappush(self._endings, (record.ended_at, record.id))
 
     # -- retention -----------------------------------------------------------
 
     def expired(self, now: float, ttl: float) -> list[str]:
-        """Ended workers left uncollected for `ttl` seconds."""
-        return [
-            r.id
-            for r in self.workers.values()
-            if self._retained(r) and r.ended_at is not None and r.ended_at + ttl <= now
-        ]
+        """Ended workers left uncollected for `ttl` seconds; each is named once, then forgotten."""
+        due: list[str] = []
+        while self._endings and self._endings[0][0] + ttl <= now:
+            ended_at, worker_id = heapq.heappop(self._endings)
+            if self._expires(ended_at, worker_id) and worker_id not in due:
+                due.append(worker_id)
+        return due
 
     def next_expiry(self, ttl: float) -> float | None:
         """When the next uncollected handle expires, if any does."""
-        times = [
-            r.ended_at + ttl
-            for r in self.workers.values()
-            if self._retained(r) and r.ended_at is not None
-        ]
-        return min(times, default=None)
+        while self._endings:
+            ended_at, worker_id = self._endings[0]
+            if self._expires(ended_at, worker_id):
+                return ended_at + ttl
+            heapq.heappop(self._endings)
+        return None
+
+    def _expires(self, ended_at: float, worker_id: str) -> bool:
+        """Whether this entry still stands for a retained handle (not a stale one)."""
+        record = self.workers.get(worker_id)
+        return record is not None and self._retained(record) and record.ended_at == ended_at
 
     @staticmethod
     def _retained(record: WorkerRecord) -> bool:
