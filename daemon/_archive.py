@@ -8,7 +8,9 @@ renamed over, or (a record) rewritten in place within one page.
 
 from __future__ import annotations
 
+import errno
 import os
+import secrets
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -32,13 +34,26 @@ def prune_archives(archives: Path, cutoff: float, keep: set[str]) -> int:
     """Delete archives of workers that ended before `cutoff` (not in `keep`); how many."""
     pruned = 0
     for path in archives.iterdir():
-        if path.name in keep:
+        if path.name in keep or is_spare(path):
             continue
         record = Archive(path).load_record()
         if record is not None and record.ended_at is not None and record.ended_at < cutoff:
             shutil.rmtree(path, ignore_errors=True)
             pruned += 1
     return pruned
+
+
+def open_new(path: Path, flags: int = 0) -> int:
+    """Open a file new to its worker for writing: the empty one a spare archive
+    made ahead, else one created exclusively. Never one already written."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | flags)
+    except FileNotFoundError:
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | flags, 0o600)
+    if os.fstat(fd).st_size:
+        os.close(fd)
+        raise FileExistsError(errno.EEXIST, "already written", str(path))
+    return fd
 
 
 class Snapshot(msgspec.Struct, kw_only=True):
@@ -80,8 +95,8 @@ class Archive:
         return self.path / name
 
     def write_snapshot(self, snapshot: Snapshot) -> None:
-        # Created exclusively: a snapshot is written once and never replaced.
-        fd = os.open(self.file(self.SNAPSHOT), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        # Written once, never replaced: into the empty file made ahead, or created exclusively.
+        fd = open_new(self.file(self.SNAPSHOT))
         with os.fdopen(fd, "wb") as f:
             f.write(msgspec.json.encode(snapshot))
 
@@ -161,3 +176,65 @@ class Archive:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, self.file(name))
+
+
+class SpareArchives:
+    """Archive directories made ahead of need, so a spawn does not wait for new files.
+
+    On some filesystems creating a file costs hundreds of microseconds of
+    kernel time (the inode), and a spawn needs a directory and three files.
+    A background thread makes them ahead (`make`), named `.spare-*` so that
+    nothing takes them for a worker's; a spawn renames one to its worker's id
+    and writes into its empty files. With none left, a spawn makes its own.
+    """
+
+    PREFIX = ".spare-"
+    FILES = (Archive.SNAPSHOT, Archive.JOURNAL, Archive.RECORD)
+
+    def __init__(self, archives: Path, keep: int = 8) -> None:
+        self.archives = archives
+        self.keep = keep
+        self.ready: list[Path] = []
+
+    def take(self, worker_id: str) -> Archive | None:
+        """A spare renamed to `worker_id`'s archive; None if there is none."""
+        while self.ready:
+            spare = self.ready.pop()
+            target = self.archives / worker_id
+            try:
+                spare.rename(target)
+            except OSError:
+                continue  # removed by hand, say: the next one
+            return Archive(target)
+        return None
+
+    @property
+    def wanted(self) -> int:
+        return self.keep - len(self.ready)
+
+    def make(self, count: int) -> list[Path]:
+        """Make `count` spares (in a thread: this is the slow part)."""
+        made = []
+        for _ in range(count):
+            path = self.archives / f"{self.PREFIX}{secrets.token_hex(6)}"
+            path.mkdir(mode=0o700)
+            for name in self.FILES:
+                os.close(os.open(path / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+            made.append(path)
+        return made
+
+    def reuse_left(self) -> None:
+        """Take up the spares an earlier daemon left, if whole and untouched; remove the rest."""
+        for path in self.archives.glob(f"{self.PREFIX}*"):
+            try:
+                whole = all((path / name).stat().st_size == 0 for name in self.FILES)
+            except OSError:
+                whole = False
+            if whole and len(path.name) == len(self.PREFIX) + 12:
+                self.ready.append(path)
+            else:
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def is_spare(path: Path) -> bool:
+    return path.name.startswith(SpareArchives.PREFIX)

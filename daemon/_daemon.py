@@ -45,7 +45,7 @@ from subagentd.protocol.errors import (
 )
 
 from ._agents import AgentDef, ConfigError, load_agents
-from ._archive import STDOUT_TAIL_BYTES, Archive, Snapshot, prune_archives
+from ._archive import STDOUT_TAIL_BYTES, Archive, Snapshot, SpareArchives, prune_archives
 from ._cgroup import Cgroups, end_cgroup
 from ._journal import Journal
 from ._process import SpawnFailed, WorkerProcess, pump
@@ -170,6 +170,8 @@ class Daemon:
         self._wakes_posted = trio.Event()
         self._retention_changed = trio.Event()
         self._tails_to_write: list[tuple[Archive, bytes]] = []
+        self.spares = SpareArchives(state_dir.archives)
+        self._spares_wanted = trio.Event()
         self._tails_waiting = trio.Event()
         #: Set and replaced whenever something happens that idle exit must notice.
         self.activity = trio.Event()
@@ -204,6 +206,7 @@ class Daemon:
             timers.start_soon(self._expire_handles)
             timers.start_soon(self._prune_archives_daily)
             timers.start_soon(self._write_stdout_tails)
+            timers.start_soon(self._make_spare_archives)
             started = False
             while True:
                 with trio.CancelScope() as self._supervision:
@@ -288,10 +291,15 @@ class Daemon:
             timeout=launch.timeout,
         )
         try:
-            if record.run not in self._saved_runs:  # a run's file changes only when the run does
+            # A run's file changes only when the run does; an implicit run's is
+            # written only if it is stopped (recovery takes a run without one as implicit).
+            if record.run not in self._saved_runs and not self.registry.runs[record.run].implicit:
                 self.save_run(record.run)
-            archive = Archive(Path(record.archive))
-            archive.create()
+            archive = self.spares.take(record.id)
+            if archive is None:
+                archive = Archive(Path(record.archive))
+                archive.create()
+            self._spares_wanted.set()
             archive.write_snapshot(
                 Snapshot(
                     id=record.id,
@@ -536,6 +544,26 @@ class Daemon:
         self._tails_waiting.set()
         self._retention_changed.set()
         self.touch()
+
+    async def _make_spare_archives(self) -> None:
+        """Keep archive directories made ahead for the next spawns, in a thread."""
+        await trio.to_thread.run_sync(self.spares.reuse_left)
+        failing = False
+        while True:
+            if self.spares.wanted > 0:
+                try:
+                    made = await trio.to_thread.run_sync(self.spares.make, self.spares.wanted)
+                except OSError as exc:
+                    # A full disk: spawns make their own (and say so if they cannot).
+                    if not failing:
+                        log.warning("archives.no_spares", error=str(exc))
+                    failing = True
+                else:
+                    failing = False
+                    self.spares.ready.extend(made)
+                    continue
+            await self._spares_wanted.wait()
+            self._spares_wanted = trio.Event()
 
     async def _write_stdout_tails(self) -> None:
         """Write ended workers' stdout tails, in a thread, as they come."""

@@ -68,7 +68,16 @@ class Journal:
 
     @classmethod
     def create(cls, path: Path) -> Journal:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        """A new, empty journal: the empty file made ahead (see SpareArchives), or a new one."""
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+        except FileNotFoundError:
+            fd = os.open(
+                path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC, 0o600
+            )
+        if os.fstat(fd).st_size:
+            os.close(fd)
+            raise FileExistsError(errno.EEXIST, "a journal is already there", str(path))
         return cls(path, fd)
 
     @classmethod

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import structlog
 
-from ._archive import STDOUT_TAIL_BYTES, Archive
+from ._archive import STDOUT_TAIL_BYTES, Archive, is_spare
 from ._daemon import Daemon
 from ._journal import Journal, JournalCorrupt
 from ._process import reap
@@ -27,6 +27,8 @@ async def recover(daemon: Daemon) -> list[str]:
     interrupted: list[str] = []
     archives = daemon.state_dir.archives
     for path in sorted(archives.iterdir()):
+        if is_spare(path):
+            continue
         archive = Archive(path)
         record = archive.load_record()
         if record is None:

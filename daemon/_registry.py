@@ -442,7 +442,10 @@ class Registry:
                 self._inner_runs[run.outer].append(run.id)
         for record in sorted(records, key=lambda r: (r.started_at, r.id)):
             if record.run not in self.runs:  # a run the archives no longer describe
-                self.runs[record.run] = RunRecord(id=record.run, outer=None, created_at=0.0)
+                # Named runs are written when made: one without a file was implicit.
+                self.runs[record.run] = RunRecord(
+                    id=record.run, outer=None, created_at=0.0, implicit=True
+                )
                 self._run_members[record.run] = []
                 self._inner_runs[record.run] = []
             self.workers[record.id] = record

@@ -116,9 +116,13 @@ async def test_a_lone_spawns_run_leaves_no_file_once_collected(daemon: DaemonPro
         async with AsyncClient(daemon.socket) as client:
             worker = await client.spawn(["true"])
             run_file = daemon.state_dir / "runs" / f"{worker.run}.json"
-            assert run_file.exists()
+            assert not run_file.exists()  # nothing to say about it that its worker does not
             await client.collect(worker.id, wait=True)
             assert not run_file.exists()
+            # Stopped, it has something to say: that it refuses spawns, even after a crash.
+            sleeper = await client.spawn(["sleep", "60"])
+            await client.stop_run(sleeper.run)
+            assert (daemon.state_dir / "runs" / f"{sleeper.run}.json").exists()
             named = await client.new_run()
             kept = await client.spawn(["true"], run=named)
             await client.collect(kept.id, wait=True)
