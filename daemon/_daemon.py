@@ -261,6 +261,8 @@ class Daemon:
                 )
         with self.launching(), trio.CancelScope(shield=True):
             view = await self._start(request, caller, launch)
+        # Made again once this spawn is done, not while it competes for the CPU.
+        self._spares_wanted.set()
         return view
 
     @contextlib.contextmanager
@@ -299,7 +301,6 @@ class Daemon:
             if archive is None:
                 archive = Archive(Path(record.archive))
                 archive.create()
-            self._spares_wanted.set()
             archive.write_snapshot(
                 Snapshot(
                     id=record.id,

@@ -92,6 +92,8 @@ NOTICE_SECONDS = 0.1
 #: How long, and how much, a refused peer may still send before the close.
 REFUSAL_DRAIN_SECONDS = 1.0
 REFUSAL_DRAIN_BYTES = 1024 * 1024
+#: Requests that never wait (their dispatch awaits nothing): no task, scope or event each.
+ANSWERED_AT_ONCE = (Info, Status, ListWorkers)
 _PEERCRED = struct.Struct("3i")
 _conn_ids = itertools.count(1)
 
@@ -106,9 +108,27 @@ class Connection:
     delivered: set[int] = field(default_factory=set)  # wake seqs sent here, not yet acked
 
     async def send(self, reply: Reply) -> None:
-        data = encode(reply)
-        async with self.send_lock:
+        data = memoryview(encode(reply))
+        if not self.send_lock.locked():
+            # Nobody is mid-frame: write at once what the socket takes (a reply
+            # usually fits), without a trip through the scheduler.
+            try:
+                data = data[os.write(self.stream.socket.fileno(), data) :]
+            except BlockingIOError:
+                pass
+            except OSError as exc:  # EPIPE, ECONNRESET: the client is gone
+                raise trio.BrokenResourceError(str(exc)) from exc
+            if not data:
+                return
+            # The rest of a frame begun here must follow before any other: take
+            # the lock now, with no checkpoint between (acquire could be one).
+            self.send_lock.acquire_nowait()
+        else:
+            await self.send_lock.acquire()
+        try:
             await self.stream.send_all(data)
+        finally:
+            self.send_lock.release()
 
     async def refuse(self, error: Error) -> None:
         """Send `error` as the last word, then let the peer read it before the close.
@@ -286,6 +306,10 @@ class Server:
                         hello_seen = True
                     elif refusal := self._admission(conn, message):
                         await conn.send(refusal)
+                    elif isinstance(message, ANSWERED_AT_ONCE):
+                        # Nothing to wait for: answered here, without a task of its own.
+                        if (reply := await self._reply(conn, message)) is not None:
+                            await conn.send(reply)
                     else:
                         cancel_scope, done = trio.CancelScope(), trio.Event()
                         conn.streams[message.id] = (cancel_scope, done)
@@ -362,28 +386,29 @@ class Server:
     ) -> None:
         try:
             with cancel_scope:
-                try:
-                    reply = await self._dispatch(conn, request)
-                except RemoteError as exc:
-                    reply = Error(
-                        id=request.id,
-                        code=exc.code,
-                        message=exc.message,
-                        retry_after=exc.retry_after,
-                    )
-                except Exception as exc:
-                    log.exception("request.failed", op=type(request).__name__)
-                    reply = Error(
-                        id=request.id,
-                        code=ErrorCode.INTERNAL,
-                        message=f"internal error ({type(exc).__name__}: {exc}); the daemon log "
-                        "has the details",
-                    )
+                reply = await self._reply(conn, request)
                 if reply is not None:
                     await conn.send(reply)
         finally:
             del conn.streams[request.id]
             done.set()
+
+    async def _reply(self, conn: Connection, request: ClientMessage) -> Reply | None:
+        """What answers `request`: its reply, or the error it met."""
+        try:
+            return await self._dispatch(conn, request)
+        except RemoteError as exc:
+            return Error(
+                id=request.id, code=exc.code, message=exc.message, retry_after=exc.retry_after
+            )
+        except Exception as exc:
+            log.exception("request.failed", op=type(request).__name__)
+            return Error(
+                id=request.id,
+                code=ErrorCode.INTERNAL,
+                message=f"internal error ({type(exc).__name__}: {exc}); the daemon log "
+                "has the details",
+            )
 
     async def _dispatch(self, conn: Connection, request: ClientMessage) -> Reply | None:
         daemon, registry, caller = self.daemon, self.daemon.registry, conn.caller
