@@ -173,6 +173,8 @@ class Daemon:
         self.spares = SpareArchives(state_dir.archives)
         self._spares_wanted = trio.Event()
         self._tails_waiting = trio.Event()
+        #: What every worker inherits of the daemon's environment (read once: it never changes).
+        self.inherited_env = inherited_env(os.environ)
         #: Set and replaced whenever something happens that idle exit must notice.
         self.activity = trio.Event()
         self.load_config()
@@ -428,7 +430,7 @@ class Daemon:
         cwd = request.cwd or os.getcwd()
         if not os.path.isdir(cwd):
             raise Invalid(f"working directory {cwd!r} does not exist")
-        worker_env = inherited_env(os.environ) | env
+        worker_env = self.inherited_env | env
         _check_executable(argv[0], cwd, worker_env)
         return Launch(argv, env, cwd, worker_env, timeout, grace, model)
 

@@ -8,7 +8,6 @@ down the same launch path as a new spawn.
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 import trio
@@ -17,7 +16,7 @@ from subagentd.protocol import WorkerView
 from subagentd.protocol.errors import Invalid, NotFound, Refused, Reloading
 
 from ._archive import STDOUT_TAIL_BYTES, Archive, Snapshot
-from ._daemon import RELOAD_RETRY, Daemon, LiveWorker, inherited_env
+from ._daemon import RELOAD_RETRY, Daemon, LiveWorker
 from ._journal import Journal
 from ._registry import WorkerRecord
 from ._resume import RESUMABLE, check_branch, read_snapshot
@@ -73,7 +72,7 @@ class Resumer:
         live.stdout_tail += journal.tail_bytes("stdout", STDOUT_TAIL_BYTES)
         self.daemon.live[record.id] = live
         stdin = str(archive.file(Archive.INPUT)) if snapshot.has_input else None
-        base_env = inherited_env(os.environ) | snapshot.env
+        base_env = self.daemon.inherited_env | snapshot.env
         return await self.daemon.launch(live, snapshot.argv, snapshot.cwd, base_env, stdin)
 
     @staticmethod
