@@ -56,6 +56,7 @@ def measure(stops: int = 100, run_size: int = 100, rounds: int = 10) -> list[Fig
         wait_exec(w.pid for w in workers if w.pid)
         processes = start_group(rpc, "one")
         machine_processes = process_count()
+        tracking = client.info().tree_tracking
         for worker, process in zip(workers, processes, strict=True):
             start = time.perf_counter()
             client.stop(worker.id)
@@ -87,8 +88,9 @@ def measure(stops: int = 100, run_size: int = 100, rounds: int = 10) -> list[Fig
     one = Figure.of(
         "stop.one", "stop one: stop -> reaped vs stopProcess", "ms", "lower", ours, theirs,
         target=">= 2x faster",
-        note=f"{stops} stops of `sleep 600` each, in turns; {machine_processes} processes on "
-        "the machine at the start (subagentd's stop scans /proc: its cost grows with them)",
+        note=f"{stops} stops of `sleep 600` each, in turns; subagentd tracked trees by "
+        f"{tracking}; {machine_processes} processes on the machine at the start (a /proc scan's "
+        "cost grows with them, a cgroup's does not)",
     )  # fmt: skip
     whole = Figure.of(
         "stop.run", f"stop {run_size} at once: stop_run vs stopProcessGroup", "ms", "lower",

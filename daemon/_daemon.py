@@ -72,6 +72,8 @@ DISK_RETRY_MAX = 5.0
 RELOAD_RETRY = 0.2
 #: Ended workers' journals kept open for paging, the most recently read first.
 OPEN_JOURNALS = 16
+#: A journal longer than this gets a stdout.tail file when its worker ends.
+TAIL_FILE_FROM_BYTES = 1024 * 1024
 #: A wake carries this much of the result, so a parent rarely needs to collect.
 WAKE_PREVIEW_CHARS = 200
 #: A watch page never holds more entries than this, whatever the client asks.
@@ -541,10 +543,12 @@ class Daemon:
             archive.write_record(record)
         except OSError as exc:
             self._disk_trouble(f"record of {record.id}", exc)
-        # stdout.tail spares a later reader the journal, but costs a new file:
-        # written off the event loop, not on the way to a stop's answer.
-        self._tails_to_write.append((archive, stdout_tail))
-        self._tails_waiting.set()
+        # stdout.tail spares a later reader a long journal, but costs a new file:
+        # written only for a long one, and off the event loop, not on the way
+        # to a stop's answer. A short journal is read as fast as the file.
+        if journal.size > TAIL_FILE_FROM_BYTES:
+            self._tails_to_write.append((archive, stdout_tail))
+            self._tails_waiting.set()
         self._retention_changed.set()
         self.touch()
 
