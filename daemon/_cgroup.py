@@ -40,6 +40,8 @@ class WorkerCgroup:
     """One worker's cgroup. Created for each attempt, removed once the attempt has ended."""
 
     path: Path
+    #: The daemon's own cgroup, where it returns after a fork in this one.
+    home: Path
 
     def create(self) -> None:
         # One left by an attempt that ended without removing it is reused.
@@ -60,14 +62,11 @@ class WorkerCgroup:
         cgroup is stopped only once its spawn has returned.
         """
         with _FORK_LOCK:
-            home = _own_cgroup_dir()
-            if home is None:
-                raise OSError(errno.ENOENT, "this process is in no cgroup v2 hierarchy")
             _move(self.path, os.getpid())
             try:
                 yield
             finally:
-                _move(home, os.getpid())
+                _move(self.home, os.getpid())
 
     def members(self) -> list[int]:
         """The pids in the cgroup now (an exited process is not one); none once it is removed."""
@@ -101,8 +100,9 @@ class WorkerCgroup:
 class Cgroups:
     """The cgroup that holds this daemon's workers' cgroups."""
 
-    def __init__(self, base: Path) -> None:
+    def __init__(self, base: Path, home: Path) -> None:
         self.base = base
+        self.home = home
 
     @classmethod
     def find(cls, state_dir: Path) -> Cgroups:
@@ -127,15 +127,15 @@ class Cgroups:
             raise CgroupsUnavailable(f"cannot create {base}: {exc.strerror or exc}") from exc
         if not (base / "cgroup.kill").exists():
             raise CgroupsUnavailable("the kernel has no cgroup.kill (Linux 5.14 or later has)")
-        return cls(base)
+        return cls(base, home=parent)
 
     def worker(self, worker_id: str) -> WorkerCgroup:
-        return WorkerCgroup(self.base / worker_id)
+        return WorkerCgroup(self.base / worker_id, self.home)
 
     def leftovers(self) -> list[WorkerCgroup]:
         """Worker cgroups present now (at a clean start: those a dead daemon left)."""
         try:
-            return [WorkerCgroup(p) for p in self.base.iterdir() if p.is_dir()]
+            return [WorkerCgroup(p, self.home) for p in self.base.iterdir() if p.is_dir()]
         except FileNotFoundError:
             return []
 
@@ -163,11 +163,6 @@ def _cgroup2_mount() -> Path | None:
 def _move(cgroup: Path, pid: int) -> None:
     with open(cgroup / "cgroup.procs", "wb") as f:
         f.write(str(pid).encode())
-
-
-def _own_cgroup_dir() -> Path | None:
-    mount, own = _cgroup2_mount(), _own_cgroup()
-    return None if mount is None or own is None else mount / own.lstrip("/")
 
 
 def _own_cgroup() -> str | None:
