@@ -186,10 +186,13 @@ async def end_cgroup(group: WorkerCgroup, grace: float) -> int:
         while pids := group.members():
             with _pinned(group, pids) as fds:
                 for fd in fds:
-                    with contextlib.suppress(ProcessLookupError):
+                    # Gone already, or not ours to signal (setuid): cgroup.kill is.
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
                         signal.pidfd_send_signal(fd, signal.SIGTERM)
                 for fd in fds:
                     await trio.lowlevel.wait_readable(fd)
+                if not fds:  # none could be pinned (out of fds?): never spin without yielding
+                    await trio.sleep(0.01)
         return 0
     killed = 0
     for _ in range(10):
@@ -210,7 +213,7 @@ def _pinned(group: WorkerCgroup, pids: list[int]) -> Iterator[list[int]]:
     """Pidfds of `pids` that are still in the cgroup once opened (so none was recycled)."""
     opened: dict[int, int] = {}
     for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
+        with contextlib.suppress(OSError):  # gone already; or out of fds: found next pass
             opened[pid] = os.pidfd_open(pid)
     still = set(group.members())
     for pid in [p for p in opened if p not in still]:

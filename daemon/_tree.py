@@ -11,13 +11,15 @@ time seen in the scan, so a recycled pid is never signalled.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import structlog
 import trio
+
+log = structlog.get_logger("subagentd")
 
 
 @dataclass(frozen=True)
@@ -149,8 +151,14 @@ class Pinned:
 
     def signal(self, sig: signal.Signals) -> None:
         for fd in self.fds:
-            with contextlib.suppress(ProcessLookupError):
+            try:
                 signal.pidfd_send_signal(fd, sig)
+            except ProcessLookupError:
+                pass
+            except PermissionError:
+                # A setuid program the worker ran: not ours to signal. Only a
+                # cgroup (cgroup.kill) can end it; the stop goes on without it.
+                log.warning("tree.cannot_signal", pidfd=fd, signal=sig.name)
 
     async def wait_exited(self) -> None:
         for fd in self.fds:
