@@ -231,10 +231,14 @@ class Daemon:
                 self._thaw_asked = trio.Event()
                 self._frozen = trio.Event()
 
-    async def freeze(self) -> None:
-        """Stop supervising (nothing reaped, nothing closed), once no spawn is in flight."""
+    async def launches_settled(self) -> None:
+        """Return once no spawn or resume is in flight (the caller fences new ones)."""
         while self.starting:
             await self.spawned.wait()
+
+    async def freeze(self) -> None:
+        """Stop supervising (nothing reaped, nothing closed), once no spawn is in flight."""
+        await self.launches_settled()
         self._supervision.cancel()
         await self._frozen.wait()
 

@@ -139,6 +139,9 @@ class Reloader:
         daemon = self.daemon
         daemon.reloading = True
         try:
+            # A spawn in flight may have the daemon standing in its worker's
+            # cgroup to fork it: the check's child must not be born there.
+            await daemon.launches_settled()
             log.info("reload.checking")
             await self._check_new_image()
             if self.no_carry:
