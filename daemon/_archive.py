@@ -8,6 +8,7 @@ renamed over, or (a record) rewritten in place within one page.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import secrets
@@ -158,17 +159,27 @@ class Archive:
             text += f"\n[result cut at {RESULT_LIMIT} bytes; the file holds the rest]"
         return text
 
-    def stdout_tail(self) -> bytes:
-        """The end of the worker's stdout: from stdout.tail, else read from its journal."""
+    def stdout_tail(self, journal: Journal | None = None) -> bytes:
+        """The end of the worker's stdout: stdout.tail, else from its journal.
+
+        The file is written at the end only where the journal would not
+        answer as well (see Daemon._finish); `journal`: the journal, if open.
+        """
         try:
             return self.file(self.STDOUT_TAIL).read_bytes()
         except FileNotFoundError:
             pass
-        try:
-            journal = Journal.open(self.file(self.JOURNAL), writable=False)
-        except (OSError, JournalCorrupt):
-            return b""
+        if journal is None:
+            try:
+                journal = Journal.open(self.file(self.JOURNAL), writable=False)
+            except (OSError, JournalCorrupt):
+                return b""
         return journal.tail_bytes("stdout", STDOUT_TAIL_BYTES)
+
+    def forget_stdout_tail(self) -> None:
+        """A new attempt begins: the last one's tail no longer ends its stdout."""
+        with contextlib.suppress(FileNotFoundError):
+            self.file(self.STDOUT_TAIL).unlink()
 
     def _replace(self, name: str, data: bytes) -> None:
         tmp = self.file(name + ".tmp")

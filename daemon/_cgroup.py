@@ -25,7 +25,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import structlog
 import trio
+
+log = structlog.get_logger("subagentd")
 
 #: Held while the daemon stands in a worker's cgroup to fork it.
 _FORK_LOCK = threading.Lock()
@@ -66,7 +69,13 @@ class WorkerCgroup:
             try:
                 yield
             finally:
-                _move(self.home, os.getpid())
+                try:
+                    _move(self.home, os.getpid())
+                except OSError as exc:
+                    # Never a reason to lose the worker just forked. The daemon
+                    # stays here until the next fork's return home; `kill` sees
+                    # it and spares it, and `members` never lists it.
+                    log.critical("cgroup.cannot_return", cgroup=str(self.path), error=str(exc))
 
     def members(self) -> list[int]:
         """The pids in the cgroup now (an exited process is not one); none once it is removed."""
@@ -80,9 +89,23 @@ class WorkerCgroup:
         return [pid for pid in pids if pid != me]
 
     def kill(self) -> None:
-        """SIGKILL everything in the cgroup, and whatever it forks meanwhile."""
-        with open(self.path / "cgroup.kill", "wb") as f:
-            f.write(b"1")
+        """SIGKILL everything in the cgroup (and whatever it forks meanwhile), never the daemon."""
+        try:
+            with open(self.path / "cgroup.procs", "rb") as f:
+                stranded = os.getpid() in (int(line) for line in f.read().split())
+        except FileNotFoundError:
+            return
+        if not stranded:
+            with open(self.path / "cgroup.kill", "wb") as f:
+                f.write(b"1")
+            return
+        for pid in self.members():  # one by one, sparing the daemon caught in here
+            with contextlib.suppress(OSError):
+                fd = os.pidfd_open(pid)
+                try:
+                    signal.pidfd_send_signal(fd, signal.SIGKILL)
+                finally:
+                    os.close(fd)
 
     def remove(self) -> bool:
         """Remove the (empty) cgroup; False if something still lives in it."""
@@ -194,31 +217,37 @@ async def end_cgroup(group: WorkerCgroup, grace: float) -> int:
                 if not fds:  # none could be pinned (out of fds?): never spin without yielding
                     await trio.sleep(0.01)
         return 0
-    killed = 0
+    killed: set[int] = set()
     for _ in range(10):
         pids = group.members()
         if not pids:
             break
-        group.kill()
-        killed += len(pids)
+        try:
+            group.kill()
+        except OSError as exc:
+            log.error("cgroup.kill_failed", cgroup=str(group.path), error=str(exc))
+        killed.update(pids)
         with _pinned(group, pids) as fds:
             with trio.move_on_after(1.0):
                 for fd in fds:
                     await trio.lowlevel.wait_readable(fd)
-    return killed
+    return len(killed)
 
 
 @contextlib.contextmanager
 def _pinned(group: WorkerCgroup, pids: list[int]) -> Iterator[list[int]]:
     """Pidfds of `pids` that are still in the cgroup once opened (so none was recycled)."""
     opened: dict[int, int] = {}
-    for pid in pids:
-        with contextlib.suppress(OSError):  # gone already; or out of fds: found next pass
-            opened[pid] = os.pidfd_open(pid)
-    still = set(group.members())
-    for pid in [p for p in opened if p not in still]:
-        os.close(opened.pop(pid))
     try:
+        for pid in pids:
+            with contextlib.suppress(OSError):  # gone already; or out of fds: found next pass
+                opened[pid] = os.pidfd_open(pid)
+        try:
+            still = set(group.members())
+        except OSError:
+            still = set()  # unreadable: pin none, look again
+        for pid in [p for p in opened if p not in still]:
+            os.close(opened.pop(pid))
         yield list(opened.values())
     finally:
         for fd in opened.values():

@@ -46,7 +46,7 @@ from subagentd.protocol.errors import (
 
 from ._agents import AgentDef, ConfigError, load_agents
 from ._archive import STDOUT_TAIL_BYTES, Archive, Snapshot, SpareArchives, prune_archives
-from ._cgroup import Cgroups, end_cgroup
+from ._cgroup import Cgroups, WorkerCgroup, end_cgroup
 from ._journal import Journal
 from ._process import SpawnFailed, WorkerProcess, pump
 from ._registry import (
@@ -171,10 +171,8 @@ class Daemon:
         self.wakes = self.wake_log.open()
         self._wakes_posted = trio.Event()
         self._retention_changed = trio.Event()
-        self._tails_to_write: list[tuple[Archive, bytes]] = []
         self.spares = SpareArchives(state_dir.archives)
         self._spares_wanted = trio.Event()
-        self._tails_waiting = trio.Event()
         #: What every worker inherits of the daemon's environment (read once: it never changes).
         self.inherited_env = inherited_env(os.environ)
         #: Set and replaced whenever something happens that idle exit must notice.
@@ -209,7 +207,6 @@ class Daemon:
         async with trio.open_nursery() as timers:
             timers.start_soon(self._expire_handles)
             timers.start_soon(self._prune_archives_daily)
-            timers.start_soon(self._write_stdout_tails)
             timers.start_soon(self._make_spare_archives)
             started = False
             while True:
@@ -460,7 +457,8 @@ class Daemon:
             nursery.cancel_scope.cancel()
         returncode = process.reap()
         process.close()
-        self._remove_cgroup(record.id, process)
+        if process.cgroup is not None:
+            self._remove_group(process.cgroup)
         del self.live[record.id]
         self._finish(record, live.journal, returncode, bytes(live.stdout_tail))
         live.ended.set()
@@ -491,14 +489,14 @@ class Daemon:
         finally:
             live.terminated.set()
 
-    def _remove_cgroup(self, worker_id: str, process: WorkerProcess) -> None:
-        if process.cgroup is None:
-            return
+    @staticmethod
+    def _remove_group(group: WorkerCgroup) -> None:
+        """Remove an ended worker's cgroup; one that will not go is left to the next start."""
         try:
-            if not process.cgroup.remove():
-                log.warning("worker.cgroup_busy", worker=worker_id, cgroup=str(process.cgroup.path))
+            if not group.remove():
+                log.warning("cgroup.busy", cgroup=str(group.path))
         except OSError as exc:
-            log.warning("worker.cgroup_not_removed", worker=worker_id, error=str(exc))
+            log.warning("cgroup.not_removed", cgroup=str(group.path), error=str(exc))
 
     async def end_leftover_tree(
         self, worker_id: str, pid: int | None, pid_start: int | None, grace: float
@@ -510,7 +508,7 @@ class Daemon:
         group = self.cgroups.worker(worker_id) if self.cgroups else None
         if group is not None and group.exists():
             killed = await end_cgroup(group, grace)
-            group.remove()
+            self._remove_group(group)
             return killed
         if pid is None or pid_start is None:
             return 0
@@ -526,7 +524,7 @@ class Daemon:
             killed = await end_cgroup(group, 0)
             if killed:
                 log.warning("cgroup.leftover_killed", cgroup=str(group.path), processes=killed)
-            group.remove()
+            self._remove_group(group)
 
     def _finish(
         self, record: WorkerRecord, journal: Journal, returncode: int | None, stdout_tail: bytes
@@ -542,17 +540,22 @@ class Daemon:
             self._disk_trouble(f"journal of {record.id}", exc)
         journal.close()
         self._keep_journal_open(record.id, journal)  # its tail serves the collect that follows
+        # stdout.tail costs a new file (hundreds of microseconds on some disks):
+        # written only where the journal would not answer as well, that is when
+        # it is long, or its newest entries (all a reader keeps) hold less stdout.
+        if (
+            journal.size > TAIL_FILE_FROM_BYTES
+            or journal.tail_bytes("stdout", STDOUT_TAIL_BYTES) != stdout_tail
+        ):
+            try:
+                archive.write_stdout_tail(stdout_tail)
+            except OSError as exc:
+                self._disk_trouble(f"archive of {record.id}", exc)
         self.post_wake(record, archive, stdout_tail)
         try:
             archive.write_record(record)
         except OSError as exc:
             self._disk_trouble(f"record of {record.id}", exc)
-        # stdout.tail spares a later reader a long journal, but costs a new file:
-        # written only for a long one, and off the event loop, not on the way
-        # to a stop's answer. A short journal is read as fast as the file.
-        if journal.size > TAIL_FILE_FROM_BYTES:
-            self._tails_to_write.append((archive, stdout_tail))
-            self._tails_waiting.set()
         self._retention_changed.set()
         self.touch()
 
@@ -576,22 +579,9 @@ class Daemon:
             await self._spares_wanted.wait()
             self._spares_wanted = trio.Event()
 
-    async def _write_stdout_tails(self) -> None:
-        """Write ended workers' stdout tails, in a thread, as they come."""
-        while True:
-            await self._tails_waiting.wait()
-            self._tails_waiting = trio.Event()
-            batch, self._tails_to_write = self._tails_to_write, []
-            failed = await trio.to_thread.run_sync(_write_tails, batch)
-            for archive, exc in failed:
-                self._disk_trouble(f"archive of {archive.path.name}", exc)
-
     def _stdout_tail(self, found: WorkerRecord | Tombstone) -> bytes:
-        """The end of an ended worker's stdout, from memory if its journal is open."""
-        journal = self.journals.get(found.id)
-        if journal is not None:
-            return journal.tail_bytes("stdout", STDOUT_TAIL_BYTES)
-        return Archive(Path(found.archive)).stdout_tail()
+        """The end of an ended worker's stdout; its journal is not read again if open."""
+        return Archive(Path(found.archive)).stdout_tail(self.journals.get(found.id))
 
     def _disk_trouble(self, what: str, exc: OSError) -> None:
         """Report a failed write (disk full, I/O error) once per kind of trouble."""
@@ -986,16 +976,6 @@ class Daemon:
             state_dir=str(self.state_dir.root),
             problems=[self.disk_problem] if self.disk_problem else [],
         )
-
-
-def _write_tails(batch: list[tuple[Archive, bytes]]) -> list[tuple[Archive, OSError]]:
-    failed = []
-    for archive, tail in batch:
-        try:
-            archive.write_stdout_tail(tail)
-        except OSError as exc:
-            failed.append((archive, exc))
-    return failed
 
 
 def inherited_env(environ: Mapping[str, str]) -> dict[str, str]:

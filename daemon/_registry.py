@@ -320,6 +320,15 @@ class Registry:
         record.exit_code = exit_code
         record.ended_at = now
         heapq.heappush(self._endings, (now, worker_id))
+        if len(self._endings) > 2 * len(self.workers) + 1024:
+            # Collected handles leave stale entries that surface only at their
+            # expiry, never with a huge TTL: start again from the retained ones.
+            self._endings = [
+                (r.ended_at, r.id)
+                for r in self.workers.values()
+                if r.ended_at is not None and self._retained(r)
+            ]
+            heapq.heapify(self._endings)
         return record
 
     def subtree(self, worker_id: str) -> Iterator[str]:
@@ -437,17 +446,16 @@ class Registry:
             self.runs[run.id] = run
             self._run_members.setdefault(run.id, [])
             self._inner_runs.setdefault(run.id, [])
+        # Runs no file describes: named runs are written when made, so one that
+        # holds workers was implicit; one that other runs nest in stays, whatever it was.
+        for outer in {run.outer for run in runs if run.outer is not None}:
+            self._describe_run(outer, implicit=False)
+        for record in records:
+            self._describe_run(record.run, implicit=True)
         for run in runs:
-            if run.outer is not None and run.outer in self._inner_runs:
+            if run.outer is not None:
                 self._inner_runs[run.outer].append(run.id)
         for record in sorted(records, key=lambda r: (r.started_at, r.id)):
-            if record.run not in self.runs:  # a run the archives no longer describe
-                # Named runs are written when made: one without a file was implicit.
-                self.runs[record.run] = RunRecord(
-                    id=record.run, outer=None, created_at=0.0, implicit=True
-                )
-                self._run_members[record.run] = []
-                self._inner_runs[record.run] = []
             self.workers[record.id] = record
             self._by_token[record.token] = record.id
             self._children.setdefault(record.id, [])
@@ -459,6 +467,12 @@ class Registry:
                 heapq.heappush(self._endings, (record.ended_at, record.id))
         self.tombstones = {t.id: t for t in tombstones}
         self.turn, self.fence, self.fence_epochs = turn, fence, fence_epochs
+
+    def _describe_run(self, run_id: str, *, implicit: bool) -> None:
+        if run_id not in self.runs:
+            self.runs[run_id] = RunRecord(id=run_id, outer=None, created_at=0.0, implicit=implicit)
+            self._run_members[run_id] = []
+            self._inner_runs[run_id] = []
 
     # -- resuming ------------------------------------------------------------
 

@@ -67,6 +67,7 @@ class Resumer:
         )
         self.daemon.save_run(record.run)
         self.daemon.journals.pop(record.id, None)  # its read-only view is about to go stale
+        archive.forget_stdout_tail()
         journal.append("note", f"attempt {record.attempt}: resumed".encode(), self.daemon.clock())
         live = LiveWorker(record=record, journal=journal)
         live.stdout_tail += journal.tail_bytes("stdout", STDOUT_TAIL_BYTES)

@@ -523,6 +523,7 @@ def _wake_sender(conn: Connection, rid: int) -> Callable[[list[Wake], bool], Awa
     async def send(wakes: list[Wake], complete: bool) -> None:
         await conn.send(Wakes(id=rid, wakes=wakes, complete=complete))
         conn.delivered.update(w.seq for w in wakes)
+        await trio.lowlevel.checkpoint()  # see _sender
 
     return send
 
@@ -531,6 +532,9 @@ def _sender(conn: Connection, rid: int) -> Callable[[Page], Awaitable[None]]:
     async def send(page: Page) -> None:
         page.id = rid
         await conn.send(page)
+        # A send that the socket took whole does not yield: a stream of pages
+        # to a client that keeps up must still let every other task run.
+        await trio.lowlevel.checkpoint()
 
     return send
 

@@ -227,3 +227,23 @@ def test_a_parent_is_released_only_after_its_children() -> None:
     reg.ended(child.id, 0, 1.0)
     reg.collect(child.id)
     assert reg.release(child.id) == [child.id, parent.id]
+
+
+def test_a_run_nested_in_one_no_file_describes_is_still_nested_after_a_restore() -> None:
+    # A lone spawn's run writes no file; a run nested in it does. Restored
+    # from the files and archives, stopping the outer still takes the inner.
+    before = _registry()
+    lone = _spawn(before)
+    inner = before.new_run(0.0, outer=lone.run)
+    nested = _spawn(before, run=inner.id)
+    after = _registry()
+    after.restore(
+        runs=[inner],
+        records=[lone, nested],
+        tombstones=[],
+        turn=0,
+        fence=None,
+        fence_epochs=0,
+    )
+    assert sorted(after.stop_run(lone.run)) == sorted([lone.id, nested.id])
+    assert after.run_stopped(inner.id)

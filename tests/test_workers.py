@@ -229,3 +229,32 @@ async def test_while_stopping_the_daemon_starts_nothing_new(daemon: DaemonProces
         assert await trio.to_thread.run_sync(daemon.proc.wait, 20) == 0
         assert slow.pid is not None
         assert not alive(slow.pid)
+
+
+async def test_the_result_is_the_end_of_stdout_however_much_stderr_came_after(
+    daemon: DaemonProcess,
+) -> None:
+    # The journal's newest entries are stderr only: the stdout before them is
+    # still the result, from memory, and from the archive after a restart.
+    script = "echo 'RESULT: all good'; head -c 614400 /dev/zero >&2"
+    with trio.fail_after(30):
+        async with AsyncClient(daemon.socket) as client:
+            worker = await client.spawn(sh(script))
+            assert (await client.wait(worker.id)).state == "finished"
+            assert (await client.status(worker.id)).state == "finished"
+    daemon.terminate()
+    daemon.start()
+    with trio.fail_after(30):
+        async with AsyncClient(daemon.socket) as client:
+            result = await client.collect(worker.id)
+            assert result.result == "RESULT: all good\n"
+
+
+async def test_a_resumed_worker_collects_its_last_attempts_output(client: AsyncClient) -> None:
+    script = 'if [ -n "$SUBAGENTD_RESUME" ]; then echo second; else echo first; exit 3; fi'
+    with trio.fail_after(30):
+        worker = await client.spawn(sh(script))
+        assert (await client.wait(worker.id)).state == "failed"
+        await client.resume(worker.id)
+        result = await client.collect(worker.id, wait=True)
+        assert result.result.splitlines()[-1] == "second"
