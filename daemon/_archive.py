@@ -18,7 +18,8 @@ from pathlib import Path
 
 import msgspec
 
-from ._journal import Journal, JournalCorrupt, short_write
+from ._files import replace_file, short_write
+from ._journal import Journal, JournalCorrupt
 from ._registry import WorkerRecord
 
 #: The snapshot's format; a resume refuses one it cannot read.
@@ -135,10 +136,12 @@ class Archive:
                         return
                 finally:
                     os.close(fd)
-        self._replace(self.RECORD, data)
+        replace_file(path, data, what="of a worker record")
 
     def write_stdout_tail(self, data: bytes) -> None:
-        self._replace(self.STDOUT_TAIL, data[-STDOUT_TAIL_BYTES:])
+        replace_file(
+            self.file(self.STDOUT_TAIL), data[-STDOUT_TAIL_BYTES:], what="of a stdout tail"
+        )
 
     def load_record(self) -> WorkerRecord | None:
         """The worker's last record, or None if there is no archive (or it no longer reads)."""
@@ -180,13 +183,6 @@ class Archive:
         """A new attempt begins: the last one's tail no longer ends its stdout."""
         with contextlib.suppress(FileNotFoundError):
             self.file(self.STDOUT_TAIL).unlink()
-
-    def _replace(self, name: str, data: bytes) -> None:
-        tmp = self.file(name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, self.file(name))
 
 
 class SpareArchives:

@@ -78,26 +78,20 @@ class WorkerCgroup:
                     log.critical("cgroup.cannot_return", cgroup=str(self.path), error=str(exc))
 
     def members(self) -> list[int]:
-        """The pids in the cgroup now (an exited process is not one); none once it is removed."""
-        try:
-            with open(self.path / "cgroup.procs", "rb") as f:
-                pids = [int(line) for line in f.read().split()]
-        except FileNotFoundError:
-            return []
-        # Never the daemon, should it be caught standing in the cgroup to fork.
+        """The pids in the cgroup now (an exited process is not one); none once it is removed.
+
+        Never the daemon, should it be caught standing in the cgroup to fork.
+        """
         me = os.getpid()
-        return [pid for pid in pids if pid != me]
+        return [pid for pid in self._listed() if pid != me]
 
     def kill(self) -> None:
         """SIGKILL everything in the cgroup (and whatever it forks meanwhile), never the daemon."""
-        try:
-            with open(self.path / "cgroup.procs", "rb") as f:
-                stranded = os.getpid() in (int(line) for line in f.read().split())
-        except FileNotFoundError:
-            return
-        if not stranded:
-            with open(self.path / "cgroup.kill", "wb") as f:
-                f.write(b"1")
+        listed = self._listed()
+        if os.getpid() not in listed:
+            if listed:
+                with open(self.path / "cgroup.kill", "wb") as f:
+                    f.write(b"1")
             return
         for pid in self.members():  # one by one, sparing the daemon caught in here
             with contextlib.suppress(OSError):
@@ -106,6 +100,13 @@ class WorkerCgroup:
                     signal.pidfd_send_signal(fd, signal.SIGKILL)
                 finally:
                     os.close(fd)
+
+    def _listed(self) -> list[int]:
+        try:
+            with open(self.path / "cgroup.procs", "rb") as f:
+                return [int(line) for line in f.read().split()]
+        except FileNotFoundError:
+            return []
 
     def remove(self) -> bool:
         """Remove the (empty) cgroup; False if something still lives in it."""

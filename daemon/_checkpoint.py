@@ -9,12 +9,11 @@ and archive it, and keeps every other.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import msgspec
 
-from ._journal import short_write
+from ._files import replace_file
 from ._registry import LaunchFence, RunRecord, Tombstone
 
 #: The format written here. Bump on an incompatible change and keep reading the old.
@@ -70,16 +69,7 @@ class CheckpointUnreadable(Exception):
 
 
 def write_checkpoint(path: Path, checkpoint: Checkpoint) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    data = msgspec.msgpack.encode(checkpoint)
-    try:
-        if os.write(fd, data) != len(data):
-            raise short_write("of the checkpoint", str(tmp))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+    replace_file(path, msgspec.msgpack.encode(checkpoint), what="of the checkpoint", durable=True)
 
 
 def read_checkpoint(path: Path) -> Checkpoint:

@@ -25,6 +25,8 @@ import msgspec
 
 from subagentd.protocol import Entry, EntryKind
 
+from ._files import short_write
+
 ENTRY_HEADER: Final = struct.Struct(">II")
 #: Every INDEX_STRIDE-th entry's offset is kept, so a page read seeks near its cursor.
 INDEX_STRIDE: Final = 64
@@ -209,11 +211,6 @@ class Journal:
         if self._write_fd is not None:
             os.close(self._write_fd)
             self._write_fd = None
-
-
-def short_write(what: str, path: str) -> OSError:
-    """A write to a regular file that stopped short: the disk is full."""
-    return OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (short write {what})", path)
 
 
 def _entry(stored: _Stored) -> Entry:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import msgspec
 
+from ._files import replace_file
 from ._registry import RunRecord
 
 _WORKER_ID = re.compile(r"w-[A-Za-z0-9_-]{1,64}")
@@ -110,9 +111,7 @@ def _read_holder(fd: int) -> LockHolder | None:
 def save_run(runs_dir: Path, run: RunRecord) -> None:
     """Runs outlive a crash: nesting and stop flags are on disk, one small file each."""
     runs_dir.mkdir(mode=0o700, exist_ok=True)
-    tmp = runs_dir / f".{run.id}.tmp"
-    tmp.write_bytes(msgspec.json.encode(run))
-    tmp.replace(runs_dir / f"{run.id}.json")
+    replace_file(runs_dir / f"{run.id}.json", msgspec.json.encode(run), what="of a run file")
 
 
 def load_runs(runs_dir: Path) -> list[RunRecord]:

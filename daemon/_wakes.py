@@ -16,7 +16,8 @@ import msgspec
 
 from subagentd.protocol import Wake, WorkerState
 
-from ._journal import ENTRY_HEADER, short_write
+from ._files import replace_file, short_write
+from ._journal import ENTRY_HEADER
 
 #: A parent that wakes are for: ("run", run id) or ("worker", worker id).
 WakeKey = tuple[str, str]
@@ -137,16 +138,8 @@ class WakeLog:
         """Rewrite the log as just what is pending, atomically."""
         records: list[_Record] = [_Floor(queue.last_seq)]
         records += [_Post(w) for w in sorted(queue.pending.values(), key=lambda w: w.seq)]
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         data = b"".join(_frame(r) for r in records)
-        try:
-            if os.write(fd, data) != len(data):
-                raise short_write("compacting the wake log", str(tmp))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, self.path)
+        replace_file(self.path, data, what="compacting the wake log", durable=True)
         if self._fd is not None:
             os.close(self._fd)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
