@@ -698,6 +698,8 @@ class Daemon:
     def new_run(self, outer: str | None) -> str:
         run = self.registry.new_run(self.clock(), outer)
         self.save_run(run.id)
+        if outer is not None:
+            self.save_run(outer)  # no longer implicit: a restart must keep it too
         return run.id
 
     def save_run(self, run_id: str) -> None:

@@ -123,7 +123,7 @@ class RunRecord(msgspec.Struct, kw_only=True):
     created_at: float
     stopped: bool = False
     #: Made for one spawn that named no run: nobody else holds its id, so it
-    #: may go once its workers have. A run asked for by name stays.
+    #: may go once its workers have. A run asked for by name, or nested in, stays.
     implicit: bool = False
 
 
@@ -153,6 +153,8 @@ class Registry:
             outer_run = self.run(outer)
             if outer_run.stopped:
                 raise RunStopped(f"run {outer} was stopped; a run cannot be nested in it")
+            # Whoever nests a run in it holds its id now: it stays when its workers go.
+            outer_run.implicit = False
         run = RunRecord(id=self._fresh_id("r"), outer=outer, created_at=now)
         self.runs[run.id] = run
         self._run_members[run.id] = []
