@@ -81,6 +81,7 @@ class Reloader:
         listen_owned: bool = True,
         daemon_args: Sequence[str],
         no_carry: frozenset[str] = frozenset(),
+        last_reload: float = -math.inf,
     ) -> None:
         self.daemon = daemon
         self.server = server
@@ -90,7 +91,8 @@ class Reloader:
         self.daemon_args = list(daemon_args)
         self.no_carry = no_carry
         self._attempt: _Attempt | None = None
-        self._last = -math.inf
+        #: When the last reload ended (time.monotonic()), carried across the exec.
+        self._last = last_reload
         self.nursery: trio.Nursery | None = None  # where attempts run: set by the daemon
 
     async def reload(self, requester: object | None, request_id: int) -> Reply | None:
@@ -106,7 +108,11 @@ class Reloader:
         if attempt is None:
             wait = self._last + MIN_INTERVAL - time.monotonic()
             if wait > 0:
-                raise Busy(f"a reload finished {MIN_INTERVAL - wait:.1f} s ago", retry_after=wait)
+                raise Busy(
+                    f"the last reload ended {MIN_INTERVAL - wait:.1f} s ago; "
+                    f"reload again in {wait:.1f} s",
+                    retry_after=wait,
+                )
             assert self.nursery is not None, "Reloader.nursery is not set"
             attempt = self._attempt = _Attempt()
             self.nursery.start_soon(self._run, attempt)
@@ -241,6 +247,7 @@ class Reloader:
                 if conn in kept
             ],
             stopped_by_reload=attempt.stopped_by_reload,
+            reloaded_at=time.monotonic(),
         )
         write_checkpoint(self.checkpoint_path, checkpoint)
         carried = [self.listen_fd, state_dir.lock_fd, *kept.values()]

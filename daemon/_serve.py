@@ -8,6 +8,7 @@ child on the critical path, imports none of it.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 from collections.abc import AsyncIterator
@@ -125,6 +126,7 @@ async def serve(settings: Settings) -> None:
         listen_owned=control.owned,
         daemon_args=settings.daemon_args(),
         no_carry=frozenset(filter(None, os.environ.get(NO_CARRY_ENV, "").split(","))),
+        last_reload=_reloaded_at(handoff),
     )
     server.reloader = reloader
     listener = trio.SocketListener(trio.socket.from_stdlib_socket(control.sock))
@@ -182,6 +184,13 @@ def _tree_tracking(settings: Settings) -> tuple[Cgroups | None, str]:
         log.warning("daemon.no_cgroups", reason=str(exc), then="finding trees by scanning /proc")
         return None, f"/proc scan ({exc})"
     return cgroups, f"cgroup {cgroups.base}"
+
+
+def _reloaded_at(handoff: Checkpoint | None) -> float:
+    """When the reload that started this image ended (its rate limit runs on across the exec)."""
+    if handoff is None or handoff.reloaded_at is None:
+        return -math.inf
+    return handoff.reloaded_at
 
 
 def _read_handoff(path: Path) -> Checkpoint | None:

@@ -9,7 +9,10 @@ import json
 
 import trio
 
+from subagentd import protocol as p
+
 from .conftest import DaemonProcess
+from .helpers import RawConnection
 
 
 def ctl_json(daemon: DaemonProcess, *args: str) -> dict[str, object]:
@@ -44,3 +47,30 @@ async def test_a_run_nested_in_a_collected_lone_spawns_run_keeps_taking_spawns(
         )
         assert refused.returncode != 0
         assert "stopped" in refused.stderr, refused.stderr
+
+
+async def reload_on_own_connection(daemon: DaemonProcess) -> p.Reply:
+    """Ask for a reload on a connection of its own; the answer comes from the new image."""
+    conn = await RawConnection.open(daemon.socket)
+    async with conn.stream:
+        await conn.send(p.Reload(id=2))
+        reply = await conn.receive()
+        assert reply is not None
+        return reply
+
+
+async def test_a_reload_asked_at_once_after_another_is_busy_until_retry_after(
+    daemon: DaemonProcess,
+) -> None:
+    with trio.fail_after(60):
+        first = await reload_on_own_connection(daemon)
+        assert isinstance(first, p.ReloadReply), first
+        second = await reload_on_own_connection(daemon)
+        assert isinstance(second, p.Error), second
+        assert second.code == "busy"
+        assert second.retry_after is not None
+        assert 0 < second.retry_after <= 1.0
+        await trio.sleep(second.retry_after)  # what the refusal says to do
+        third = await reload_on_own_connection(daemon)
+        assert isinstance(third, p.ReloadReply), third
+        assert third.image_generation == 3
