@@ -3,7 +3,8 @@ processes, journals their output and answers what the server asks.
 
 The registry decides; this module carries decisions out against real
 processes and files. One supervise task per worker owns that worker's pipes,
-pidfd and journal until the worker has ended.
+pidfd and journal until the worker has ended; it is a fault boundary, so an
+unexpected exception in it ends that worker `failed`, never the daemon.
 """
 
 from __future__ import annotations
@@ -78,9 +79,25 @@ TAIL_FILE_FROM_BYTES = 1024 * 1024
 WAKE_PREVIEW_CHARS = 200
 #: A watch page never holds more entries than this, whatever the client asks.
 MAX_PAGE_ENTRIES = 10_000
+#: Fault injection for the tests of the fault boundaries, read once at start:
+#: SUBAGENTD_FAULT="point:target,...". `ending:N`, `pump:N` and `record:N` raise in the
+#: supervision of a worker named N (as its ending begins, once a chunk of its output is
+#: journaled, as its ending's record is written), `expire:N` as its handle expires;
+#: `reload:early` raises as a reload begins.
+FAULT_ENV = "SUBAGENTD_FAULT"
 #: Variables of the daemon's own environment that no worker inherits: they
 #: belong to the service manager's conversation with the daemon, not theirs.
 _PRIVATE_ENV_PREFIXES = ("NOTIFY_SOCKET", "LISTEN_", "WATCHDOG_", "SUBAGENTD_")
+
+
+class InjectedFault(Exception):
+    """Raised where SUBAGENTD_FAULT asks: a stand-in for any unexpected exception."""
+
+
+def read_faults(spec: str) -> frozenset[tuple[str, str]]:
+    """The (point, target) pairs of a SUBAGENTD_FAULT value."""
+    pairs = (item.partition(":") for item in spec.split(","))
+    return frozenset((point, target) for point, _, target in pairs if point)
 
 
 @dataclass(frozen=True)
@@ -110,6 +127,7 @@ class LiveWorker:
     terminated: trio.Event = field(default_factory=trio.Event)
     terminating: bool = False
     stdout_tail: bytearray = field(default_factory=bytearray)
+    returncode: int | None = None  # once reaped
 
     def reset_supervision(self) -> None:
         """Fresh per-supervision state for a (re)adopted worker; a stop asked before stands."""
@@ -132,8 +150,11 @@ class Daemon:
         clock: Callable[[], float] = time.time,
         cgroups: Cgroups | None = None,
         tree_tracking: str = "",
+        faults: frozenset[tuple[str, str]] = frozenset(),
     ) -> None:
         self.state_dir = state_dir
+        #: Where to raise InjectedFault (see FAULT_ENV); empty but in tests.
+        self.faults = faults
         #: Where workers' cgroups go; None: their trees are found by scanning /proc.
         self.cgroups = cgroups
         #: How trees are tracked, and if not by cgroups why not (reported by `info`).
@@ -179,6 +200,11 @@ class Daemon:
         self.activity = trio.Event()
         self.load_config()
 
+    def fault(self, point: str, target: str) -> None:
+        """Raise InjectedFault if SUBAGENTD_FAULT asked for one here."""
+        if (point, target) in self.faults:
+            raise InjectedFault(f"injected fault at {point}:{target}")
+
     def touch(self) -> None:
         """Something happened: wake whoever waits for activity."""
         activity, self.activity = self.activity, trio.Event()
@@ -205,9 +231,12 @@ class Daemon:
         """
         await self._prune_archives_once()  # before serving: nobody reads a doomed archive
         async with trio.open_nursery() as timers:
-            timers.start_soon(self._expire_handles)
-            timers.start_soon(self._prune_archives_daily)
-            timers.start_soon(self._make_spare_archives)
+            for task in (
+                self._expire_handles,
+                self._prune_archives_daily,
+                self._make_spare_archives,
+            ):
+                timers.start_soon(_keep_running, task)
             started = False
             while True:
                 with trio.CancelScope() as self._supervision:
@@ -440,6 +469,17 @@ class Daemon:
     # -- supervising ---------------------------------------------------------
 
     async def _supervise(self, live: LiveWorker) -> None:
+        """Supervise one worker until it has ended: a fault boundary. An exception in
+        here ends this worker `failed` (its whole tree with it), saying why in its
+        journal, and reaches no other worker and not the daemon."""
+        try:
+            await self._watch(live)
+        except* Exception as faults:
+            # Shielded like any cleanup: a reload's freeze waits for it to finish.
+            with trio.CancelScope(shield=True):
+                await self._fail(live, _first(faults))
+
+    async def _watch(self, live: LiveWorker) -> None:
         record, process = live.record, live.process
         assert process is not None
         pipes_closed = trio.Event()
@@ -455,7 +495,7 @@ class Daemon:
             with trio.move_on_after(PIPE_DRAIN_SECONDS):
                 await pipes_closed.wait()
             nursery.cancel_scope.cancel()
-        returncode = process.reap()
+        live.returncode = returncode = process.reap()
         process.close()
         if process.cgroup is not None:
             self._remove_group(process.cgroup)
@@ -464,6 +504,47 @@ class Daemon:
         live.ended.set()
         live.grown.set()
         log.info("worker.ended", worker=record.id, state=record.state, exit_code=record.exit_code)
+
+    async def _fail(self, live: LiveWorker, error: Exception) -> None:
+        """End a worker whose supervision raised: its tree, its process, then its ending,
+        as `failed`. Each step stands alone, so one that fails again skips no other."""
+        record, process = live.record, live.process
+        why = f"supervision failed ({type(error).__name__}: {error}); the worker was ended"
+        log.error("worker.supervision_failed", worker=record.id, error=why, exc_info=error)
+        try:
+            if process is not None and process.pidfd >= 0:  # not reaped: its tree may run on
+                await self._end_tree_after_fault(live, process)
+                live.returncode = await _reap_after_fault(process)
+                process.close()
+                if process.cgroup is not None:
+                    self._remove_group(process.cgroup)
+            elif process is not None:
+                process.close()  # the pipes, if the fault came between the reap and their close
+        except Exception:
+            log.exception("worker.not_reaped", worker=record.id)
+        self.live.pop(record.id, None)
+        try:
+            self._finish(
+                record, live.journal, live.returncode, bytes(live.stdout_tail), failure=why
+            )
+        except Exception:
+            log.exception("worker.ending_not_recorded", worker=record.id)
+        live.ended.set()
+        live.grown.set()
+
+    async def _end_tree_after_fault(self, live: LiveWorker, process: WorkerProcess) -> None:
+        """End the whole tree: given its grace if that works, at once if not."""
+        for grace in (live.record.grace, 0.0):
+            try:
+                if process.cgroup is not None:
+                    await end_cgroup(process.cgroup, grace)
+                else:
+                    await end_tree(
+                        self.processes, process.pid, live.record.id, process.starttime, grace
+                    )
+                return
+            except Exception:
+                log.exception("worker.tree_not_ended", worker=live.record.id, grace=grace)
 
     async def _terminate(self, live: LiveWorker) -> None:
         """End the worker's whole process tree, once, however many ask."""
@@ -527,15 +608,28 @@ class Daemon:
             self._remove_group(group)
 
     def _finish(
-        self, record: WorkerRecord, journal: Journal, returncode: int | None, stdout_tail: bytes
+        self,
+        record: WorkerRecord,
+        journal: Journal,
+        returncode: int | None,
+        stdout_tail: bytes,
+        failure: str | None = None,
     ) -> None:
+        """Record a worker's ending; `failure`: its supervision failed (and says why), so
+        it ends `failed` whatever its exit, even if an ending had begun before the fault."""
+        if failure is None:
+            self.fault("ending", record.name)
         now = self.clock()
         self.registry.ended(record.id, returncode, now)
         archive = Archive(Path(record.archive))
         # Each write may meet a full disk; the ending stands in memory regardless
         # (and its wake is delivered from memory) and is reported.
+        if failure is not None:
+            record.state = "failed"
+            journal = self._note_failure(record, journal, failure, now)
         try:
-            journal.append("state", f"{record.state} exit_code={returncode}".encode(), now)
+            if journal.writable:
+                journal.append("state", f"{record.state} exit_code={returncode}".encode(), now)
         except OSError as exc:
             self._disk_trouble(f"journal of {record.id}", exc)
         journal.close()
@@ -552,7 +646,11 @@ class Daemon:
             except OSError as exc:
                 self._disk_trouble(f"archive of {record.id}", exc)
         self.post_wake(record, archive, stdout_tail)
+        if failure is not None:
+            self._restate_wake(record)
         try:
+            if failure is None:
+                self.fault("record", record.name)
             archive.write_record(record)
         except OSError as exc:
             self._disk_trouble(f"record of {record.id}", exc)
@@ -617,6 +715,36 @@ class Daemon:
         posted, self._wakes_posted = self._wakes_posted, trio.Event()
         posted.set()
 
+    def _note_failure(
+        self, record: WorkerRecord, journal: Journal, failure: str, now: float
+    ) -> Journal:
+        """Say in the journal why supervision failed; the journal, opened again if the
+        ending had closed it before the fault."""
+        try:
+            if not journal.writable:
+                journal = Journal.open(journal.path, writable=True)
+            journal.append("note", failure.encode(), now)
+        except Exception:
+            log.exception("journal.failure_not_noted", worker=record.id)
+        return journal
+
+    def _restate_wake(self, record: WorkerRecord) -> None:
+        """Make a wake posted before a fault changed its worker's state say the new one.
+
+        Nobody has read it: the fault's handling reaches here without a checkpoint
+        after the post (a fault after the reap awaits nothing). Logged again under
+        its seq, it replaces the first post when the log is replayed.
+        """
+        for wake in self.wakes.pending.values():
+            if (wake.id, wake.attempt) != (record.id, record.attempt):
+                continue
+            if (wake.state, wake.exit_code) != (record.state, record.exit_code):
+                wake.state, wake.exit_code = record.state, record.exit_code
+                try:
+                    self.wake_log.posted(wake)
+                except OSError as exc:
+                    self._disk_trouble("wake log", exc)
+
     async def _pump_pipes(self, live: LiveWorker, closed: trio.Event) -> None:
         async with trio.open_nursery() as nursery:
             for kind in ("stdout", "stderr"):
@@ -644,6 +772,7 @@ class Daemon:
                 del live.stdout_tail[:-STDOUT_TAIL_BYTES]
             grown, live.grown = live.grown, trio.Event()
             grown.set()
+            self.fault("pump", live.record.name)
             await trio.lowlevel.checkpoint()
 
         return deliver
@@ -940,15 +1069,22 @@ class Daemon:
             changed = self._retention_changed = trio.Event()
             now = self.clock()
             for worker_id in self.registry.expired(now, self.finished_ttl):
-                record = self.registry.workers[worker_id]
-                record.expired = True
-                stone = None
-                if self.registry.needs_tombstone(worker_id):
-                    stone = Tombstone.of(record, self._stdout_tail(record))
-                self._release(worker_id, stone)
+                try:
+                    self._expire(worker_id)
+                except Exception:  # that handle stays; the others still go
+                    log.exception("worker.not_expired", worker=worker_id)
             deadline = self.registry.next_expiry(self.finished_ttl)
             with trio.move_on_after(math.inf if deadline is None else deadline - now):
                 await changed.wait()
+
+    def _expire(self, worker_id: str) -> None:
+        record = self.registry.workers[worker_id]
+        self.fault("expire", record.name)
+        record.expired = True
+        stone = None
+        if self.registry.needs_tombstone(worker_id):
+            stone = Tombstone.of(record, self._stdout_tail(record))
+        self._release(worker_id, stone)
 
     async def _prune_archives_once(self) -> None:
         """Delete archives of workers that ended more than the keep period ago."""
@@ -978,6 +1114,42 @@ class Daemon:
             state_dir=str(self.state_dir.root),
             problems=[self.disk_problem] if self.disk_problem else [],
         )
+
+
+#: A housekeeping task that raised starts again after this, doubling up to the max.
+TASK_RETRY_FIRST = 1.0
+TASK_RETRY_MAX = 60.0
+
+
+async def _keep_running(task: Callable[[], Awaitable[None]]) -> None:
+    """Run a housekeeping task for good: an exception is logged and the task started
+    again after a pause, never the end of the daemon and every worker with it."""
+    delay = TASK_RETRY_FIRST
+    while True:
+        try:
+            await task()
+        except Exception:
+            log.exception("daemon.task_failed", task=task.__name__, retry_in=delay)
+        await trio.sleep(delay)
+        delay = min(delay * 2, TASK_RETRY_MAX)
+
+
+def _first(group: BaseExceptionGroup[Exception]) -> Exception:
+    """The first exception a group holds, at any depth: what a failure is told by."""
+    found: BaseException = group
+    while isinstance(found, BaseExceptionGroup):
+        found = found.exceptions[0]
+    assert isinstance(found, Exception)
+    return found
+
+
+async def _reap_after_fault(process: WorkerProcess) -> int | None:
+    """Reap a process whose tree was just ended; None if it will not exit (left unreaped)."""
+    with trio.move_on_after(PIPE_DRAIN_SECONDS * 5):
+        await process.wait_exited()
+        return process.reap()
+    log.error("worker.not_exited", pid=process.pid)
+    return None
 
 
 def inherited_env(environ: Mapping[str, str]) -> dict[str, str]:

@@ -22,7 +22,7 @@ from subagentd.protocol.errors import RemoteError
 
 from ._cgroup import Cgroups, CgroupsUnavailable
 from ._checkpoint import Checkpoint, CheckpointUnreadable, read_checkpoint
-from ._daemon import Daemon
+from ._daemon import FAULT_ENV, Daemon, read_faults
 from ._listener import ControlSocket, activated_socket, bind_control_socket
 from ._main import Settings
 from ._notify import notify
@@ -99,6 +99,7 @@ async def serve(settings: Settings) -> None:
         keep_archives_days=settings.keep_archives_days,
         cgroups=cgroups,
         tree_tracking=tree_tracking,
+        faults=read_faults(os.environ.get(FAULT_ENV, "")),
     )
     adopted: list[tuple[int, Reply]] = []
     if handoff is not None:
