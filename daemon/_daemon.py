@@ -16,7 +16,7 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -83,7 +83,7 @@ MAX_PAGE_ENTRIES = 10_000
 #: SUBAGENTD_FAULT="point:target,...". `ending:N`, `pump:N` and `record:N` raise in the
 #: supervision of a worker named N (as its ending begins, once a chunk of its output is
 #: journaled, as its ending's record is written), `expire:N` as its handle expires;
-#: `reload:early` raises as a reload begins.
+#: `reload:early` raises as the first reload begins.
 FAULT_ENV = "SUBAGENTD_FAULT"
 #: Variables of the daemon's own environment that no worker inherits: they
 #: belong to the service manager's conversation with the daemon, not theirs.
@@ -200,9 +200,11 @@ class Daemon:
         self.activity = trio.Event()
         self.load_config()
 
-    def fault(self, point: str, target: str) -> None:
-        """Raise InjectedFault if SUBAGENTD_FAULT asked for one here."""
+    def fault(self, point: str, target: str, *, once: bool = False) -> None:
+        """Raise InjectedFault if SUBAGENTD_FAULT asked for one here (`once`: the first time)."""
         if (point, target) in self.faults:
+            if once:
+                self.faults -= {(point, target)}
             raise InjectedFault(f"injected fault at {point}:{target}")
 
     def touch(self) -> None:
@@ -272,6 +274,16 @@ class Daemon:
         """Supervise every live worker again."""
         self._thaw_asked.set()
         await self._thawed.wait()
+
+    @contextlib.asynccontextmanager
+    async def frozen(self) -> AsyncIterator[None]:
+        """Supervision frozen for the body, and thawed after it unless the body execs:
+        a thaw only ever follows a freeze."""
+        await self.freeze()
+        try:
+            yield
+        finally:
+            await self.thaw()
 
     # -- spawning ------------------------------------------------------------
 

@@ -11,12 +11,14 @@ image thaws and serves on, having lost and withheld nothing.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -124,27 +126,25 @@ class Reloader:
     async def _run(self, attempt: _Attempt) -> None:
         try:
             await self._reload(attempt)
-        except (Refused, OSError) as exc:
-            message = exc.message if isinstance(exc, Refused) else f"exec failed: {exc}"
-            attempt.failure = Error(id=0, code=ErrorCode.REFUSED, message=message)
-            log.error("reload.failed", error=message)
         except Exception as exc:
-            # Whatever went wrong, the old image must not stay frozen: serve on.
-            log.exception("reload.failed")
-            attempt.failure = Error(
-                id=0, code=ErrorCode.INTERNAL, message=f"reload failed: {exc!r}; serving on"
-            )
-            await self.daemon.thaw()
-            self.server.resume([])
+            # Whatever was done has been undone on the way out (see _reload): serve on.
+            attempt.failure = _failure(exc)
+            if isinstance(exc, Refused | OSError):
+                log.error("reload.failed", error=attempt.failure.message)
+            else:
+                log.exception("reload.failed")
         finally:
             self._attempt = None
             self._last = time.monotonic()
             attempt.done.set()
 
     async def _reload(self, attempt: _Attempt) -> None:
+        """Check, pause, freeze, exec. Each step that changes something is a scope that
+        undoes it if what follows fails, so a failure undoes exactly what was done."""
         daemon = self.daemon
         daemon.reloading = True
         try:
+            daemon.fault("reload", "early", once=True)
             # A spawn in flight may have the daemon standing in its worker's
             # cgroup to fork it: the check's child must not be born there.
             await daemon.launches_settled()
@@ -152,31 +152,16 @@ class Reloader:
             await self._check_new_image()
             if self.no_carry:
                 attempt.stopped_by_reload = await self._stop_uncarriable()
-            notify("RELOADING=1", monotonic_usec(), "STATUS=reloading")
             log.info("reload.checked")
-            kept = await self.server.pause([conn for conn, _ in attempt.requesters])
-            await daemon.freeze()
-            log.info("reload.frozen")
-            if daemon.shutting_down:  # SIGTERM came while we froze: stopping wins
-                for fd in kept.values():
-                    os.close(fd)
-                await daemon.thaw()
-                self.server.resume([])
-                raise Refused("the daemon is shutting down; it will not reload")
-            try:
-                self._exec(attempt, kept)
-            except OSError as exc:
-                await daemon.thaw()
-                refusal = f"exec failed: {exc}; the old image serves on"
-                self.server.resume(
-                    [
-                        (kept[conn], Error(id=rid, code=ErrorCode.REFUSED, message=refusal))
-                        for conn, rid in attempt.requesters
-                        if conn in kept
-                    ]
-                )
-                notify("READY=1", "STATUS=serving (reload failed)")
-                raise
+            with _reloading_told():
+                async with (
+                    self.server.paused(attempt.requesters, _failure) as kept,
+                    daemon.frozen(),
+                ):
+                    log.info("reload.frozen")
+                    if daemon.shutting_down:  # SIGTERM came while we froze: stopping wins
+                        raise Refused("the daemon is shutting down; it will not reload")
+                    self._exec(attempt, kept)
         finally:
             daemon.reloading = False
 
@@ -281,11 +266,35 @@ class Reloader:
 class ServerLike(Protocol):
     """What the reloader needs of the server (the real one is `_server.Server`)."""
 
-    async def pause(self, keep: list[object]) -> dict[object, int]:
-        """Tell every client `reloading`, stop serving; dup'ed fds of the `keep` connections."""
+    def paused(
+        self, requesters: list[tuple[object, int]], failure: Callable[[BaseException], Error]
+    ) -> AbstractAsyncContextManager[dict[object, int]]:
+        """Not serving for the body: every client told `reloading`, the requesters'
+        connections kept as descriptors (by connection). Serving again after it, each kept
+        connection first answered `failure(exc)` for each of its requests if it raised."""
 
-    def resume(self, adopted: list[tuple[int, Reply]]) -> None:
-        """Serve again, first answering each adopted connection (fd) with its reply."""
+
+@contextlib.contextmanager
+def _reloading_told() -> Iterator[None]:
+    """The service manager hears RELOADING=1; READY=1 again if the reload fails (on
+    success, the new image says it)."""
+    notify("RELOADING=1", monotonic_usec(), "STATUS=reloading")
+    try:
+        yield
+    except BaseException:
+        notify("READY=1", "STATUS=serving (reload failed)")
+        raise
+
+
+def _failure(exc: BaseException) -> Error:
+    """What the requesters of a reload that failed with `exc` are told (with id 0)."""
+    if isinstance(exc, Refused):
+        return Error(id=0, code=ErrorCode.REFUSED, message=exc.message)
+    if isinstance(exc, OSError):
+        return Error(
+            id=0, code=ErrorCode.REFUSED, message=f"exec failed: {exc}; the old image serves on"
+        )
+    return Error(id=0, code=ErrorCode.INTERNAL, message=f"reload failed: {exc!r}; serving on")
 
 
 def _carried(live: LiveWorker) -> CarriedWorker:

@@ -13,7 +13,7 @@ import itertools
 import os
 import socket
 import struct
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -216,6 +216,28 @@ class Server:
         await self._paused.wait()
         self._keep = set()
         return {conn: fd for conn, fd in kept.items()}
+
+    @contextlib.asynccontextmanager
+    async def paused(
+        self, requesters: list[tuple[object, int]], failure: Callable[[BaseException], Error]
+    ) -> AsyncIterator[dict[object, int]]:
+        """`pause` for the body, which may carry the kept descriptors across an exec;
+        `resume` after it, each kept connection first answered `failure(exc)` for each
+        of its requests if the body raised."""
+        kept = await self.pause([conn for conn, _ in requesters])
+        try:
+            yield kept
+        except BaseException as exc:
+            error = failure(exc)
+            self.resume(
+                [
+                    (kept[conn], Error(id=rid, code=error.code, message=error.message))
+                    for conn, rid in requesters
+                    if conn in kept
+                ]
+            )
+            raise
+        self.resume([])
 
     @staticmethod
     async def _notify_reloading(conn: Connection, notice: Error) -> None:

@@ -10,9 +10,13 @@ import json
 import trio
 
 from subagentd import protocol as p
+from subagentd.client import AsyncClient
 
 from .conftest import DaemonProcess
-from .helpers import RawConnection
+from .helpers import RawConnection, sh, wait_output
+
+# Numbered lines, slowly enough that reloads land in the middle of them.
+COUNT_LINES = "i=0; while [ $i -lt {n} ]; do i=$((i+1)); echo line $i; sleep 0.02; done"
 
 
 def ctl_json(daemon: DaemonProcess, *args: str) -> dict[str, object]:
@@ -74,3 +78,41 @@ async def test_a_reload_asked_at_once_after_another_is_busy_until_retry_after(
         third = await reload_on_own_connection(daemon)
         assert isinstance(third, p.ReloadReply), third
         assert third.image_generation == 3
+
+
+async def reload_until_not_busy(daemon: DaemonProcess) -> p.Reply:
+    """Reload, waiting out the rate limit as its refusal says."""
+    reply = await reload_on_own_connection(daemon)
+    while isinstance(reply, p.Error) and reply.code == "busy":
+        await trio.sleep(reply.retry_after or 0.1)
+        reply = await reload_on_own_connection(daemon)
+    return reply
+
+
+async def test_a_reload_failing_before_its_freeze_undoes_nothing_it_did_not_do(
+    daemon_dirs: DaemonProcess,
+) -> None:
+    daemon_dirs.start(env={"SUBAGENTD_FAULT": "reload:early"})
+    with trio.fail_after(60):
+        async with AsyncClient(daemon_dirs.socket) as client:
+            writer = await client.spawn(sh(COUNT_LINES.format(n=400)))
+            await wait_output(client, writer.id, b"line 3\n")
+        early = await reload_until_not_busy(daemon_dirs)
+        assert isinstance(early, p.Error), early
+        assert (early.code, "injected fault at reload:early" in early.message) == (
+            "internal",
+            True,
+        )
+        # An exec that fails rolls back what it did: its requester is answered, all serve on.
+        (daemon_dirs.state_dir / "checkpoint.tmp").mkdir()
+        failed = await reload_until_not_busy(daemon_dirs)
+        assert isinstance(failed, p.Error), failed
+        assert "old image serves on" in failed.message
+        (daemon_dirs.state_dir / "checkpoint.tmp").rmdir()
+        reloaded = await reload_until_not_busy(daemon_dirs)
+        assert isinstance(reloaded, p.ReloadReply), reloaded
+        assert (reloaded.image_generation, reloaded.carried_live) == (2, 1)
+        async with AsyncClient(daemon_dirs.socket) as client:
+            assert (await client.wait(writer.id)).state == "finished"
+            result = await client.collect(writer.id)
+            assert result.result == "".join(f"line {i}\n" for i in range(1, 401))
