@@ -33,10 +33,16 @@ class CarriedWorker(msgspec.Struct, kw_only=True):
 
 
 class CarriedConnection(msgspec.Struct, kw_only=True):
-    """The connection that asked for the reload, answered by the new image."""
+    """A connection that asked for the reload, answered by the new image: one
+    descriptor, however many reloads it asked (each is owed its own answer)."""
 
     fd: int
-    request_id: int
+    request_id: int  # the first it asked
+    later_request_ids: list[int] = []
+
+    @property
+    def request_ids(self) -> list[int]:
+        return [self.request_id, *self.later_request_ids]
 
 
 class Checkpoint(msgspec.Struct, kw_only=True):

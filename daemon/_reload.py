@@ -227,9 +227,8 @@ class Reloader:
             fence=daemon.registry.fence,
             fence_epochs=daemon.registry.fence_epochs,
             requesters=[
-                CarriedConnection(fd=kept[conn], request_id=rid)
-                for conn, rid in attempt.requesters
-                if conn in kept
+                CarriedConnection(fd=fd, request_id=rids[0], later_request_ids=rids[1:])
+                for fd, rids in owed_by_connection(attempt.requesters, kept)
             ],
             stopped_by_reload=attempt.stopped_by_reload,
             reloaded_at=time.monotonic(),
@@ -309,6 +308,13 @@ def _carried(live: LiveWorker) -> CarriedWorker:
         archive=live.record.archive,
         record=msgspec.msgpack.encode(live.record),
     )
+
+
+def owed_by_connection(
+    requesters: list[tuple[object, int]], kept: dict[object, int]
+) -> list[tuple[int, list[int]]]:
+    """Each kept connection's descriptor, once, with the ids of every reload it asked."""
+    return [(fd, [rid for c, rid in requesters if c is conn]) for conn, fd in kept.items()]
 
 
 def _answer(failure: Error | None, request_id: int) -> Reply | None:

@@ -101,11 +101,12 @@ async def serve(settings: Settings) -> None:
         tree_tracking=tree_tracking,
         faults=read_faults(os.environ.get(FAULT_ENV, "")),
     )
-    adopted: list[tuple[int, Reply]] = []
+    adopted: list[tuple[int, list[Reply]]] = []
     if handoff is not None:
         carried, stopped = await adopt(daemon, handoff)
         adopted = [
-            (c.fd, reload_reply(daemon, c.request_id, carried, stopped)) for c in handoff.requesters
+            (c.fd, [reload_reply(daemon, rid, carried, stopped) for rid in c.request_ids])
+            for c in handoff.requesters
         ]
         assert settings.handoff is not None
         settings.handoff.unlink(missing_ok=True)

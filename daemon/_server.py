@@ -80,7 +80,7 @@ from subagentd.protocol.errors import (
 )
 
 from ._daemon import RELOAD_RETRY, Daemon
-from ._reload import Reloader
+from ._reload import Reloader, owed_by_connection
 from ._resumer import Resumer
 
 log = structlog.get_logger("subagentd")
@@ -157,18 +157,18 @@ class Server:
         self._keep: set[Connection] = set()
         self._closed = trio.Event()  # set and replaced each time a connection closes
         self._paused = trio.Event()
-        self._resumed: list[tuple[int, Reply]] | None = None
+        self._resumed: list[tuple[int, list[Reply]]] | None = None
         self._resume = trio.Event()
 
     async def serve(
         self,
         listener: trio.SocketListener,
-        adopted: list[tuple[int, Reply]] | None = None,
+        adopted: list[tuple[int, list[Reply]]] | None = None,
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Accept connections until cancelled. ``adopted``: connections handed over by a
-        reload (their descriptor, and the reply they are owed), served first.
+        reload (their descriptor, and the replies they are owed), served first.
 
         While paused (a reload under way) nothing is accepted: connects wait in
         the listening socket's backlog, which survives the exec.
@@ -178,8 +178,8 @@ class Server:
         while True:
             with trio.CancelScope() as self._scope:
                 async with trio.open_nursery() as nursery:
-                    for fd, reply in pending:
-                        nursery.start_soon(self._handle_adopted, fd, reply)
+                    for fd, replies in pending:
+                        nursery.start_soon(self._handle_adopted, fd, replies)
                     with trio.CancelScope() as self._accepting:
                         while True:
                             stream = await listener.accept()
@@ -231,13 +231,12 @@ class Server:
             error = failure(exc)
             self.resume(
                 [
-                    (kept[conn], Error(id=rid, code=error.code, message=error.message))
-                    for conn, rid in requesters
-                    if conn in kept
+                    (fd, [Error(id=rid, code=error.code, message=error.message) for rid in rids])
+                    for fd, rids in owed_by_connection(requesters, kept)
                 ]
             )
             raise
-        self.resume([])
+        self.resume([(fd, []) for fd in kept.values()])
 
     @staticmethod
     async def _notify_reloading(conn: Connection, notice: Error) -> None:
@@ -246,18 +245,18 @@ class Server:
             with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                 await conn.send(notice)
 
-    def resume(self, adopted: list[tuple[int, Reply]]) -> None:
+    def resume(self, adopted: list[tuple[int, list[Reply]]]) -> None:
         self._resumed = adopted
         self._resume.set()
 
-    async def _handle_adopted(self, fd: int, reply: Reply) -> None:
+    async def _handle_adopted(self, fd: int, replies: list[Reply]) -> None:
         sock = trio.socket.from_stdlib_socket(socket.socket(fileno=fd))
         os.set_inheritable(fd, False)
         stream = trio.SocketStream(sock)
-        await self.handle(stream, first=reply)
+        await self.handle(stream, owed=replies)
 
-    async def handle(self, stream: trio.SocketStream, first: Reply | None = None) -> None:
-        """Serve one connection; ``first``: an adopted connection (past its hello), owed it."""
+    async def handle(self, stream: trio.SocketStream, owed: list[Reply] | None = None) -> None:
+        """Serve one connection; ``owed``: an adopted connection (past its hello), owed these."""
         conn = Connection(stream=stream, conn_id=next(_conn_ids))
         structlog.contextvars.bind_contextvars(conn=conn.conn_id)
         self.connections += 1
@@ -266,8 +265,9 @@ class Server:
         # One connection's failure ends that connection, never the server.
         try:
             async with stream:
-                if first is not None:
-                    await conn.send(first)
+                if owed is not None:
+                    for reply in owed:
+                        await conn.send(reply)
                     await self._serve_requests(conn, hello_seen=True)
                 elif await self._admit(conn):
                     await self._serve_requests(conn)

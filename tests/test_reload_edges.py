@@ -116,3 +116,19 @@ async def test_a_reload_failing_before_its_freeze_undoes_nothing_it_did_not_do(
             assert (await client.wait(writer.id)).state == "finished"
             result = await client.collect(writer.id)
             assert result.result == "".join(f"line {i}\n" for i in range(1, 401))
+
+
+async def test_two_reloads_pipelined_on_one_connection_are_both_answered_and_it_serves_on(
+    daemon: DaemonProcess,
+) -> None:
+    with trio.fail_after(60):
+        conn = await RawConnection.open(daemon.socket)
+        async with conn.stream:
+            await conn.stream.send_all(p.encode(p.Reload(id=2)) + p.encode(p.Reload(id=3)))
+            answers = [await conn.receive(), await conn.receive()]
+            assert all(isinstance(a, p.ReloadReply) for a in answers), answers
+            assert sorted(a.id for a in answers if a is not None) == [2, 3]
+            await conn.send(p.Info(id=4))
+            info = await conn.receive()
+            assert isinstance(info, p.InfoReply), info
+            assert info.info.image_generation == 2
