@@ -47,6 +47,7 @@ from subagentd.protocol.errors import (
 from ._agents import AgentDef, ConfigError, load_agents
 from ._archive import STDOUT_TAIL_BYTES, Archive, Snapshot, SpareArchives, prune_archives
 from ._cgroup import Cgroups, WorkerCgroup, end_cgroup
+from ._files import NotRegularFile
 from ._journal import Journal
 from ._process import SpawnFailed, WorkerProcess, pump
 from ._registry import (
@@ -842,6 +843,11 @@ class Daemon:
             except FileNotFoundError:
                 raise NotFound(
                     f"worker {found.id}'s journal is gone (its archive was pruned)"
+                ) from None
+            except NotRegularFile:
+                raise Refused(
+                    f"worker {found.id}'s journal is no longer a regular file (a symlink or "
+                    "FIFO put in its place); the daemon does not read it"
                 ) from None
         self._keep_journal_open(found.id, journal)
         return journal

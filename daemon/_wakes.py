@@ -16,9 +16,11 @@ import msgspec
 
 from subagentd.protocol import Wake, WorkerState
 
-from ._files import replace_file, short_write
+from ._files import read_regular, replace_file, short_write
 from ._journal import ENTRY_HEADER
 
+#: Far above any wake log (compaction keeps it near what is pending).
+WAKE_LOG_READ_LIMIT = 1024 * 1024 * 1024
 #: A parent that wakes are for: ("run", run id) or ("worker", worker id).
 WakeKey = tuple[str, str]
 
@@ -114,7 +116,7 @@ class WakeLog:
         """Replay the log into a queue (a torn tail is cut), then compact it."""
         queue = WakeQueue()
         try:
-            blob = self.path.read_bytes()
+            blob = read_regular(self.path, WAKE_LOG_READ_LIMIT)
         except FileNotFoundError:
             blob = b""
         offset = 0

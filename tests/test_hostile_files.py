@@ -1,0 +1,200 @@
+"""Files a worker can reach: planted FIFOs, symlinks and huge files freeze nothing,
+leak nothing and send no write outside the state dir.
+
+Workers run as the same user and are told their archive directory, so each
+test has a real worker do the planting, the way a hostile or broken one would.
+"""
+
+from __future__ import annotations
+
+import stat
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import trio
+
+from subagentd.client import AsyncClient
+
+from .conftest import DaemonProcess
+from .helpers import sh, wait_output
+
+#: A worker plants its files once the daemon has written its first record, so that
+#: the daemon's next write is the one at its end, onto what was planted.
+AFTER_START = 'until grep -q running "$SUBAGENTD_ARCHIVE/record.json"; do sleep 0.01; done; '
+#: Far below the gigabyte a planted file would cost if read whole.
+RSS_BOUND_KB = 300 * 1024
+
+
+@pytest.fixture
+async def client(daemon: DaemonProcess) -> AsyncIterator[AsyncClient]:
+    async with AsyncClient(daemon.socket) as client:
+        yield client
+
+
+def _peak_rss_kb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no VmHWM for pid {pid}")
+
+
+def _victim(daemon: DaemonProcess, text: bytes = b"precious, outside the state dir\n") -> Path:
+    """A file of the user's outside the state dir, which no daemon write may reach."""
+    victim = daemon.root / "victim"
+    victim.write_bytes(text)
+    victim.chmod(0o640)
+    return victim
+
+
+def _assert_untouched(victim: Path, text: bytes = b"precious, outside the state dir\n") -> None:
+    assert victim.read_bytes() == text
+    assert stat.S_IMODE(victim.stat().st_mode) == 0o640
+
+
+# -- reads -------------------------------------------------------------------
+
+
+async def test_record_json_replaced_by_a_fifo_does_not_freeze_the_daemon(
+    client: AsyncClient,
+) -> None:
+    with trio.fail_after(15):
+        worker = await client.spawn(
+            sh(
+                AFTER_START + 'rm "$SUBAGENTD_ARCHIVE/record.json"; '
+                'mkfifo "$SUBAGENTD_ARCHIVE/record.json"'
+            )
+        )
+        ended = await client.wait(worker.id)
+        assert ended.state == "finished"
+        assert (await client.info()).pid > 0
+        record = Path(ended.archive) / "record.json"
+        assert stat.S_ISREG(record.lstat().st_mode)  # replaced by the daemon's own file
+        assert (await client.collect(worker.id)).state == "finished"
+
+
+async def test_git_head_fifo_in_cwd_does_not_freeze_a_spawn(
+    daemon: DaemonProcess, client: AsyncClient
+) -> None:
+    tree = daemon.root / "tree"
+    with trio.fail_after(15):
+        planter = await client.spawn(sh(f"mkdir -p {tree}/.git && mkfifo {tree}/.git/HEAD"))
+        assert (await client.wait(planter.id)).exit_code == 0
+        worker = await client.spawn(["true"], cwd=tree)
+        assert (await client.wait(worker.id)).state == "finished"
+        assert (await client.info()).pid > 0
+
+
+async def test_stdout_tail_symlinked_to_a_huge_file_is_not_read(
+    daemon: DaemonProcess, client: AsyncClient
+) -> None:
+    big = daemon.root / "big"
+    with trio.fail_after(20):
+        worker = await client.spawn(
+            sh(f'truncate -s 1G {big} && ln -s {big} "$SUBAGENTD_ARCHIVE/stdout.tail"; echo done')
+        )
+        await client.wait(worker.id)
+        result = await client.collect(worker.id)
+        assert result.result == "done\n"  # from the journal, not the planted file
+        assert (await client.info()).pid > 0
+    assert daemon.proc is not None
+    assert _peak_rss_kb(daemon.proc.pid) < RSS_BOUND_KB
+
+
+async def test_result_symlink_does_not_make_collect_print_another_file(
+    daemon: DaemonProcess, client: AsyncClient
+) -> None:
+    secret = daemon.root / "id_rsa"
+    secret.write_text("-----BEGIN OPENSSH PRIVATE KEY-----\n")
+    with trio.fail_after(15):
+        worker = await client.spawn(sh(f'ln -s {secret} "$SUBAGENTD_RESULT"; echo my output'))
+        await client.wait(worker.id)
+        result = await client.collect(worker.id)
+    assert "PRIVATE KEY" not in result.result
+    assert "result file is not a regular file" in result.result
+    assert result.result.endswith("my output\n")
+
+
+# -- writes ------------------------------------------------------------------
+
+
+async def test_record_json_symlink_is_replaced_not_written_through(
+    daemon: DaemonProcess, client: AsyncClient
+) -> None:
+    victim = _victim(daemon)
+    with trio.fail_after(15):
+        worker = await client.spawn(
+            sh(AFTER_START + f'ln -sf {victim} "$SUBAGENTD_ARCHIVE/record.json"')
+        )
+        ended = await client.wait(worker.id)
+        await client.collect(worker.id)
+    _assert_untouched(victim)
+    assert stat.S_ISREG((Path(ended.archive) / "record.json").lstat().st_mode)
+
+
+async def test_record_json_hard_link_is_replaced_not_written_through(
+    daemon: DaemonProcess, client: AsyncClient
+) -> None:
+    victim = _victim(daemon)
+    with trio.fail_after(15):
+        worker = await client.spawn(
+            sh(AFTER_START + f'ln -f {victim} "$SUBAGENTD_ARCHIVE/record.json"')
+        )
+        ended = await client.wait(worker.id)
+        await client.collect(worker.id)
+    _assert_untouched(victim)
+    assert (Path(ended.archive) / "record.json").stat().st_nlink == 1
+
+
+async def test_record_json_tmp_symlink_is_not_written_through(
+    daemon: DaemonProcess, client: AsyncClient
+) -> None:
+    victim = _victim(daemon)
+    with trio.fail_after(15):
+        # With no record.json the daemon writes a new one beside it, by rename.
+        worker = await client.spawn(
+            sh(
+                AFTER_START + 'rm "$SUBAGENTD_ARCHIVE/record.json"; '
+                f'ln -s {victim} "$SUBAGENTD_ARCHIVE/record.json.tmp"'
+            )
+        )
+        ended = await client.wait(worker.id)
+        await client.collect(worker.id)
+    _assert_untouched(victim)
+    assert stat.S_ISREG((Path(ended.archive) / "record.json").lstat().st_mode)
+
+
+async def test_stdout_tail_tmp_symlink_is_not_written_through(
+    daemon: DaemonProcess, client: AsyncClient
+) -> None:
+    victim = _victim(daemon)
+    with trio.fail_after(20):
+        # Over a megabyte of output: the daemon writes stdout.tail at the end.
+        worker = await client.spawn(
+            sh(
+                f'ln -s {victim} "$SUBAGENTD_ARCHIVE/stdout.tail.tmp"; '
+                "head -c 1200000 /dev/zero | tr '\\0' x; echo; echo the end"
+            )
+        )
+        await client.wait(worker.id)
+        result = await client.collect(worker.id)
+    assert result.result.endswith("the end\n")
+    _assert_untouched(victim)
+
+
+async def test_checkpoint_tmp_symlink_is_not_written_through_by_a_reload(
+    daemon: DaemonProcess, client: AsyncClient
+) -> None:
+    victim = _victim(daemon)
+    with trio.fail_after(30):
+        worker = await client.spawn(
+            sh(f'ln -s {victim} "$SUBAGENTD_ARCHIVE/../../checkpoint.tmp"; echo planted; sleep 60')
+        )
+        await wait_output(client, worker.id, b"planted")
+        assert (daemon.state_dir / "checkpoint.tmp").is_symlink()
+        async with AsyncClient(daemon.socket) as asker:
+            reply = await asker.reload()
+        assert reply.carried_live == 1
+        async with AsyncClient(daemon.socket) as after:
+            assert (await after.status(worker.id)).state == "running"
+    _assert_untouched(victim)
