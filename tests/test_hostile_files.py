@@ -7,7 +7,9 @@ test has a real worker do the planting, the way a hostile or broken one would.
 
 from __future__ import annotations
 
+import functools
 import stat
+import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -16,8 +18,8 @@ import trio
 
 from subagentd.client import AsyncClient
 
-from .conftest import DaemonProcess
-from .helpers import sh, wait_output
+from .conftest import BIN, DaemonProcess
+from .helpers import alive, sh, wait_output
 
 #: A worker plants its files once the daemon has written its first record, so that
 #: the daemon's next write is the one at its end, onto what was planted.
@@ -197,4 +199,53 @@ async def test_checkpoint_tmp_symlink_is_not_written_through_by_a_reload(
         assert reply.carried_live == 1
         async with AsyncClient(daemon.socket) as after:
             assert (await after.status(worker.id)).state == "running"
+    _assert_untouched(victim)
+
+
+# -- the lock ----------------------------------------------------------------
+
+
+async def _second_daemon(daemon: DaemonProcess) -> subprocess.CompletedProcess[str]:
+    """Start another daemon on the same state dir (its own socket), as a person might."""
+    command = [
+        str(BIN / "subagentd"),
+        "--socket", str(daemon.root / "second.sock"),
+        "--state-dir", str(daemon.state_dir),
+        "--config", str(daemon.config),
+    ]  # fmt: skip
+    return await trio.to_thread.run_sync(
+        functools.partial(
+            subprocess.run, command, env=daemon.env, capture_output=True, text=True, timeout=10
+        )
+    )
+
+
+async def _refused_while_the_first_serves(
+    daemon: DaemonProcess, client: AsyncClient, plant: str
+) -> None:
+    assert daemon.proc is not None
+    with trio.fail_after(30):
+        worker = await client.spawn(sh(f"{plant}; echo planted; sleep 60"))
+        await wait_output(client, worker.id, b"planted")
+        second = await _second_daemon(daemon)
+        assert second.returncode == 1
+        assert f"in use by pid {daemon.proc.pid}" in second.stderr
+        view = await client.status(worker.id)
+        assert view.state == "running"
+        assert view.pid is not None
+        assert alive(view.pid)
+
+
+async def test_deleting_the_lock_file_does_not_let_a_second_daemon_in(
+    daemon: DaemonProcess, client: AsyncClient
+) -> None:
+    await _refused_while_the_first_serves(daemon, client, 'rm "$SUBAGENTD_ARCHIVE/../../lock"')
+
+
+async def test_a_lock_symlink_does_not_let_a_second_daemon_in_nor_is_written_through(
+    daemon: DaemonProcess, client: AsyncClient
+) -> None:
+    victim = _victim(daemon)
+    plant = f'ln -sf {victim} "$SUBAGENTD_ARCHIVE/../../lock"'
+    await _refused_while_the_first_serves(daemon, client, plant)
     _assert_untouched(victim)
