@@ -980,7 +980,7 @@ class Daemon:
             tree_tracking=self.tree_tracking,
             socket=str(self.socket_path),
             state_dir=str(self.state_dir.root),
-            problems=[self.disk_problem] if self.disk_problem else [],
+            problems=([self.disk_problem] if self.disk_problem else []) + self.wake_log.problems,
         )
 
 

@@ -9,17 +9,21 @@ from __future__ import annotations
 
 import functools
 import stat
+import struct
 import subprocess
+import zlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import msgspec
 import pytest
 import trio
 
+from subagentd import protocol as p
 from subagentd.client import AsyncClient
 
 from .conftest import BIN, DaemonProcess
-from .helpers import alive, sh, wait_output
+from .helpers import RawConnection, alive, sh, wait_output
 
 #: A worker plants its files once the daemon has written its first record, so that
 #: the daemon's next write is the one at its end, onto what was planted.
@@ -249,3 +253,73 @@ async def test_a_lock_symlink_does_not_let_a_second_daemon_in_nor_is_written_thr
     plant = f'ln -sf {victim} "$SUBAGENTD_ARCHIVE/../../lock"'
     await _refused_while_the_first_serves(daemon, client, plant)
     _assert_untouched(victim)
+
+
+# -- the wake log ------------------------------------------------------------
+
+
+async def _pending_wakes(daemon: DaemonProcess, run: str) -> list[p.Wake]:
+    conn = await RawConnection.open(daemon.socket)
+    async with conn.stream:
+        await conn.send(p.Subscribe(id=2, run=run))
+        reply = await conn.receive()
+        assert isinstance(reply, p.Wakes)
+        return reply.wakes
+
+
+async def _five_wakes_then_kill(daemon: DaemonProcess) -> tuple[str, list[p.Wake], bytes]:
+    """Five unacknowledged wakes of one run; the daemon killed; its wake log."""
+    async with AsyncClient(daemon.socket) as client:
+        run = await client.new_run()
+        workers = [await client.spawn(["true"], run=run) for _ in range(5)]
+        for w in workers:
+            await client.wait(w.id)
+    wakes = await _pending_wakes(daemon, run)
+    assert len(wakes) == 5
+    daemon.kill()
+    return run, wakes, (daemon.state_dir / "wakes.log").read_bytes()
+
+
+def _entries(blob: bytes) -> list[tuple[int, int]]:
+    """(offset, end) of each entry of a wake log: u32 length, u32 crc32, body."""
+    found, offset = [], 0
+    while offset < len(blob):
+        (length,) = struct.unpack_from(">I", blob, offset)
+        found.append((offset, offset + 8 + length))
+        offset += 8 + length
+    return found
+
+
+async def _restart_and_check(daemon: DaemonProcess, run: str, expected: list[p.Wake]) -> None:
+    await trio.to_thread.run_sync(daemon.start)
+    assert [w.id for w in await _pending_wakes(daemon, run)] == [w.id for w in expected]
+    async with AsyncClient(daemon.socket) as client:
+        problems = (await client.info()).problems
+    assert any("wake log" in problem and "damaged" in problem for problem in problems)
+    assert list(daemon.state_dir.glob("wakes.log.damaged-*"))
+
+
+async def test_one_damaged_byte_in_the_wake_log_costs_only_its_own_wake(
+    daemon: DaemonProcess,
+) -> None:
+    with trio.fail_after(60):
+        run, wakes, blob = await _five_wakes_then_kill(daemon)
+        entries = _entries(blob)
+        assert len(entries) == 6  # the floor compaction wrote, then five posts
+        start, end = entries[3]  # the third post, in the middle of the log
+        damaged = bytearray(blob)
+        damaged[(start + 8 + end) // 2] ^= 0xFF
+        (daemon.state_dir / "wakes.log").write_bytes(damaged)
+        await _restart_and_check(daemon, run, wakes[:2] + wakes[3:])
+
+
+async def test_a_wake_log_entry_with_a_valid_checksum_and_garbage_body_is_skipped(
+    daemon: DaemonProcess,
+) -> None:
+    with trio.fail_after(60):
+        run, wakes, blob = await _five_wakes_then_kill(daemon)
+        _, end = _entries(blob)[3]
+        garbage = msgspec.msgpack.encode({"type": "no such record", "x": [1, 2]})
+        entry = struct.pack(">II", len(garbage), zlib.crc32(garbage)) + garbage
+        (daemon.state_dir / "wakes.log").write_bytes(blob[:end] + entry + blob[end:])
+        await _restart_and_check(daemon, run, wakes)
