@@ -228,8 +228,8 @@ class Archive:
 
     def forget_stdout_tail(self) -> None:
         """A new attempt begins: the last one's tail no longer ends its stdout."""
-        with contextlib.suppress(FileNotFoundError):
-            self.file(self.STDOUT_TAIL).unlink()
+        with contextlib.suppress(FileNotFoundError), self.opened() as dir_fd:
+            os.unlink(self.STDOUT_TAIL, dir_fd=dir_fd)
 
 
 class SpareArchives:
@@ -257,6 +257,10 @@ class SpareArchives:
             target = self.archives / worker_id
             try:
                 spare.rename(target)
+                if not stat.S_ISDIR(target.lstat().st_mode):
+                    # A symlink put in its place (spares are in a worker's reach): not followed.
+                    target.unlink()
+                    continue
             except OSError:
                 continue  # removed by hand, say: the next one
             return Archive(target)
@@ -282,7 +286,7 @@ class SpareArchives:
         """Take up the spares an earlier daemon left, if whole and untouched; remove the rest."""
         for path in self.archives.glob(f"{self.PREFIX}*"):
             try:
-                whole = all((path / name).stat().st_size == 0 for name in self.FILES)
+                whole = all(_empty_regular(path / name) for name in self.FILES)
             except OSError:
                 whole = False
             if whole and len(path.name) == len(self.PREFIX) + 12:
@@ -293,3 +297,9 @@ class SpareArchives:
 
 def is_spare(path: Path) -> bool:
     return path.name.startswith(SpareArchives.PREFIX)
+
+
+def _empty_regular(path: Path) -> bool:
+    """An untouched spare file: empty, regular and not a link to anything else."""
+    st = path.lstat()
+    return stat.S_ISREG(st.st_mode) and st.st_size == 0 and st.st_nlink == 1

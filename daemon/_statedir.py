@@ -22,6 +22,8 @@ import msgspec
 from ._files import open_dir, read_regular, replace_file, replace_in
 from ._registry import RunRecord
 
+#: A run file is a few hundred bytes; a bigger one is not one of the daemon's.
+RUN_FILE_LIMIT = 1024 * 1024
 _WORKER_ID = re.compile(r"w-[A-Za-z0-9_-]{1,64}")
 
 
@@ -163,5 +165,5 @@ def load_runs(runs_dir: Path) -> list[RunRecord]:
     for path in runs_dir.glob("r-*.json") if runs_dir.exists() else ():
         # A run file half written by a crash is skipped: its workers still name the run.
         with contextlib.suppress(OSError, msgspec.DecodeError):
-            runs.append(msgspec.json.decode(path.read_bytes(), type=RunRecord))
+            runs.append(msgspec.json.decode(read_regular(path, RUN_FILE_LIMIT), type=RunRecord))
     return runs
