@@ -13,12 +13,21 @@ import errno
 import os
 import secrets
 import shutil
-from collections.abc import Callable
+import stat
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import msgspec
 
-from ._files import replace_file, short_write
+from ._files import (
+    SAFE_FLAGS,
+    NotRegularFile,
+    open_dir,
+    open_regular,
+    read_regular,
+    replace_in,
+    short_write,
+)
 from ._journal import Journal, JournalCorrupt
 from ._registry import WorkerRecord
 
@@ -30,6 +39,10 @@ STDOUT_TAIL_BYTES = 32 * 1024
 RESULT_LIMIT = 1024 * 1024
 #: A record up to this size is rewritten in place; one page, so never torn by a kill.
 RECORD_IN_PLACE_BYTES = 4096
+#: No record or snapshot the daemon writes comes near this; a larger file is not read.
+RECORD_READ_LIMIT = 64 * 1024 * 1024
+#: What collect says of a result file that is a symlink, FIFO or directory.
+RESULT_REFUSED = "[result file is not a regular file: ignored; the end of stdout follows]\n"
 
 
 def prune_archives(archives: Path, cutoff: float, keep: set[str]) -> int:
@@ -47,12 +60,14 @@ def prune_archives(archives: Path, cutoff: float, keep: set[str]) -> int:
 
 def open_new(path: Path, flags: int = 0) -> int:
     """Open a file new to its worker for writing: the empty one a spare archive
-    made ahead, else one created exclusively. Never one already written."""
+    made ahead, else one created exclusively. Never one already written, nor
+    anything but a regular file (a spare's directory is in a worker's reach)."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | flags)
+        fd = open_regular(path, os.O_WRONLY | flags)
     except FileNotFoundError:
-        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | flags, 0o600)
-    if os.fstat(fd).st_size:
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | SAFE_FLAGS | flags, 0o600)
+    st = os.fstat(fd)
+    if st.st_size or st.st_nlink != 1:
         os.close(fd)
         raise FileExistsError(errno.EEXIST, "already written", str(path))
     return fd
@@ -96,6 +111,25 @@ class Archive:
     def file(self, name: str) -> Path:
         return self.path / name
 
+    @contextlib.contextmanager
+    def opened(self) -> Iterator[int]:
+        """The archive directory's descriptor; its files are opened relative to it, so
+        a worker that replaces the directory itself with a symlink sends no one elsewhere."""
+        fd = open_dir(self.path)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
+    def read(self, name: str, limit: int, *, tail: bool = False) -> bytes:
+        """At most `limit` bytes of one of its files; NotRegularFile if it is no regular file."""
+        with self.opened() as dir_fd:
+            return read_regular(name, limit, dir_fd=dir_fd, tail=tail)
+
+    def replace(self, name: str, data: bytes, *, what: str) -> None:
+        with self.opened() as dir_fd:
+            replace_in(dir_fd, name, data, what=what)
+
     def write_snapshot(self, snapshot: Snapshot) -> None:
         # Written once, never replaced: into the empty file made ahead, or created exclusively.
         fd = open_new(self.file(self.SNAPSHOT))
@@ -104,7 +138,7 @@ class Archive:
 
     def write_input(self, data: bytes) -> Path:
         path = self.file(self.INPUT)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | SAFE_FLAGS, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         return path
@@ -117,47 +151,60 @@ class Archive:
         page overwrites the old one with a single pwrite, padded with spaces
         (JSON allows trailing whitespace). Killing the daemon cannot tear a
         one-page write at offset 0: the kernel checks for a fatal signal only
-        between pages. A larger record is replaced by a rename, as before.
+        between pages. A larger record is replaced by a rename, as before; so
+        is anything a worker may have put in its place (a symlink, a FIFO, a
+        hard link to a file elsewhere), which is never written through.
         """
         data = msgspec.json.encode(record)
-        path = self.file(self.RECORD)
-        if len(data) <= RECORD_IN_PLACE_BYTES:
-            try:
-                fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
-            except FileNotFoundError:
-                pass
-            else:
-                try:
-                    size = os.fstat(fd).st_size
-                    if size <= RECORD_IN_PLACE_BYTES:
-                        padded = data.ljust(size, b" ")
-                        if os.pwrite(fd, padded, 0) != len(padded):
-                            raise short_write("to a worker record", str(path))
-                        return
-                finally:
-                    os.close(fd)
-        replace_file(path, data, what="of a worker record")
+        with self.opened() as dir_fd:
+            if len(data) <= RECORD_IN_PLACE_BYTES and self._rewrite(dir_fd, data):
+                return
+            replace_in(dir_fd, self.RECORD, data, what="of a worker record")
+
+    def _rewrite(self, dir_fd: int, data: bytes) -> bool:
+        """Overwrite the record in place if it is the daemon's own one-page file."""
+        try:
+            fd = os.open(self.RECORD, os.O_WRONLY | SAFE_FLAGS, dir_fd=dir_fd)
+        except OSError:
+            return False  # missing, a symlink (ELOOP), a FIFO nobody reads (ENXIO)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+                return False
+            if st.st_size > RECORD_IN_PLACE_BYTES:
+                return False
+            padded = data.ljust(st.st_size, b" ")
+            if os.pwrite(fd, padded, 0) != len(padded):
+                raise short_write("to a worker record", str(self.file(self.RECORD)))
+            return True
+        finally:
+            os.close(fd)
 
     def write_stdout_tail(self, data: bytes) -> None:
-        replace_file(
-            self.file(self.STDOUT_TAIL), data[-STDOUT_TAIL_BYTES:], what="of a stdout tail"
-        )
+        self.replace(self.STDOUT_TAIL, data[-STDOUT_TAIL_BYTES:], what="of a stdout tail")
 
     def load_record(self) -> WorkerRecord | None:
         """The worker's last record, or None if there is no archive (or it no longer reads)."""
         try:
-            return msgspec.json.decode(self.file(self.RECORD).read_bytes(), type=WorkerRecord)
+            raw = self.read(self.RECORD, RECORD_READ_LIMIT)
+            return msgspec.json.decode(raw, type=WorkerRecord)
         except (OSError, msgspec.DecodeError):
             return None
 
     def result_text(self, stdout_tail: Callable[[], bytes]) -> str:
-        """The worker's result file if it wrote one, else the tail of its stdout."""
+        """The worker's result file if it wrote one, else the tail of its stdout.
+
+        A result that is no regular file (a symlink, a FIFO) is not read: the
+        text says so, and the tail of stdout follows.
+        """
+        note = ""
         try:
-            with open(self.file(self.RESULT), "rb") as f:
-                raw = f.read(RESULT_LIMIT + 1)
+            raw = self.read(self.RESULT, RESULT_LIMIT + 1)
+        except NotRegularFile:
+            note, raw = RESULT_REFUSED, stdout_tail()
         except FileNotFoundError:
             raw = stdout_tail()
-        text = raw[:RESULT_LIMIT].decode("utf-8", errors="replace")
+        text = note + raw[:RESULT_LIMIT].decode("utf-8", errors="replace")
         if len(raw) > RESULT_LIMIT:
             text += f"\n[result cut at {RESULT_LIMIT} bytes; the file holds the rest]"
         return text
@@ -169,9 +216,9 @@ class Archive:
         answer as well (see Daemon._finish); `journal`: the journal, if open.
         """
         try:
-            return self.file(self.STDOUT_TAIL).read_bytes()
-        except FileNotFoundError:
-            pass
+            return self.read(self.STDOUT_TAIL, STDOUT_TAIL_BYTES, tail=True)
+        except (FileNotFoundError, NotRegularFile):
+            pass  # not written, or something a worker put there: the journal answers
         if journal is None:
             try:
                 journal = Journal.open(self.file(self.JOURNAL), writable=False)
@@ -181,8 +228,8 @@ class Archive:
 
     def forget_stdout_tail(self) -> None:
         """A new attempt begins: the last one's tail no longer ends its stdout."""
-        with contextlib.suppress(FileNotFoundError):
-            self.file(self.STDOUT_TAIL).unlink()
+        with contextlib.suppress(FileNotFoundError), self.opened() as dir_fd:
+            os.unlink(self.STDOUT_TAIL, dir_fd=dir_fd)
 
 
 class SpareArchives:
@@ -210,6 +257,10 @@ class SpareArchives:
             target = self.archives / worker_id
             try:
                 spare.rename(target)
+                if not stat.S_ISDIR(target.lstat().st_mode):
+                    # A symlink put in its place (spares are in a worker's reach): not followed.
+                    target.unlink()
+                    continue
             except OSError:
                 continue  # removed by hand, say: the next one
             return Archive(target)
@@ -226,7 +277,8 @@ class SpareArchives:
             path = self.archives / f"{self.PREFIX}{secrets.token_hex(6)}"
             path.mkdir(mode=0o700)
             for name in self.FILES:
-                os.close(os.open(path / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | SAFE_FLAGS
+                os.close(os.open(path / name, flags, 0o600))
             made.append(path)
         return made
 
@@ -234,7 +286,7 @@ class SpareArchives:
         """Take up the spares an earlier daemon left, if whole and untouched; remove the rest."""
         for path in self.archives.glob(f"{self.PREFIX}*"):
             try:
-                whole = all((path / name).stat().st_size == 0 for name in self.FILES)
+                whole = all(_empty_regular(path / name) for name in self.FILES)
             except OSError:
                 whole = False
             if whole and len(path.name) == len(self.PREFIX) + 12:
@@ -245,3 +297,9 @@ class SpareArchives:
 
 def is_spare(path: Path) -> bool:
     return path.name.startswith(SpareArchives.PREFIX)
+
+
+def _empty_regular(path: Path) -> bool:
+    """An untouched spare file: empty, regular and not a link to anything else."""
+    st = path.lstat()
+    return stat.S_ISREG(st.st_mode) and st.st_size == 0 and st.st_nlink == 1

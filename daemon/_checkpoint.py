@@ -13,13 +13,15 @@ from pathlib import Path
 
 import msgspec
 
-from ._files import replace_file
+from ._files import read_regular, replace_file
 from ._registry import LaunchFence, RunRecord, Tombstone
 
 #: The format written here. Bump on an incompatible change and keep reading the old.
 CHECKPOINT_VERSION = 1
 #: Every format this image reads (announced by `subagentd --check`).
 READS_VERSIONS = (1,)
+#: Far above any real checkpoint (about a kilobyte a worker); a larger file is no checkpoint.
+CHECKPOINT_READ_LIMIT = 1024 * 1024 * 1024
 
 
 class CarriedWorker(msgspec.Struct, kw_only=True):
@@ -83,7 +85,7 @@ def write_checkpoint(path: Path, checkpoint: Checkpoint) -> None:
 
 def read_checkpoint(path: Path) -> Checkpoint:
     try:
-        raw = path.read_bytes()
+        raw = read_regular(path, CHECKPOINT_READ_LIMIT)
     except OSError as exc:
         raise CheckpointUnreadable(f"cannot read checkpoint {path}: {exc.strerror}") from exc
     try:

@@ -48,6 +48,7 @@ from subagentd.protocol.errors import (
 from ._agents import AgentDef, ConfigError, load_agents
 from ._archive import STDOUT_TAIL_BYTES, Archive, Snapshot, SpareArchives, prune_archives
 from ._cgroup import Cgroups, WorkerCgroup, end_cgroup
+from ._files import NotRegularFile
 from ._journal import Journal
 from ._process import SpawnFailed, WorkerProcess, pump
 from ._registry import (
@@ -986,6 +987,11 @@ class Daemon:
                 raise NotFound(
                     f"worker {found.id}'s journal is gone (its archive was pruned)"
                 ) from None
+            except NotRegularFile:
+                raise Refused(
+                    f"worker {found.id}'s journal is no longer a regular file (a symlink or "
+                    "FIFO put in its place); the daemon does not read it"
+                ) from None
         self._keep_journal_open(found.id, journal)
         return journal
 
@@ -1124,7 +1130,7 @@ class Daemon:
             tree_tracking=self.tree_tracking,
             socket=str(self.socket_path),
             state_dir=str(self.state_dir.root),
-            problems=[self.disk_problem] if self.disk_problem else [],
+            problems=([self.disk_problem] if self.disk_problem else []) + self.wake_log.problems,
         )
 
 

@@ -25,7 +25,7 @@ import msgspec
 
 from subagentd.protocol import Entry, EntryKind
 
-from ._files import short_write
+from ._files import SAFE_FLAGS, NotRegularFile, open_regular, short_write
 
 ENTRY_HEADER: Final = struct.Struct(">II")
 #: Every INDEX_STRIDE-th entry's offset is kept, so a page read seeks near its cursor.
@@ -72,33 +72,47 @@ class Journal:
     def create(cls, path: Path) -> Journal:
         """A new, empty journal: the empty file made ahead (see SpareArchives), or a new one."""
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+            fd = open_regular(path, os.O_WRONLY | os.O_APPEND)
         except FileNotFoundError:
             fd = os.open(
-                path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC, 0o600
+                path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | SAFE_FLAGS, 0o600
             )
-        if os.fstat(fd).st_size:
+        st = os.fstat(fd)
+        if st.st_size or st.st_nlink != 1:
             os.close(fd)
             raise FileExistsError(errno.EEXIST, "a journal is already there", str(path))
         return cls(path, fd)
 
     @classmethod
     def open(cls, path: Path, *, writable: bool) -> Journal:
-        """Open an existing journal, verifying every entry; a torn tail is cut if writable."""
+        """Open an existing journal, verifying every entry; a torn tail is cut if writable.
+
+        It is in its worker's reach: a symlink or FIFO there is refused
+        (NotRegularFile), and the file is written through the descriptor read.
+        """
         journal = cls(path, None)
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
+        fd = open_regular(path, os.O_RDWR | os.O_APPEND if writable else os.O_RDONLY)
+        try:
+            st = os.fstat(fd)
+            if writable and st.st_nlink != 1:
+                # A hard link to a file elsewhere: appending would write outside the archive.
+                raise NotRegularFile(errno.EMLINK, "a journal with other links", str(path))
+            size = st.st_size
             if size:
-                with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as blob:
+                with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as blob:
                     good_end = journal._scan(blob)
             else:
                 good_end = 0
-        journal.torn_bytes = size - good_end
-        if writable:
-            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
-            if journal.torn_bytes:
+            journal.torn_bytes = size - good_end
+            if writable and journal.torn_bytes:
                 os.ftruncate(fd, good_end)
+        except BaseException:
+            os.close(fd)
+            raise
+        if writable:
             journal._write_fd = fd
+        else:
+            os.close(fd)
         return journal
 
     def _scan(self, blob: mmap.mmap) -> int:
@@ -188,7 +202,7 @@ class Journal:
         slot = (first - 1) // INDEX_STRIDE
         offset = self._offsets[slot]
         seq = slot * INDEX_STRIDE + 1
-        with open(self.path, "rb") as f:
+        with open(open_regular(self.path), "rb") as f:
             f.seek(offset)
             while seq <= self._last_seq:
                 header = f.read(ENTRY_HEADER.size)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import trio
 
 from ._cgroup import WorkerCgroup
+from ._files import open_regular
 from ._tree import read_stat
 
 READ_CHUNK = 64 * 1024
@@ -53,7 +54,13 @@ class WorkerProcess:
         """Start `argv` in its own process group (and `cgroup`) with piped stdout and stderr."""
         cgroup_error = None
         try:
-            stdin = os.open(stdin_path or os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+            # The input file is in the worker's archive, in reach of an earlier attempt.
+            stdin = (
+                open_regular(stdin_path)
+                if stdin_path
+                else os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+            )
+            os.set_blocking(stdin, True)  # opened without blocking; the worker reads as usual
         except OSError as exc:
             raise SpawnFailed(
                 f"cannot open the worker's input {stdin_path}: {exc.strerror}"

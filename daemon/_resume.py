@@ -13,7 +13,13 @@ import msgspec
 
 from subagentd.protocol.errors import Refused
 
-from ._archive import SNAPSHOT_VERSION, Archive, Snapshot
+from ._archive import RECORD_READ_LIMIT, SNAPSHOT_VERSION, Archive, Snapshot
+from ._files import NotRegularFile, read_regular
+
+#: Bigger than any HEAD, .git file or commondir; a bigger one is no git file.
+GIT_FILE_LIMIT = 4096
+#: packed-refs of very large repositories; past this the branch is looked for no further.
+PACKED_REFS_LIMIT = 64 * 1024 * 1024
 
 #: The states a resume carries on from; `finished` ended well and is left alone.
 RESUMABLE = frozenset({"stopped", "failed", "timed_out", "interrupted", "stopped_by_reload"})
@@ -22,10 +28,15 @@ RESUMABLE = frozenset({"stopped", "failed", "timed_out", "interrupted", "stopped
 def read_snapshot(archive: Archive, worker_id: str) -> Snapshot:
     path = archive.file(Archive.SNAPSHOT)
     try:
-        raw = path.read_bytes()
+        raw = archive.read(Archive.SNAPSHOT, RECORD_READ_LIMIT)
     except FileNotFoundError:
         raise Refused(
             f"worker {worker_id} cannot be resumed: its snapshot {path} is missing; start it afresh"
+        ) from None
+    except NotRegularFile:
+        raise Refused(
+            f"worker {worker_id} cannot be resumed: its snapshot {path} is not a regular file "
+            "(the daemon does not follow a symlink or read a FIFO there); start it afresh"
         ) from None
     try:
         snapshot = msgspec.json.decode(raw, type=Snapshot)
@@ -42,6 +53,12 @@ def read_snapshot(archive: Archive, worker_id: str) -> Snapshot:
     return snapshot
 
 
+def _read_git_file(path: Path, limit: int = GIT_FILE_LIMIT) -> str:
+    """A small file of a work tree's git dir, never blocking on a FIFO nor following a
+    symlink (a worker may have planted one where a later spawn or resume looks)."""
+    return read_regular(path, limit).decode(errors="replace")
+
+
 def git_dir(cwd: str) -> Path | None:
     """The git directory of the work tree holding `cwd`, if any (worktrees included)."""
     for folder in (Path(cwd), *Path(cwd).parents):
@@ -49,7 +66,10 @@ def git_dir(cwd: str) -> Path | None:
         if dotgit.is_dir():
             return dotgit
         if dotgit.is_file():  # a linked worktree: "gitdir: <path>"
-            text = dotgit.read_text(errors="replace").strip()
+            try:
+                text = _read_git_file(dotgit).strip()
+            except OSError:
+                return None
             if text.startswith("gitdir:"):
                 target = Path(text.removeprefix("gitdir:").strip())
                 return target if target.is_absolute() else folder / target
@@ -62,7 +82,7 @@ def git_branch(cwd: str) -> str | None:
     if gitdir is None:
         return None
     try:
-        head = (gitdir / "HEAD").read_text().strip()
+        head = _read_git_file(gitdir / "HEAD").strip()
     except OSError:
         return None
     prefix = "ref: refs/heads/"
@@ -75,11 +95,14 @@ def branch_exists(cwd: str, branch: str) -> bool:
         return False
     common = gitdir
     if (gitdir / "commondir").is_file():  # a worktree's refs live in the main repository
-        common = (gitdir / (gitdir / "commondir").read_text().strip()).resolve()
+        try:
+            common = (gitdir / _read_git_file(gitdir / "commondir").strip()).resolve()
+        except OSError:
+            return False
     if (common / "refs" / "heads" / branch).is_file():
         return True
     try:
-        packed = (common / "packed-refs").read_text()
+        packed = _read_git_file(common / "packed-refs", PACKED_REFS_LIMIT)
     except OSError:
         return False
     return any(line.endswith(f" refs/heads/{branch}") for line in packed.splitlines())

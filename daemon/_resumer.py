@@ -17,6 +17,7 @@ from subagentd.protocol.errors import Invalid, NotFound, Refused, Reloading
 
 from ._archive import STDOUT_TAIL_BYTES, Archive, Snapshot
 from ._daemon import RELOAD_RETRY, Daemon, LiveWorker
+from ._files import NotRegularFile
 from ._journal import Journal
 from ._registry import WorkerRecord
 from ._resume import RESUMABLE, check_branch, read_snapshot
@@ -58,7 +59,13 @@ class Resumer:
         worker_timeout: float | None,
     ) -> WorkerView:
         # The journal first: if it cannot be opened, nothing has changed yet.
-        journal = Journal.open(archive.file(Archive.JOURNAL), writable=True)
+        try:
+            journal = Journal.open(archive.file(Archive.JOURNAL), writable=True)
+        except NotRegularFile:
+            raise Refused(
+                f"worker {record.id} cannot be resumed: its journal is not a regular file "
+                "of its own (a symlink, FIFO or hard link put in its place); start it afresh"
+            ) from None
         self.daemon.registry.tombstones.pop(record.id, None)
         record = self.daemon.registry.reopen(
             record,

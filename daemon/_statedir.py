@@ -1,9 +1,10 @@
 """The state directory: its lock, and where each worker's archive lives.
 
-One daemon owns a state dir at a time. The lock is an flock on ``lock``, whose
-content names the holder's pid and host: the kernel drops an flock when its
-holder dies, so a free lock with a dead pid in it is stale and taken over,
-and a held one is refused naming who holds it.
+One daemon owns a state dir at a time. The lock is an flock on the state
+directory itself, so deleting or replacing a file cannot unlock it; the kernel
+drops it when its holder dies. The file ``lock`` only names the holder's pid
+and host (written by rename, read without following a symlink), and a held
+lock is refused naming who holds it: from that file, else from /proc/locks.
 """
 
 from __future__ import annotations
@@ -13,13 +14,16 @@ import fcntl
 import os
 import re
 import socket
+import stat
 from pathlib import Path
 
 import msgspec
 
-from ._files import replace_file
+from ._files import open_dir, read_regular, replace_file, replace_in
 from ._registry import RunRecord
 
+#: A run file is a few hundred bytes; a bigger one is not one of the daemon's.
+RUN_FILE_LIMIT = 1024 * 1024
 _WORKER_ID = re.compile(r"w-[A-Za-z0-9_-]{1,64}")
 
 
@@ -43,28 +47,39 @@ def ensure_private_dir(path: Path) -> None:
 
 
 class StateDir:
+    #: Names the holder; the lock itself is on the directory.
+    HOLDER = "lock"
+
     def __init__(self, root: Path) -> None:
         self.root = root
         self.archives = root / "archives"
+        #: A descriptor of the state directory, flocked (carried across a reload's exec).
         self.lock_fd: int | None = None
+        self._file_lock_fd: int | None = None  # handed over by an image that locked `lock`
 
     def acquire(self, lock_fd: int | None = None) -> None:
         """Own the state dir, or raise StateDirLocked naming the holder.
 
         ``lock_fd`` is a lock descriptor inherited across a re-exec: the flock
-        is already ours and stays so.
+        is already ours and stays so. An image from before the lock moved to
+        the directory hands over a flocked ``lock`` file instead: it is kept
+        (older daemons still see it held) and the directory is locked too.
         """
         ensure_private_dir(self.root)
         ensure_private_dir(self.archives)
+        if lock_fd is not None and not stat.S_ISDIR(os.fstat(lock_fd).st_mode):
+            self._file_lock_fd = lock_fd
+            os.set_inheritable(lock_fd, False)  # never carried again: the directory's lock is
+            lock_fd = None
         if lock_fd is not None:
             self.lock_fd = lock_fd
             return
-        path = self.root / "lock"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        path = self.root / self.HOLDER
+        fd = open_dir(self.root)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = _read_holder(fd)
+            holder = _read_holder(fd) or _flock_holder(fd)
             os.close(fd)
             who = f"pid {holder.pid} on {holder.host}" if holder else "another process"
             raise StateDirLocked(
@@ -80,16 +95,26 @@ class StateDir:
                 f"state dir {self.root} is locked by pid {holder.pid} on host {holder.host}; "
                 f"if that daemon is gone, remove {path}"
             )
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, msgspec.json.encode(LockHolder(pid=os.getpid(), host=here)), 0)
+        try:
+            holder_json = msgspec.json.encode(LockHolder(pid=os.getpid(), host=here))
+            replace_in(fd, self.HOLDER, holder_json, what="naming the state dir's holder")
+        except BaseException:
+            os.close(fd)
+            raise
         self.lock_fd = fd
 
     def release(self) -> None:
-        """Give the state dir up cleanly: the lock names no holder any more."""
+        """Give the state dir up cleanly: no file names a holder any more."""
         if self.lock_fd is not None:
-            os.ftruncate(self.lock_fd, 0)
+            with contextlib.suppress(OSError):
+                os.unlink(
+                    self.HOLDER, dir_fd=self.lock_fd
+                )  # a symlink there is removed, not followed
             os.close(self.lock_fd)
             self.lock_fd = None
+        if self._file_lock_fd is not None:
+            os.close(self._file_lock_fd)
+            self._file_lock_fd = None
 
     def archive(self, worker_id: str) -> Path | None:
         """Where the worker's archive lives; None for a string that is no worker id."""
@@ -98,14 +123,35 @@ class StateDir:
         return self.archives / worker_id
 
 
-def _read_holder(fd: int) -> LockHolder | None:
-    raw = os.pread(fd, 4096, 0)
+def _read_holder(dir_fd: int) -> LockHolder | None:
+    """Who the holder file names, if it is a regular file that names someone."""
+    try:
+        raw = read_regular(StateDir.HOLDER, 4096, dir_fd=dir_fd)
+    except OSError:
+        return None
     if not raw.strip():
         return None
     try:
         return msgspec.json.decode(raw, type=LockHolder)
     except msgspec.DecodeError:
         return None
+
+
+def _flock_holder(dir_fd: int) -> LockHolder | None:
+    """Who holds the flock on `dir_fd`'s directory, as the kernel lists it."""
+    st = os.fstat(dir_fd)
+    device = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        with open("/proc/locks") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        # "1: FLOCK  ADVISORY  WRITE 1234 00:2f:5678 0 EOF"; waiters' lines hold "->".
+        fields = line.split()
+        if len(fields) >= 6 and fields[1] == "FLOCK" and "->" not in fields and fields[5] == device:
+            return LockHolder(pid=int(fields[4]), host=socket.gethostname())
+    return None
 
 
 def save_run(runs_dir: Path, run: RunRecord) -> None:
@@ -119,5 +165,5 @@ def load_runs(runs_dir: Path) -> list[RunRecord]:
     for path in runs_dir.glob("r-*.json") if runs_dir.exists() else ():
         # A run file half written by a crash is skipped: its workers still name the run.
         with contextlib.suppress(OSError, msgspec.DecodeError):
-            runs.append(msgspec.json.decode(path.read_bytes(), type=RunRecord))
+            runs.append(msgspec.json.decode(read_regular(path, RUN_FILE_LIMIT), type=RunRecord))
     return runs

@@ -3,22 +3,33 @@
 `WakeQueue` is the sans-I/O core: it posts at most one wake per worker attempt
 and holds each until acknowledged. `WakeLog` makes it survive a crash: posts
 and acks are appended to a checksummed log (the journal's framing), replayed
-on start, and compacted to what is still pending.
+on start, and compacted to what is still pending. A damaged entry costs only
+itself: replay skips to the next entry that verifies, says so, and keeps the
+damaged log aside before compacting it.
 """
 
 from __future__ import annotations
 
 import os
+import time
 import zlib
 from pathlib import Path
 
 import msgspec
+import structlog
 
 from subagentd.protocol import Wake, WorkerState
 
-from ._files import replace_file, short_write
+from ._files import read_regular, replace_file, short_write
 from ._journal import ENTRY_HEADER
 
+#: Far above any wake log (compaction keeps it near what is pending).
+WAKE_LOG_READ_LIMIT = 1024 * 1024 * 1024
+log = structlog.get_logger("subagentd")
+
+#: Past damage, replay looks for the next entry no longer than this (a post or an ack is far
+#: smaller), so that garbage claiming a huge length is not checksummed at every offset.
+RESYNC_ENTRY_LIMIT = 1024 * 1024
 #: A parent that wakes are for: ("run", run id) or ("worker", worker id).
 WakeKey = tuple[str, str]
 
@@ -109,30 +120,68 @@ class WakeLog:
         self._fd: int | None = None
         self._records = 0
         self._size = 0
+        #: What replay found damaged, for a person to see (`info.problems`).
+        self.problems: list[str] = []
 
     def open(self) -> WakeQueue:
-        """Replay the log into a queue (a torn tail is cut), then compact it."""
+        """Replay the log into a queue, then compact it.
+
+        A torn tail is cut: the post or ack it held never completed. Damage
+        before the tail (an entry whose checksum fails, or whose body does not
+        decode) skips only that entry: replay goes on from the next one that
+        verifies, and the damaged log is kept aside before compaction.
+        """
         queue = WakeQueue()
         try:
-            blob = self.path.read_bytes()
+            blob = read_regular(self.path, WAKE_LOG_READ_LIMIT)
         except FileNotFoundError:
             blob = b""
+        damaged: list[int] = []  # offsets where replay skipped
         offset = 0
         while offset + ENTRY_HEADER.size <= len(blob):
-            length, crc = ENTRY_HEADER.unpack_from(blob, offset)
-            body = blob[offset + ENTRY_HEADER.size : offset + ENTRY_HEADER.size + length]
-            if len(body) < length or zlib.crc32(body) != crc:
-                break  # a torn tail: the post or ack it held never completed
-            match _decoder.decode(body):
+            record, end, whole = _entry_at(blob, offset)
+            if record is None:
+                following = _next_entry(blob, end if whole else offset + 1)
+                if following is None and not whole:
+                    break  # a torn tail
+                damaged.append(offset)
+                if following is None:
+                    break
+                offset = following
+                continue
+            match record:
                 case _Post(wake=wake):
                     queue.restore(wake)
                 case _Ack(seqs=seqs):
                     queue.ack(seqs)
                 case _Floor(last_seq=last_seq):
                     queue.last_seq = max(queue.last_seq, last_seq)
-            offset += ENTRY_HEADER.size + length
+            offset = end
+        if damaged:
+            # Seqs are given out one by one: a skipped post held at most one, past the
+            # highest seen; never give it again, to a parent that may have seen it.
+            queue.last_seq += len(damaged)
+            self._keep_damaged(damaged)
         self.compact(queue)
         return queue
+
+    def _keep_damaged(self, offsets: list[int]) -> None:
+        """Keep the damaged log beside the new one, and say what was skipped."""
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        aside = self.path.with_name(f"{self.path.name}.damaged-{stamp}-{os.getpid()}")
+        try:
+            os.link(self.path, aside)  # the compaction renames a new file over the old name
+        except OSError as exc:
+            aside_note = f"it could not be kept aside ({exc.strerror or exc})"
+        else:
+            aside_note = f"the damaged log is kept as {aside}"
+        problem = (
+            f"the wake log {self.path} was damaged at byte(s) {', '.join(map(str, offsets))}: "
+            f"{len(offsets)} entr{'y' if len(offsets) == 1 else 'ies'} skipped (a wake, or an "
+            f"acknowledgement, may be lost there; every other was kept); {aside_note}"
+        )
+        log.error("wakes.log_damaged", problem=problem, offsets=offsets)
+        self.problems.append(problem)
 
     def compact(self, queue: WakeQueue) -> None:
         """Rewrite the log as just what is pending, atomically."""
@@ -169,6 +218,32 @@ class WakeLog:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+def _entry_at(
+    blob: bytes, offset: int, limit: int | None = None
+) -> tuple[_Record | None, int, bool]:
+    """The record framed at `offset`, where it ends, and whether its checksum verified
+    (a whole entry whose body does not decode is damage, not a torn tail)."""
+    length, crc = ENTRY_HEADER.unpack_from(blob, offset)
+    end = offset + ENTRY_HEADER.size + length
+    if end > len(blob) or length == 0 or (limit is not None and length > limit):
+        return None, end, False
+    body = blob[offset + ENTRY_HEADER.size : end]
+    if zlib.crc32(body) != crc:
+        return None, end, False
+    try:
+        return _decoder.decode(body), end, True
+    except msgspec.DecodeError:  # a valid checksum over a body this image cannot read
+        return None, end, True
+
+
+def _next_entry(blob: bytes, start: int) -> int | None:
+    """The offset of the next entry that verifies and decodes, scanning forward from `start`."""
+    for offset in range(start, len(blob) - ENTRY_HEADER.size + 1):
+        if _entry_at(blob, offset, RESYNC_ENTRY_LIMIT)[0] is not None:
+            return offset
+    return None
 
 
 def _frame(record: _Record) -> bytes:

@@ -114,7 +114,7 @@ async def test_a_failed_exec_leaves_the_old_image_serving(
     with trio.fail_after(30):
         worker = await client.spawn(sh("echo up; while :; do sleep 0.1; done"))
         await wait_output(client, worker.id, b"up")
-        (daemon.state_dir / "checkpoint.tmp").mkdir()  # the checkpoint cannot be written
+        (daemon.state_dir / "checkpoint").mkdir()  # the checkpoint cannot be renamed there
         reply = await reload(daemon)
         assert isinstance(reply, p.Error)
         assert "old image serves on" in reply.message

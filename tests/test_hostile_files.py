@@ -1,0 +1,325 @@
+"""Files a worker can reach: planted FIFOs, symlinks and huge files freeze nothing,
+leak nothing and send no write outside the state dir.
+
+Workers run as the same user and are told their archive directory, so each
+test has a real worker do the planting, the way a hostile or broken one would.
+"""
+
+from __future__ import annotations
+
+import functools
+import stat
+import struct
+import subprocess
+import zlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import msgspec
+import pytest
+import trio
+
+from subagentd import protocol as p
+from subagentd.client import AsyncClient
+
+from .conftest import BIN, DaemonProcess
+from .helpers import RawConnection, alive, sh, wait_output
+
+#: A worker plants its files once the daemon has written its first record, so that
+#: the daemon's next write is the one at its end, onto what was planted.
+AFTER_START = 'until grep -q running "$SUBAGENTD_ARCHIVE/record.json"; do sleep 0.01; done; '
+#: Far below the gigabyte a planted file would cost if read whole.
+RSS_BOUND_KB = 300 * 1024
+
+
+@pytest.fixture
+async def client(daemon: DaemonProcess) -> AsyncIterator[AsyncClient]:
+    async with AsyncClient(daemon.socket) as client:
+        yield client
+
+
+def _peak_rss_kb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no VmHWM for pid {pid}")
+
+
+def _victim(daemon: DaemonProcess, text: bytes = b"precious, outside the state dir\n") -> Path:
+    """A file of the user's outside the state dir, which no daemon write may reach."""
+    victim = daemon.root / "victim"
+    victim.write_bytes(text)
+    victim.chmod(0o640)
+    return victim
+
+
+def _assert_untouched(victim: Path, text: bytes = b"precious, outside the state dir\n") -> None:
+    assert victim.read_bytes() == text
+    assert stat.S_IMODE(victim.stat().st_mode) == 0o640
+
+
+# -- reads -------------------------------------------------------------------
+
+
+async def test_record_json_replaced_by_a_fifo_does_not_freeze_the_daemon(
+    client: AsyncClient,
+) -> None:
+    with trio.fail_after(15):
+        worker = await client.spawn(
+            sh(
+                AFTER_START + 'rm "$SUBAGENTD_ARCHIVE/record.json"; '
+                'mkfifo "$SUBAGENTD_ARCHIVE/record.json"'
+            )
+        )
+        ended = await client.wait(worker.id)
+        assert ended.state == "finished"
+        assert (await client.info()).pid > 0
+        record = Path(ended.archive) / "record.json"
+        assert stat.S_ISREG(record.lstat().st_mode)  # replaced by the daemon's own file
+        assert (await client.collect(worker.id)).state == "finished"
+
+
+async def test_git_head_fifo_in_cwd_does_not_freeze_a_spawn(
+    daemon: DaemonProcess, client: AsyncClient
+) -> None:
+    tree = daemon.root / "tree"
+    with trio.fail_after(15):
+        planter = await client.spawn(sh(f"mkdir -p {tree}/.git && mkfifo {tree}/.git/HEAD"))
+        assert (await client.wait(planter.id)).exit_code == 0
+        worker = await client.spawn(["true"], cwd=tree)
+        assert (await client.wait(worker.id)).state == "finished"
+        assert (await client.info()).pid > 0
+
+
+async def test_stdout_tail_symlinked_to_a_huge_file_is_not_read(
+    daemon: DaemonProcess, client: AsyncClient
+) -> None:
+    big = daemon.root / "big"
+    with trio.fail_after(20):
+        worker = await client.spawn(
+            sh(f'truncate -s 1G {big} && ln -s {big} "$SUBAGENTD_ARCHIVE/stdout.tail"; echo done')
+        )
+        await client.wait(worker.id)
+        result = await client.collect(worker.id)
+        assert result.result == "done\n"  # from the journal, not the planted file
+        assert (await client.info()).pid > 0
+    assert daemon.proc is not None
+    assert _peak_rss_kb(daemon.proc.pid) < RSS_BOUND_KB
+
+
+async def test_result_symlink_does_not_make_collect_print_another_file(
+    daemon: DaemonProcess, client: AsyncClient
+) -> None:
+    secret = daemon.root / "id_rsa"
+    secret.write_text("-----BEGIN OPENSSH PRIVATE KEY-----\n")
+    with trio.fail_after(15):
+        worker = await client.spawn(sh(f'ln -s {secret} "$SUBAGENTD_RESULT"; echo my output'))
+        await client.wait(worker.id)
+        result = await client.collect(worker.id)
+    assert "PRIVATE KEY" not in result.result
+    assert "result file is not a regular file" in result.result
+    assert result.result.endswith("my output\n")
+
+
+# -- writes ------------------------------------------------------------------
+
+
+async def test_record_json_symlink_is_replaced_not_written_through(
+    daemon: DaemonProcess, client: AsyncClient
+) -> None:
+    victim = _victim(daemon)
+    with trio.fail_after(15):
+        worker = await client.spawn(
+            sh(AFTER_START + f'ln -sf {victim} "$SUBAGENTD_ARCHIVE/record.json"')
+        )
+        ended = await client.wait(worker.id)
+        await client.collect(worker.id)
+    _assert_untouched(victim)
+    assert stat.S_ISREG((Path(ended.archive) / "record.json").lstat().st_mode)
+
+
+async def test_record_json_hard_link_is_replaced_not_written_through(
+    daemon: DaemonProcess, client: AsyncClient
+) -> None:
+    victim = _victim(daemon)
+    with trio.fail_after(15):
+        worker = await client.spawn(
+            sh(AFTER_START + f'ln -f {victim} "$SUBAGENTD_ARCHIVE/record.json"')
+        )
+        ended = await client.wait(worker.id)
+        await client.collect(worker.id)
+    _assert_untouched(victim)
+    assert (Path(ended.archive) / "record.json").stat().st_nlink == 1
+
+
+async def test_record_json_tmp_symlink_is_not_written_through(
+    daemon: DaemonProcess, client: AsyncClient
+) -> None:
+    victim = _victim(daemon)
+    with trio.fail_after(15):
+        # With no record.json the daemon writes a new one beside it, by rename.
+        worker = await client.spawn(
+            sh(
+                AFTER_START + 'rm "$SUBAGENTD_ARCHIVE/record.json"; '
+                f'ln -s {victim} "$SUBAGENTD_ARCHIVE/record.json.tmp"'
+            )
+        )
+        ended = await client.wait(worker.id)
+        await client.collect(worker.id)
+    _assert_untouched(victim)
+    assert stat.S_ISREG((Path(ended.archive) / "record.json").lstat().st_mode)
+
+
+async def test_stdout_tail_tmp_symlink_is_not_written_through(
+    daemon: DaemonProcess, client: AsyncClient
+) -> None:
+    victim = _victim(daemon)
+    with trio.fail_after(20):
+        # Over a megabyte of output: the daemon writes stdout.tail at the end.
+        worker = await client.spawn(
+            sh(
+                f'ln -s {victim} "$SUBAGENTD_ARCHIVE/stdout.tail.tmp"; '
+                "head -c 1200000 /dev/zero | tr '\\0' x; echo; echo the end"
+            )
+        )
+        await client.wait(worker.id)
+        result = await client.collect(worker.id)
+    assert result.result.endswith("the end\n")
+    _assert_untouched(victim)
+
+
+async def test_checkpoint_tmp_symlink_is_not_written_through_by_a_reload(
+    daemon: DaemonProcess, client: AsyncClient
+) -> None:
+    victim = _victim(daemon)
+    with trio.fail_after(30):
+        worker = await client.spawn(
+            sh(f'ln -s {victim} "$SUBAGENTD_ARCHIVE/../../checkpoint.tmp"; echo planted; sleep 60')
+        )
+        await wait_output(client, worker.id, b"planted")
+        assert (daemon.state_dir / "checkpoint.tmp").is_symlink()
+        async with AsyncClient(daemon.socket) as asker:
+            reply = await asker.reload()
+        assert reply.carried_live == 1
+        async with AsyncClient(daemon.socket) as after:
+            assert (await after.status(worker.id)).state == "running"
+    _assert_untouched(victim)
+
+
+# -- the lock ----------------------------------------------------------------
+
+
+async def _second_daemon(daemon: DaemonProcess) -> subprocess.CompletedProcess[str]:
+    """Start another daemon on the same state dir (its own socket), as a person might."""
+    command = [
+        str(BIN / "subagentd"),
+        "--socket", str(daemon.root / "second.sock"),
+        "--state-dir", str(daemon.state_dir),
+        "--config", str(daemon.config),
+    ]  # fmt: skip
+    return await trio.to_thread.run_sync(
+        functools.partial(
+            subprocess.run, command, env=daemon.env, capture_output=True, text=True, timeout=10
+        )
+    )
+
+
+async def _refused_while_the_first_serves(
+    daemon: DaemonProcess, client: AsyncClient, plant: str
+) -> None:
+    assert daemon.proc is not None
+    with trio.fail_after(30):
+        worker = await client.spawn(sh(f"{plant}; echo planted; sleep 60"))
+        await wait_output(client, worker.id, b"planted")
+        second = await _second_daemon(daemon)
+        assert second.returncode == 1
+        assert f"in use by pid {daemon.proc.pid}" in second.stderr
+        view = await client.status(worker.id)
+        assert view.state == "running"
+        assert view.pid is not None
+        assert alive(view.pid)
+
+
+async def test_deleting_the_lock_file_does_not_let_a_second_daemon_in(
+    daemon: DaemonProcess, client: AsyncClient
+) -> None:
+    await _refused_while_the_first_serves(daemon, client, 'rm "$SUBAGENTD_ARCHIVE/../../lock"')
+
+
+async def test_a_lock_symlink_does_not_let_a_second_daemon_in_nor_is_written_through(
+    daemon: DaemonProcess, client: AsyncClient
+) -> None:
+    victim = _victim(daemon)
+    plant = f'ln -sf {victim} "$SUBAGENTD_ARCHIVE/../../lock"'
+    await _refused_while_the_first_serves(daemon, client, plant)
+    _assert_untouched(victim)
+
+
+# -- the wake log ------------------------------------------------------------
+
+
+async def _pending_wakes(daemon: DaemonProcess, run: str) -> list[p.Wake]:
+    conn = await RawConnection.open(daemon.socket)
+    async with conn.stream:
+        await conn.send(p.Subscribe(id=2, run=run))
+        reply = await conn.receive()
+        assert isinstance(reply, p.Wakes)
+        return reply.wakes
+
+
+async def _five_wakes_then_kill(daemon: DaemonProcess) -> tuple[str, list[p.Wake], bytes]:
+    """Five unacknowledged wakes of one run; the daemon killed; its wake log."""
+    async with AsyncClient(daemon.socket) as client:
+        run = await client.new_run()
+        workers = [await client.spawn(["true"], run=run) for _ in range(5)]
+        for w in workers:
+            await client.wait(w.id)
+    wakes = await _pending_wakes(daemon, run)
+    assert len(wakes) == 5
+    daemon.kill()
+    return run, wakes, (daemon.state_dir / "wakes.log").read_bytes()
+
+
+def _entries(blob: bytes) -> list[tuple[int, int]]:
+    """(offset, end) of each entry of a wake log: u32 length, u32 crc32, body."""
+    found, offset = [], 0
+    while offset < len(blob):
+        (length,) = struct.unpack_from(">I", blob, offset)
+        found.append((offset, offset + 8 + length))
+        offset += 8 + length
+    return found
+
+
+async def _restart_and_check(daemon: DaemonProcess, run: str, expected: list[p.Wake]) -> None:
+    await trio.to_thread.run_sync(daemon.start)
+    assert [w.id for w in await _pending_wakes(daemon, run)] == [w.id for w in expected]
+    async with AsyncClient(daemon.socket) as client:
+        problems = (await client.info()).problems
+    assert any("wake log" in problem and "damaged" in problem for problem in problems)
+    assert list(daemon.state_dir.glob("wakes.log.damaged-*"))
+
+
+async def test_one_damaged_byte_in_the_wake_log_costs_only_its_own_wake(
+    daemon: DaemonProcess,
+) -> None:
+    with trio.fail_after(60):
+        run, wakes, blob = await _five_wakes_then_kill(daemon)
+        entries = _entries(blob)
+        assert len(entries) == 6  # the floor compaction wrote, then five posts
+        start, end = entries[3]  # the third post, in the middle of the log
+        damaged = bytearray(blob)
+        damaged[(start + 8 + end) // 2] ^= 0xFF
+        (daemon.state_dir / "wakes.log").write_bytes(damaged)
+        await _restart_and_check(daemon, run, wakes[:2] + wakes[3:])
+
+
+async def test_a_wake_log_entry_with_a_valid_checksum_and_garbage_body_is_skipped(
+    daemon: DaemonProcess,
+) -> None:
+    with trio.fail_after(60):
+        run, wakes, blob = await _five_wakes_then_kill(daemon)
+        _, end = _entries(blob)[3]
+        garbage = msgspec.msgpack.encode({"type": "no such record", "x": [1, 2]})
+        entry = struct.pack(">II", len(garbage), zlib.crc32(garbage)) + garbage
+        (daemon.state_dir / "wakes.log").write_bytes(blob[:end] + entry + blob[end:])
+        await _restart_and_check(daemon, run, wakes)
