@@ -104,11 +104,11 @@ async def test_a_reload_failing_before_its_freeze_undoes_nothing_it_did_not_do(
             True,
         )
         # An exec that fails rolls back what it did: its requester is answered, all serve on.
-        (daemon_dirs.state_dir / "checkpoint.tmp").mkdir()
+        (daemon_dirs.state_dir / "checkpoint").mkdir()  # the checkpoint cannot be renamed there
         failed = await reload_until_not_busy(daemon_dirs)
         assert isinstance(failed, p.Error), failed
         assert "old image serves on" in failed.message
-        (daemon_dirs.state_dir / "checkpoint.tmp").rmdir()
+        (daemon_dirs.state_dir / "checkpoint").rmdir()
         reloaded = await reload_until_not_busy(daemon_dirs)
         assert isinstance(reloaded, p.ReloadReply), reloaded
         assert (reloaded.image_generation, reloaded.carried_live) == (2, 1)
