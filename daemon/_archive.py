@@ -15,12 +15,15 @@ import secrets
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import msgspec
 
 from ._files import replace_file, short_write
 from ._journal import Journal, JournalCorrupt
-from ._registry import WorkerRecord
+from ._registry import DEFAULT_GRACE, WorkerRecord
+
+_Written = TypeVar("_Written", bound=msgspec.Struct)
 
 #: The snapshot's format; a resume refuses one it cannot read.
 SNAPSHOT_VERSION = 1
@@ -43,6 +46,22 @@ def prune_archives(archives: Path, cutoff: float, keep: set[str]) -> int:
             shutil.rmtree(path, ignore_errors=True)
             pruned += 1
     return pruned
+
+
+def decode_written(raw: bytes, kind: type[_Written]) -> _Written:
+    """`raw`, a record or snapshot, decoded as `kind`; what older daemons wrote still reads.
+
+    They took a grace of inf or nan, which JSON writes as null: that worker is
+    not lost, its grace is the default.
+    """
+    try:
+        return msgspec.json.decode(raw, type=kind)
+    except msgspec.ValidationError:
+        fields = msgspec.json.decode(raw)
+        if not isinstance(fields, dict) or "grace" not in fields or fields["grace"] is not None:
+            raise
+        fields["grace"] = DEFAULT_GRACE
+        return msgspec.convert(fields, kind)
 
 
 def open_new(path: Path, flags: int = 0) -> int:
@@ -146,7 +165,7 @@ class Archive:
     def load_record(self) -> WorkerRecord | None:
         """The worker's last record, or None if there is no archive (or it no longer reads)."""
         try:
-            return msgspec.json.decode(self.file(self.RECORD).read_bytes(), type=WorkerRecord)
+            return decode_written(self.file(self.RECORD).read_bytes(), WorkerRecord)
         except (OSError, msgspec.DecodeError):
             return None
 

@@ -13,7 +13,7 @@ import msgspec
 
 from subagentd.protocol.errors import Refused
 
-from ._archive import SNAPSHOT_VERSION, Archive, Snapshot
+from ._archive import SNAPSHOT_VERSION, Archive, Snapshot, decode_written
 
 #: The states a resume carries on from; `finished` ended well and is left alone.
 RESUMABLE = frozenset({"stopped", "failed", "timed_out", "interrupted", "stopped_by_reload"})
@@ -28,7 +28,7 @@ def read_snapshot(archive: Archive, worker_id: str) -> Snapshot:
             f"worker {worker_id} cannot be resumed: its snapshot {path} is missing; start it afresh"
         ) from None
     try:
-        snapshot = msgspec.json.decode(raw, type=Snapshot)
+        snapshot = decode_written(raw, Snapshot)
     except msgspec.DecodeError as exc:
         raise Refused(
             f"worker {worker_id} cannot be resumed: its snapshot no longer reads ({exc}); "
