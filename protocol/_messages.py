@@ -75,7 +75,7 @@ Argv = Annotated[
 ]
 Env = Annotated[
     dict[
-        Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ARG_BYTES)],
+        Annotated[str, msgspec.Meta(max_length=MAX_ARG_BYTES)],
         Annotated[str, msgspec.Meta(max_length=MAX_ARG_BYTES)],
     ],
     msgspec.Meta(max_length=MAX_ARGS),

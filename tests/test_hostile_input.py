@@ -202,7 +202,7 @@ def test_archive_written_with_null_grace_still_answers_after_restart(
         ({"argv": ["true", "a\x00b"]}, "NUL"),
         ({"argv": ["true"], "env": {"A": "x" * (p.MAX_ARG_BYTES + 1)}}, "$.env"),
         ({"argv": ["true"], "env": {"A=B": "c"}}, "'A=B'"),
-        ({"argv": ["true"], "env": {"": "c"}}, "$.env"),
+        ({"argv": ["true"], "env": {"": "c"}}, "name '' is empty"),
         ({"argv": ["true"], "name": "n" * (p.MAX_NAME_LENGTH + 1)}, "$.name"),
         ({"argv": ["true"], "cwd": "/" * (p.MAX_PATH_LENGTH + 1)}, "$.cwd"),
         ({"argv": ["true"], "run": "r" * (p.MAX_ID_LENGTH + 1)}, "$.run"),
