@@ -18,6 +18,8 @@ from typing import Any, BinaryIO, Protocol
 import msgspec
 
 from subagentd.protocol import (
+    MAX_GRACE,
+    MAX_TIMEOUT,
     TERMINAL_STATES,
     DaemonInfo,
     Entry,
@@ -492,8 +494,18 @@ def parser() -> argparse.ArgumentParser:
         default=[],
         help="an environment variable for it; repeat for more",
     )
-    sub.add_argument("--timeout", metavar="S", type=float, help="seconds before it is stopped")
-    sub.add_argument("--grace", metavar="S", type=float, help="seconds between TERM and KILL")
+    sub.add_argument(
+        "--timeout",
+        metavar="S",
+        type=float,
+        help=f"seconds before it is stopped (0 to {MAX_TIMEOUT:.0f}; 0: never)",
+    )
+    sub.add_argument(
+        "--grace",
+        metavar="S",
+        type=float,
+        help=f"seconds between TERM and KILL (0 to {MAX_GRACE:.0f}; default: the agent's, else 5)",
+    )
     sub.add_argument("argv", nargs="*", metavar="CMD", help="the command, after --")
 
     sub = command("new-run", new_run, "Create a run and print its id.")
@@ -640,7 +652,10 @@ def parser() -> argparse.ArgumentParser:
         "resume, print the newest and why not (exit 1)",
     )
     sub.add_argument(
-        "--timeout", metavar="S", type=float, help="seconds before it is stopped, this attempt"
+        "--timeout",
+        metavar="S",
+        type=float,
+        help=f"seconds before it is stopped, this attempt (0 to {MAX_TIMEOUT:.0f}; 0: never)",
     )
     sub.add_argument("--input", metavar="TEXT", help="refused: the snapshot holds its input")
     sub.add_argument("--model", metavar="M", help="refused: the snapshot holds its model")

@@ -2,23 +2,41 @@
 
 A spawn of ``--agent NAME`` renders the agent's command template here; the
 result is frozen into the worker's snapshot, so later edits of the file never
-reach a worker already spawned.
+reach a worker already spawned. The bounds are the spawn request's, so
+``subagentd --check`` refuses what a spawn would (`command_problem` too).
 """
 
 from __future__ import annotations
 
+import os
 import tomllib
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import msgspec
 
+from subagentd.protocol import (
+    MAX_ARG_BYTES,
+    MAX_EXEC_BYTES,
+    Argv,
+    Env,
+    Grace,
+    Name,
+    Timeout,
+)
+
+#: Bytes of a pointer in exec's argv and envp arrays, which count towards its limit.
+_POINTER = 8
+#: Bytes of one argument or variable without its NUL.
+_ARG_MOST = MAX_ARG_BYTES - 1
+
 
 class AgentDef(msgspec.Struct, forbid_unknown_fields=True):
-    command: list[str]
-    model: str = ""
-    timeout: float = 0
-    grace: float | None = None
-    env: dict[str, str] = {}
+    command: Argv
+    model: Name = ""
+    timeout: Timeout = 0
+    grace: Grace | None = None
+    env: Env = {}
 
     def render(self) -> list[str]:
         try:
@@ -65,7 +83,43 @@ def load_agents(path: Path) -> dict[str, AgentDef]:
             key = f"agents.{name}{where.rstrip('`')}" if where else f"agents.{name}"
             raise ConfigError(f"{path}: {key}: {message}") from exc
     for name, agent in agents.items():
-        if not agent.command:
-            raise ConfigError(f"{path}: agents.{name}.command is empty")
-        agent.render()
+        if problem := command_problem(agent.render(), agent.env):
+            raise ConfigError(f"{path}: agents.{name}: {problem}")
     return agents
+
+
+def command_problem(argv: Sequence[str], env: Mapping[str, str]) -> str | None:
+    """Why exec would refuse to run `argv` with `env`, said for a person; None if it would not.
+
+    Linux refuses a string over MAX_ARG_STRLEN, and strings plus pointers over
+    a quarter of the stack limit; Python refuses a NUL inside one.
+    """
+    if not argv:
+        return "the command is empty: give a program to run (argv) or an agent"
+    if not argv[0]:
+        return "the command's program (its first word) is empty"
+    total = _POINTER * (len(argv) + len(env) + 2)
+    for i, arg in enumerate(argv):
+        size = len(os.fsencode(arg)) + 1
+        if "\0" in arg:
+            return f"argument {i} of the command holds a NUL byte, which exec cannot pass"
+        if size > MAX_ARG_BYTES:
+            return (
+                f"argument {i} of the command is {size - 1} bytes; exec takes {_ARG_MOST} at most"
+            )
+        total += size
+    for key, value in env.items():
+        size = len(os.fsencode(key)) + len(os.fsencode(value)) + 2
+        if not key or "=" in key or "\0" in key:
+            return f"environment variable name {key!r} is empty or holds '=' or a NUL byte"
+        if "\0" in value:
+            return f"environment variable {key} holds a NUL byte, which exec cannot pass"
+        if size > MAX_ARG_BYTES:
+            return f"environment variable {key} is {size - 1} bytes; exec takes {_ARG_MOST} at most"
+        total += size
+    if total > MAX_EXEC_BYTES:
+        return (
+            f"the command and its environment take {total} bytes; exec takes at most "
+            f"{MAX_EXEC_BYTES}: pass large data as input or in a file"
+        )
+    return None

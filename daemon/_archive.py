@@ -16,6 +16,7 @@ import shutil
 import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import msgspec
 
@@ -29,7 +30,9 @@ from ._files import (
     short_write,
 )
 from ._journal import Journal, JournalCorrupt
-from ._registry import WorkerRecord
+from ._registry import DEFAULT_GRACE, WorkerRecord
+
+_Written = TypeVar("_Written", bound=msgspec.Struct)
 
 #: The snapshot's format; a resume refuses one it cannot read.
 SNAPSHOT_VERSION = 1
@@ -56,6 +59,22 @@ def prune_archives(archives: Path, cutoff: float, keep: set[str]) -> int:
             shutil.rmtree(path, ignore_errors=True)
             pruned += 1
     return pruned
+
+
+def decode_written(raw: bytes, kind: type[_Written]) -> _Written:
+    """`raw`, a record or snapshot, decoded as `kind`; what older daemons wrote still reads.
+
+    They took a grace of inf or nan, which JSON writes as null: that worker is
+    not lost, its grace is the default.
+    """
+    try:
+        return msgspec.json.decode(raw, type=kind)
+    except msgspec.ValidationError:
+        fields = msgspec.json.decode(raw)
+        if not isinstance(fields, dict) or "grace" not in fields or fields["grace"] is not None:
+            raise
+        fields["grace"] = DEFAULT_GRACE
+        return msgspec.convert(fields, kind)
 
 
 def open_new(path: Path, flags: int = 0) -> int:
@@ -186,8 +205,7 @@ class Archive:
     def load_record(self) -> WorkerRecord | None:
         """The worker's last record, or None if there is no archive (or it no longer reads)."""
         try:
-            raw = self.read(self.RECORD, RECORD_READ_LIMIT)
-            return msgspec.json.decode(raw, type=WorkerRecord)
+            return decode_written(self.read(self.RECORD, RECORD_READ_LIMIT), WorkerRecord)
         except (OSError, msgspec.DecodeError):
             return None
 

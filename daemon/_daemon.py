@@ -45,7 +45,7 @@ from subagentd.protocol.errors import (
     RunStopped,
 )
 
-from ._agents import AgentDef, ConfigError, load_agents
+from ._agents import AgentDef, ConfigError, command_problem, load_agents
 from ._archive import STDOUT_TAIL_BYTES, Archive, Snapshot, SpareArchives, prune_archives
 from ._cgroup import Cgroups, WorkerCgroup, end_cgroup
 from ._files import NotRegularFile
@@ -476,6 +476,8 @@ class Daemon:
         if not os.path.isdir(cwd):
             raise Invalid(f"working directory {cwd!r} does not exist")
         worker_env = self.inherited_env | env
+        if problem := command_problem(argv, worker_env):
+            raise Invalid(problem)
         _check_executable(argv[0], cwd, worker_env)
         return Launch(argv, env, cwd, worker_env, timeout, grace, model)
 

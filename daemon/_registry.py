@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 
 import msgspec
 
-from subagentd.protocol import TERMINAL_STATES, WorkerState, WorkerView
+from subagentd.protocol import MAX_GRACE, TERMINAL_STATES, WorkerState, WorkerView
 from subagentd.protocol.errors import Forbidden, Invalid, NotFound, RunStopped
 
 #: Seconds between TERM and KILL when a spawn names none.
@@ -65,6 +65,12 @@ class WorkerRecord(msgspec.Struct, kw_only=True):
     fence: int | None = None
     #: Left uncollected past the retention TTL (released once nothing needs it).
     expired: bool = False
+
+    def __post_init__(self) -> None:
+        # A grace carried from before numbers were checked at the door (nan, inf) would
+        # make the ending of its worker raise: such a record ends with the default.
+        if not 0 <= self.grace <= MAX_GRACE:
+            self.grace = DEFAULT_GRACE
 
     @property
     def ended(self) -> bool:

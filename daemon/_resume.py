@@ -13,7 +13,7 @@ import msgspec
 
 from subagentd.protocol.errors import Refused
 
-from ._archive import RECORD_READ_LIMIT, SNAPSHOT_VERSION, Archive, Snapshot
+from ._archive import RECORD_READ_LIMIT, SNAPSHOT_VERSION, Archive, Snapshot, decode_written
 from ._files import NotRegularFile, read_regular
 
 #: Bigger than any HEAD, .git file or commondir; a bigger one is no git file.
@@ -39,7 +39,7 @@ def read_snapshot(archive: Archive, worker_id: str) -> Snapshot:
             "(the daemon does not follow a symlink or read a FIFO there); start it afresh"
         ) from None
     try:
-        snapshot = msgspec.json.decode(raw, type=Snapshot)
+        snapshot = decode_written(raw, Snapshot)
     except msgspec.DecodeError as exc:
         raise Refused(
             f"worker {worker_id} cannot be resumed: its snapshot no longer reads ({exc}); "

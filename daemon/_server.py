@@ -85,7 +85,8 @@ from ._resumer import Resumer
 
 log = structlog.get_logger("subagentd")
 
-#: Requests one connection may have in flight; more are answered `busy`.
+#: Requests one connection may have in flight; more are answered `busy`. Aborts have
+#: as many again of their own, so that a connection at the limit can still abort.
 MAX_IN_FLIGHT = 256
 #: How long a reload waits to tell each client `reloading` (all told at once).
 NOTICE_SECONDS = 0.1
@@ -319,13 +320,13 @@ class Server:
                     if body is None:
                         break
                     message = _decode(body)
-                    if isinstance(message, Error):
-                        await conn.send(message)
-                    elif not hello_seen:
+                    if not hello_seen:
                         if not await self._hello(conn, message):
                             requests.cancel_scope.cancel()
                             return
                         hello_seen = True
+                    elif isinstance(message, Error):
+                        await conn.send(message)  # the connection carries on
                     elif refusal := self._admission(conn, message):
                         await conn.send(refusal)
                     elif isinstance(message, ANSWERED_AT_ONCE):
@@ -348,7 +349,8 @@ class Server:
                 code=ErrorCode.INVALID,
                 message=f"request id {message.id} is already in flight",
             )
-        if len(conn.streams) >= MAX_IN_FLIGHT:
+        limit = 2 * MAX_IN_FLIGHT if isinstance(message, Abort) else MAX_IN_FLIGHT
+        if len(conn.streams) >= limit:
             return Error(
                 id=message.id,
                 code=ErrorCode.BUSY,
@@ -357,7 +359,10 @@ class Server:
             )
         return None
 
-    async def _hello(self, conn: Connection, message: ClientMessage) -> bool:
+    async def _hello(self, conn: Connection, message: ClientMessage | Error) -> bool:
+        if isinstance(message, Error):  # a first message that does not decode: no hello
+            await conn.refuse(message)
+            return False
         if not isinstance(message, Hello):
             await conn.refuse(
                 Error(
@@ -564,14 +569,22 @@ def _sender(conn: Connection, rid: int) -> Callable[[Page], Awaitable[None]]:
 def _decode(body: bytes) -> ClientMessage | Error:
     try:
         return client_decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        # msgpack, but a field missing, of the wrong type or out of range: msgspec
+        # names it ("... - at `$.grace`").
+        return Error(
+            id=_salvage_id(body), code=ErrorCode.INVALID, message=f"invalid request: {exc}"
+        )
     except msgspec.DecodeError as exc:
-        request_id = _salvage_id(body)
-        return Error(id=request_id, code=ErrorCode.INVALID, message=f"malformed message: {exc}")
+        return Error(
+            id=_salvage_id(body), code=ErrorCode.INVALID, message=f"malformed message: {exc}"
+        )
 
 
 def _salvage_id(body: bytes) -> int:
     """The id of a message that failed to decode, if it has a readable one, so the
-    client can match the error to its request."""
+    client can match the error to its request. An id of 0 or less is answered as
+    given: 0 is also what a message without a readable id gets."""
     try:
         raw = msgspec.msgpack.decode(body)
     except msgspec.DecodeError:

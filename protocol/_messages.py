@@ -9,7 +9,7 @@ older peer keeps decoding what a newer one sends.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -30,6 +30,57 @@ TERMINAL_STATES: frozenset[str] = frozenset(
     {"finished", "failed", "stopped", "timed_out", "stopped_by_reload", "interrupted"}
 )
 EntryKind = Literal["stdout", "stderr", "state", "note"]
+
+
+# -- limits: every number, string and list a request carries is checked as it is decoded
+
+#: The largest integer a request may carry (an id, a cursor, a seq): a signed 64-bit one.
+MAX_INT = 2**63 - 1
+#: Seconds between TERM and KILL: at most a day.
+MAX_GRACE = 86_400.0
+#: Seconds before a worker is stopped as timed out: at most 30 days.
+MAX_TIMEOUT = 30 * 86_400.0
+#: Bytes of one argument or environment variable with its NUL: Linux's MAX_ARG_STRLEN.
+MAX_ARG_BYTES = 128 * 1024
+#: argv and env together as exec counts them (strings, their NULs, the pointers): what
+#: Linux accepts with the usual 8 MiB stack.
+MAX_EXEC_BYTES = 2 * 1024 * 1024
+#: Arguments in an argv, variables in an env.
+MAX_ARGS = 32 * 1024
+#: A spawn's input (its stdin), well below the frame limit.
+MAX_INPUT_BYTES = 8 * 1024 * 1024
+#: A worker or run id, a token.
+MAX_ID_LENGTH = 256
+#: A name, an agent, a model, a scope, a client's description.
+MAX_NAME_LENGTH = 1024
+#: A path: Linux's PATH_MAX.
+MAX_PATH_LENGTH = 4096
+#: Wakes acknowledged by one ack.
+MAX_ACK_WAKES = 64 * 1024
+
+#: A request id: 1 and up (id 0 marks an event, never a request).
+RequestId = Annotated[int, msgspec.Meta(ge=1, le=MAX_INT)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_INT)]
+#: Seconds between TERM and KILL: finite, 0 to a day (nan fails both bounds).
+Grace = Annotated[float, msgspec.Meta(ge=0, le=MAX_GRACE)]
+#: Seconds before a worker times out, 0 meaning none: finite, up to 30 days.
+Timeout = Annotated[float, msgspec.Meta(ge=0, le=MAX_TIMEOUT)]
+Id = Annotated[str, msgspec.Meta(max_length=MAX_ID_LENGTH)]
+Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME_LENGTH)]
+PathText = Annotated[str, msgspec.Meta(max_length=MAX_PATH_LENGTH)]
+# Counted in characters here; the daemon checks the bytes exec would take.
+Argv = Annotated[
+    list[Annotated[str, msgspec.Meta(max_length=MAX_ARG_BYTES)]],
+    msgspec.Meta(max_length=MAX_ARGS),
+]
+Env = Annotated[
+    dict[
+        Annotated[str, msgspec.Meta(max_length=MAX_ARG_BYTES)],
+        Annotated[str, msgspec.Meta(max_length=MAX_ARG_BYTES)],
+    ],
+    msgspec.Meta(max_length=MAX_ARGS),
+]
+Input = Annotated[bytes, msgspec.Meta(max_length=MAX_INPUT_BYTES)]
 
 
 # -- values carried inside messages --------------------------------------------
@@ -107,67 +158,67 @@ class DaemonInfo(msgspec.Struct, kw_only=True):
 
 
 class Request(msgspec.Struct, tag_field="op", kw_only=True):
-    id: int
+    id: RequestId
 
 
 class Hello(Request, tag="hello"):
     """The first message of every connection."""
 
     version: int = PROTOCOL_VERSION
-    token: str | None = None
-    client: str = ""
+    token: Id | None = None
+    client: Name = ""
 
 
 class Spawn(Request, tag="spawn"):
-    argv: list[str] = []
-    agent: str | None = None
-    name: str = ""
-    run: str | None = None
-    parent: str | None = None
-    input: bytes | None = None
-    cwd: str | None = None
-    env: dict[str, str] = {}
-    timeout: float | None = None
-    grace: float | None = None
+    argv: Argv = []
+    agent: Name | None = None
+    name: Name = ""
+    run: Id | None = None
+    parent: Id | None = None
+    input: Input | None = None
+    cwd: PathText | None = None
+    env: Env = {}
+    timeout: Timeout | None = None
+    grace: Grace | None = None
 
 
 class NewRun(Request, tag="new_run"):
-    outer: str | None = None
+    outer: Id | None = None
 
 
 class ListWorkers(Request, tag="list_workers"):
     all: bool = False
-    run: str | None = None
+    run: Id | None = None
 
 
 class Status(Request, tag="status"):
-    worker: str
+    worker: Id
 
 
 class Stop(Request, tag="stop"):
-    worker: str
+    worker: Id
     wait: bool = True
 
 
 class StopRun(Request, tag="stop_run"):
-    run: str
+    run: Id
     wait: bool = True
 
 
 class Watch(Request, tag="watch"):
-    worker: str
-    since: int = 0
+    worker: Id
+    since: Count = 0
     follow: bool = False
-    limit: int = 1000
+    limit: Annotated[int, msgspec.Meta(ge=1, le=MAX_INT)] = 1000
 
 
 class Collect(Request, tag="collect"):
-    worker: str
+    worker: Id
     wait: bool = False
 
 
 class Wait(Request, tag="wait"):
-    worker: str
+    worker: Id
 
 
 class Info(Request, tag="info"):
@@ -181,7 +232,7 @@ class BeginTurn(Request, tag="begin_turn"):
 class Cancel(Request, tag="cancel"):
     """Stop every worker in ``scope``: ``all``, ``turn:G``, ``run:R`` or ``worker:W``."""
 
-    scope: str
+    scope: Name
 
 
 class SetFence(Request, tag="set_fence"):
@@ -191,7 +242,7 @@ class SetFence(Request, tag="set_fence"):
 class CancelFence(Request, tag="cancel_fence"):
     """Stop what registered under fence ``epoch``, and every later spawn until it is replaced."""
 
-    epoch: int
+    epoch: Count
 
 
 class ClearFence(Request, tag="clear_fence"):
@@ -201,7 +252,7 @@ class ClearFence(Request, tag="clear_fence"):
 class WaitRunStopped(Request, tag="wait_run_stopped"):
     """Answered (with done) once ``run`` is stopped, however that happened."""
 
-    run: str
+    run: Id
 
 
 class Resume(Request, tag="resume"):
@@ -211,23 +262,23 @@ class Resume(Request, tag="resume"):
     refused with `frozen` (the snapshot holds what the worker was given).
     """
 
-    worker: str
-    timeout: float | None = None
-    input: bytes | None = None
-    argv: list[str] | None = None
-    model: str | None = None
+    worker: Id
+    timeout: Timeout | None = None
+    input: Input | None = None
+    argv: Argv | None = None
+    model: Name | None = None
 
 
 class ResumeRun(Request, tag="resume_run"):
     """A new live attempt of a run: its highest unfinished workers carry on."""
 
-    run: str
+    run: Id
 
 
 class LatestResumable(Request, tag="latest_resumable"):
     """The newest run started in ``cwd`` that a resume would take, or the newest and why not."""
 
-    cwd: str
+    cwd: PathText
 
 
 class Reload(Request, tag="reload"):
@@ -241,21 +292,21 @@ class Subscribe(Request, tag="subscribe"):
     ``follow``, then each new one as it is posted, until aborted.
     """
 
-    run: str | None = None
-    worker: str | None = None
+    run: Id | None = None
+    worker: Id | None = None
     follow: bool = False
 
 
 class Ack(Request, tag="ack"):
     """Acknowledge wakes by seq; each must have been delivered on this connection."""
 
-    wakes: list[int]
+    wakes: Annotated[list[Count], msgspec.Meta(max_length=MAX_ACK_WAKES)]
 
 
 class Abort(Request, tag="abort"):
     """End the stream opened by request ``request`` on this connection."""
 
-    request: int
+    request: RequestId
 
 
 ClientMessage = (

@@ -202,13 +202,17 @@ async def test_restart_after_kill_takes_over_the_stale_lock_and_socket(
 
 
 async def test_a_spawn_the_os_rejects_ends_failed_and_leaves_nothing_starting(
-    client: AsyncClient, daemon: DaemonProcess
+    client: AsyncClient, daemon: DaemonProcess, tmp_path: Path
 ) -> None:
+    # Executable, but no program: exec fails (ENOEXEC) after every check at the door passed.
+    program = tmp_path / "not-a-program"
+    program.write_bytes(b"\x7fELF, or so it says")
+    program.chmod(0o755)
     with trio.fail_after(30):
-        worker = await client.spawn(["/bin/sleep", "1\x0000"])  # a NUL inside an argument
+        worker = await client.spawn([str(program)])
         assert worker.state == "failed"
         page = await client.watch_page(worker.id)
-        assert any(b"null byte" in e.data for e in page.entries if e.kind == "note")
+        assert any(b"Exec format error" in e.data for e in page.entries if e.kind == "note")
         assert "starting" not in (await client.info()).workers
     conn = await RawConnection.open(daemon.socket)
     async with conn.stream:
