@@ -9,6 +9,7 @@ and, where the stream is unreadable, the connection; never anyone else's.
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import os
 import socket
@@ -92,6 +93,10 @@ NOTICE_SECONDS = 0.1
 #: How long, and how much, a refused peer may still send before the close.
 REFUSAL_DRAIN_SECONDS = 1.0
 REFUSAL_DRAIN_BYTES = 1024 * 1024
+#: accept(2) failures that mean the daemon or the system is out of capacity, not that the
+#: socket is broken: wait and accept again (as trio.serve_listeners does).
+ACCEPT_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+ACCEPT_RETRY_SECONDS = 0.1
 #: Requests that never wait (their dispatch awaits nothing): no task, scope or event each.
 ANSWERED_AT_ONCE = (Info, Status, ListWorkers)
 _PEERCRED = struct.Struct("3i")
@@ -182,7 +187,7 @@ class Server:
                         nursery.start_soon(self._handle_adopted, fd, reply)
                     with trio.CancelScope() as self._accepting:
                         while True:
-                            stream = await listener.accept()
+                            stream = await self._accept(listener)
                             nursery.start_soon(self.handle, stream)
                     await trio.sleep_forever()  # not accepting: pause() ends the handlers
             self._paused.set()
@@ -190,6 +195,27 @@ class Server:
             self._resume = trio.Event()
             self._paused = trio.Event()
             pending, self._resumed = self._resumed or [], None
+
+    async def _accept(self, listener: trio.SocketListener) -> trio.SocketStream:
+        """The next connection; out of descriptors, wait for some (connects wait in the
+        backlog), and say so in `info` meanwhile."""
+        while True:
+            try:
+                stream = await listener.accept()
+            except OSError as exc:
+                if exc.errno not in ACCEPT_CAPACITY_ERRNOS:
+                    raise
+                problem = (
+                    f"cannot accept connections: {errno.errorcode[exc.errno]} "
+                    f"({exc.strerror}); connects wait until connections or workers close"
+                )
+                if self.daemon.descriptor_problem != problem:
+                    log.error("conn.accept_failed", error=problem)
+                self.daemon.descriptor_problem = problem
+                await trio.sleep(ACCEPT_RETRY_SECONDS)
+                continue
+            self.daemon.descriptor_problem = None
+            return stream
 
     async def pause(self, keep: list[object]) -> dict[object, int]:
         """Tell every client `reloading` and stop serving; the `keep` connections survive

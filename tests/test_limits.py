@@ -1,0 +1,122 @@
+"""The daemon's budgets: descriptors, frames, listings, memory and shutdown time.
+
+Each test pushes a real daemon to one of its limits through the socket, as a
+careless or hostile client would, and checks that it says so, serves on,
+loses nothing, and that a bystander worker is still supervised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import resource
+import socket
+from collections.abc import Iterator
+
+import pytest
+import trio
+
+from subagentd.client import AsyncClient
+from subagentd.protocol.errors import Busy
+
+from .conftest import DaemonProcess
+
+
+def _fds(pid: int) -> list[int]:
+    return [int(fd) for fd in os.listdir(f"/proc/{pid}/fd")]
+
+
+def _limit_descriptors(pid: int, spare: int) -> int:
+    """Lower `pid`'s RLIMIT_NOFILE to leave it `spare` free descriptors; the new limit."""
+    limit = max(_fds(pid)) + 1 + spare
+    _soft, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+    resource.prlimit(pid, resource.RLIMIT_NOFILE, (limit, hard))
+    return limit
+
+
+@contextlib.contextmanager
+def _held_connections(path: os.PathLike[str], count: int) -> Iterator[list[socket.socket]]:
+    """`count` connections that send nothing, closed on the way out."""
+    held: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            held.append(sock)
+            sock.settimeout(10)
+            sock.connect(os.fspath(path))
+        yield held
+    finally:
+        for sock in held:
+            sock.close()
+
+
+async def _wait_problem(client: AsyncClient, wanted: str) -> list[str]:
+    """Poll `info` until one of its problems mentions `wanted`."""
+    while True:
+        problems = (await client.info()).problems
+        if any(wanted in problem for problem in problems):
+            return problems
+        await trio.sleep(0.05)
+
+
+async def _wait_free_descriptors(pid: int, limit: int, free: int) -> None:
+    while limit - len(_fds(pid)) != free:  # noqa: ASYNC110 - /proc cannot be awaited
+        await trio.sleep(0.02)
+
+
+async def _serves_on(daemon: DaemonProcess, bystander_id: str, bystander_pid: int | None) -> None:
+    """The daemon accepts, reloads, and still supervises the bystander."""
+    async with AsyncClient(daemon.socket) as fresh:
+        assert (await fresh.info()).problems == []
+        reply = await fresh.reload()
+        assert reply.carried_live == 1
+        view = await fresh.status(bystander_id)
+        assert (view.state, view.pid) == ("running", bystander_pid)
+        assert await fresh.stop(bystander_id)
+        assert (await fresh.status(bystander_id)).state == "stopped"
+        assert [w.state for w in await fresh.ls(all=True)].count("starting") == 0
+
+
+async def test_out_of_descriptors_accept_waits_and_daemon_serves_on(
+    daemon: DaemonProcess,
+) -> None:
+    assert daemon.proc is not None
+    with trio.fail_after(60):
+        async with AsyncClient(daemon.socket) as held:
+            bystander = await held.spawn(["sleep", "600"])
+            limit = _limit_descriptors(daemon.proc.pid, spare=24)
+            # More connections than the daemon has descriptors: accept(2) fails with EMFILE.
+            with _held_connections(daemon.socket, limit):
+                problems = await _wait_problem(held, "cannot accept connections: EMFILE")
+                assert len(problems) == 1
+                with pytest.raises(Busy, match="out of file descriptors"):
+                    await held.spawn(["true"])
+                assert "starting" not in {w.state for w in await held.ls(all=True)}
+        await _serves_on(daemon, bystander.id, bystander.pid)
+
+
+async def test_spawn_without_descriptors_for_its_pipes_is_refused_cleanly(
+    daemon: DaemonProcess,
+) -> None:
+    assert daemon.proc is not None
+    pid = daemon.proc.pid
+    with trio.fail_after(60):
+        async with AsyncClient(daemon.socket) as held:
+            bystander = await held.spawn(["sleep", "600"])
+            limit = _limit_descriptors(pid, spare=40)
+            # Left with three: the snapshot and the journal get theirs, the pipes none.
+            with _held_connections(daemon.socket, limit - len(_fds(pid)) - 3):
+                await _wait_free_descriptors(pid, limit, 3)
+                with pytest.raises(Busy, match="could not get its pipes") as refused:
+                    await held.spawn(["true"])
+                (failed_id,) = re.findall(r"worker (w-\w+) ended failed", str(refused.value))
+                problems = (await held.info()).problems
+                assert any("out of file descriptors" in problem for problem in problems)
+            failed = await held.status(failed_id)
+            assert failed.state == "failed"
+            page = await held.watch_page(failed_id)
+            assert any(b"out of file descriptors" in e.data for e in page.entries)
+            assert page.complete
+            assert await held.stop(failed_id)  # ended: it answers at once
+        await _serves_on(daemon, bystander.id, bystander.pid)
