@@ -81,6 +81,7 @@ from subagentd.protocol.errors import (
 )
 
 from ._daemon import RELOAD_RETRY, Daemon
+from ._registry import listing_page
 from ._reload import Reloader
 from ._resumer import Resumer
 
@@ -442,11 +443,12 @@ class Server:
         match request:
             case Spawn():
                 return WorkerReply(id=rid, worker=await daemon.spawn(request, caller))
-            case ListWorkers(all=include_ended, run=run):
+            case ListWorkers(all=include_ended, run=run, after=after, limit=limit):
                 records = registry.listing(include_ended=include_ended, run=run)
                 if caller is not None:
                     records = [r for r in records if registry.within(caller, r.id)]
-                return WorkerList(id=rid, workers=[r.view() for r in records])
+                views, cursor, complete = listing_page(records, after, limit)
+                return WorkerList(id=rid, workers=views, next=cursor, complete=complete)
             case Status(worker=worker):
                 daemon.authorize(caller, worker)
                 return WorkerReply(id=rid, worker=daemon.lookup(worker).view())

@@ -17,10 +17,12 @@ from collections.abc import Iterator
 import pytest
 import trio
 
+from subagentd import protocol as p
 from subagentd.client import AsyncClient
 from subagentd.protocol.errors import Busy
 
 from .conftest import DaemonProcess
+from .helpers import RawConnection
 
 
 def _fds(pid: int) -> list[int]:
@@ -120,3 +122,44 @@ async def test_spawn_without_descriptors_for_its_pipes_is_refused_cleanly(
             assert page.complete
             assert await held.stop(failed_id)  # ended: it answers at once
         await _serves_on(daemon, bystander.id, bystander.pid)
+
+
+# Within the bounds a spawn keeps to (each argument under 128 KiB, all of them
+# under 2 MiB), twenty of these come to 29 MB: more than one frame may carry.
+BIG_ARGV = ["sh", "-c", "exec sleep 600", "sh", *[chr(ord("a") + i) * 100_000 for i in range(14)]]
+
+
+async def test_listing_many_workers_with_large_argv_pages_within_the_frame_limit(
+    daemon: DaemonProcess,
+) -> None:
+    with trio.fail_after(60):
+        async with AsyncClient(daemon.socket) as client:
+            spawned = [(await client.spawn(BIG_ARGV)).id for _ in range(20)]
+            listed = await client.ls()
+            assert [w.id for w in listed] == spawned
+            for view in listed:
+                assert view.argv_cut
+                assert view.argv[:4] == BIG_ARGV[:4]
+                assert len(view.argv) < len(BIG_ARGV)
+                assert all(len(arg) < 1000 for arg in view.argv)
+            assert (await client.status(spawned[0])).argv == BIG_ARGV  # status has the whole
+            # Pages follow each other without a gap or a repeat.
+            conn = await RawConnection.open(daemon.socket)
+            async with conn.stream:
+                after, paged, pages = None, [], 0
+                while True:
+                    await conn.send(p.ListWorkers(id=2, after=after, limit=7))
+                    page = await conn.receive()
+                    assert isinstance(page, p.WorkerList)
+                    paged += [w.id for w in page.workers]
+                    pages += 1
+                    if page.complete:
+                        assert page.next is None
+                        break
+                    after = page.next
+                assert (paged, pages) == (spawned, 3)
+        listing = await trio.to_thread.run_sync(daemon.ctl, "ls")
+        assert listing.returncode == 0, listing.stderr
+        assert sorted(line.split()[0] for line in listing.stdout.splitlines()[1:]) == sorted(
+            spawned
+        )
