@@ -98,10 +98,39 @@ REFUSAL_DRAIN_BYTES = 1024 * 1024
 #: socket is broken: wait and accept again (as trio.serve_listeners does).
 ACCEPT_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 ACCEPT_RETRY_SECONDS = 0.1
+#: Bytes of frames still arriving that all connections together may hold. A frame
+#: longer than BUDGETED_FROM is read only once its length is reserved here;
+#: until then its connection is not read (its client's sends block).
+FRAME_BUDGET = 64 * 1024 * 1024
+BUDGETED_FROM = 64 * 1024
 #: Requests that never wait (their dispatch awaits nothing): no task, scope or event each.
 ANSWERED_AT_ONCE = (Info, Status, ListWorkers)
 _PEERCRED = struct.Struct("3i")
 _conn_ids = itertools.count(1)
+
+
+class FrameBudget:
+    """The memory all connections may spend on frames not yet whole, shared out frame
+    by frame: a large frame waits for its reservation, so 40 clients sending 15 MiB
+    each cost at most the budget, not 600 MiB."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.free = total
+        self._released = trio.Event()
+
+    async def reserve(self, size: int) -> int:
+        """Wait until `size` bytes (at most the whole budget) are free; take them."""
+        size = min(size, self.total)
+        while size > self.free:
+            await self._released.wait()
+        self.free -= size
+        return size
+
+    def release(self, size: int) -> None:
+        self.free += size
+        released, self._released = self._released, trio.Event()
+        released.set()
 
 
 @dataclass(eq=False)
@@ -112,6 +141,7 @@ class Connection:
     send_lock: trio.Lock = field(default_factory=trio.Lock)
     streams: dict[int, tuple[trio.CancelScope, trio.Event]] = field(default_factory=dict)
     delivered: set[int] = field(default_factory=set)  # wake seqs sent here, not yet acked
+    reserved: int = 0  # of the server's frame budget, for the large frame arriving here
 
     async def send(self, reply: Reply) -> None:
         data = memoryview(encode(reply))
@@ -154,6 +184,7 @@ class Server:
     def __init__(self, daemon: Daemon, frame_limit: int = DEFAULT_FRAME_LIMIT) -> None:
         self.daemon = daemon
         self.frame_limit = frame_limit
+        self.budget = FrameBudget(FRAME_BUDGET)
         self.connections = 0  # open now
         self.reloader: Reloader | None = None
         self.resumer = Resumer(daemon)
@@ -303,10 +334,20 @@ class Server:
         return True
 
     async def _serve_requests(self, conn: Connection, hello_seen: bool = False) -> None:
+        try:
+            await self._serve_frames(conn, hello_seen)
+        finally:
+            self.budget.release(conn.reserved)
+            conn.reserved = 0
+
+    async def _serve_frames(self, conn: Connection, hello_seen: bool) -> None:
         decoder = FrameDecoder(self.frame_limit)
         fatal: Error | None = None
         async with trio.open_nursery() as requests:
             while fatal is None:
+                length = decoder.incomplete_length
+                if length is not None and length > BUDGETED_FROM and not conn.reserved:
+                    conn.reserved = await self.budget.reserve(length)
                 data = await conn.stream.receive_some(65536)
                 if not data:
                     requests.cancel_scope.cancel()
@@ -323,6 +364,9 @@ class Server:
                         break
                     if body is None:
                         break
+                    if conn.reserved:  # what it held is a whole frame now
+                        self.budget.release(conn.reserved)
+                        conn.reserved = 0
                     message = _decode(body)
                     if isinstance(message, Error):
                         await conn.send(message)

@@ -13,6 +13,7 @@ import re
 import resource
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import trio
@@ -163,3 +164,50 @@ async def test_listing_many_workers_with_large_argv_pages_within_the_frame_limit
         assert sorted(line.split()[0] for line in listing.stdout.splitlines()[1:]) == sorted(
             spawned
         )
+
+
+def _peak_rss(pid: int) -> int:
+    """The most memory `pid` has held resident, in bytes (VmHWM)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmHWM for pid {pid}")
+
+
+async def test_frames_still_arriving_share_one_memory_budget(daemon: DaemonProcess) -> None:
+    assert daemon.proc is not None
+    size = 15 * 1024 * 1024
+    body = bytes(size)
+    sent = [0]
+
+    async def send_all_but_the_last_byte(stream: trio.SocketStream) -> None:
+        await stream.send_all(p.HEADER.pack(size))
+        for start in range(0, size - 1, 1024 * 1024):
+            chunk = memoryview(body)[start : min(start + 1024 * 1024, size - 1)]
+            await stream.send_all(chunk)
+            sent[0] += len(chunk)
+
+    with trio.fail_after(90):
+        async with AsyncClient(daemon.socket) as bystander:
+            worker = await bystander.spawn(["sleep", "600"])
+            before = _peak_rss(daemon.proc.pid)
+            streams = [await trio.open_unix_socket(os.fspath(daemon.socket)) for _ in range(40)]
+            async with trio.open_nursery() as senders:
+                for stream in streams:
+                    senders.start_soon(send_all_but_the_last_byte, stream)
+                # Until the daemon stops taking more (or, unbudgeted, has taken it all).
+                while sent[0] < 40 * (size - 1):
+                    progress = sent[0]
+                    await trio.sleep(0.5)
+                    if sent[0] == progress:
+                        break
+                grown = _peak_rss(daemon.proc.pid) - before
+                assert grown < 160 * 1024 * 1024, f"{sent[0]} bytes sent took {grown} bytes"
+                assert (await bystander.info()).workers == {"running": 1}
+                assert (await bystander.status(worker.id)).state == "running"
+                senders.cancel_scope.cancel()
+            for stream in streams:
+                await stream.aclose()
+            # Their budget comes back: a large frame is read again.
+            large = await bystander.spawn(BIG_ARGV)
+            assert (await bystander.status(large.id)).argv == BIG_ARGV
