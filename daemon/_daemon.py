@@ -954,6 +954,9 @@ class Daemon:
             log.debug("worker.released", workers=released)
             self.touch()
         if run not in self.registry.runs:  # an implicit run went with its last worker
+            # Nobody can subscribe to it any more: its wakes would wait forever.
+            if orphaned := self.wakes.of_run(run):
+                self.ack(orphaned)
             self._saved_runs.discard(run)
             with contextlib.suppress(FileNotFoundError):
                 (self.runs_dir / f"{run}.json").unlink()

@@ -211,3 +211,31 @@ async def test_frames_still_arriving_share_one_memory_budget(daemon: DaemonProce
             # Their budget comes back: a large frame is read again.
             large = await bystander.spawn(BIG_ARGV)
             assert (await bystander.status(large.id)).argv == BIG_ARGV
+
+
+async def test_wakes_of_implicit_runs_go_with_their_last_worker(daemon: DaemonProcess) -> None:
+    with trio.fail_after(60):
+        async with AsyncClient(daemon.socket) as client:
+            named = await client.new_run()
+            kept = await client.spawn(["true"], run=named)
+            await client.collect(kept.id, wait=True)
+            lone_runs = []
+            for _ in range(50):
+                lone = await client.spawn(["true"])
+                await client.collect(lone.id, wait=True)
+                lone_runs.append(lone.run)
+        # Gone from the wake log too: a restart does not bring them back.
+        assert await trio.to_thread.run_sync(daemon.terminate) == 0
+        await trio.to_thread.run_sync(daemon.start)
+        conn = await RawConnection.open(daemon.socket)
+        async with conn.stream:
+            for rid, run in enumerate(lone_runs, start=2):
+                await conn.send(p.Subscribe(id=rid, run=run))
+                reply = await conn.receive()
+                assert isinstance(reply, p.Error), f"wakes left for run {run}: {reply}"
+                assert reply.code == "not_found"
+            # A run made by name stays, and so do its wakes until acknowledged.
+            await conn.send(p.Subscribe(id=1000, run=named))
+            reply = await conn.receive()
+            assert isinstance(reply, p.Wakes)
+            assert [w.id for w in reply.wakes] == [kept.id]
