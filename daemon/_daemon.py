@@ -58,7 +58,7 @@ from ._registry import (
 )
 from ._resume import git_branch
 from ._statedir import StateDir, save_run
-from ._tree import ProcessTable, end_tree
+from ._tree import Graces, ProcessTable, end_tree
 from ._wakes import WakeKey, WakeLog
 
 log = structlog.get_logger("subagentd")
@@ -164,6 +164,8 @@ class Daemon:
         self.shutting_down = False
         self._run_stopped: dict[str, trio.Event] = {}
         self.processes = ProcessTable()
+        #: Grace periods under way; a hurried shutdown ends them all.
+        self.graces = Graces()
         #: The last failed write, while writes fail (reported by `info`).
         self.disk_problem: str | None = None
         #: What ran out of file descriptors, until a descriptor is had again (reported by `info`).
@@ -486,7 +488,7 @@ class Daemon:
         assert process is not None
         try:
             if process.cgroup is not None:
-                killed = await end_cgroup(process.cgroup, live.record.grace)
+                killed = await end_cgroup(process.cgroup, live.record.grace, self.graces)
             else:
                 killed = await end_tree(
                     self.processes,
@@ -494,6 +496,7 @@ class Daemon:
                     live.record.id,
                     process.starttime,
                     live.record.grace,
+                    self.graces,
                 )
             if killed:
                 log.info("worker.killed", worker=live.record.id, processes=killed)

@@ -8,9 +8,11 @@ loses nothing, and that a bystander worker is still supervised.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import resource
+import signal
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +25,7 @@ from subagentd.client import AsyncClient
 from subagentd.protocol.errors import Busy
 
 from .conftest import DaemonProcess
-from .helpers import RawConnection
+from .helpers import RawConnection, alive, sh, wait_output
 
 
 def _fds(pid: int) -> list[int]:
@@ -63,9 +65,23 @@ async def _wait_problem(client: AsyncClient, wanted: str) -> list[str]:
         await trio.sleep(0.05)
 
 
-async def _wait_free_descriptors(pid: int, limit: int, free: int) -> None:
-    while limit - len(_fds(pid)) != free:  # noqa: ASYNC110 - /proc cannot be awaited
-        await trio.sleep(0.02)
+def _welcomed(path: os.PathLike[str]) -> socket.socket:
+    """A connection the daemon has accepted: it answered its hello."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect(os.fspath(path))
+    sock.sendall(p.encode(p.Hello(id=1)))
+    decoder = p.FrameDecoder()
+    while (body := decoder.next_frame()) is None:
+        decoder.feed(sock.recv(4096))
+    assert isinstance(p.daemon_decoder.decode(body), p.Welcome)
+    return sock
+
+
+def _leave_free(pid: int, limit: int, free: int, held: list[socket.socket], path: Path) -> None:
+    """Hold connections until the daemon has just `free` descriptors left."""
+    while limit - len(_fds(pid)) > free:
+        held.append(_welcomed(path))
 
 
 async def _serves_on(daemon: DaemonProcess, bystander_id: str, bystander_pid: int | None) -> None:
@@ -109,8 +125,8 @@ async def test_spawn_without_descriptors_for_its_pipes_is_refused_cleanly(
             bystander = await held.spawn(["sleep", "600"])
             limit = _limit_descriptors(pid, spare=40)
             # Left with three: the snapshot and the journal get theirs, the pipes none.
-            with _held_connections(daemon.socket, limit - len(_fds(pid)) - 3):
-                await _wait_free_descriptors(pid, limit, 3)
+            with _held_connections(daemon.socket, 0) as held_sockets:
+                _leave_free(pid, limit, 3, held_sockets, daemon.socket)
                 with pytest.raises(Busy, match="could not get its pipes") as refused:
                     await held.spawn(["true"])
                 (failed_id,) = re.findall(r"worker (w-\w+) ended failed", str(refused.value))
@@ -239,3 +255,40 @@ async def test_wakes_of_implicit_runs_go_with_their_last_worker(daemon: DaemonPr
             reply = await conn.receive()
             assert isinstance(reply, p.Wakes)
             assert [w.id for w in reply.wakes] == [kept.id]
+
+
+@pytest.mark.parametrize("tracking", [[], ["--cgroups", "off"]], ids=["default", "scan"])
+async def test_second_sigterm_ends_the_grace_and_loses_nothing(
+    daemon_dirs: DaemonProcess, tracking: list[str]
+) -> None:
+    daemon = daemon_dirs
+    daemon.start(*tracking)
+    assert daemon.proc is not None
+    stubborn = sh('trap "" TERM; sleep 600 & echo "$$ $!"; wait')
+    pids: list[int] = []
+    try:
+        with trio.fail_after(60):
+            async with AsyncClient(daemon.socket) as client:
+                worker = await client.spawn(stubborn, grace=3600)
+                pids = [int(pid) for pid in (await wait_output(client, worker.id, b"\n")).split()]
+            daemon.proc.send_signal(signal.SIGTERM)
+            await trio.to_thread.run_sync(daemon.wait_notify, "STOPPING=1")
+            assert all(alive(pid) for pid in pids)  # TERM ignored: its grace runs
+            daemon.proc.send_signal(signal.SIGTERM)
+            assert await trio.to_thread.run_sync(functools.partial(daemon.proc.wait, 15)) == 0
+            assert not any(alive(pid) for pid in pids)
+            # Its ending was written before the exit: stopped, with its wake.
+            await trio.to_thread.run_sync(daemon.start, *tracking)
+            async with AsyncClient(daemon.socket) as client:
+                view = await client.status(worker.id)
+                assert (view.state, view.exit_code) == ("stopped", -signal.SIGKILL)
+            conn = await RawConnection.open(daemon.socket)
+            async with conn.stream:
+                await conn.send(p.Subscribe(id=2, run=worker.run))
+                reply = await conn.receive()
+                assert isinstance(reply, p.Wakes)
+                assert [(w.id, w.state) for w in reply.wakes] == [(worker.id, "stopped")]
+    finally:
+        for pid in pids:  # an unhurried daemon would leave them running for an hour
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
