@@ -123,7 +123,12 @@ class AsyncClient:
         return await self._call(_core.new_run(outer))
 
     async def ls(self, all: bool = False, run: str | None = None) -> list[WorkerView]:
-        return await self._call(_core.ls(all, run))
+        """Every worker (live ones, or with ``all`` ended ones too), page by page; each
+        with a summary of its argv (`status` has the whole)."""
+        cursor = _core.ListingCursor(all, run)
+        while not cursor.done:
+            cursor.take(await self.request(cursor.request()))
+        return cursor.workers
 
     async def status(self, worker_id: str) -> WorkerView:
         return await self._call(_core.status(worker_id))

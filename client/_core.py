@@ -267,6 +267,7 @@ def new_run(outer: str | None = None) -> Call[str]:
 
 
 def ls(all: bool = False, run: str | None = None) -> Call[list[WorkerView]]:
+    """The first page of a listing; `ListingCursor` follows every page."""
     return Call(ListWorkers(id=0, all=all, run=run), _workers)
 
 
@@ -371,6 +372,27 @@ def resend(request: Request) -> bool:
         case Collect(wait=wait):
             return wait
     return False
+
+
+class ListingCursor:
+    """Where one listing of workers stands: a ListWorkers per page, each after the page
+    before, until a page says it completes the listing; `workers` gathers them all."""
+
+    def __init__(self, all: bool = False, run: str | None = None) -> None:
+        self.all = all
+        self.run = run
+        self.after: str | None = None
+        self.done = False
+        self.workers: list[WorkerView] = []
+
+    def request(self) -> ListWorkers:
+        return ListWorkers(id=0, all=self.all, run=self.run, after=self.after)
+
+    def take(self, reply: Reply) -> None:
+        page = expect(reply, WorkerList)
+        self.workers += page.workers
+        self.after = page.next
+        self.done = page.complete or page.next is None
 
 
 class JournalCursor:

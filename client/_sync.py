@@ -126,7 +126,12 @@ class Client:
         return self._call(_core.new_run(outer))
 
     def ls(self, all: bool = False, run: str | None = None) -> list[WorkerView]:
-        return self._call(_core.ls(all, run))
+        """Every worker (live ones, or with ``all`` ended ones too), page by page; each
+        with a summary of its argv (`status` has the whole)."""
+        cursor = _core.ListingCursor(all, run)
+        while not cursor.done:
+            cursor.take(self.request(cursor.request()))
+        return cursor.workers
 
     def status(self, worker_id: str) -> WorkerView:
         return self._call(_core.status(worker_id))

@@ -28,6 +28,8 @@ from pathlib import Path
 import structlog
 import trio
 
+from ._tree import Graces
+
 log = structlog.get_logger("subagentd")
 
 #: Held while the daemon stands in a worker's cgroup to fork it.
@@ -200,13 +202,13 @@ def _own_cgroup() -> str | None:
     return None
 
 
-async def end_cgroup(group: WorkerCgroup, grace: float) -> int:
+async def end_cgroup(group: WorkerCgroup, grace: float, graces: Graces | None = None) -> int:
     """TERM all in the cgroup, cgroup.kill what is left after `grace`; how many were killed.
 
     Reads the cgroup again once each wave has exited, so what was forked
     meanwhile is signalled too; returns once the cgroup is empty.
     """
-    with trio.move_on_after(grace):
+    with (graces or Graces()).period(grace):
         while pids := group.members():
             with _pinned(group, pids) as fds:
                 for fd in fds:

@@ -50,7 +50,7 @@ from ._archive import STDOUT_TAIL_BYTES, Archive, Snapshot, SpareArchives, prune
 from ._cgroup import Cgroups, WorkerCgroup, end_cgroup
 from ._files import NotRegularFile
 from ._journal import Journal
-from ._process import SpawnFailed, WorkerProcess, pump
+from ._process import DESCRIPTOR_ERRNOS, OutOfDescriptors, SpawnFailed, WorkerProcess, pump
 from ._registry import (
     DEFAULT_FINISHED_TTL,
     DEFAULT_KEEP_ARCHIVES_DAYS,
@@ -60,7 +60,7 @@ from ._registry import (
 )
 from ._resume import git_branch
 from ._statedir import StateDir, save_run
-from ._tree import ProcessTable, end_tree
+from ._tree import Graces, ProcessTable, end_tree
 from ._wakes import WakeKey, WakeLog
 
 log = structlog.get_logger("subagentd")
@@ -72,6 +72,8 @@ DISK_RETRY_FIRST = 0.1
 DISK_RETRY_MAX = 5.0
 #: What a client refused during a reload is told to wait before it tries again.
 RELOAD_RETRY = 0.2
+#: What a spawn refused for want of file descriptors is told to wait.
+DESCRIPTORS_RETRY = 1.0
 #: Ended workers' journals kept open for paging, the most recently read first.
 OPEN_JOURNALS = 16
 #: A journal longer than this gets a stdout.tail file when its worker ends.
@@ -184,8 +186,12 @@ class Daemon:
         self.shutting_down = False
         self._run_stopped: dict[str, trio.Event] = {}
         self.processes = ProcessTable()
+        #: Grace periods under way; a hurried shutdown ends them all.
+        self.graces = Graces()
         #: The last failed write, while writes fail (reported by `info`).
         self.disk_problem: str | None = None
+        #: What ran out of file descriptors, until a descriptor is had again (reported by `info`).
+        self.descriptor_problem: str | None = None
         self.journals: collections.OrderedDict[str, Journal] = collections.OrderedDict()
         self.runs_dir = state_dir.root / "runs"
         self._saved_runs: set[str] = set()
@@ -371,6 +377,10 @@ class Daemon:
         except OSError as exc:
             # A full disk: the worker never starts, and says why.
             self.registry.ended(record.id, None, now)
+            if exc.errno in DESCRIPTOR_ERRNOS:
+                raise self._out_of_descriptors(
+                    record.id, OutOfDescriptors(exc, "its archive")
+                ) from exc
             self._disk_trouble(f"archive of {record.id}", exc)
             raise Refused(
                 f"cannot create worker {record.id}'s archive in {self.state_dir.archives}: "
@@ -423,7 +433,10 @@ class Daemon:
         except SpawnFailed as exc:
             log.warning("worker.spawn_failed", worker=record.id, error=str(exc))
             self._end_unstarted(live, str(exc))
+            if isinstance(exc, OutOfDescriptors):
+                raise self._out_of_descriptors(record.id, exc) from exc
             return record.view()
+        self.descriptor_problem = None
         live.process = process
         if process.cgroup_error is not None:
             log.warning("worker.no_cgroup", worker=record.id, error=process.cgroup_error)
@@ -571,7 +584,7 @@ class Daemon:
         assert process is not None
         try:
             if process.cgroup is not None:
-                killed = await end_cgroup(process.cgroup, live.record.grace)
+                killed = await end_cgroup(process.cgroup, live.record.grace, self.graces)
             else:
                 killed = await end_tree(
                     self.processes,
@@ -579,6 +592,7 @@ class Daemon:
                     live.record.id,
                     process.starttime,
                     live.record.grace,
+                    self.graces,
                 )
             if killed:
                 log.info("worker.killed", worker=live.record.id, processes=killed)
@@ -696,6 +710,16 @@ class Daemon:
         """The end of an ended worker's stdout; its journal is not read again if open."""
         return Archive(Path(found.archive)).stdout_tail(self.journals.get(found.id))
 
+    def _out_of_descriptors(self, worker_id: str, exc: OutOfDescriptors) -> Busy:
+        """Report a spawn that found no descriptor; the refusal its client gets."""
+        self.descriptor_problem = f"{exc}; spawns fail until connections or workers close"
+        log.error("daemon.out_of_descriptors", worker=worker_id, error=str(exc))
+        return Busy(
+            f"{exc}; worker {worker_id} ended failed. Close connections or raise the "
+            "daemon's descriptor limit (ulimit -n, LimitNOFILE=), then spawn again",
+            retry_after=DESCRIPTORS_RETRY,
+        )
+
     def _disk_trouble(self, what: str, exc: OSError) -> None:
         """Report a failed write (disk full, I/O error) once per kind of trouble."""
         problem = f"cannot write the {what}: {exc.strerror or exc}"
@@ -711,13 +735,18 @@ class Daemon:
         def tail() -> bytes:
             return archive.stdout_tail() if stdout_tail is None else stdout_tail
 
+        try:
+            preview = archive.result_text(tail)[:WAKE_PREVIEW_CHARS]
+        except OSError as exc:  # out of descriptors, say: the wake matters, its preview less
+            log.warning("wake.no_preview", worker=record.id, error=str(exc))
+            preview = ""
         wake = self.wakes.post(
             worker=record.id,
             run=record.run,
             parent=record.parent,
             state=record.state,
             exit_code=record.exit_code,
-            preview=archive.result_text(tail)[:WAKE_PREVIEW_CHARS],
+            preview=preview,
             attempt=record.attempt,
         )
         if wake is None:
@@ -1079,6 +1108,9 @@ class Daemon:
             log.debug("worker.released", workers=released)
             self.touch()
         if run not in self.registry.runs:  # an implicit run went with its last worker
+            # Nobody can subscribe to it any more: its wakes would wait forever.
+            if orphaned := self.wakes.of_run(run):
+                self.ack(orphaned)
             self._saved_runs.discard(run)
             with contextlib.suppress(FileNotFoundError):
                 (self.runs_dir / f"{run}.json").unlink()
@@ -1132,7 +1164,8 @@ class Daemon:
             tree_tracking=self.tree_tracking,
             socket=str(self.socket_path),
             state_dir=str(self.state_dir.root),
-            problems=([self.disk_problem] if self.disk_problem else []) + self.wake_log.problems,
+            problems=[p for p in (self.disk_problem, self.descriptor_problem) if p]
+            + self.wake_log.problems,
         )
 
 

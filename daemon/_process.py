@@ -9,6 +9,7 @@ hand them to the next image.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import subprocess
 from collections.abc import Awaitable, Callable, Mapping
@@ -25,8 +26,23 @@ READ_CHUNK = 64 * 1024
 ENTRY_BYTES = 256 * 1024
 
 
+#: What a call that makes a descriptor raises when the daemon has none to spare.
+DESCRIPTOR_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE})
+
+
 class SpawnFailed(Exception):
     """The worker's command could not be executed; the message names it."""
+
+
+class OutOfDescriptors(SpawnFailed):
+    """The daemon (or the system) has no file descriptor to spare for a worker's pipes."""
+
+    def __init__(self, exc: OSError, wanted: str = "its pipes") -> None:
+        name = errno.errorcode.get(exc.errno or 0, "?")
+        super().__init__(
+            f"the daemon is out of file descriptors ({name}: {exc.strerror or exc}): "
+            f"the worker could not get {wanted}"
+        )
 
 
 @dataclass(eq=False)
@@ -53,6 +69,7 @@ class WorkerProcess:
     ) -> WorkerProcess:
         """Start `argv` in its own process group (and `cgroup`) with piped stdout and stderr."""
         cgroup_error = None
+        made: list[int] = []  # every descriptor this spawn made, closed if it goes no further
         try:
             # The input file is in the worker's archive, in reach of an earlier attempt.
             stdin = (
@@ -60,13 +77,20 @@ class WorkerProcess:
                 if stdin_path
                 else os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
             )
+            made.append(stdin)
             os.set_blocking(stdin, True)  # opened without blocking; the worker reads as usual
+            out_r, out_w = os.pipe2(os.O_CLOEXEC)
+            made += (out_r, out_w)
+            err_r, err_w = os.pipe2(os.O_CLOEXEC)
+            made += (err_r, err_w)
         except OSError as exc:
+            for fd in made:
+                os.close(fd)
+            if exc.errno in DESCRIPTOR_ERRNOS:
+                raise OutOfDescriptors(exc) from exc
             raise SpawnFailed(
                 f"cannot open the worker's input {stdin_path}: {exc.strerror}"
             ) from exc
-        out_r, out_w = os.pipe2(os.O_CLOEXEC)
-        err_r, err_w = os.pipe2(os.O_CLOEXEC)
         try:
             with contextlib.ExitStack() as birthplace:
                 if cgroup is not None:
@@ -96,6 +120,8 @@ class WorkerProcess:
             if cgroup is not None:
                 with contextlib.suppress(OSError):
                     cgroup.remove()
+            if isinstance(exc, OSError) and exc.errno in DESCRIPTOR_ERRNOS:
+                raise OutOfDescriptors(exc) from exc  # Popen's own pipe, not the exec
             reason = getattr(exc, "strerror", None) or str(exc)
             raise SpawnFailed(f"cannot execute {argv[0]!r} in {cwd}: {reason}") from exc
         finally:
@@ -105,7 +131,20 @@ class WorkerProcess:
         # the pidfd pins it. Popen's finaliser would waitpid() a child it thinks
         # unreaped and steal the status the pidfd wait expects: tell it the
         # child is accounted for, which leaves the pidfd as the only reaper.
-        pidfd = os.pidfd_open(popen.pid)
+        try:
+            pidfd = os.pidfd_open(popen.pid)
+        except OSError as exc:
+            # Unwatchable, so it must not run on: end it before anyone relies on it.
+            popen.kill()
+            popen.wait()
+            for fd in (out_r, err_r):
+                os.close(fd)
+            if cgroup is not None:
+                with contextlib.suppress(OSError):
+                    cgroup.remove()
+            if exc.errno in DESCRIPTOR_ERRNOS:
+                raise OutOfDescriptors(exc) from exc
+            raise SpawnFailed(f"cannot watch {argv[0]!r} (pid {popen.pid}): {exc}") from exc
         popen.returncode = 0
         stat = read_stat(popen.pid)
         assert stat is not None, "an unreaped child always has a /proc entry"

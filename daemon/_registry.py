@@ -9,6 +9,7 @@ write the whole registry as it is.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import secrets
 from collections.abc import Callable, Iterator
@@ -26,6 +27,12 @@ DEFAULT_FINISHED_TTL = 900.0
 DEFAULT_KEEP_ARCHIVES_DAYS = 14.0
 #: A tombstone keeps this much of the end of its worker's stdout.
 TOMBSTONE_OUTPUT = 32 * 1024
+#: A listing shows this many of a worker's arguments, each cut to this many characters.
+LISTED_ARGS = 16
+LISTED_ARG_CHARS = 256
+#: A page of a listing holds at most this many workers, and about this many bytes.
+LIST_PAGE_WORKERS = 1000
+LIST_PAGE_BYTES = 4 * 1024 * 1024
 
 
 def new_id(prefix: str) -> str:
@@ -94,6 +101,59 @@ class WorkerRecord(msgspec.Struct, kw_only=True):
             cwd=self.cwd,
             agent=self.agent,
         )
+
+    def summary(self) -> WorkerView:
+        """Its view in a listing: a bounded summary of its argv (`status` has the whole)."""
+        view = self.view()
+        shown = [arg[:LISTED_ARG_CHARS] for arg in self.argv[:LISTED_ARGS]]
+        if shown != self.argv:
+            view.argv, view.argv_cut = shown, True
+        return view
+
+
+def listing_page(
+    records: list[WorkerRecord], after: str | None, limit: int
+) -> tuple[list[WorkerView], str | None, bool]:
+    """The page of a sorted listing after cursor `after`: (views, next cursor, complete).
+
+    A page holds at most `limit` workers (and LIST_PAGE_WORKERS) and stops once
+    it passes LIST_PAGE_BYTES, so it always fits in a frame. The cursor names
+    a place in the order (started_at, id), not a worker: a worker released
+    between pages moves nothing.
+    """
+    if limit < 1:
+        raise Invalid(f"list_workers needs limit >= 1, not {limit}")
+    start = 0
+    if after is not None:
+        start = bisect.bisect_right(records, _cursor_key(after), key=lambda r: (r.started_at, r.id))
+    views: list[WorkerView] = []
+    size = 0
+    end = start
+    for record in records[start : start + min(limit, LIST_PAGE_WORKERS)]:
+        if views and size >= LIST_PAGE_BYTES:
+            break
+        view = record.summary()
+        size += len(_encoder.encode(view))
+        views.append(view)
+        end += 1
+    if end >= len(records):
+        return views, None, True
+    last = records[end - 1]
+    return views, f"{last.started_at.hex()}/{last.id}", False
+
+
+def _cursor_key(cursor: str) -> tuple[float, str]:
+    started, _, worker_id = cursor.partition("/")
+    try:
+        return float.fromhex(started), worker_id
+    except ValueError:
+        raise Invalid(
+            f"list_workers after={cursor!r} is not a cursor this daemon gave: "
+            "pass back a page's `next`"
+        ) from None
+
+
+_encoder = msgspec.msgpack.Encoder()
 
 
 class Tombstone(WorkerView, kw_only=True):

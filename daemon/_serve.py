@@ -48,6 +48,18 @@ async def _until_signal(
         return
 
 
+async def _hurry_on_signal(signals: AsyncIterator[int], daemon: Daemon) -> None:
+    """A second SIGTERM or SIGINT while workers stop: no more grace, KILL every tree now.
+
+    Endings are still written (journals, records, wakes) as each tree goes.
+    """
+    async for signum in signals:
+        if signum != signal.SIGHUP:  # a reload is refused while stopping anyway
+            log.warning("daemon.hurried", signal=signal.Signals(signum).name)
+            daemon.graces.end_all()
+            return
+
+
 async def _reload_quietly(reloader: Reloader) -> None:
     try:
         reply = await reloader.reload(None, 0)
@@ -165,7 +177,10 @@ async def serve(settings: Settings) -> None:
                 # spawns, resumes and reloads are refused from here on.
                 daemon.shutting_down = True
                 with trio.CancelScope(shield=True):
-                    await daemon.shutdown()
+                    async with trio.open_nursery() as stopping:
+                        stopping.start_soon(_hurry_on_signal, signals, daemon)
+                        await daemon.shutdown()
+                        stopping.cancel_scope.cancel()
                 nursery.cancel_scope.cancel()
     finally:
         if cgroups is not None and not daemon.live:

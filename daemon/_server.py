@@ -9,6 +9,7 @@ and, where the stream is unreadable, the connection; never anyone else's.
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import os
 import socket
@@ -80,6 +81,7 @@ from subagentd.protocol.errors import (
 )
 
 from ._daemon import RELOAD_RETRY, Daemon
+from ._registry import listing_page
 from ._reload import Reloader, owed_by_connection
 from ._resumer import Resumer
 
@@ -93,10 +95,43 @@ NOTICE_SECONDS = 0.1
 #: How long, and how much, a refused peer may still send before the close.
 REFUSAL_DRAIN_SECONDS = 1.0
 REFUSAL_DRAIN_BYTES = 1024 * 1024
+#: accept(2) failures that mean the daemon or the system is out of capacity, not that the
+#: socket is broken: wait and accept again (as trio.serve_listeners does).
+ACCEPT_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+ACCEPT_RETRY_SECONDS = 0.1
+#: Bytes of frames still arriving that all connections together may hold. A frame
+#: longer than BUDGETED_FROM is read only once its length is reserved here;
+#: until then its connection is not read (its client's sends block).
+FRAME_BUDGET = 64 * 1024 * 1024
+BUDGETED_FROM = 64 * 1024
 #: Requests that never wait (their dispatch awaits nothing): no task, scope or event each.
 ANSWERED_AT_ONCE = (Info, Status, ListWorkers)
 _PEERCRED = struct.Struct("3i")
 _conn_ids = itertools.count(1)
+
+
+class FrameBudget:
+    """The memory all connections may spend on frames not yet whole, shared out frame
+    by frame: a large frame waits for its reservation, so 40 clients sending 15 MiB
+    each cost at most the budget, not 600 MiB."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.free = total
+        self._released = trio.Event()
+
+    async def reserve(self, size: int) -> int:
+        """Wait until `size` bytes (at most the whole budget) are free; take them."""
+        size = min(size, self.total)
+        while size > self.free:
+            await self._released.wait()
+        self.free -= size
+        return size
+
+    def release(self, size: int) -> None:
+        self.free += size
+        released, self._released = self._released, trio.Event()
+        released.set()
 
 
 @dataclass(eq=False)
@@ -107,6 +142,7 @@ class Connection:
     send_lock: trio.Lock = field(default_factory=trio.Lock)
     streams: dict[int, tuple[trio.CancelScope, trio.Event]] = field(default_factory=dict)
     delivered: set[int] = field(default_factory=set)  # wake seqs sent here, not yet acked
+    reserved: int = 0  # of the server's frame budget, for the large frame arriving here
 
     async def send(self, reply: Reply) -> None:
         data = memoryview(encode(reply))
@@ -149,6 +185,7 @@ class Server:
     def __init__(self, daemon: Daemon, frame_limit: int = DEFAULT_FRAME_LIMIT) -> None:
         self.daemon = daemon
         self.frame_limit = frame_limit
+        self.budget = FrameBudget(FRAME_BUDGET)
         self.connections = 0  # open now
         self.reloader: Reloader | None = None
         self.resumer = Resumer(daemon)
@@ -183,7 +220,7 @@ class Server:
                         nursery.start_soon(self._handle_adopted, fd, replies)
                     with trio.CancelScope() as self._accepting:
                         while True:
-                            stream = await listener.accept()
+                            stream = await self._accept(listener)
                             nursery.start_soon(self.handle, stream)
                     await trio.sleep_forever()  # not accepting: pause() ends the handlers
             self._paused.set()
@@ -191,6 +228,27 @@ class Server:
             self._resume = trio.Event()
             self._paused = trio.Event()
             pending, self._resumed = self._resumed or [], None
+
+    async def _accept(self, listener: trio.SocketListener) -> trio.SocketStream:
+        """The next connection; out of descriptors, wait for some (connects wait in the
+        backlog), and say so in `info` meanwhile."""
+        while True:
+            try:
+                stream = await listener.accept()
+            except OSError as exc:
+                if exc.errno not in ACCEPT_CAPACITY_ERRNOS:
+                    raise
+                problem = (
+                    f"cannot accept connections: {errno.errorcode[exc.errno]} "
+                    f"({exc.strerror}); connects wait until connections or workers close"
+                )
+                if self.daemon.descriptor_problem != problem:
+                    log.error("conn.accept_failed", error=problem)
+                self.daemon.descriptor_problem = problem
+                await trio.sleep(ACCEPT_RETRY_SECONDS)
+                continue
+            self.daemon.descriptor_problem = None
+            return stream
 
     async def pause(self, keep: list[object]) -> dict[object, int]:
         """Tell every client `reloading` and stop serving; the `keep` connections survive
@@ -299,10 +357,20 @@ class Server:
         return True
 
     async def _serve_requests(self, conn: Connection, hello_seen: bool = False) -> None:
+        try:
+            await self._serve_frames(conn, hello_seen)
+        finally:
+            self.budget.release(conn.reserved)
+            conn.reserved = 0
+
+    async def _serve_frames(self, conn: Connection, hello_seen: bool) -> None:
         decoder = FrameDecoder(self.frame_limit)
         fatal: Error | None = None
         async with trio.open_nursery() as requests:
             while fatal is None:
+                length = decoder.incomplete_length
+                if length is not None and length > BUDGETED_FROM and not conn.reserved:
+                    conn.reserved = await self.budget.reserve(length)
                 data = await conn.stream.receive_some(65536)
                 if not data:
                     requests.cancel_scope.cancel()
@@ -319,6 +387,9 @@ class Server:
                         break
                     if body is None:
                         break
+                    if conn.reserved:  # what it held is a whole frame now
+                        self.budget.release(conn.reserved)
+                        conn.reserved = 0
                     message = _decode(body)
                     if not hello_seen:
                         if not await self._hello(conn, message):
@@ -443,11 +514,12 @@ class Server:
         match request:
             case Spawn():
                 return WorkerReply(id=rid, worker=await daemon.spawn(request, caller))
-            case ListWorkers(all=include_ended, run=run):
+            case ListWorkers(all=include_ended, run=run, after=after, limit=limit):
                 records = registry.listing(include_ended=include_ended, run=run)
                 if caller is not None:
                     records = [r for r in records if registry.within(caller, r.id)]
-                return WorkerList(id=rid, workers=[r.view() for r in records])
+                views, cursor, complete = listing_page(records, after, limit)
+                return WorkerList(id=rid, workers=views, next=cursor, complete=complete)
             case Status(worker=worker):
                 daemon.authorize(caller, worker)
                 return WorkerReply(id=rid, worker=daemon.lookup(worker).view())

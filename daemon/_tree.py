@@ -11,15 +11,40 @@ time seen in the scan, so a recycled pid is never signalled.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 
 import structlog
 import trio
 
 log = structlog.get_logger("subagentd")
+
+
+@dataclass(eq=False)
+class Graces:
+    """The grace periods under way between TERM and KILL, which a hurried shutdown (a
+    second SIGTERM) ends at once: from then on every tree is killed without one."""
+
+    cut: bool = False
+    _under_way: set[trio.CancelScope] = field(default_factory=set)
+
+    @contextlib.contextmanager
+    def period(self, seconds: float) -> Iterator[None]:
+        """Wait inside for at most `seconds`, or until `end_all`."""
+        with trio.move_on_after(0 if self.cut else seconds) as scope:
+            self._under_way.add(scope)
+            try:
+                yield
+            finally:
+                self._under_way.discard(scope)
+
+    def end_all(self) -> None:
+        self.cut = True
+        for scope in self._under_way:
+            scope.cancel()
 
 
 @dataclass(frozen=True)
@@ -177,7 +202,12 @@ class Pinned:
 
 
 async def end_tree(
-    processes: ProcessTable, leader: int, worker_id: str, leader_start: int, grace: float
+    processes: ProcessTable,
+    leader: int,
+    worker_id: str,
+    leader_start: int,
+    grace: float,
+    graces: Graces | None = None,
 ) -> int:
     """TERM every process of the tree, KILL what is left after `grace`; how many were killed.
 
@@ -191,7 +221,7 @@ async def end_tree(
     members = await find()
     with Pinned(members) as pinned:
         pinned.signal(signal.SIGTERM)
-        with trio.move_on_after(grace):
+        with (graces or Graces()).period(grace):
             await pinned.wait_exited()
     killed = 0
     for _ in range(10):

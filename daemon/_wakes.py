@@ -92,6 +92,10 @@ class WakeQueue:
         for seq in seqs:
             self.pending.pop(seq, None)
 
+    def of_run(self, run: str) -> list[int]:
+        """The seqs of the unacknowledged wakes of `run`'s workers, whoever they are for."""
+        return [seq for seq, wake in self.pending.items() if wake.run == run]
+
 
 class _Post(msgspec.Struct, tag="post"):
     wake: Wake

@@ -44,6 +44,16 @@ class FrameDecoder:
         """Bytes received but not yet returned as a frame (a torn frame at EOF, if nonzero)."""
         return len(self._buffer) - self._pos
 
+    @property
+    def incomplete_length(self) -> int | None:
+        """The body length of the frame being received, once its header is in and until
+        its body is; None otherwise (a receiver may budget for it before reading on)."""
+        available = len(self._buffer) - self._pos
+        if available < HEADER.size:
+            return None
+        (length,) = HEADER.unpack_from(self._buffer, self._pos)
+        return length if HEADER.size + length > available else None
+
     def next_frame(self) -> bytes | None:
         available = len(self._buffer) - self._pos
         if available < HEADER.size:

@@ -104,6 +104,9 @@ class WorkerView(msgspec.Struct, kw_only=True):
     argv: list[str] = []
     cwd: str = ""
     agent: str | None = None
+    #: True in a listing whose `argv` is a summary (the first arguments, each cut
+    #: short); `status` carries the whole.
+    argv_cut: bool = False
 
 
 class Entry(msgspec.Struct, kw_only=True):
@@ -187,8 +190,12 @@ class NewRun(Request, tag="new_run"):
 
 
 class ListWorkers(Request, tag="list_workers"):
+    """One page of workers; ``after``: the ``next`` of the page before (None: the first)."""
+
     all: bool = False
     run: Id | None = None
+    after: Name | None = None
+    limit: Annotated[int, msgspec.Meta(ge=1, le=MAX_INT)] = 1000
 
 
 class Status(Request, tag="status"):
@@ -356,7 +363,12 @@ class WorkerReply(Reply, tag="worker"):
 
 
 class WorkerList(Reply, tag="worker_list"):
+    """Workers, one page of them for `list_workers`: ask again `after` ``next``
+    until ``complete``."""
+
     workers: list[WorkerView]
+    next: str | None = None
+    complete: bool = True
 
 
 class RunReply(Reply, tag="run"):
