@@ -25,6 +25,8 @@ from subagentd.protocol import (
     Timeout,
 )
 
+from ._files import NotRegularFile, read_regular
+
 #: Bytes of a pointer in exec's argv and envp arrays, which count towards its limit.
 _POINTER = 8
 #: Bytes of one argument or variable without its NUL.
@@ -49,6 +51,10 @@ class AgentsFile(msgspec.Struct, forbid_unknown_fields=True):
     agents: dict[str, AgentDef] = {}
 
 
+#: agents.toml larger than this is refused: no sane agent list comes near it.
+CONFIG_LIMIT = 4 * 1024 * 1024
+
+
 class ConfigError(Exception):
     """agents.toml cannot be used; the message says where and why."""
 
@@ -56,11 +62,17 @@ class ConfigError(Exception):
 def load_agents(path: Path) -> dict[str, AgentDef]:
     """The agents defined in `path`; none if the file does not exist."""
     try:
-        raw = path.read_bytes()
+        # The user's own file, so a symlink to it is followed; but a FIFO or a
+        # device there must not hang the daemon (or a reload's --check) at start.
+        raw = read_regular(path, CONFIG_LIMIT + 1, follow=True)
     except FileNotFoundError:
         return {}
+    except NotRegularFile:
+        raise ConfigError(f"{path}: not a regular file") from None
     except OSError as exc:
         raise ConfigError(f"{path}: {exc.strerror}") from exc
+    if len(raw) > CONFIG_LIMIT:
+        raise ConfigError(f"{path}: larger than {CONFIG_LIMIT // 1024 // 1024} MiB")
     try:
         document = tomllib.loads(raw.decode("utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:

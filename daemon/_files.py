@@ -37,14 +37,23 @@ def open_dir(path: Path | str) -> int:
         raise
 
 
-def open_regular(name: str | Path, flags: int = os.O_RDONLY, *, dir_fd: int | None = None) -> int:
+def open_regular(
+    name: str | Path,
+    flags: int = os.O_RDONLY,
+    *,
+    dir_fd: int | None = None,
+    follow: bool = False,
+) -> int:
     """Open `name` (in `dir_fd`) if it is a regular file, else raise NotRegularFile.
 
     A symlink is refused (not followed), a FIFO opens without waiting for a
     writer and is refused; so is a write-only FIFO with no reader (ENXIO).
+    `follow`: a symlink is followed (for the user's own files, never a worker's),
+    what it leads to held to the same rules.
     """
+    safe = SAFE_FLAGS & ~os.O_NOFOLLOW if follow else SAFE_FLAGS
     try:
-        fd = os.open(name, flags | SAFE_FLAGS, 0o600, dir_fd=dir_fd)
+        fd = os.open(name, flags | safe, 0o600, dir_fd=dir_fd)
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
             raise NotRegularFile(exc.errno, "not a regular file", str(name)) from None
@@ -75,10 +84,15 @@ def read_bounded(fd: int, limit: int, *, tail: bool = False) -> bytes:
 
 
 def read_regular(
-    name: str | Path, limit: int, *, dir_fd: int | None = None, tail: bool = False
+    name: str | Path,
+    limit: int,
+    *,
+    dir_fd: int | None = None,
+    tail: bool = False,
+    follow: bool = False,
 ) -> bytes:
     """`read_bounded` of `name` opened with `open_regular`."""
-    fd = open_regular(name, dir_fd=dir_fd)
+    fd = open_regular(name, dir_fd=dir_fd, follow=follow)
     try:
         return read_bounded(fd, limit, tail=tail)
     finally:

@@ -8,6 +8,7 @@ or msgpack frames on the real socket of a real daemon.
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -155,6 +156,34 @@ def test_check_takes_an_agent_within_bounds(daemon_dirs: DaemonProcess) -> None:
     daemon_dirs.config.write_text(
         '[agents.coder]\ncommand = ["true"]\ngrace = 0.0\ntimeout = 2592000.0\n'
     )
+    checked = _check(daemon_dirs)
+    assert checked.returncode == 0, checked
+
+
+def test_check_refuses_a_config_that_is_a_fifo_without_hanging(
+    daemon_dirs: DaemonProcess,
+) -> None:
+    os.mkfifo(daemon_dirs.config)  # nobody will ever write to it
+    checked = _check(daemon_dirs)  # bounded: _check times out after 30 s
+    assert checked.returncode == 1, checked
+    assert "not a regular file" in checked.stderr, checked.stderr
+
+
+def test_a_daemon_whose_config_is_a_fifo_serves_and_says_why(
+    daemon_dirs: DaemonProcess,
+) -> None:
+    os.mkfifo(daemon_dirs.config)
+    daemon_dirs.start()  # READY=1 within START_TIMEOUT, not a hang
+    refused = daemon_dirs.ctl("spawn", "--agent", "coder")
+    assert refused.returncode == 1, refused
+    assert "not a regular file" in refused.stderr, refused.stderr
+
+
+def test_a_symlinked_config_is_followed(daemon_dirs: DaemonProcess) -> None:
+    # A dotfiles manager links agents.toml from elsewhere: the user's own file.
+    real = daemon_dirs.root / "dotfiles-agents.toml"
+    real.write_text('[agents.coder]\ncommand = ["true"]\n')
+    daemon_dirs.config.symlink_to(real)
     checked = _check(daemon_dirs)
     assert checked.returncode == 0, checked
 
