@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import itertools
+import math
 import os
 import socket
 import struct
@@ -104,6 +105,11 @@ ACCEPT_RETRY_SECONDS = 0.1
 #: until then its connection is not read (its client's sends block).
 FRAME_BUDGET = 64 * 1024 * 1024
 BUDGETED_FROM = 64 * 1024
+#: A budgeted frame must then arrive whole within FRAME_SECONDS plus a second per
+#: FRAME_MIN_RATE bytes, or its connection is closed: a client that sends the header
+#: of a large frame and stalls must not hold the budget (and every large request) for good.
+FRAME_SECONDS = 5.0
+FRAME_MIN_RATE = 1024 * 1024
 #: Requests that never wait (their dispatch awaits nothing): no task, scope or event each.
 ANSWERED_AT_ONCE = (Info, Status, ListWorkers)
 _PEERCRED = struct.Struct("3i")
@@ -366,12 +372,25 @@ class Server:
     async def _serve_frames(self, conn: Connection, hello_seen: bool) -> None:
         decoder = FrameDecoder(self.frame_limit)
         fatal: Error | None = None
+        allowed = due = math.inf  # for the budgeted frame arriving, if one is
         async with trio.open_nursery() as requests:
             while fatal is None:
                 length = decoder.incomplete_length
                 if length is not None and length > BUDGETED_FROM and not conn.reserved:
                     conn.reserved = await self.budget.reserve(length)
-                data = await conn.stream.receive_some(65536)
+                    allowed = FRAME_SECONDS + length / FRAME_MIN_RATE
+                    due = trio.current_time() + allowed
+                with trio.move_on_at(due if conn.reserved else math.inf) as stalled:
+                    data = await conn.stream.receive_some(65536)
+                if stalled.cancelled_caught:
+                    requests.cancel_scope.cancel()
+                    fatal = Error(
+                        id=0,
+                        code=ErrorCode.INVALID,
+                        message=f"a frame of {length} bytes did not arrive whole within "
+                        f"{allowed:.0f} s; send each frame at once",
+                    )
+                    break
                 if not data:
                     requests.cancel_scope.cancel()
                     return

@@ -229,6 +229,24 @@ async def test_frames_still_arriving_share_one_memory_budget(daemon: DaemonProce
             assert (await bystander.status(large.id)).argv == BIG_ARGV
 
 
+async def test_a_large_frame_that_stalls_is_dropped_and_gives_its_budget_back(
+    daemon: DaemonProcess,
+) -> None:
+    size = 1024 * 1024  # budgeted: allowed 5 s + 1 s to arrive whole
+    with trio.fail_after(30):
+        staller = await RawConnection.open(daemon.socket)
+        async with staller.stream:
+            await staller.stream.send_all(p.HEADER.pack(size) + bytes(1000))
+            said = await staller.receive()  # ... and nothing more is sent
+            assert isinstance(said, p.Error), said
+            assert (said.id, said.code) == (0, "invalid")
+            assert "did not arrive whole within 6 s" in said.message
+            assert await staller.receive() is None  # closed
+        async with AsyncClient(daemon.socket) as client:
+            large = await client.spawn(BIG_ARGV)  # the budget is whole again
+            assert (await client.status(large.id)).argv == BIG_ARGV
+
+
 async def test_wakes_of_implicit_runs_go_with_their_last_worker(daemon: DaemonProcess) -> None:
     with trio.fail_after(60):
         async with AsyncClient(daemon.socket) as client:
