@@ -49,7 +49,7 @@ from ._agents import AgentDef, ConfigError, command_problem, load_agents
 from ._archive import STDOUT_TAIL_BYTES, Archive, Snapshot, SpareArchives, prune_archives
 from ._cgroup import Cgroups, WorkerCgroup, end_cgroup
 from ._files import NotRegularFile
-from ._journal import Journal
+from ._journal import Journal, JournalCorrupt
 from ._process import DESCRIPTOR_ERRNOS, OutOfDescriptors, SpawnFailed, WorkerProcess, pump
 from ._registry import (
     DEFAULT_FINISHED_TTL,
@@ -997,23 +997,34 @@ class Daemon:
             self._release(worker_id)
         return WorkerResult(id=found.id, state=found.state, exit_code=found.exit_code, result=text)
 
-    def watch_page(self, worker_id: str, since: int, limit: int) -> Page:
+    async def watch_page(self, worker_id: str, since: int, limit: int) -> Page:
         if since < 0 or limit < 1:
             raise Invalid(f"watch needs since >= 0 and limit >= 1, not {since} and {limit}")
         found = self.lookup(worker_id)
         live = self.live.get(worker_id)
-        journal = live.journal if live is not None else self._ended_journal(found)
-        entries = journal.read(since, min(limit, MAX_PAGE_ENTRIES))
+        journal = live.journal if live is not None else await self._ended_journal(found)
+        try:
+            entries = journal.read(since, min(limit, MAX_PAGE_ENTRIES))
+        except JournalCorrupt as exc:
+            raise _damaged(found.id, exc) from None
         cursor = entries[-1].seq if entries else since
         complete = live is None and cursor >= journal.last_seq
         return Page(id=0, entries=entries, next=cursor, complete=complete)
 
-    def _ended_journal(self, found: WorkerRecord | Tombstone) -> Journal:
-        """An ended worker's journal, opened (and verified) once for many pages."""
+    async def _ended_journal(self, found: WorkerRecord | Tombstone) -> Journal:
+        """An ended worker's journal, opened (and verified) once for many pages.
+
+        Verifying reads the whole file, which its worker may have made huge:
+        in a thread, so the daemon serves everyone else meanwhile.
+        """
         journal = self.journals.pop(found.id, None)
         if journal is None:
+            path = Path(found.archive) / Archive.JOURNAL
             try:
-                journal = Journal.open(Path(found.archive) / Archive.JOURNAL, writable=False)
+                journal = await trio.to_thread.run_sync(
+                    functools.partial(Journal.open, path, writable=False),
+                    abandon_on_cancel=True,
+                )
             except FileNotFoundError:
                 raise NotFound(
                     f"worker {found.id}'s journal is gone (its archive was pruned)"
@@ -1023,6 +1034,8 @@ class Daemon:
                     f"worker {found.id}'s journal is no longer a regular file (a symlink or "
                     "FIFO put in its place); the daemon does not read it"
                 ) from None
+            except JournalCorrupt as exc:
+                raise _damaged(found.id, exc) from None
         self._keep_journal_open(found.id, journal)
         return journal
 
@@ -1044,7 +1057,7 @@ class Daemon:
         while True:
             live = self.live.get(worker_id)
             grown = live.grown if live is not None else None
-            page = self.watch_page(worker_id, cursor, limit)
+            page = await self.watch_page(worker_id, cursor, limit)
             if page.entries or page.complete:
                 await send(page)
             if page.complete:
@@ -1185,6 +1198,14 @@ async def _keep_running(task: Callable[[], Awaitable[None]]) -> None:
             log.exception("daemon.task_failed", task=task.__name__, retry_in=delay)
         await trio.sleep(delay)
         delay = min(delay * 2, TASK_RETRY_MAX)
+
+
+def _damaged(worker_id: str, exc: JournalCorrupt) -> Refused:
+    """A journal damaged before its tail (its worker wrote into it): said, not served."""
+    return Refused(
+        f"worker {worker_id}'s journal is damaged at byte {exc.offset} ({exc.reason}); "
+        "the daemon serves no page from it"
+    )
 
 
 def _first(group: BaseExceptionGroup[Exception]) -> Exception:

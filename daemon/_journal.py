@@ -4,8 +4,11 @@ Each entry is framed as ``length (u32 BE) | crc32 (u32 BE) | msgpack body``,
 the body an array ``[seq, kind, at, data]`` with seq strictly increasing from 1.
 A torn tail (a crash mid-write) is detected by its length or checksum and cut
 when the journal is next opened for writing; damage before the tail is
-reported as `JournalCorrupt`, never skipped. Plain synchronous file I/O: the
-callers decide when to call it.
+reported as `JournalCorrupt`, never skipped. The file is in its worker's reach,
+so it is read through the descriptor opened once, by pread into a bounded buffer,
+and no entry is believed longer than the daemon ever writes one. Plain
+synchronous file I/O: the callers decide when to call it (a long journal's
+scan is worth a thread).
 """
 
 from __future__ import annotations
@@ -13,9 +16,9 @@ from __future__ import annotations
 import collections
 import collections.abc
 import errno
-import mmap
 import os
 import struct
+import weakref
 import zlib
 from array import array
 from pathlib import Path
@@ -35,6 +38,20 @@ INDEX_STRIDE: Final = 64
 TAIL_BYTES: Final = 256 * 1024
 #: A page stops growing past this many bytes of data (always at least one entry).
 PAGE_BYTES: Final = 1024 * 1024
+#: The most data one entry holds. The pump gathers less than 320 KiB
+#: (ENTRY_BYTES + READ_CHUNK in _process), a state or note is cut at NOTE_BYTES:
+#: the rest is headroom. A longer entry on disk was not written by the daemon.
+MAX_ENTRY_DATA: Final = 1024 * 1024
+#: A state or note entry (the daemon's own prose) is cut to this many bytes.
+NOTE_BYTES: Final = 16 * 1024
+#: The longest body: the data and the msgpack around it (array, seq, kind, at: < 32 bytes).
+MAX_ENTRY_BODY: Final = MAX_ENTRY_DATA + 64
+#: What an entry costs the in-memory tail besides its data, so that a journal of
+#: empty entries cannot grow the tail without bound.
+ENTRY_COST: Final = 64
+#: How much of the file one read takes while scanning it, and while reading a page.
+SCAN_WINDOW: Final = 4 * 1024 * 1024
+PAGE_WINDOW: Final = 256 * 1024
 
 
 class _Stored(msgspec.Struct, array_like=True):
@@ -53,14 +70,22 @@ class JournalCorrupt(Exception):
         super().__init__(f"journal {path} is corrupt at byte {offset}: {reason}")
         self.path = path
         self.offset = offset
+        self.reason = reason
 
 
 class Journal:
-    """One worker's journal file. Open it with `create` or `open`."""
+    """One worker's journal file. Open it with `create` or `open`.
 
-    def __init__(self, path: Path, write_fd: int | None) -> None:
+    It holds its descriptor for as long as it lives (closed when it is dropped,
+    or by `release`): pages are read from the file the daemon verified, not from
+    whatever a worker renamed over its name since.
+    """
+
+    def __init__(self, path: Path, fd: int, *, writable: bool) -> None:
         self.path = path
-        self._write_fd = write_fd
+        self._fd = fd
+        self._release = weakref.finalize(self, os.close, fd)
+        self._writable = writable
         self._size = 0
         self._last_seq = 0
         self._offsets = array("Q")  # offset of seq 1, 1 + STRIDE, 1 + 2*STRIDE, ...
@@ -72,16 +97,14 @@ class Journal:
     def create(cls, path: Path) -> Journal:
         """A new, empty journal: the empty file made ahead (see SpareArchives), or a new one."""
         try:
-            fd = open_regular(path, os.O_WRONLY | os.O_APPEND)
+            fd = open_regular(path, os.O_RDWR | os.O_APPEND)
         except FileNotFoundError:
-            fd = os.open(
-                path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | SAFE_FLAGS, 0o600
-            )
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_APPEND | SAFE_FLAGS, 0o600)
         st = os.fstat(fd)
         if st.st_size or st.st_nlink != 1:
             os.close(fd)
             raise FileExistsError(errno.EEXIST, "a journal is already there", str(path))
-        return cls(path, fd)
+        return cls(path, fd, writable=True)
 
     @classmethod
     def open(cls, path: Path, *, writable: bool) -> Journal:
@@ -90,46 +113,46 @@ class Journal:
         It is in its worker's reach: a symlink or FIFO there is refused
         (NotRegularFile), and the file is written through the descriptor read.
         """
-        journal = cls(path, None)
         fd = open_regular(path, os.O_RDWR | os.O_APPEND if writable else os.O_RDONLY)
         try:
             st = os.fstat(fd)
             if writable and st.st_nlink != 1:
                 # A hard link to a file elsewhere: appending would write outside the archive.
                 raise NotRegularFile(errno.EMLINK, "a journal with other links", str(path))
-            size = st.st_size
-            if size:
-                with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as blob:
-                    good_end = journal._scan(blob)
-            else:
-                good_end = 0
-            journal.torn_bytes = size - good_end
-            if writable and journal.torn_bytes:
-                os.ftruncate(fd, good_end)
+            journal = cls(path, fd, writable=writable)
         except BaseException:
             os.close(fd)
             raise
-        if writable:
-            journal._write_fd = fd
-        else:
-            os.close(fd)
+        try:
+            good_end = journal._scan(st.st_size)
+            journal.torn_bytes = st.st_size - good_end
+            if writable and journal.torn_bytes:
+                os.ftruncate(fd, good_end)
+        except BaseException:
+            journal.release()
+            raise
         return journal
 
-    def _scan(self, blob: mmap.mmap) -> int:
-        """Index `blob`; return where the last whole entry ends."""
+    def _scan(self, size: int) -> int:
+        """Index the file's first `size` bytes; return where the last whole entry ends."""
+        window = _Window(self._fd, size, SCAN_WINDOW)
         offset = 0
-        while offset < len(blob):
-            if len(blob) - offset < ENTRY_HEADER.size:
-                break  # torn header
-            length, crc = ENTRY_HEADER.unpack_from(blob, offset)
+        while offset < size:
+            header = window.take(offset, ENTRY_HEADER.size)
+            if len(header) < ENTRY_HEADER.size:
+                break  # torn header (or the file cut short since its size was taken)
+            length, crc = ENTRY_HEADER.unpack(header)
+            if length > MAX_ENTRY_BODY:
+                raise JournalCorrupt(self.path, offset, _too_long(length))
             end = offset + ENTRY_HEADER.size + length
-            if end > len(blob):
+            body = window.take(offset + ENTRY_HEADER.size, length)
+            if end > size or len(body) < length:
                 break  # torn body
-            stored, problem = self._verify(blob[offset + ENTRY_HEADER.size : end], crc)
+            stored, problem = self._verify(body, crc, self._last_seq + 1)
             if stored is None:
                 # The last entry half written, or a file extended by the crash
                 # but never filled (zeros): a torn tail. Anything else is damage.
-                if end == len(blob) or not blob[offset:].strip(b"\0"):
+                if end == size or _zeros(self._fd, offset, size):
                     break
                 raise JournalCorrupt(self.path, offset, problem)
             self._note(offset, _entry(stored))
@@ -137,15 +160,16 @@ class Journal:
         self._size = offset
         return offset
 
-    def _verify(self, body: bytes, crc: int) -> tuple[_Stored | None, str]:
+    @staticmethod
+    def _verify(body: bytes | memoryview, crc: int, seq: int) -> tuple[_Stored | None, str]:
         if zlib.crc32(body) != crc:
             return None, "checksum mismatch"
         try:
             stored = _decoder.decode(body)
         except msgspec.DecodeError as exc:
             return None, str(exc)
-        if stored.seq != self._last_seq + 1:
-            return None, f"sequence {stored.seq} follows {self._last_seq}"
+        if stored.seq != seq:
+            return None, f"sequence {stored.seq} where {seq} belongs"
         return stored, ""
 
     def _note(self, offset: int, entry: Entry) -> None:
@@ -153,9 +177,9 @@ class Journal:
             self._offsets.append(offset)
         self._last_seq = entry.seq
         self._tail.append(entry)
-        self._tail_bytes += len(entry.data)
+        self._tail_bytes += len(entry.data) + ENTRY_COST
         while self._tail_bytes > TAIL_BYTES and len(self._tail) > 1:
-            self._tail_bytes -= len(self._tail.popleft().data)
+            self._tail_bytes -= len(self._tail.popleft().data) + ENTRY_COST
 
     @property
     def last_seq(self) -> int:
@@ -167,27 +191,39 @@ class Journal:
 
     @property
     def writable(self) -> bool:
-        return self._write_fd is not None
+        return self._writable
 
     def append(self, kind: EntryKind, data: bytes, at: float) -> Entry:
-        """Write one entry. Raises OSError (ENOSPC, EIO) with nothing recorded."""
-        if self._write_fd is None:
+        """Write one entry. Raises OSError (ENOSPC, EIO) with nothing recorded.
+
+        A state or note longer than NOTE_BYTES is cut; output longer than any
+        entry may hold is a bug of the caller's (ValueError), never written.
+        """
+        if not self._writable:
             raise ValueError(f"journal {self.path} is not open for writing")
+        if kind in ("state", "note") and len(data) > NOTE_BYTES:
+            data = data[: NOTE_BYTES - 3] + b"..."
+        if len(data) > MAX_ENTRY_DATA:
+            raise ValueError(f"{len(data)} bytes for one journal entry, at most {MAX_ENTRY_DATA}")
         entry = Entry(seq=self._last_seq + 1, kind=kind, data=data, at=at)
         body = _encoder.encode(_Stored(entry.seq, kind, at, data))
         record = ENTRY_HEADER.pack(len(body), zlib.crc32(body)) + body
-        written = os.write(self._write_fd, record)
+        written = os.write(self._fd, record)
         if written != len(record):
             # A short write to a regular file means the disk is full; cut it so
             # the file stays a sequence of whole entries.
-            os.ftruncate(self._write_fd, self._size)
+            os.ftruncate(self._fd, self._size)
             raise short_write("to journal", str(self.path))
         self._note(self._size, entry)
         self._size += len(record)
         return entry
 
     def read(self, since: int, limit: int, max_bytes: int = PAGE_BYTES) -> list[Entry]:
-        """Entries with seq > since, at most `limit` of them and about `max_bytes` of data."""
+        """Entries with seq > since, at most `limit` of them and about `max_bytes` of data.
+
+        Raises JournalCorrupt if what is read from disk is no longer what was
+        verified (its worker wrote into the file since).
+        """
         first = since + 1
         if first > self._last_seq or limit <= 0:
             return []
@@ -202,18 +238,23 @@ class Journal:
         slot = (first - 1) // INDEX_STRIDE
         offset = self._offsets[slot]
         seq = slot * INDEX_STRIDE + 1
-        with open(open_regular(self.path), "rb") as f:
-            f.seek(offset)
-            while seq <= self._last_seq:
-                header = f.read(ENTRY_HEADER.size)
-                if len(header) < ENTRY_HEADER.size:
-                    return
-                length, _crc = ENTRY_HEADER.unpack(header)
-                if seq < first:
-                    f.seek(length, os.SEEK_CUR)
-                else:
-                    yield _entry(_decoder.decode(f.read(length)))
-                seq += 1
+        window = _Window(self._fd, self._size, PAGE_WINDOW)
+        while seq <= self._last_seq:
+            header = window.take(offset, ENTRY_HEADER.size)
+            if len(header) < ENTRY_HEADER.size:
+                raise JournalCorrupt(self.path, offset, "the file was cut short")
+            length, crc = ENTRY_HEADER.unpack(header)
+            end = offset + ENTRY_HEADER.size + length
+            if length > MAX_ENTRY_BODY or end > self._size:
+                raise JournalCorrupt(self.path, offset, _too_long(length))
+            if seq >= first:
+                body = window.take(offset + ENTRY_HEADER.size, length)
+                stored, problem = self._verify(body, crc, seq)
+                if stored is None:
+                    raise JournalCorrupt(self.path, offset, problem)
+                yield _entry(stored)
+            offset = end
+            seq += 1
 
     def tail_bytes(self, kind: EntryKind, limit: int) -> bytes:
         """The last `limit` bytes of `kind` among the entries still held in memory."""
@@ -222,9 +263,61 @@ class Journal:
 
     def close(self) -> None:
         """Stop writing; the journal stays readable."""
-        if self._write_fd is not None:
-            os.close(self._write_fd)
-            self._write_fd = None
+        self._writable = False
+
+    def release(self) -> None:
+        """Close the descriptor now rather than when the journal is dropped."""
+        self._writable = False
+        self._release()
+
+
+class _Window:
+    """Reads of a file's first `size` bytes, mostly forward, through one bounded buffer.
+
+    By pread from a held descriptor: nothing is mapped (a mapping's pages count
+    against the daemon as it touches them) and no read is longer than asked or
+    `chunk`, whichever is more.
+    """
+
+    def __init__(self, fd: int, size: int, chunk: int) -> None:
+        self._fd = fd
+        self._size = size
+        self._chunk = chunk
+        self._buffer = b""
+        self._start = 0
+
+    def take(self, offset: int, length: int) -> memoryview:
+        """`length` bytes from `offset`, fewer if the file was cut short meanwhile."""
+        at = offset - self._start
+        if at < 0 or at + length > len(self._buffer):
+            want = min(max(length, self._chunk), self._size - offset)
+            self._buffer = os.pread(self._fd, want, offset) if want > 0 else b""
+            self._start, at = offset, 0
+        return memoryview(self._buffer)[at : at + length]
+
+
+def _zeros(fd: int, offset: int, size: int) -> bool:
+    """Whether the file holds only zeros from `offset` to `size`, without reading its holes."""
+    while offset < size:
+        try:
+            offset = os.lseek(fd, offset, os.SEEK_DATA)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:
+                return True  # a hole to the end
+            raise
+        data_end = min(os.lseek(fd, offset, os.SEEK_HOLE), size)
+        while offset < data_end:
+            chunk = os.pread(fd, min(SCAN_WINDOW, data_end - offset), offset)
+            if not chunk:
+                return True  # cut short meanwhile: nothing left that is not zero
+            if chunk.count(0) != len(chunk):
+                return False
+            offset += len(chunk)
+    return True
+
+
+def _too_long(length: int) -> str:
+    return f"an entry of {length} bytes, past the file's end or longer than any the daemon writes"
 
 
 def _entry(stored: _Stored) -> Entry:

@@ -550,7 +550,7 @@ class Server:
                 if follow:
                     await daemon.follow(worker, since, limit, _sender(conn, rid))
                     return None
-                page = daemon.watch_page(worker, since, limit)
+                page = await daemon.watch_page(worker, since, limit)
                 page.id = rid
                 return page
             case Collect(worker=worker, wait=wait):

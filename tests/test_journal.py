@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import os
+import struct
 from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from subagentd.daemon._journal import INDEX_STRIDE, TAIL_BYTES, Journal, JournalCorrupt
+from subagentd.daemon._journal import (
+    INDEX_STRIDE,
+    MAX_ENTRY_BODY,
+    MAX_ENTRY_DATA,
+    NOTE_BYTES,
+    TAIL_BYTES,
+    Journal,
+    JournalCorrupt,
+)
+from subagentd.daemon._process import ENTRY_BYTES, READ_CHUNK
 
 
 def _fill(path: Path, count: int, size: int = 20) -> Journal:
@@ -84,6 +94,53 @@ def test_corruption_before_the_tail_is_reported(tmp_path: Path) -> None:
         f.write(b"\xff")
     with pytest.raises(JournalCorrupt, match="byte 0"):
         Journal.open(path, writable=True)
+
+
+@pytest.mark.parametrize("body_there", [False, True])
+def test_an_entry_longer_than_any_the_daemon_writes_is_damage_at_its_offset(
+    tmp_path: Path, body_there: bool
+) -> None:
+    """No crash leaves such a length (a header is written whole with its body): it
+    was planted, and is neither cut as a torn tail nor read (a sparse body costs
+    its planter nothing and the reader its length)."""
+    path = tmp_path / "j"
+    _fill(path, 5).close()
+    whole = path.stat().st_size
+    with open(path, "ab") as f:
+        f.write(struct.pack(">II", MAX_ENTRY_BODY + 1, 0))
+    if body_there:
+        os.truncate(path, whole + 8 + MAX_ENTRY_BODY + 1)
+    with pytest.raises(JournalCorrupt, match=f"byte {whole}:"):
+        Journal.open(path, writable=True)
+    assert path.stat().st_size > whole  # nothing cut
+
+
+def test_a_page_read_from_disk_checks_each_entry_it_meets(tmp_path: Path) -> None:
+    """A worker can write into the file the daemon holds: a length planted there
+    since it was verified is damage at its offset, not a read of that length."""
+    path = tmp_path / "j"
+    journal = _fill(path, 3000, size=400)  # the first entries are read from disk
+    with open(path, "r+b") as f:
+        f.write(struct.pack(">II", (1 << 32) - 1, 0))
+    with pytest.raises(JournalCorrupt, match="byte 0:"):
+        journal.read(0, 10)
+
+
+def test_every_entry_the_daemon_writes_fits_the_cap(tmp_path: Path) -> None:
+    """The pump's largest chunk fits with room to spare; a longer note is cut rather
+    than written past the cap, and output past it is refused, never written."""
+    assert 2 * (ENTRY_BYTES + READ_CHUNK) <= MAX_ENTRY_DATA
+    path = tmp_path / "j"
+    journal = Journal.create(path)
+    journal.append("stdout", b"x" * (ENTRY_BYTES + READ_CHUNK), 0.0)
+    journal.append("note", b"n" * (MAX_ENTRY_DATA + 1), 1.0)
+    with pytest.raises(ValueError, match="at most"):
+        journal.append("stderr", b"e" * (MAX_ENTRY_DATA + 1), 2.0)
+    entries = Journal.open(path, writable=True).read(0, 10)
+    assert [(e.kind, len(e.data)) for e in entries] == [
+        ("stdout", ENTRY_BYTES + READ_CHUNK),
+        ("note", NOTE_BYTES),
+    ]
 
 
 @settings(max_examples=50, deadline=None)
