@@ -76,6 +76,8 @@ RELOAD_RETRY = 0.2
 DESCRIPTORS_RETRY = 1.0
 #: Ended workers' journals kept open for paging, the most recently read first.
 OPEN_JOURNALS = 16
+#: Ended journals verified at once (each in a thread).
+JOURNAL_SCANS = 2
 #: A journal longer than this gets a stdout.tail file when its worker ends.
 TAIL_FILE_FROM_BYTES = 1024 * 1024
 #: A wake carries this much of the result, so a parent rarely needs to collect.
@@ -193,6 +195,9 @@ class Daemon:
         #: What ran out of file descriptors, until a descriptor is had again (reported by `info`).
         self.descriptor_problem: str | None = None
         self.journals: collections.OrderedDict[str, Journal] = collections.OrderedDict()
+        #: Threads verifying ended journals: their own, so a worker's huge journal
+        #: read by many requests holds these and never those a spawn needs.
+        self._journal_scans = trio.CapacityLimiter(JOURNAL_SCANS)
         self.runs_dir = state_dir.root / "runs"
         self._saved_runs: set[str] = set()
         self.wake_log = WakeLog(state_dir.root / "wakes.log")
@@ -1024,6 +1029,7 @@ class Daemon:
                 journal = await trio.to_thread.run_sync(
                     functools.partial(Journal.open, path, writable=False),
                     abandon_on_cancel=True,
+                    limiter=self._journal_scans,
                 )
             except FileNotFoundError:
                 raise NotFound(

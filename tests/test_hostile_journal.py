@@ -8,6 +8,7 @@ real worker rename a crafted file over its own journal, as a hostile or broken o
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,23 @@ archive = sys.argv[1]
 tmp = os.path.join(archive, "planted")
 with open(tmp, "wb") as f:
     f.truncate(1 << 30)  # a gigabyte of (sparse) zeros
+os.rename(tmp, os.path.join(archive, "journal"))
+"""
+
+
+#: A million empty entries, each valid (32 MB): verifying them takes seconds.
+_PLANT_MANY_ENTRIES = """
+import os, struct, sys, zlib
+import msgspec
+archive = sys.argv[1]
+encode = msgspec.msgpack.Encoder().encode
+parts = []
+for seq in range(1, 1_000_001):
+    body = encode([seq, "stdout", 0.0, b""])
+    parts.append(struct.pack(">II", len(body), zlib.crc32(body)) + body)
+tmp = os.path.join(archive, "planted")
+with open(tmp, "wb") as f:
+    f.write(b"".join(parts))
 os.rename(tmp, os.path.join(archive, "journal"))
 """
 
@@ -108,3 +126,37 @@ async def test_a_sparse_zero_journal_is_copied_whole_when_opened(
             assert (page.entries, page.complete) == ([], True)
             assert (await client.info()).pid > 0
     assert _peak_rss_kb(daemon.proc.pid) < RSS_BOUND_KB
+
+
+async def test_a_long_journal_is_verified_while_the_daemon_serves_on(
+    daemon: DaemonProcess,
+) -> None:
+    """Opening an ended worker's journal verifies all of it, which takes as long as
+    the worker made it: off the event loop, so `info` is answered meanwhile."""
+    with trio.fail_after(120):
+        async with AsyncClient(daemon.socket) as client:
+            worker = await client.spawn(_planting(_PLANT_MANY_ENTRIES, output=""))
+            await client.wait(worker.id)
+        daemon.terminate()
+        daemon.start()
+        slowest, answered = 0.0, 0
+        async with (
+            AsyncClient(daemon.socket) as watcher,
+            AsyncClient(daemon.socket) as client,
+            trio.open_nursery() as nursery,
+        ):
+            paged = trio.Event()
+
+            async def page() -> None:
+                first = await watcher.watch_page(worker.id, since=0, limit=3)
+                assert [e.seq for e in first.entries] == [1, 2, 3]
+                paged.set()
+
+            nursery.start_soon(page)
+            while not paged.is_set():
+                asked = time.monotonic()
+                await client.info()
+                slowest = max(slowest, time.monotonic() - asked)
+                answered += 1
+    assert answered > 1  # the page took a while: its journal was long
+    assert slowest < 0.5  # where verifying on the event loop held it 2.6 s
