@@ -159,4 +159,5 @@ async def test_a_long_journal_is_verified_while_the_daemon_serves_on(
                 slowest = max(slowest, time.monotonic() - asked)
                 answered += 1
     assert answered > 1  # the page took a while: its journal was long
-    assert slowest < 0.5  # where verifying on the event loop held it 2.6 s
+    # A generous bound: ~60 ms here; verifying on the event loop held it 2.6 s.
+    assert slowest < 1.5
