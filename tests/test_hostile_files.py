@@ -305,8 +305,8 @@ async def test_one_damaged_byte_in_the_wake_log_costs_only_its_own_wake(
     with trio.fail_after(60):
         run, wakes, blob = await _five_wakes_then_kill(daemon)
         entries = _entries(blob)
-        assert len(entries) == 6  # the floor compaction wrote, then five posts
-        start, end = entries[3]  # the third post, in the middle of the log
+        assert len(entries) == 7  # the two floors compaction wrote, then five posts
+        start, end = entries[4]  # the third post, in the middle of the log
         damaged = bytearray(blob)
         damaged[(start + 8 + end) // 2] ^= 0xFF
         (daemon.state_dir / "wakes.log").write_bytes(damaged)
@@ -323,3 +323,34 @@ async def test_a_wake_log_entry_with_a_valid_checksum_and_garbage_body_is_skippe
         entry = struct.pack(">II", len(garbage), zlib.crc32(garbage)) + garbage
         (daemon.state_dir / "wakes.log").write_bytes(blob[:end] + entry + blob[end:])
         await _restart_and_check(daemon, run, wakes)
+
+
+async def test_a_damaged_floor_in_the_wake_log_never_gives_a_seq_again(
+    daemon: DaemonProcess,
+) -> None:
+    """Compaction writes the floor (the last seq given) before the pending posts, which may
+    be far older: if that floor is damaged, seqs already given out, delivered and
+    acknowledged must not be given again (a client's subscription drops a wake whose seq
+    it has handed over before)."""
+    with trio.fail_after(60):
+        async with AsyncClient(daemon.socket) as client:
+            kept_run, acked_run = await client.new_run(), await client.new_run()
+            await client.wait((await client.spawn(["true"], run=kept_run)).id)  # seq 1, pending
+            for _ in range(5):
+                await client.wait((await client.spawn(["true"], run=acked_run)).id)
+            seen = [w.seq async for w in client.events(run=acked_run)]  # delivered and acked
+        assert max(seen) == 6
+        await trio.to_thread.run_sync(daemon.terminate)
+        await trio.to_thread.run_sync(daemon.start)  # replays and compacts: floor 6, post 1
+        await trio.to_thread.run_sync(daemon.terminate)
+        log = daemon.state_dir / "wakes.log"
+        blob = bytearray(log.read_bytes())
+        _, floor_end = _entries(bytes(blob))[0]
+        blob[floor_end - 1] ^= 0x01  # one byte of the floor's body
+        log.write_bytes(bytes(blob))
+        await trio.to_thread.run_sync(daemon.start)
+        async with AsyncClient(daemon.socket) as client:
+            await client.wait((await client.spawn(["true"], run=acked_run)).id)
+            (fresh,) = [w async for w in client.events(run=acked_run)]
+            assert [w.id for w in await _pending_wakes(daemon, kept_run)]  # still there
+        assert fresh.seq > max(seen), f"seq {fresh.seq} was given out before: {seen}"
