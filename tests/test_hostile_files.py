@@ -7,7 +7,10 @@ test has a real worker do the planting, the way a hostile or broken one would.
 
 from __future__ import annotations
 
+import fcntl
 import functools
+import os
+import socket
 import stat
 import struct
 import subprocess
@@ -252,6 +255,78 @@ async def test_a_lock_symlink_does_not_let_a_second_daemon_in_nor_is_written_thr
     victim = _victim(daemon)
     plant = f'ln -sf {victim} "$SUBAGENTD_ARCHIVE/../../lock"'
     await _refused_while_the_first_serves(daemon, client, plant)
+    _assert_untouched(victim)
+
+
+def _lock_file_held(daemon: DaemonProcess) -> bool:
+    """Whether a daemon of an earlier image, which flocks the file `lock`, is kept out."""
+    fd = os.open(daemon.state_dir / "lock", os.O_RDWR | os.O_NOFOLLOW)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+async def test_a_daemon_of_the_previous_image_holding_the_lock_file_keeps_a_new_one_out(
+    daemon_dirs: DaemonProcess,
+) -> None:
+    """The image before the lock moved to the directory flocks the file `lock`: a new
+    daemon must see it held and refuse, naming it, rather than start beside it."""
+    daemon_dirs.state_dir.mkdir(mode=0o700)
+    old = os.open(daemon_dirs.state_dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(old, fcntl.LOCK_EX | fcntl.LOCK_NB)  # what the earlier daemon holds
+        os.write(old, b'{"pid":%d,"host":"%s"}' % (os.getpid(), socket.gethostname().encode()))
+        with trio.fail_after(30):
+            second = await _second_daemon(daemon_dirs)
+        assert second.returncode == 1, second.stderr
+        assert f"in use by pid {os.getpid()}" in second.stderr
+    finally:
+        os.close(old)
+
+
+async def _reload(daemon: DaemonProcess) -> p.Reply:
+    """Reload on a connection of its own, waiting out the rate limit as its refusal says."""
+    while True:
+        conn = await RawConnection.open(daemon.socket)
+        async with conn.stream:
+            await conn.send(p.Reload(id=2))
+            reply = await conn.receive()
+        if not (isinstance(reply, p.Error) and reply.code == "busy"):
+            assert reply is not None
+            return reply
+        await trio.sleep(reply.retry_after or 0.1)
+
+
+async def test_a_daemon_of_the_previous_image_is_kept_out_while_one_serves_and_reloads(
+    daemon: DaemonProcess,
+) -> None:
+    """The serving daemon holds the file `lock` too, written in place, and a reload's exec
+    carries that flock along with the directory's."""
+    assert daemon.proc is not None
+    with trio.fail_after(60):
+        assert _lock_file_held(daemon)
+        for _ in range(2):  # the image a reload starts carries it on again
+            assert isinstance(await _reload(daemon), p.ReloadReply)
+            assert _lock_file_held(daemon)
+        holder = msgspec.json.decode((daemon.state_dir / "lock").read_bytes())
+        assert holder["pid"] == daemon.proc.pid
+        await trio.to_thread.run_sync(daemon.terminate)
+        assert not (daemon.state_dir / "lock").exists()
+
+
+async def test_a_lock_file_hard_linked_elsewhere_is_replaced_not_written_through(
+    daemon_dirs: DaemonProcess,
+) -> None:
+    victim = _victim(daemon_dirs)
+    daemon_dirs.state_dir.mkdir(mode=0o700)
+    os.link(victim, daemon_dirs.state_dir / "lock")
+    with trio.fail_after(30):
+        await trio.to_thread.run_sync(daemon_dirs.start)
+        assert _lock_file_held(daemon_dirs)
     _assert_untouched(victim)
 
 
