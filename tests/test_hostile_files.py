@@ -429,3 +429,74 @@ async def test_a_damaged_floor_in_the_wake_log_never_gives_a_seq_again(
             (fresh,) = [w async for w in client.events(run=acked_run)]
             assert [w.id for w in await _pending_wakes(daemon, kept_run)]  # still there
         assert fresh.seq > max(seen), f"seq {fresh.seq} was given out before: {seen}"
+
+
+# -- resume and git files ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "plant",
+    [
+        'ln -s loop "$GITDIR/loop"; echo loop > "$GITDIR/commondir"',
+        'printf "%0300d" 0 > "$GITDIR/commondir"',  # a name too long to look up
+        'printf "a\\000b" > "$GITDIR/commondir"',  # a NUL byte in the path
+    ],
+    ids=["symlink_loop", "name_too_long", "nul_byte"],
+)
+async def test_a_planted_git_commondir_refuses_resume_and_latest_with_the_reason(
+    daemon: DaemonProcess, tmp_path: Path, plant: str
+) -> None:
+    """The worker's cwd is a linked worktree (a .git file naming its gitdir); the worker
+    makes that gitdir's commondir lead nowhere a lookup can go. Resuming it, its run, or
+    asking for the latest resumable run there answers why, never `internal`."""
+    work, gitdir = tmp_path / "work", tmp_path / "gitdir"
+    work.mkdir()
+    gitdir.mkdir()
+    (work / ".git").write_text(f"gitdir: {gitdir}\n")
+    (gitdir / "HEAD").write_text("ref: refs/heads/main\n")
+    with trio.fail_after(30):
+        async with AsyncClient(daemon.socket) as client:
+            worker = await client.spawn(
+                sh(f"GITDIR={gitdir}; {plant}; echo planted; sleep 60"), cwd=work
+            )
+            await wait_output(client, worker.id, b"planted")
+            await client.stop(worker.id)
+        conn = await RawConnection.open(daemon.socket)
+        async with conn.stream:
+            for rid, request in enumerate(
+                [p.Resume(id=0, worker=worker.id), p.ResumeRun(id=0, run=worker.run)], start=2
+            ):
+                request.id = rid
+                await conn.send(request)
+                reply = await conn.receive()
+                assert isinstance(reply, p.Error), reply
+                assert (reply.code, "cannot be read" in reply.message) == ("refused", True), reply
+            await conn.send(p.LatestResumable(id=9, cwd=str(work)))
+            latest = await conn.receive()
+        assert isinstance(latest, p.Latest), latest
+        assert (latest.run, latest.resumable) == (worker.run, False)
+        assert "cannot be read" in latest.reason
+        async with AsyncClient(daemon.socket) as client:
+            assert (await client.status(worker.id)).state == "stopped"
+
+
+async def test_a_snapshot_nested_too_deep_refuses_resume_and_latest_with_the_reason(
+    daemon: DaemonProcess, tmp_path: Path
+) -> None:
+    """JSON nested deeper than the decoder recurses raises RecursionError, no DecodeError."""
+    plant = 'printf "%05000d" 0 | tr 0 "[" > "$SUBAGENTD_ARCHIVE/snapshot.json"'
+    with trio.fail_after(30):
+        async with AsyncClient(daemon.socket) as client:
+            worker = await client.spawn(sh(f"{plant}; echo planted; sleep 60"), cwd=tmp_path)
+            await wait_output(client, worker.id, b"planted")
+            await client.stop(worker.id)
+        conn = await RawConnection.open(daemon.socket)
+        async with conn.stream:
+            await conn.send(p.Resume(id=2, worker=worker.id))
+            reply = await conn.receive()
+            assert isinstance(reply, p.Error), reply
+            assert (reply.code, "no longer reads" in reply.message) == ("refused", True), reply
+            await conn.send(p.LatestResumable(id=3, cwd=str(tmp_path)))
+            latest = await conn.receive()
+        assert isinstance(latest, p.Latest), latest
+        assert (latest.run, latest.resumable) == (worker.run, False)
