@@ -2,9 +2,12 @@
 
 One daemon owns a state dir at a time. The lock is an flock on the state
 directory itself, so deleting or replacing a file cannot unlock it; the kernel
-drops it when its holder dies. The file ``lock`` only names the holder's pid
-and host (written by rename, read without following a symlink), and a held
-lock is refused naming who holds it: from that file, else from /proc/locks.
+drops it when its holder dies. The file ``lock`` names the holder's pid and
+host, and a held lock is refused naming who holds it: from that file, else
+from /proc/locks. Images before this one flocked that file instead, so it is
+flocked too (a daemon of either kind keeps the other out) and written in place,
+never renamed over; one that is not a regular file of its own (a symlink, a
+hard link, a FIFO) is replaced, never written through.
 """
 
 from __future__ import annotations
@@ -18,13 +21,15 @@ import stat
 from pathlib import Path
 
 import msgspec
+import structlog
 
-from ._files import open_dir, read_regular, replace_file, replace_in
+from ._files import SAFE_FLAGS, open_dir, read_regular, replace_file, replace_in, short_write
 from ._registry import RunRecord
 
 #: A run file is a few hundred bytes; a bigger one is not one of the daemon's.
 RUN_FILE_LIMIT = 1024 * 1024
 _WORKER_ID = re.compile(r"w-[A-Za-z0-9_-]{1,64}")
+log = structlog.get_logger("subagentd")
 
 
 class StateDirLocked(Exception):
@@ -55,24 +60,27 @@ class StateDir:
         self.archives = root / "archives"
         #: A descriptor of the state directory, flocked (carried across a reload's exec).
         self.lock_fd: int | None = None
-        self._file_lock_fd: int | None = None  # handed over by an image that locked `lock`
+        #: The file `lock`, flocked for images that lock it rather than the directory.
+        #: Inheritable, so a reload's exec carries it; the new image finds it again.
+        self._file_lock_fd: int | None = None
 
     def acquire(self, lock_fd: int | None = None) -> None:
         """Own the state dir, or raise StateDirLocked naming the holder.
 
         ``lock_fd`` is a lock descriptor inherited across a re-exec: the flock
-        is already ours and stays so. An image from before the lock moved to
-        the directory hands over a flocked ``lock`` file instead: it is kept
-        (older daemons still see it held) and the directory is locked too.
+        is already ours and stays so, and so does the file's, carried beside it.
+        An image from before the lock moved to the directory hands over a
+        flocked ``lock`` file instead: it is kept (older daemons still see it
+        held) and the directory is locked too.
         """
         ensure_private_dir(self.root)
         ensure_private_dir(self.archives)
         if lock_fd is not None and not stat.S_ISDIR(os.fstat(lock_fd).st_mode):
             self._file_lock_fd = lock_fd
-            os.set_inheritable(lock_fd, False)  # never carried again: the directory's lock is
             lock_fd = None
         if lock_fd is not None:
             self.lock_fd = lock_fd
+            self._file_lock_fd = _carried_file_lock(lock_fd)
             return
         path = self.root / self.HOLDER
         fd = open_dir(self.root)
@@ -96,12 +104,54 @@ class StateDir:
                 f"if that daemon is gone, remove {path}"
             )
         try:
-            holder_json = msgspec.json.encode(LockHolder(pid=os.getpid(), host=here))
-            replace_in(fd, self.HOLDER, holder_json, what="naming the state dir's holder")
+            self._name_holder(fd, msgspec.json.encode(LockHolder(pid=os.getpid(), host=here)))
         except BaseException:
             os.close(fd)
             raise
         self.lock_fd = fd
+
+    def _name_holder(self, dir_fd: int, holder_json: bytes) -> None:
+        """Flock the file `lock` and write the holder into it, or raise StateDirLocked if
+        a daemon of an earlier image holds it."""
+        handed = self._file_lock_fd
+        self._file_lock_fd = None
+        if handed is not None and _names(dir_fd, handed):
+            file_fd: int | None = handed
+        else:
+            file_fd = _open_holder_file(dir_fd)
+            if handed is not None:
+                os.close(handed)  # handed over, but no longer named `lock`
+        if file_fd is None:
+            # Not a regular file of its own: replaced, never written through.
+            replace_in(dir_fd, self.HOLDER, holder_json, what="naming the state dir's holder")
+            file_fd = _open_holder_file(dir_fd)
+            if file_fd is not None and not _try_flock(file_fd):
+                os.close(file_fd)  # replaced again meanwhile: the directory's lock is the real one
+                file_fd = None
+        else:
+            try:
+                self._refuse_if_held(file_fd)
+                if os.pwrite(file_fd, holder_json, 0) != len(holder_json):
+                    raise short_write("naming the state dir's holder", self.HOLDER)
+                os.ftruncate(file_fd, len(holder_json))
+            except BaseException:
+                os.close(file_fd)
+                raise
+        if file_fd is not None:
+            os.set_inheritable(file_fd, True)  # a reload's exec carries it: see acquire
+        self._file_lock_fd = file_fd
+
+    def _refuse_if_held(self, file_fd: int) -> None:
+        """Flock the file `lock`, or raise StateDirLocked: a daemon of an image from before
+        the lock moved to the directory holds it."""
+        if _try_flock(file_fd):
+            return
+        holder = _decode_holder(os.pread(file_fd, 4096, 0)) or _flock_holder(file_fd)
+        who = f"pid {holder.pid} on {holder.host}" if holder else "another process"
+        raise StateDirLocked(
+            f"state dir {self.root} is in use by {who} (a daemon of an earlier version); "
+            "stop that daemon or pass another --state-dir"
+        )
 
     def release(self) -> None:
         """Give the state dir up cleanly: no file names a holder any more."""
@@ -123,12 +173,78 @@ class StateDir:
         return self.archives / worker_id
 
 
+def _open_holder_file(dir_fd: int) -> int | None:
+    """The file `lock` (created if missing), opened to be written in place; None if it is
+    not a regular file with no other name (a symlink, a hard link to a file elsewhere, a
+    FIFO, a directory) or cannot be opened."""
+    flags = os.O_RDWR | os.O_CREAT | SAFE_FLAGS
+    try:
+        fd = os.open(StateDir.HOLDER, flags, 0o600, dir_fd=dir_fd)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        st = None
+    if st is None or not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _names(dir_fd: int, fd: int) -> bool:
+    """Whether the name `lock` in `dir_fd` is the file open as `fd`."""
+    try:
+        named = os.stat(StateDir.HOLDER, dir_fd=dir_fd, follow_symlinks=False)
+        held = os.fstat(fd)
+    except OSError:
+        return False
+    return stat.S_ISREG(named.st_mode) and (named.st_dev, named.st_ino) == (
+        held.st_dev,
+        held.st_ino,
+    )
+
+
+def _try_flock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def _carried_file_lock(dir_fd: int) -> int | None:
+    """The flocked `lock` file a reload's exec carried (the image before made it
+    inheritable), else that file locked afresh; None if neither is to be had: the
+    directory's lock, carried too, is the one that counts."""
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd != dir_fd and _names(dir_fd, fd):
+            if _try_flock(fd):
+                return fd
+            os.close(fd)  # carried, but not the lock's holder: of no use
+    fresh = _open_holder_file(dir_fd)
+    if fresh is None:
+        return None
+    if not _try_flock(fresh):
+        os.close(fresh)
+        # A daemon of an earlier image took it while the exec let go: nothing to refuse now.
+        log.warning("state_dir.lock_file_held_by_another", file=StateDir.HOLDER)
+        return None
+    os.set_inheritable(fresh, True)
+    return fresh
+
+
 def _read_holder(dir_fd: int) -> LockHolder | None:
     """Who the holder file names, if it is a regular file that names someone."""
     try:
         raw = read_regular(StateDir.HOLDER, 4096, dir_fd=dir_fd)
     except OSError:
         return None
+    return _decode_holder(raw)
+
+
+def _decode_holder(raw: bytes) -> LockHolder | None:
     if not raw.strip():
         return None
     try:
@@ -137,9 +253,9 @@ def _read_holder(dir_fd: int) -> LockHolder | None:
         return None
 
 
-def _flock_holder(dir_fd: int) -> LockHolder | None:
-    """Who holds the flock on `dir_fd`'s directory, as the kernel lists it."""
-    st = os.fstat(dir_fd)
+def _flock_holder(fd: int) -> LockHolder | None:
+    """Who holds the flock on `fd`'s file or directory, as the kernel lists it."""
+    st = os.fstat(fd)
     device = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
     try:
         with open("/proc/locks") as f:

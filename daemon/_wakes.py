@@ -5,7 +5,8 @@ and holds each until acknowledged. `WakeLog` makes it survive a crash: posts
 and acks are appended to a checksummed log (the journal's framing), replayed
 on start, and compacted to what is still pending. A damaged entry costs only
 itself: replay skips to the next entry that verifies, says so, and keeps the
-damaged log aside before compacting it.
+damaged log aside before compacting it. A seq is never given twice, whatever
+entry is damaged: past damage, the next seq skips ahead (gaps are harmless).
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ log = structlog.get_logger("subagentd")
 #: Past damage, replay looks for the next entry no longer than this (a post or an ack is far
 #: smaller), so that garbage claiming a huge length is not checksummed at every offset.
 RESYNC_ENTRY_LIMIT = 1024 * 1024
+#: How far seqs skip ahead when damage hid the floor: the seqs given out before the last
+#: compaction are then unknown (they may lie far above every pending one), and no daemon
+#: gives out this many wakes between two compactions of its log.
+SEQ_SKIP_WITHOUT_FLOOR = 2**32
 #: A parent that wakes are for: ("run", run id) or ("worker", worker id).
 WakeKey = tuple[str, str]
 
@@ -141,16 +146,19 @@ class WakeLog:
         except FileNotFoundError:
             blob = b""
         damaged: list[int] = []  # offsets where replay skipped
+        skipped = 0  # bytes not replayed: damaged entries and a torn tail
+        floor_seen = False
         offset = 0
         while offset + ENTRY_HEADER.size <= len(blob):
             record, end, whole = _entry_at(blob, offset)
             if record is None:
                 following = _next_entry(blob, end if whole else offset + 1)
-                if following is None and not whole:
-                    break  # a torn tail
-                damaged.append(offset)
                 if following is None:
-                    break
+                    if whole:
+                        damaged.append(offset)
+                    break  # the rest is damaged, or a torn tail: counted below
+                damaged.append(offset)
+                skipped += following - offset
                 offset = following
                 continue
             match record:
@@ -158,13 +166,14 @@ class WakeLog:
                     queue.restore(wake)
                 case _Ack(seqs=seqs):
                     queue.ack(seqs)
+                    queue.last_seq = max([queue.last_seq, *seqs])  # each was given out
                 case _Floor(last_seq=last_seq):
                     queue.last_seq = max(queue.last_seq, last_seq)
+                    floor_seen = True
             offset = end
+        skipped += len(blob) - offset
+        queue.last_seq += _seqs_maybe_hidden(skipped, floor_seen)
         if damaged:
-            # Seqs are given out one by one: a skipped post held at most one, past the
-            # highest seen; never give it again, to a parent that may have seen it.
-            queue.last_seq += len(damaged)
             self._keep_damaged(damaged)
         self.compact(queue)
         return queue
@@ -188,9 +197,14 @@ class WakeLog:
         self.problems.append(problem)
 
     def compact(self, queue: WakeQueue) -> None:
-        """Rewrite the log as just what is pending, atomically."""
+        """Rewrite the log as just what is pending, atomically.
+
+        The floor goes first and last: the pending posts between may be far older than
+        it, so one damaged copy must not be all that said which seqs were used.
+        """
         records: list[_Record] = [_Floor(queue.last_seq)]
         records += [_Post(w) for w in sorted(queue.pending.values(), key=lambda w: w.seq)]
+        records.append(_Floor(queue.last_seq))
         data = b"".join(_frame(r) for r in records)
         replace_file(self.path, data, what="compacting the wake log", durable=True)
         if self._fd is not None:
@@ -240,6 +254,18 @@ def _entry_at(
         return _decoder.decode(body), end, True
     except msgspec.DecodeError:  # a valid checksum over a body this image cannot read
         return None, end, True
+
+
+def _seqs_maybe_hidden(skipped: int, floor_seen: bool) -> int:
+    """How far past the highest seq replay saw a seq given out may lie, when `skipped`
+    bytes of the log were not replayed. With a floor read, only posts appended since the
+    compaction can be hidden, one per entry at most, and an entry takes a header and a
+    byte at least; without one, the seqs the lost floor covered are unknown."""
+    if not skipped:
+        return 0
+    if not floor_seen:
+        return SEQ_SKIP_WITHOUT_FLOOR
+    return skipped // (ENTRY_HEADER.size + 1) + 1
 
 
 def _next_entry(blob: bytes, start: int) -> int | None:

@@ -7,7 +7,10 @@ test has a real worker do the planting, the way a hostile or broken one would.
 
 from __future__ import annotations
 
+import fcntl
 import functools
+import os
+import socket
 import stat
 import struct
 import subprocess
@@ -255,6 +258,78 @@ async def test_a_lock_symlink_does_not_let_a_second_daemon_in_nor_is_written_thr
     _assert_untouched(victim)
 
 
+def _lock_file_held(daemon: DaemonProcess) -> bool:
+    """Whether a daemon of an earlier image, which flocks the file `lock`, is kept out."""
+    fd = os.open(daemon.state_dir / "lock", os.O_RDWR | os.O_NOFOLLOW)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+async def test_a_daemon_of_the_previous_image_holding_the_lock_file_keeps_a_new_one_out(
+    daemon_dirs: DaemonProcess,
+) -> None:
+    """The image before the lock moved to the directory flocks the file `lock`: a new
+    daemon must see it held and refuse, naming it, rather than start beside it."""
+    daemon_dirs.state_dir.mkdir(mode=0o700)
+    old = os.open(daemon_dirs.state_dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(old, fcntl.LOCK_EX | fcntl.LOCK_NB)  # what the earlier daemon holds
+        os.write(old, b'{"pid":%d,"host":"%s"}' % (os.getpid(), socket.gethostname().encode()))
+        with trio.fail_after(30):
+            second = await _second_daemon(daemon_dirs)
+        assert second.returncode == 1, second.stderr
+        assert f"in use by pid {os.getpid()}" in second.stderr
+    finally:
+        os.close(old)
+
+
+async def _reload(daemon: DaemonProcess) -> p.Reply:
+    """Reload on a connection of its own, waiting out the rate limit as its refusal says."""
+    while True:
+        conn = await RawConnection.open(daemon.socket)
+        async with conn.stream:
+            await conn.send(p.Reload(id=2))
+            reply = await conn.receive()
+        if not (isinstance(reply, p.Error) and reply.code == "busy"):
+            assert reply is not None
+            return reply
+        await trio.sleep(reply.retry_after or 0.1)
+
+
+async def test_a_daemon_of_the_previous_image_is_kept_out_while_one_serves_and_reloads(
+    daemon: DaemonProcess,
+) -> None:
+    """The serving daemon holds the file `lock` too, written in place, and a reload's exec
+    carries that flock along with the directory's."""
+    assert daemon.proc is not None
+    with trio.fail_after(60):
+        assert _lock_file_held(daemon)
+        for _ in range(2):  # the image a reload starts carries it on again
+            assert isinstance(await _reload(daemon), p.ReloadReply)
+            assert _lock_file_held(daemon)
+        holder = msgspec.json.decode((daemon.state_dir / "lock").read_bytes())
+        assert holder["pid"] == daemon.proc.pid
+        await trio.to_thread.run_sync(daemon.terminate)
+        assert not (daemon.state_dir / "lock").exists()
+
+
+async def test_a_lock_file_hard_linked_elsewhere_is_replaced_not_written_through(
+    daemon_dirs: DaemonProcess,
+) -> None:
+    victim = _victim(daemon_dirs)
+    daemon_dirs.state_dir.mkdir(mode=0o700)
+    os.link(victim, daemon_dirs.state_dir / "lock")
+    with trio.fail_after(30):
+        await trio.to_thread.run_sync(daemon_dirs.start)
+        assert _lock_file_held(daemon_dirs)
+    _assert_untouched(victim)
+
+
 # -- the wake log ------------------------------------------------------------
 
 
@@ -305,8 +380,8 @@ async def test_one_damaged_byte_in_the_wake_log_costs_only_its_own_wake(
     with trio.fail_after(60):
         run, wakes, blob = await _five_wakes_then_kill(daemon)
         entries = _entries(blob)
-        assert len(entries) == 6  # the floor compaction wrote, then five posts
-        start, end = entries[3]  # the third post, in the middle of the log
+        assert len(entries) == 7  # the two floors compaction wrote, then five posts
+        start, end = entries[4]  # the third post, in the middle of the log
         damaged = bytearray(blob)
         damaged[(start + 8 + end) // 2] ^= 0xFF
         (daemon.state_dir / "wakes.log").write_bytes(damaged)
@@ -323,3 +398,105 @@ async def test_a_wake_log_entry_with_a_valid_checksum_and_garbage_body_is_skippe
         entry = struct.pack(">II", len(garbage), zlib.crc32(garbage)) + garbage
         (daemon.state_dir / "wakes.log").write_bytes(blob[:end] + entry + blob[end:])
         await _restart_and_check(daemon, run, wakes)
+
+
+async def test_a_damaged_floor_in_the_wake_log_never_gives_a_seq_again(
+    daemon: DaemonProcess,
+) -> None:
+    """Compaction writes the floor (the last seq given) before the pending posts, which may
+    be far older: if that floor is damaged, seqs already given out, delivered and
+    acknowledged must not be given again (a client's subscription drops a wake whose seq
+    it has handed over before)."""
+    with trio.fail_after(60):
+        async with AsyncClient(daemon.socket) as client:
+            kept_run, acked_run = await client.new_run(), await client.new_run()
+            await client.wait((await client.spawn(["true"], run=kept_run)).id)  # seq 1, pending
+            for _ in range(5):
+                await client.wait((await client.spawn(["true"], run=acked_run)).id)
+            seen = [w.seq async for w in client.events(run=acked_run)]  # delivered and acked
+        assert max(seen) == 6
+        await trio.to_thread.run_sync(daemon.terminate)
+        await trio.to_thread.run_sync(daemon.start)  # replays and compacts: floor 6, post 1
+        await trio.to_thread.run_sync(daemon.terminate)
+        log = daemon.state_dir / "wakes.log"
+        blob = bytearray(log.read_bytes())
+        _, floor_end = _entries(bytes(blob))[0]
+        blob[floor_end - 1] ^= 0x01  # one byte of the floor's body
+        log.write_bytes(bytes(blob))
+        await trio.to_thread.run_sync(daemon.start)
+        async with AsyncClient(daemon.socket) as client:
+            await client.wait((await client.spawn(["true"], run=acked_run)).id)
+            (fresh,) = [w async for w in client.events(run=acked_run)]
+            assert [w.id for w in await _pending_wakes(daemon, kept_run)]  # still there
+        assert fresh.seq > max(seen), f"seq {fresh.seq} was given out before: {seen}"
+
+
+# -- resume and git files ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "plant",
+    [
+        'ln -s loop "$GITDIR/loop"; echo loop > "$GITDIR/commondir"',
+        'printf "%0300d" 0 > "$GITDIR/commondir"',  # a name too long to look up
+        'printf "a\\000b" > "$GITDIR/commondir"',  # a NUL byte in the path
+    ],
+    ids=["symlink_loop", "name_too_long", "nul_byte"],
+)
+async def test_a_planted_git_commondir_refuses_resume_and_latest_with_the_reason(
+    daemon: DaemonProcess, tmp_path: Path, plant: str
+) -> None:
+    """The worker's cwd is a linked worktree (a .git file naming its gitdir); the worker
+    makes that gitdir's commondir lead nowhere a lookup can go. Resuming it, its run, or
+    asking for the latest resumable run there answers why, never `internal`."""
+    work, gitdir = tmp_path / "work", tmp_path / "gitdir"
+    work.mkdir()
+    gitdir.mkdir()
+    (work / ".git").write_text(f"gitdir: {gitdir}\n")
+    (gitdir / "HEAD").write_text("ref: refs/heads/main\n")
+    with trio.fail_after(30):
+        async with AsyncClient(daemon.socket) as client:
+            worker = await client.spawn(
+                sh(f"GITDIR={gitdir}; {plant}; echo planted; sleep 60"), cwd=work
+            )
+            await wait_output(client, worker.id, b"planted")
+            await client.stop(worker.id)
+        conn = await RawConnection.open(daemon.socket)
+        async with conn.stream:
+            for rid, request in enumerate(
+                [p.Resume(id=0, worker=worker.id), p.ResumeRun(id=0, run=worker.run)], start=2
+            ):
+                request.id = rid
+                await conn.send(request)
+                reply = await conn.receive()
+                assert isinstance(reply, p.Error), reply
+                assert (reply.code, "cannot be read" in reply.message) == ("refused", True), reply
+            await conn.send(p.LatestResumable(id=9, cwd=str(work)))
+            latest = await conn.receive()
+        assert isinstance(latest, p.Latest), latest
+        assert (latest.run, latest.resumable) == (worker.run, False)
+        assert "cannot be read" in latest.reason
+        async with AsyncClient(daemon.socket) as client:
+            assert (await client.status(worker.id)).state == "stopped"
+
+
+async def test_a_snapshot_nested_too_deep_refuses_resume_and_latest_with_the_reason(
+    daemon: DaemonProcess, tmp_path: Path
+) -> None:
+    """JSON nested deeper than the decoder recurses raises RecursionError, no DecodeError."""
+    plant = 'printf "%05000d" 0 | tr 0 "[" > "$SUBAGENTD_ARCHIVE/snapshot.json"'
+    with trio.fail_after(30):
+        async with AsyncClient(daemon.socket) as client:
+            worker = await client.spawn(sh(f"{plant}; echo planted; sleep 60"), cwd=tmp_path)
+            await wait_output(client, worker.id, b"planted")
+            await client.stop(worker.id)
+        conn = await RawConnection.open(daemon.socket)
+        async with conn.stream:
+            await conn.send(p.Resume(id=2, worker=worker.id))
+            reply = await conn.receive()
+            assert isinstance(reply, p.Error), reply
+            assert (reply.code, "no longer reads" in reply.message) == ("refused", True), reply
+            await conn.send(p.LatestResumable(id=3, cwd=str(tmp_path)))
+            latest = await conn.receive()
+        assert isinstance(latest, p.Latest), latest
+        assert (latest.run, latest.resumable) == (worker.run, False)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from subagentd.daemon._wakes import WakeLog, WakeQueue, key_of
+from subagentd.protocol import Wake
 
 PARENTS = [("run", "r-1"), ("run", "r-2"), ("worker", "w-p")]
 
@@ -44,6 +46,78 @@ def test_torn_log_tail_loses_only_the_unfinished_record(tmp_path: Path) -> None:
     with open(tmp_path / "wakes.log", "ab") as f:
         f.write(b"\x00\x00\x00\x40half")
     assert sorted(WakeLog(tmp_path / "wakes.log").open().pending) == [1, 2, 3]
+
+
+def _log_that_gave_out_seqs(path: Path, *, appended: bool) -> tuple[bytes, int]:
+    """A wake log compacted after seqs 1 to 6 were given and 2-6 acknowledged: its floor
+    (6) is all that says they were used, the pending post (1) is far below. `appended`:
+    then 7 and 8 given, 8 acknowledged. The log, and the highest seq given."""
+    log = WakeLog(path)
+    queue = log.open()
+    for i in range(6):
+        log.posted(_post(queue, f"w-{i}", 1, PARENTS[0]))  # type: ignore[arg-type]
+    queue.ack([2, 3, 4, 5, 6])
+    log.acked([2, 3, 4, 5, 6])
+    log.close()
+    log = WakeLog(path)
+    queue = log.open()  # compacts
+    if appended:
+        for i in (6, 7):
+            log.posted(_post(queue, f"w-{i}", 1, PARENTS[0]))  # type: ignore[arg-type]
+        queue.ack([8])
+        log.acked([8])
+    log.close()
+    return path.read_bytes(), queue.last_seq
+
+
+def _next_seq_after_damage(path: Path, damaged: bytes) -> int:
+    path.write_bytes(damaged)
+    log = WakeLog(path)
+    wake = _post(log.open(), "w-new", 1, PARENTS[0])
+    log.close()
+    assert isinstance(wake, Wake)
+    return wake.seq
+
+
+@pytest.mark.parametrize("appended", [False, True], ids=["compacted", "appended_to"])
+def test_no_damaged_byte_of_the_wake_log_lets_a_seq_be_given_again(
+    tmp_path: Path, appended: bool
+) -> None:
+    """Whichever byte is damaged (a floor's, a pending post's, an appended post's or
+    ack's, a length or a checksum), the next wake's seq is above every one given."""
+    path = tmp_path / "wakes.log"
+    blob, given = _log_that_gave_out_seqs(path, appended=appended)
+    reused = []
+    for at in range(len(blob)):
+        damaged = bytearray(blob)
+        damaged[at] ^= 0x01
+        seq = _next_seq_after_damage(path, bytes(damaged))
+        if seq <= given:
+            reused.append((at, seq))
+    assert reused == []
+
+
+def _entry_bounds(blob: bytes) -> list[tuple[int, int]]:
+    found, offset = [], 0
+    while offset < len(blob):
+        length = int.from_bytes(blob[offset : offset + 4], "big")
+        found.append((offset, offset + 8 + length))
+        offset += 8 + length
+    return found
+
+
+def test_with_every_floor_of_the_wake_log_damaged_seqs_skip_far_ahead(tmp_path: Path) -> None:
+    """Nothing left says which seqs the floors covered: they may lie far above every
+    pending one, so the next seq skips further than any daemon gives out between two
+    compactions."""
+    path = tmp_path / "wakes.log"
+    blob, _ = _log_that_gave_out_seqs(path, appended=False)
+    damaged = bytearray(blob)
+    bounds = _entry_bounds(blob)
+    for index in (0, 2):  # Floor(6), Post(1), Floor(6)
+        _, end = bounds[index]
+        damaged[end - 1] ^= 0x01
+    assert _next_seq_after_damage(path, bytes(damaged)) > 2**32
 
 
 class WakeMachine(RuleBasedStateMachine):
