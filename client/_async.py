@@ -410,6 +410,8 @@ class AsyncClient:
             self._conn.connection_lost(exc)
         else:
             self._conn.receive_data(data)
+            for frame in self._conn.outgoing():
+                await self._send_frame(frame)
         self._arrivals.unpark_all()
 
     async def _reconnect(self) -> None:

@@ -353,10 +353,11 @@ def latest_resumable(cwd: str | os.PathLike[str] | None = None) -> Call[Latest]:
 
 
 def retry_delay(request: Request, reply: Reply) -> float | None:
-    """How long to wait before sending `request` again, for a `reloading` answer to a
-    spawn or resume (refused only while the launch fence of a reload is up); None: no retry."""
-    fenced = isinstance(request, Spawn | Resume | ResumeRun)
-    if fenced and isinstance(reply, Error) and reply.code == Reloading.code:
+    """How long to wait before sending `request` again, for a `reloading` answer to it: a
+    spawn or resume refused while the launch fence of a reload is up, or any request in
+    flight on the connection that asked for a reload, which that reload cut short (what
+    such a request did, a stop say, is safe to ask again); None: no retry."""
+    if isinstance(reply, Error) and reply.code == Reloading.code and reply.id != 0:
         return reply.retry_after if reply.retry_after is not None else 0.2
     return None
 
@@ -518,6 +519,8 @@ class Connection:
         self._reconnect = reconnect
         self._reconnecting = False
         self._closed = False
+        # Requests the daemon asked to have sent again on this connection (`outgoing`).
+        self._outgoing: list[bytes] = []
         #: Wakes acknowledged by the caller whose acknowledgement went with a connection:
         #: acknowledged again when a subscription gets them again.
         self.owed_acks: set[int] = set()
@@ -589,6 +592,8 @@ class Connection:
                 reply = _decode(body)
                 if reply is None:
                     continue
+                if self._sent_again(reply):
+                    continue
                 if (inbox := self._inboxes.get(reply.id)) is not None:
                     inbox.append(reply)
                 elif reply.id == 0 and isinstance(reply, Error):
@@ -600,6 +605,27 @@ class Connection:
         except ProtocolError as exc:
             self._closed = True
             self._cause = exc
+
+    def outgoing(self) -> list[bytes]:
+        """Frames to send now, after `receive_data`: requests the daemon answered `reloading`
+        on the connection that asked for the reload (kept across it), sent again on it."""
+        frames, self._outgoing = self._outgoing, []
+        return frames
+
+    def _sent_again(self, reply: Reply) -> bool:
+        """Whether `reply` is a `reloading` answer to an open request that may be sent again,
+        and was (queued in `outgoing`, under the same id: the caller never notices)."""
+        if not (isinstance(reply, Error) and reply.code == Reloading.code and reply.id != 0):
+            return False
+        entry = self._open.get(reply.id)
+        if entry is None or entry.again is None:
+            return False  # not to be sent twice without asking the caller: retry_delay
+        if entry.stream:
+            # Pages not yet taken come again from the cursor, which has not passed them.
+            self._inboxes[reply.id].clear()
+        again = entry.again()
+        self._outgoing.append(encode(msgspec.structs.replace(again, id=reply.id)))
+        return True
 
     def connection_lost(self, exc: Exception) -> None:
         """The transport failed with `exc`: every open request and later send raises, unless
@@ -627,7 +653,7 @@ class Connection:
             frames.append(encode(msgspec.structs.replace(request, id=request_id)))
         if rest:
             self.receive_data(rest)
-        return frames
+        return frames + self.outgoing()
 
     def reconnect_failed(self, exc: Exception) -> None:
         """No new connection within the window: the conversation is over, with `exc` as why."""

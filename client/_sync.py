@@ -333,6 +333,11 @@ class Client:
                 self._conn.connection_lost(exc)
             else:
                 self._conn.receive_data(data)
+                for frame in self._conn.outgoing():
+                    try:
+                        self._connected().sendall(frame)
+                    except OSError as exc:
+                        self._conn.connection_lost(exc)
         return reply
 
     def _reconnect(self) -> None:

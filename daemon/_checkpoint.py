@@ -41,6 +41,10 @@ class CarriedConnection(msgspec.Struct, kw_only=True):
     fd: int
     request_id: int  # the first it asked
     later_request_ids: list[int] = []
+    #: Bytes the old image read from it but had not taken as requests: read first.
+    unread: bytes = b""
+    #: Wakes delivered on it and not yet acknowledged: an `ack` of them stays valid.
+    delivered: list[int] = []
 
     @property
     def request_ids(self) -> list[int]:

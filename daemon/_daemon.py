@@ -72,6 +72,9 @@ DISK_RETRY_FIRST = 0.1
 DISK_RETRY_MAX = 5.0
 #: What a client refused during a reload is told to wait before it tries again.
 RELOAD_RETRY = 0.2
+#: A reload's freeze (nobody is served meanwhile) not done within this is given up:
+#: the reload is refused and supervision carries on.
+FREEZE_SECONDS = 5.0
 #: What a spawn refused for want of file descriptors is told to wait.
 DESCRIPTORS_RETRY = 1.0
 #: Ended workers' journals kept open for paging, the most recently read first.
@@ -176,6 +179,7 @@ class Daemon:
         self.agents: dict[str, AgentDef] = {}
         self.config_error: str | None = None
         self._nursery: trio.Nursery | None = None
+        self._background: trio.Nursery | None = None  # outlives freezes: late reaps
         self._supervision = trio.CancelScope()
         self._frozen = trio.Event()
         self._thawed = trio.Event()
@@ -245,6 +249,7 @@ class Daemon:
         """
         await self._prune_archives_once()  # before serving: nobody reads a doomed archive
         async with trio.open_nursery() as timers:
+            self._background = timers
             for task in (
                 self._expire_handles,
                 self._prune_archives_daily,
@@ -277,10 +282,21 @@ class Daemon:
             await self.spawned.wait()
 
     async def freeze(self) -> None:
-        """Stop supervising (nothing reaped, nothing closed), once no spawn is in flight."""
-        await self.launches_settled()
-        self._supervision.cancel()
-        await self._frozen.wait()
+        """Stop supervising (nothing reaped, nothing closed), once no spawn is in flight;
+        refused, supervising on, if that is not done within FREEZE_SECONDS."""
+        if self._thaw_asked.is_set():
+            raise Refused("the last reload's freeze is still being undone; reload again shortly")
+        with trio.move_on_after(FREEZE_SECONDS) as timer:
+            await self.launches_settled()
+            self._supervision.cancel()
+            await self._frozen.wait()
+        if timer.cancelled_caught:
+            if self._supervision.cancel_called:
+                self._thaw_asked.set()  # once what holds the freeze is done: see run()
+            raise Refused(
+                f"the daemon's workers could not be frozen within {FREEZE_SECONDS:g} s "
+                "(a worker's ending is still under way); reload again shortly"
+            )
 
     async def thaw(self) -> None:
         """Supervise every live worker again."""
@@ -548,6 +564,9 @@ class Daemon:
             if process is not None and process.pidfd >= 0:  # not reaped: its tree may run on
                 await self._end_tree_after_fault(live, process)
                 live.returncode = await _reap_after_fault(process)
+                if live.returncode is None and self._background is not None:
+                    pidfd, process.pidfd = process.pidfd, -1  # kept, to reap it when it exits
+                    self._background.start_soon(_reap_when_exited, process.pid, pidfd)
                 process.close()
                 if process.cgroup is not None:
                     self._remove_group(process.cgroup)
@@ -566,18 +585,16 @@ class Daemon:
         live.grown.set()
 
     async def _end_tree_after_fault(self, live: LiveWorker, process: WorkerProcess) -> None:
-        """End the whole tree: given its grace if that works, at once if not."""
-        for grace in (live.record.grace, 0.0):
-            try:
-                if process.cgroup is not None:
-                    await end_cgroup(process.cgroup, grace)
-                else:
-                    await end_tree(
-                        self.processes, process.pid, live.record.id, process.starttime, grace
-                    )
-                return
-            except Exception:
-                log.exception("worker.tree_not_ended", worker=live.record.id, grace=grace)
+        """End the whole tree at once, without its grace: with its supervision failed, its
+        output may no longer be drained (a TERM it handles could block on a full pipe),
+        and a reload's freeze, and so every client, would wait out that grace."""
+        try:
+            if process.cgroup is not None:
+                await end_cgroup(process.cgroup, 0.0)
+            else:
+                await end_tree(self.processes, process.pid, live.record.id, process.starttime, 0.0)
+        except Exception:
+            log.exception("worker.tree_not_ended", worker=live.record.id)
 
     async def _terminate(self, live: LiveWorker) -> None:
         """End the worker's whole process tree, once, however many ask."""
@@ -1224,12 +1241,22 @@ def _first(group: BaseExceptionGroup[Exception]) -> Exception:
 
 
 async def _reap_after_fault(process: WorkerProcess) -> int | None:
-    """Reap a process whose tree was just ended; None if it will not exit (left unreaped)."""
+    """Reap a process whose tree was just ended; None if it has not exited (yet)."""
     with trio.move_on_after(PIPE_DRAIN_SECONDS * 5):
         await process.wait_exited()
         return process.reap()
-    log.error("worker.not_exited", pid=process.pid)
+    log.error("worker.not_exited", pid=process.pid, then="reaped when it exits")
     return None
+
+
+async def _reap_when_exited(pid: int, pidfd: int) -> None:
+    """Reap, whenever it exits, a killed process that had not: no zombie is left behind."""
+    try:
+        await trio.lowlevel.wait_readable(pidfd)
+        os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG)  # noqa: ASYNC222 - readable: exited
+        log.info("worker.reaped_late", pid=pid)
+    finally:
+        os.close(pidfd)
 
 
 def inherited_env(environ: Mapping[str, str]) -> dict[str, str]:

@@ -62,6 +62,17 @@ def image_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "subagentd.daemon", *args]
 
 
+@dataclass(frozen=True)
+class Handover:
+    """A connection handed from one serving of it to the next: across a reload's exec, or
+    back to the old image when the reload fails."""
+
+    fd: int
+    owed: list[Reply] = field(default_factory=list)  # answers it gets before anything
+    unread: bytes = b""  # read from it but not yet taken as requests: read before the socket
+    delivered: frozenset[int] = frozenset()  # wakes delivered on it, not yet acknowledged
+
+
 @dataclass(eq=False)
 class _Attempt:
     requesters: list[tuple[object, int]] = field(default_factory=list)
@@ -209,7 +220,7 @@ class Reloader:
             log.warning("reload.stopped_uncarriable", workers=stopped)
         return stopped
 
-    def _exec(self, attempt: _Attempt, kept: dict[object, int]) -> None:
+    def _exec(self, attempt: _Attempt, kept: dict[object, Handover]) -> None:
         daemon = self.daemon
         state_dir = daemon.state_dir
         assert state_dir.lock_fd is not None
@@ -227,14 +238,20 @@ class Reloader:
             fence=daemon.registry.fence,
             fence_epochs=daemon.registry.fence_epochs,
             requesters=[
-                CarriedConnection(fd=fd, request_id=rids[0], later_request_ids=rids[1:])
-                for fd, rids in owed_by_connection(attempt.requesters, kept)
+                CarriedConnection(
+                    fd=conn.fd,
+                    request_id=rids[0],
+                    later_request_ids=rids[1:],
+                    unread=conn.unread,
+                    delivered=sorted(conn.delivered),
+                )
+                for conn, rids in owed_by_connection(attempt.requesters, kept)
             ],
             stopped_by_reload=attempt.stopped_by_reload,
             reloaded_at=time.monotonic(),
         )
         write_checkpoint(self.checkpoint_path, checkpoint)
-        carried = [self.listen_fd, state_dir.lock_fd, *kept.values()]
+        carried = [self.listen_fd, state_dir.lock_fd, *(conn.fd for conn in kept.values())]
         for fd in carried:
             os.set_inheritable(fd, True)
         for live in daemon.live.values():
@@ -267,10 +284,11 @@ class ServerLike(Protocol):
 
     def paused(
         self, requesters: list[tuple[object, int]], failure: Callable[[BaseException], Error]
-    ) -> AbstractAsyncContextManager[dict[object, int]]:
+    ) -> AbstractAsyncContextManager[dict[object, Handover]]:
         """Not serving for the body: every client told `reloading`, the requesters'
-        connections kept as descriptors (by connection). Serving again after it, each kept
-        connection first answered `failure(exc)` for each of its requests if it raised."""
+        connections kept (by connection), each other request in flight on them answered
+        `reloading`. Serving again after it, each kept connection first answered
+        `failure(exc)` for each of its requests if it raised."""
 
 
 @contextlib.contextmanager
@@ -311,10 +329,10 @@ def _carried(live: LiveWorker) -> CarriedWorker:
 
 
 def owed_by_connection(
-    requesters: list[tuple[object, int]], kept: dict[object, int]
-) -> list[tuple[int, list[int]]]:
-    """Each kept connection's descriptor, once, with the ids of every reload it asked."""
-    return [(fd, [rid for c, rid in requesters if c is conn]) for conn, fd in kept.items()]
+    requesters: list[tuple[object, int]], kept: dict[object, Handover]
+) -> list[tuple[Handover, list[int]]]:
+    """Each kept connection, once, with the ids of every reload it asked."""
+    return [(held, [rid for c, rid in requesters if c is conn]) for conn, held in kept.items()]
 
 
 def _answer(failure: Error | None, request_id: int) -> Reply | None:

@@ -17,7 +17,7 @@ from pathlib import Path
 import structlog
 import trio
 
-from subagentd.protocol import Reply, package_version
+from subagentd.protocol import package_version
 from subagentd.protocol.errors import RemoteError
 
 from ._cgroup import Cgroups, CgroupsUnavailable
@@ -27,7 +27,7 @@ from ._listener import ControlSocket, activated_socket, bind_control_socket
 from ._main import Settings
 from ._notify import notify
 from ._recovery import recover
-from ._reload import NO_CARRY_ENV, RELOAD_SIGNALS, Reloader, adopt, reload_reply
+from ._reload import NO_CARRY_ENV, RELOAD_SIGNALS, Handover, Reloader, adopt, reload_reply
 from ._server import Server
 from ._statedir import StateDir
 
@@ -113,11 +113,16 @@ async def serve(settings: Settings) -> None:
         tree_tracking=tree_tracking,
         faults=read_faults(os.environ.get(FAULT_ENV, "")),
     )
-    adopted: list[tuple[int, list[Reply]]] = []
+    adopted: list[Handover] = []
     if handoff is not None:
         carried, stopped = await adopt(daemon, handoff)
         adopted = [
-            (c.fd, [reload_reply(daemon, rid, carried, stopped) for rid in c.request_ids])
+            Handover(
+                c.fd,
+                [reload_reply(daemon, rid, carried, stopped) for rid in c.request_ids],
+                c.unread,
+                frozenset(c.delivered),
+            )
             for c in handoff.requesters
         ]
         assert settings.handoff is not None

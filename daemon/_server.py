@@ -9,6 +9,7 @@ and, where the stream is unreadable, the connection; never anyone else's.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import itertools
 import math
@@ -78,12 +79,13 @@ from subagentd.protocol.errors import (
     FrameTooLarge,
     Frozen,
     Invalid,
+    Refused,
     RemoteError,
 )
 
 from ._daemon import RELOAD_RETRY, Daemon
 from ._registry import listing_page
-from ._reload import Reloader, owed_by_connection
+from ._reload import Handover, Reloader, owed_by_connection
 from ._resumer import Resumer
 
 log = structlog.get_logger("subagentd")
@@ -93,6 +95,9 @@ log = structlog.get_logger("subagentd")
 MAX_IN_FLIGHT = 256
 #: How long a reload waits to tell each client `reloading` (all told at once).
 NOTICE_SECONDS = 0.1
+#: How long a reload waits for a connection it keeps to stop being read here and to
+#: finish the frame being sent on it; one that takes longer is closed like any other.
+KEEP_SECONDS = 1.0
 #: How long, and how much, a refused peer may still send before the close.
 REFUSAL_DRAIN_SECONDS = 1.0
 REFUSAL_DRAIN_BYTES = 1024 * 1024
@@ -149,8 +154,44 @@ class Connection:
     streams: dict[int, tuple[trio.CancelScope, trio.Event]] = field(default_factory=dict)
     delivered: set[int] = field(default_factory=set)  # wake seqs sent here, not yet acked
     reserved: int = 0  # of the server's frame budget, for the large frame arriving here
+    #: A reload keeps this connection: nothing more is read of it, or sent on it, here.
+    kept: bool = False
+    sealed: bool = False
+    receiving: trio.CancelScope = field(default_factory=trio.CancelScope)  # each read's
+    stopped_reading: trio.Event = field(default_factory=trio.Event)
+    unread: bytes = b""  # read, not taken as requests, once it stopped reading
+    unsent: dict[int, Reply] = field(default_factory=dict)  # answers the seal cut off
+
+    async def seal(self, reloads: set[int]) -> None:
+        """Stop reading here, then answer each request in flight but `reloads`: with its
+        answer if it has one, else `reloading` under its own id: its client sends it again,
+        and the image that reads on (the next one, or this one if the reload fails)
+        answers it. Nothing is sent here after."""
+        self.kept = True
+        self.receiving.cancel()
+        await self.stopped_reading.wait()
+        async with self.send_lock:  # no frame is half sent now, and none can begin
+            in_flight = [
+                (rid, stream) for rid, stream in self.streams.items() if rid not in reloads
+            ]
+            for _rid, (scope, _done) in in_flight:
+                scope.cancel()
+            for _rid, (_scope, done) in in_flight:
+                await done.wait()
+            for rid, _stream in in_flight:
+                again = Error(
+                    id=rid,
+                    code=ErrorCode.RELOADING,
+                    message="the daemon is reloading; send this request again (this "
+                    "connection is kept: the new image answers it)",
+                    retry_after=RELOAD_RETRY,
+                )
+                await self.stream.send_all(encode(self.unsent.pop(rid, again)))
+            self.sealed = True
 
     async def send(self, reply: Reply) -> None:
+        if self.sealed:
+            return  # its request was answered `reloading`, to be sent again
         data = memoryview(encode(reply))
         if not self.send_lock.locked():
             # Nobody is mid-frame: write at once what the socket takes (a reply
@@ -168,6 +209,9 @@ class Connection:
             self.send_lock.acquire_nowait()
         else:
             await self.send_lock.acquire()
+            if self.sealed:
+                self.send_lock.release()
+                return
         try:
             await self.stream.send_all(data)
         finally:
@@ -201,18 +245,18 @@ class Server:
         self._keep: set[Connection] = set()
         self._closed = trio.Event()  # set and replaced each time a connection closes
         self._paused = trio.Event()
-        self._resumed: list[tuple[int, list[Reply]]] | None = None
+        self._resumed: list[Handover] | None = None
         self._resume = trio.Event()
 
     async def serve(
         self,
         listener: trio.SocketListener,
-        adopted: list[tuple[int, list[Reply]]] | None = None,
+        adopted: list[Handover] | None = None,
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Accept connections until cancelled. ``adopted``: connections handed over by a
-        reload (their descriptor, and the replies they are owed), served first.
+        reload, served first.
 
         While paused (a reload under way) nothing is accepted: connects wait in
         the listening socket's backlog, which survives the exec.
@@ -222,8 +266,8 @@ class Server:
         while True:
             with trio.CancelScope() as self._scope:
                 async with trio.open_nursery() as nursery:
-                    for fd, replies in pending:
-                        nursery.start_soon(self._handle_adopted, fd, replies)
+                    for handover in pending:
+                        nursery.start_soon(self._handle_adopted, handover)
                     with trio.CancelScope() as self._accepting:
                         while True:
                             stream = await self._accept(listener)
@@ -256,10 +300,26 @@ class Server:
             self.daemon.descriptor_problem = None
             return stream
 
-    async def pause(self, keep: list[object]) -> dict[object, int]:
-        """Tell every client `reloading` and stop serving; the `keep` connections survive
-        as duplicated descriptors (the caller owns them)."""
-        kept = {conn: os.dup(conn.stream.socket.fileno()) for conn in self._open if conn in keep}
+    async def pause(self, requesters: list[tuple[object, int]]) -> dict[object, Handover]:
+        """Tell every client `reloading` and stop serving. The requesters' connections are
+        kept as duplicated descriptors (the caller owns them), each other request in flight
+        on them answered `reloading` (see `Connection.seal`); refused if they cannot be."""
+        reloads: dict[Connection, set[int]] = {}
+        for conn, rid in requesters:
+            if conn in self._open:
+                assert isinstance(conn, Connection)
+                reloads.setdefault(conn, set()).add(rid)
+        fds = _duplicates(list(reloads))
+        try:
+            return await self._pause(reloads, fds)
+        except BaseException:
+            for fd in fds.values():
+                os.close(fd)
+            raise
+
+    async def _pause(
+        self, reloads: dict[Connection, set[int]], fds: dict[Connection, int]
+    ) -> dict[object, Handover]:
         notice = Error(
             id=0,
             code=ErrorCode.RELOADING,
@@ -267,10 +327,13 @@ class Server:
             retry_after=RELOAD_RETRY,
         )
         self._accepting.cancel()  # from now on, connects wait in the backlog
-        self._keep = set(kept)
+        self._keep = set(reloads)
+        sealed: set[Connection] = set()
         async with trio.open_nursery() as notices:
             for conn in self._open:
-                if conn not in kept:
+                if conn in reloads:
+                    notices.start_soon(self._seal, conn, reloads[conn], sealed)
+                else:
                     notices.start_soon(self._notify_reloading, conn, notice)
         # Clients that read the notice hang up; closing on them first would reset
         # their connections (our unread bytes) before they could read it.
@@ -280,28 +343,48 @@ class Server:
         self._scope.cancel()
         await self._paused.wait()
         self._keep = set()
-        return {conn: fd for conn, fd in kept.items()}
+        for conn in set(fds) - sealed:  # would not stop in time: closed, not kept
+            os.close(fds.pop(conn))
+        return {
+            conn: Handover(fd, unread=conn.unread, delivered=frozenset(conn.delivered))
+            for conn, fd in fds.items()
+        }
+
+    @staticmethod
+    async def _seal(conn: Connection, reloads: set[int], sealed: set[Connection]) -> None:
+        with trio.move_on_after(KEEP_SECONDS):
+            # A client gone meanwhile cannot be kept: its connection closes with the rest.
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                await conn.seal(reloads)
+                sealed.add(conn)
+        if conn not in sealed:
+            log.warning("reload.connection_not_kept", conn=conn.conn_id)
 
     @contextlib.asynccontextmanager
     async def paused(
         self, requesters: list[tuple[object, int]], failure: Callable[[BaseException], Error]
-    ) -> AsyncIterator[dict[object, int]]:
-        """`pause` for the body, which may carry the kept descriptors across an exec;
+    ) -> AsyncIterator[dict[object, Handover]]:
+        """`pause` for the body, which may carry the kept connections across an exec;
         `resume` after it, each kept connection first answered `failure(exc)` for each
         of its requests if the body raised."""
-        kept = await self.pause([conn for conn, _ in requesters])
+        kept = await self.pause(requesters)
         try:
             yield kept
         except BaseException as exc:
             error = failure(exc)
             self.resume(
                 [
-                    (fd, [Error(id=rid, code=error.code, message=error.message) for rid in rids])
-                    for fd, rids in owed_by_connection(requesters, kept)
+                    dataclasses.replace(
+                        held,
+                        owed=[
+                            Error(id=rid, code=error.code, message=error.message) for rid in rids
+                        ],
+                    )
+                    for held, rids in owed_by_connection(requesters, kept)
                 ]
             )
             raise
-        self.resume([(fd, []) for fd in kept.values()])
+        self.resume(list(kept.values()))
 
     @staticmethod
     async def _notify_reloading(conn: Connection, notice: Error) -> None:
@@ -310,18 +393,18 @@ class Server:
             with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                 await conn.send(notice)
 
-    def resume(self, adopted: list[tuple[int, list[Reply]]]) -> None:
+    def resume(self, adopted: list[Handover]) -> None:
         self._resumed = adopted
         self._resume.set()
 
-    async def _handle_adopted(self, fd: int, replies: list[Reply]) -> None:
-        sock = trio.socket.from_stdlib_socket(socket.socket(fileno=fd))
-        os.set_inheritable(fd, False)
+    async def _handle_adopted(self, handover: Handover) -> None:
+        sock = trio.socket.from_stdlib_socket(socket.socket(fileno=handover.fd))
+        os.set_inheritable(handover.fd, False)
         stream = trio.SocketStream(sock)
-        await self.handle(stream, owed=replies)
+        await self.handle(stream, handover)
 
-    async def handle(self, stream: trio.SocketStream, owed: list[Reply] | None = None) -> None:
-        """Serve one connection; ``owed``: an adopted connection (past its hello), owed these."""
+    async def handle(self, stream: trio.SocketStream, adopted: Handover | None = None) -> None:
+        """Serve one connection; ``adopted``: one handed over by a reload (past its hello)."""
         conn = Connection(stream=stream, conn_id=next(_conn_ids))
         structlog.contextvars.bind_contextvars(conn=conn.conn_id)
         self.connections += 1
@@ -330,10 +413,11 @@ class Server:
         # One connection's failure ends that connection, never the server.
         try:
             async with stream:
-                if owed is not None:
-                    for reply in owed:
+                if adopted is not None:
+                    conn.delivered = set(adopted.delivered)
+                    for reply in adopted.owed:
                         await conn.send(reply)
-                    await self._serve_requests(conn, hello_seen=True)
+                    await self._serve_requests(conn, hello_seen=True, unread=adopted.unread)
                 elif await self._admit(conn):
                     await self._serve_requests(conn)
         except* (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -362,46 +446,29 @@ class Server:
             return False
         return True
 
-    async def _serve_requests(self, conn: Connection, hello_seen: bool = False) -> None:
+    async def _serve_requests(
+        self, conn: Connection, hello_seen: bool = False, unread: bytes = b""
+    ) -> None:
         try:
-            await self._serve_frames(conn, hello_seen)
+            await self._serve_frames(conn, hello_seen, unread)
         finally:
+            conn.stopped_reading.set()
             self.budget.release(conn.reserved)
             conn.reserved = 0
 
-    async def _serve_frames(self, conn: Connection, hello_seen: bool) -> None:
+    async def _serve_frames(self, conn: Connection, hello_seen: bool, unread: bytes) -> None:
         decoder = FrameDecoder(self.frame_limit)
+        decoder.feed(unread)  # what the image before this one read of it (a reload's)
         fatal: Error | None = None
         allowed = due = math.inf  # for the budgeted frame arriving, if one is
         async with trio.open_nursery() as requests:
-            while fatal is None:
-                length = decoder.incomplete_length
-                if length is not None and length > BUDGETED_FROM and not conn.reserved:
-                    conn.reserved = await self.budget.reserve(length)
-                    allowed = FRAME_SECONDS + length / FRAME_MIN_RATE
-                    due = trio.current_time() + allowed
-                with trio.move_on_at(due if conn.reserved else math.inf) as stalled:
-                    data = await conn.stream.receive_some(65536)
-                if stalled.cancelled_caught:
-                    requests.cancel_scope.cancel()
-                    fatal = Error(
-                        id=0,
-                        code=ErrorCode.INVALID,
-                        message=f"a frame of {length} bytes did not arrive whole within "
-                        f"{allowed:.0f} s; send each frame at once",
-                    )
-                    break
-                if not data:
-                    requests.cancel_scope.cancel()
-                    return
-                decoder.feed(data)
+            while True:
                 # Frame by frame: what came before a bad frame is answered first.
-                while True:
+                while not conn.kept:
                     try:
                         body = decoder.next_frame()
                     except FrameTooLarge as exc:
                         # The stream cannot be resynchronised: this connection ends here.
-                        requests.cancel_scope.cancel()
                         fatal = Error(id=0, code=ErrorCode.TOO_LARGE, message=str(exc))
                         break
                     if body is None:
@@ -427,8 +494,38 @@ class Server:
                         cancel_scope, done = trio.CancelScope(), trio.Event()
                         conn.streams[message.id] = (cancel_scope, done)
                         requests.start_soon(self._answer, conn, message, cancel_scope, done)
-        if fatal is not None:
-            await conn.refuse(fatal)
+                if fatal is not None:
+                    requests.cancel_scope.cancel()
+                    break
+                if conn.kept:
+                    # A reload keeps this connection: the rest is for the image after it.
+                    conn.unread = decoder.unread()
+                    conn.stopped_reading.set()
+                    await trio.sleep_forever()  # until the reload ends this connection here
+                length = decoder.incomplete_length
+                with trio.CancelScope() as conn.receiving:
+                    if length is not None and length > BUDGETED_FROM and not conn.reserved:
+                        conn.reserved = await self.budget.reserve(length)
+                        allowed = FRAME_SECONDS + length / FRAME_MIN_RATE
+                        due = trio.current_time() + allowed
+                    with trio.move_on_at(due if conn.reserved else math.inf) as stalled:
+                        data = await conn.stream.receive_some(65536)
+                if conn.receiving.cancelled_caught:
+                    continue  # kept by a reload: see above
+                if stalled.cancelled_caught:
+                    requests.cancel_scope.cancel()
+                    fatal = Error(
+                        id=0,
+                        code=ErrorCode.INVALID,
+                        message=f"a frame of {length} bytes did not arrive whole within "
+                        f"{allowed:.0f} s; send each frame at once",
+                    )
+                    break
+                if not data:
+                    requests.cancel_scope.cancel()
+                    return
+                decoder.feed(data)
+        await conn.refuse(fatal)
 
     @staticmethod
     def _admission(conn: Connection, message: ClientMessage) -> Error | None:
@@ -501,12 +598,16 @@ class Server:
         cancel_scope: trio.CancelScope,
         done: trio.Event,
     ) -> None:
+        reply: Reply | None = None
         try:
             with cancel_scope:
                 reply = await self._reply(conn, request)
                 if reply is not None:
                     await conn.send(reply)
+                    reply = None
         finally:
+            if reply is not None and conn.kept:  # cut off by a reload's seal, which sends it
+                conn.unsent[request.id] = reply
             del conn.streams[request.id]
             done.set()
 
@@ -635,6 +736,22 @@ class Server:
                 registry.clear_fence()
                 return Done(id=rid)
         raise Invalid(f"unknown request {type(request).__name__}")
+
+
+def _duplicates(conns: list[Connection]) -> dict[Connection, int]:
+    """A duplicate of each connection's descriptor, to outlive its stream (all or none)."""
+    fds: dict[Connection, int] = {}
+    try:
+        for conn in conns:
+            fds[conn] = os.dup(conn.stream.socket.fileno())
+    except OSError as exc:
+        for fd in fds.values():
+            os.close(fd)
+        raise Refused(
+            f"cannot keep the connection that asked across the reload ({exc.strerror}); "
+            "the old image serves on"
+        ) from exc
+    return fds
 
 
 def _wake_sender(conn: Connection, rid: int) -> Callable[[list[Wake], bool], Awaitable[None]]:

@@ -44,6 +44,11 @@ class FrameDecoder:
         """Bytes received but not yet returned as a frame (a torn frame at EOF, if nonzero)."""
         return len(self._buffer) - self._pos
 
+    def unread(self) -> bytes:
+        """The bytes received but not yet returned as a frame: for another decoder (the next
+        image's, across a reload) to be fed first."""
+        return bytes(self._buffer[self._pos :])
+
     @property
     def incomplete_length(self) -> int | None:
         """The body length of the frame being received, once its header is in and until

@@ -624,9 +624,37 @@ def test_a_handshake_answers_the_welcome_and_keeps_what_followed() -> None:
         _core.Handshake(None).receive_data(b"")
 
 
-def test_only_a_spawn_or_resume_refused_as_reloading_is_sent_again() -> None:
+def test_a_request_answered_reloading_under_its_own_id_is_sent_again() -> None:
     reloading = Error(id=2, code="reloading", message="reloading", retry_after=0.3)
     assert _core.retry_delay(Spawn(id=2), reloading) == 0.3
     assert _core.retry_delay(Resume(id=2, worker="w-1"), reloading) == 0.3
-    assert _core.retry_delay(Stop(id=2, worker="w-1"), reloading) is None
+    # Cut short on the connection that asked for a reload: safe to ask again.
+    assert _core.retry_delay(Stop(id=2, worker="w-1"), reloading) == 0.3
     assert _core.retry_delay(Spawn(id=2), Error(id=2, code="busy", message="busy")) is None
+    notice = Error(id=0, code="reloading", message="reloading; reconnect")
+    assert _core.retry_delay(Spawn(id=2), notice) is None
+
+
+def test_a_wait_or_stream_answered_reloading_is_sent_again_under_its_id() -> None:
+    conn = _core.Connection()
+    wait_id, _ = conn.send(Wait(id=0, worker="w-1"))
+    since = [0]
+    watch_id, _ = conn.send(
+        Watch(id=0, worker="w-1", follow=True),
+        again=lambda: Watch(id=0, worker="w-1", since=since[0], follow=True),
+    )
+    conn.receive_data(encode(Page(id=watch_id, entries=[], next=3, complete=False)))
+    since[0] = 5  # the caller took pages up to 5; the one still in the inbox comes again
+    told = [
+        Error(id=rid, code="reloading", message="send it again", retry_after=0.2)
+        for rid in (wait_id, watch_id)
+    ]
+    conn.receive_data(b"".join(encode(e) for e in told))
+    assert conn.next_reply(wait_id) is None
+    assert conn.next_reply(watch_id) is None
+    again = [client_decoder.decode(f[HEADER.size :]) for f in conn.outgoing()]
+    assert again == [
+        Wait(id=wait_id, worker="w-1"),
+        Watch(id=watch_id, worker="w-1", since=5, follow=True),
+    ]
+    assert conn.outgoing() == []

@@ -1,11 +1,14 @@
 """Edges of reload and of runs, driven the way a user drives them: an unexpected
 failure early in a reload, reloads pipelined on one connection and asked too
-soon, and a run nested in a lone spawn's implicit run.
+soon, requests in flight and frames half read on the connection that asks, a
+failing worker's grace, and a run nested in a lone spawn's implicit run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Callable
 
 import trio
 
@@ -13,7 +16,7 @@ from subagentd import protocol as p
 from subagentd.client import AsyncClient
 
 from .conftest import DaemonProcess
-from .helpers import RawConnection, sh, wait_output
+from .helpers import RawConnection, alive, sh, wait_output
 
 # Numbered lines, slowly enough that reloads land in the middle of them.
 COUNT_LINES = "i=0; while [ $i -lt {n} ]; do i=$((i+1)); echo line $i; sleep 0.02; done"
@@ -132,3 +135,121 @@ async def test_two_reloads_pipelined_on_one_connection_are_both_answered_and_it_
             info = await conn.receive()
             assert isinstance(info, p.InfoReply), info
             assert info.info.image_generation == 2
+
+
+async def _until(condition: Callable[[], object]) -> None:
+    """Poll for a condition no event announces (a file a worker writes, a log line)."""
+    while not condition():  # noqa: ASYNC110  nothing to wait on but the condition
+        await trio.sleep(0.02)
+
+
+async def test_a_wait_in_flight_on_the_reloading_connection_is_answered(
+    daemon: DaemonProcess,
+) -> None:
+    """A wait, a followed watch and a followed subscription in flight on the connection
+    that asks for a reload are each answered: the daemon says `reloading` under their own
+    ids and the client sends them again on the same connection, which the reload keeps."""
+    gate = daemon.root / "gate"
+    with trio.fail_after(30):
+        async with AsyncClient(daemon.socket) as client:
+            run = await client.new_run()
+            worker = await client.spawn(
+                sh(f"echo before; while [ ! -e {gate} ]; do sleep 0.02; done; echo after"),
+                run=run,
+            )
+            await wait_output(client, worker.id, b"before\n")
+            ended: list[p.WorkerView] = []
+            watched: list[bytes] = []
+            woken: list[str] = []
+
+            async def wait() -> None:
+                ended.append(await client.wait(worker.id))
+
+            async def watch() -> None:
+                async for entry in client.watch(worker.id, follow=True):
+                    if entry.kind == "stdout":
+                        watched.append(entry.data)  # noqa: PERF401  seen as they come
+
+            async def subscribe() -> None:
+                async with contextlib.aclosing(client.events(run=run, follow=True)) as wakes:
+                    async for wake in wakes:
+                        woken.append(wake.id)
+                        return
+
+            async with trio.open_nursery() as nursery:
+                for task in (wait, watch, subscribe):
+                    nursery.start_soon(task)
+                await _until(lambda: watched)  # all three are in flight by now
+                reloaded = await client.reload()
+                assert reloaded.image_generation == 2
+                gate.touch()
+            assert [view.state for view in ended] == ["finished"]
+            assert b"".join(watched) == b"before\nafter\n"
+            assert woken == [worker.id]
+
+        # On the wire: the wait is answered `reloading` under its id, sent again, answered.
+        gate.unlink()
+        async with AsyncClient(daemon.socket) as client:
+            waiting = await client.spawn(sh(f"while [ ! -e {gate} ]; do sleep 0.02; done"))
+        await trio.sleep(1.0)  # the rate limit: a reload less than 1 s after the last is busy
+        conn = await RawConnection.open(daemon.socket)
+        async with conn.stream:
+            await conn.send(p.Wait(id=2, worker=waiting.id))
+            await conn.send(p.Reload(id=3))
+            told = await conn.receive()
+            assert isinstance(told, p.Error), told
+            assert (told.id, told.code, told.retry_after is not None) == (2, "reloading", True)
+            await conn.send(p.Wait(id=2, worker=waiting.id))
+            reloaded_reply = await conn.receive()
+            assert isinstance(reloaded_reply, p.ReloadReply), reloaded_reply
+            gate.touch()
+            answer = await conn.receive()
+            assert isinstance(answer, p.WorkerReply), answer
+            assert (answer.id, answer.worker.state) == (2, "finished")
+
+
+async def test_a_frame_half_read_when_the_reload_execs_is_not_lost(
+    daemon: DaemonProcess,
+) -> None:
+    """Bytes the old image read from the carried connection but had not yet taken as a
+    request are carried across the exec: the new image reads the rest of the frame."""
+    with trio.fail_after(30):
+        conn = await RawConnection.open(daemon.socket)
+        async with conn.stream:
+            info = p.encode(p.Info(id=3))
+            await conn.stream.send_all(p.encode(p.Reload(id=2)) + info[:3])
+            reloaded = await conn.receive()
+            assert isinstance(reloaded, p.ReloadReply), reloaded
+            await conn.stream.send_all(info[3:])
+            answer = await conn.receive()
+            assert isinstance(answer, p.InfoReply), answer
+            assert answer.info.image_generation == 2
+
+
+async def test_a_failing_workers_grace_does_not_stall_a_reload_for_everyone(
+    daemon_dirs: DaemonProcess,
+) -> None:
+    """A worker whose supervision failed is ended at once, not given its grace while a
+    reload, which waits for that ending, keeps every client waiting."""
+    daemon_dirs.start(env={"SUBAGENTD_FAULT": "pump:faulty"})
+    with trio.fail_after(60):
+        async with AsyncClient(daemon_dirs.socket) as client:
+            faulty = await client.spawn(
+                sh("trap '' TERM; echo hello; while :; do sleep 0.05; done"),
+                name="faulty",
+                grace=60,
+            )
+        await _until(lambda: "worker.supervision_failed" in daemon_dirs.log())
+        served = False
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reload_on_own_connection, daemon_dirs)
+            await _until(lambda: "reload.checked" in daemon_dirs.log())
+            with trio.move_on_after(8):
+                async with AsyncClient(daemon_dirs.socket) as client:
+                    assert (await client.info()).pid > 0
+                    assert (await client.wait(faulty.id)).state == "failed"
+                served = True
+            nursery.cancel_scope.cancel()
+        assert served, f"nobody was served for 8 s while {faulty.id} had its grace"
+        assert faulty.pid is not None
+        assert not alive(faulty.pid)
