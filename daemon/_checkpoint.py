@@ -70,9 +70,6 @@ class Checkpoint(msgspec.Struct, kw_only=True):
     requesters: list[CarriedConnection] = []
     #: Workers the old image had to stop rather than carry.
     stopped_by_reload: list[str] = []
-    #: time.monotonic() when the old image handed over: the reload rate limit's clock
-    #: (CLOCK_MONOTONIC is the system's, so it reads the same in the new image).
-    reloaded_at: float | None = None
 
 
 class _Version(msgspec.Struct):

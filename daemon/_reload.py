@@ -248,7 +248,6 @@ class Reloader:
                 for conn, rids in owed_by_connection(attempt.requesters, kept)
             ],
             stopped_by_reload=attempt.stopped_by_reload,
-            reloaded_at=time.monotonic(),
         )
         write_checkpoint(self.checkpoint_path, checkpoint)
         carried = [self.listen_fd, state_dir.lock_fd, *(conn.fd for conn in kept.values())]

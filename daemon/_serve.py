@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -145,7 +146,9 @@ async def serve(settings: Settings) -> None:
         listen_owned=control.owned,
         daemon_args=settings.daemon_args(),
         no_carry=frozenset(filter(None, os.environ.get(NO_CARRY_ENV, "").split(","))),
-        last_reload=_reloaded_at(handoff),
+        # A reload ends when the new image serves: its rate limit counts from here, not
+        # from the exec (a busy machine may take longer than the limit to start us).
+        last_reload=time.monotonic() if handoff is not None else -math.inf,
     )
     server.reloader = reloader
     listener = trio.SocketListener(trio.socket.from_stdlib_socket(control.sock))
@@ -206,13 +209,6 @@ def _tree_tracking(settings: Settings) -> tuple[Cgroups | None, str]:
         log.warning("daemon.no_cgroups", reason=str(exc), then="finding trees by scanning /proc")
         return None, f"/proc scan ({exc})"
     return cgroups, f"cgroup {cgroups.base}"
-
-
-def _reloaded_at(handoff: Checkpoint | None) -> float:
-    """When the reload that started this image ended (its rate limit runs on across the exec)."""
-    if handoff is None or handoff.reloaded_at is None:
-        return -math.inf
-    return handoff.reloaded_at
 
 
 def _read_handoff(path: Path) -> Checkpoint | None:
