@@ -147,7 +147,7 @@ class Archive:
 
     def replace(self, name: str, data: bytes, *, what: str) -> None:
         with self.opened() as dir_fd:
-            replace_in(dir_fd, name, data, what=what)
+            _replace_planted(dir_fd, name, data, what=what)
 
     def write_snapshot(self, snapshot: Snapshot) -> None:
         # Written once, never replaced: into the empty file made ahead, or created exclusively.
@@ -178,7 +178,7 @@ class Archive:
         with self.opened() as dir_fd:
             if len(data) <= RECORD_IN_PLACE_BYTES and self._rewrite(dir_fd, data):
                 return
-            replace_in(dir_fd, self.RECORD, data, what="of a worker record")
+            _replace_planted(dir_fd, self.RECORD, data, what="of a worker record")
 
     def _rewrite(self, dir_fd: int, data: bytes) -> bool:
         """Overwrite the record in place if it is the daemon's own one-page file."""
@@ -247,7 +247,10 @@ class Archive:
     def forget_stdout_tail(self) -> None:
         """A new attempt begins: the last one's tail no longer ends its stdout."""
         with contextlib.suppress(FileNotFoundError), self.opened() as dir_fd:
-            os.unlink(self.STDOUT_TAIL, dir_fd=dir_fd)
+            try:
+                os.unlink(self.STDOUT_TAIL, dir_fd=dir_fd)
+            except IsADirectoryError:
+                move_aside(dir_fd, self.STDOUT_TAIL)
 
 
 class SpareArchives:
@@ -311,6 +314,27 @@ class SpareArchives:
                 self.ready.append(path)
             else:
                 shutil.rmtree(path, ignore_errors=True)
+
+
+def _replace_planted(dir_fd: int, name: str, data: bytes, *, what: str) -> None:
+    """`replace_in`, even over a directory a worker made at `name` (a rename cannot
+    replace one): that is moved aside first, and the file written."""
+    try:
+        replace_in(dir_fd, name, data, what=what)
+    except IsADirectoryError:
+        move_aside(dir_fd, name)
+        replace_in(dir_fd, name, data, what=what)
+
+
+def move_aside(dir_fd: int, name: str) -> None:
+    """Rename what is at `name` to an unused `.name.*.planted` in the same directory.
+
+    For something a worker put where the daemon writes: a rename moves a
+    symlink itself, never what it leads to, and nothing leaves the archive
+    (deleted with it when it is pruned); nothing is read or walked.
+    """
+    aside = f".{name}.{secrets.token_hex(8)}.planted"
+    os.rename(name, aside, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
 
 
 def is_spare(path: Path) -> bool:

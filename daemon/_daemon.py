@@ -192,6 +192,8 @@ class Daemon:
         self.disk_problem: str | None = None
         #: What ran out of file descriptors, until a descriptor is had again (reported by `info`).
         self.descriptor_problem: str | None = None
+        #: What crash recovery could not do for some worker (reported by `info`).
+        self.recovery_problems: list[str] = []
         self.journals: collections.OrderedDict[str, Journal] = collections.OrderedDict()
         self.runs_dir = state_dir.root / "runs"
         self._saved_runs: set[str] = set()
@@ -1165,7 +1167,8 @@ class Daemon:
             socket=str(self.socket_path),
             state_dir=str(self.state_dir.root),
             problems=[p for p in (self.disk_problem, self.descriptor_problem) if p]
-            + self.wake_log.problems,
+            + self.wake_log.problems
+            + self.recovery_problems,
         )
 
 
