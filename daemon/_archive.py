@@ -46,6 +46,8 @@ RECORD_IN_PLACE_BYTES = 4096
 RECORD_READ_LIMIT = 64 * 1024 * 1024
 #: What collect says of a result file that is a symlink, FIFO or directory.
 RESULT_REFUSED = "[result file is not a regular file: ignored; the end of stdout follows]\n"
+#: What it says of one that could not be read ({} says why).
+RESULT_UNREADABLE = "[result file could not be read ({}); the end of stdout follows]\n"
 
 
 def prune_archives(archives: Path, cutoff: float, keep: set[str]) -> int:
@@ -212,8 +214,9 @@ class Archive:
     def result_text(self, stdout_tail: Callable[[], bytes]) -> str:
         """The worker's result file if it wrote one, else the tail of its stdout.
 
-        A result that is no regular file (a symlink, a FIFO) is not read: the
-        text says so, and the tail of stdout follows.
+        A result that is no regular file (a symlink, a FIFO) is not read, nor one
+        that cannot be (a lease held on it, no descriptor left): the text says
+        so, and the tail of stdout follows.
         """
         note = ""
         try:
@@ -222,6 +225,8 @@ class Archive:
             note, raw = RESULT_REFUSED, stdout_tail()
         except FileNotFoundError:
             raw = stdout_tail()
+        except OSError as exc:
+            note, raw = RESULT_UNREADABLE.format(exc.strerror or exc), stdout_tail()
         text = note + raw[:RESULT_LIMIT].decode("utf-8", errors="replace")
         if len(raw) > RESULT_LIMIT:
             text += f"\n[result cut at {RESULT_LIMIT} bytes; the file holds the rest]"
@@ -235,8 +240,8 @@ class Archive:
         """
         try:
             return self.read(self.STDOUT_TAIL, STDOUT_TAIL_BYTES, tail=True)
-        except (FileNotFoundError, NotRegularFile):
-            pass  # not written, or something a worker put there: the journal answers
+        except OSError:
+            pass  # not written, something a worker put there, or unreadable: the journal answers
         if journal is None:
             try:
                 journal = Journal.open(self.file(self.JOURNAL), writable=False)

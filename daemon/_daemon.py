@@ -676,9 +676,12 @@ class Daemon:
                 archive.write_stdout_tail(stdout_tail)
             except OSError as exc:
                 self._disk_trouble(f"archive of {record.id}", exc)
-        self.post_wake(record, archive, stdout_tail)
-        if failure is not None:
-            self._restate_wake(record)
+        try:
+            self.post_wake(record, archive, stdout_tail)
+            if failure is not None:
+                self._restate_wake(record)
+        except Exception:  # never seen; but whatever it was, the record below is written
+            log.exception("wake.not_posted", worker=record.id)
         try:
             if failure is None:
                 self.fault("record", record.name)
@@ -739,7 +742,7 @@ class Daemon:
 
         try:
             preview = archive.result_text(tail)[:WAKE_PREVIEW_CHARS]
-        except OSError as exc:  # out of descriptors, say: the wake matters, its preview less
+        except Exception as exc:  # result_text reads around OSError; the wake matters more
             log.warning("wake.no_preview", worker=record.id, error=str(exc))
             preview = ""
         wake = self.wakes.post(

@@ -8,6 +8,8 @@ has a real worker do the planting, the way a hostile or broken one would.
 
 from __future__ import annotations
 
+import resource
+import sys
 from collections.abc import Callable
 
 import trio
@@ -17,6 +19,8 @@ from subagentd.client import AsyncClient
 
 from .conftest import DaemonProcess
 from .helpers import RawConnection, sh, wait_output
+
+PY = sys.executable
 
 
 async def _wakes(daemon: DaemonProcess, run: str) -> list[p.Wake]:
@@ -57,3 +61,75 @@ async def test_a_planted_directory_does_not_keep_the_daemon_from_starting_after_
             assert (await client.collect(planter.id)).result == "planted\n"
         woken = sorted((w.id, w.state) for w in await _wakes(daemon, run))
         assert woken == sorted([(planter.id, "interrupted"), (other.id, "interrupted")])
+
+
+_LEASER = """
+import fcntl, os, signal, sys, time
+path, marker = sys.argv[1], sys.argv[2]
+signal.signal(signal.SIGIO, signal.SIG_IGN)  # keep the lease when the daemon's open breaks it
+fd = os.open(path, os.O_RDWR)
+fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+open(marker, "w").close()
+time.sleep(600)
+"""
+
+
+async def test_a_lease_on_a_result_file_loses_the_workers_wake(daemon: DaemonProcess) -> None:
+    """Another worker (same user) holds a file lease on B's result, so the daemon's
+    O_NONBLOCK open of it fails EWOULDBLOCK: B still ends `finished` with its wake,
+    whose preview and collect say the result could not be read and give stdout's end."""
+    gate, where, leased = daemon.root / "gate", daemon.root / "where", daemon.root / "leased"
+    with trio.fail_after(30):
+        async with AsyncClient(daemon.socket) as client:
+            run = await client.new_run()
+            b = await client.spawn(
+                sh(
+                    f'echo my result > "$SUBAGENTD_RESULT"; echo "$SUBAGENTD_RESULT" > {where}; '
+                    f"while [ ! -e {gate} ]; do sleep 0.02; done; echo my stdout"
+                ),
+                run=run,
+            )
+            await _until(lambda: where.exists() and where.read_text().strip(), "result path")
+            result_path = where.read_text().strip()
+            leaser = await client.spawn([PY, "-c", _LEASER, result_path, str(leased)])
+            await _until(leased.exists, "lease taken")
+            gate.touch()
+            ended = await client.wait(b.id)
+            collected = await client.collect(b.id)
+            await client.stop(leaser.id)
+            (wake,) = await _wakes(daemon, run)
+    unreadable = "[result file could not be read ("
+    assert (wake.id, wake.state, ended.state, ended.exit_code) == (b.id, "finished", "finished", 0)
+    assert wake.preview.startswith(unreadable), wake.preview
+    assert wake.preview.endswith("my stdout\n"), wake.preview
+    assert collected.result.startswith(unreadable), collected.result
+    assert collected.result.endswith("my stdout\n"), collected.result
+
+
+async def test_descriptor_exhaustion_as_a_worker_ends_loses_its_wake(
+    daemon: DaemonProcess,
+) -> None:
+    """EMFILE while a worker ends (issue 11: exhaustion is a state, not a loss): the
+    result cannot be opened, yet the worker's wake is posted, its preview saying why
+    and giving the end of stdout."""
+    assert daemon.proc is not None
+    pid = daemon.proc.pid
+    gate = daemon.root / "gate"
+    with trio.fail_after(30):
+        async with AsyncClient(daemon.socket) as client:
+            run = await client.new_run()
+            worker = await client.spawn(
+                sh(f"while [ ! -e {gate} ]; do sleep 0.02; done; echo done"), run=run
+            )
+            soft, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+            resource.prlimit(pid, resource.RLIMIT_NOFILE, (3, hard))
+            try:
+                gate.touch()
+                ended = await client.wait(worker.id)  # on a connection opened before
+            finally:
+                resource.prlimit(pid, resource.RLIMIT_NOFILE, (soft, hard))
+        (wake,) = await _wakes(daemon, run)
+    # Its state may be `failed`: with no descriptor, its tree could not be seen to end.
+    assert (wake.id, wake.state) == (worker.id, ended.state), daemon.log()[-4000:]
+    assert wake.preview.startswith("[result file could not be read ("), wake.preview
+    assert wake.preview.endswith("done\n"), wake.preview
