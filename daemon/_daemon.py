@@ -85,7 +85,8 @@ MAX_PAGE_ENTRIES = 10_000
 #: Fault injection for the tests of the fault boundaries, read once at start:
 #: SUBAGENTD_FAULT="point:target,...". `ending:N`, `pump:N` and `record:N` raise in the
 #: supervision of a worker named N (as its ending begins, once a chunk of its output is
-#: journaled, as its ending's record is written), `expire:N` as its handle expires;
+#: journaled, as its ending's record is written), `expire:N` as its handle expires,
+#: `resume:N` as a resume of it has reopened its record;
 #: `reload:early` raises as the first reload begins.
 FAULT_ENV = "SUBAGENTD_FAULT"
 #: Variables of the daemon's own environment that no worker inherits: they
@@ -462,7 +463,10 @@ class Daemon:
         return record.view()
 
     def _end_unstarted(self, live: LiveWorker, why: str) -> None:
-        live.journal.append("note", why.encode(), self.clock())
+        try:
+            live.journal.append("note", why.encode(), self.clock())
+        except OSError as exc:
+            self._disk_trouble(f"journal of {live.record.id}", exc)
         del self.live[live.record.id]
         self._finish(live.record, live.journal, None, b"")
         live.ended.set()

@@ -8,14 +8,18 @@ has a real worker do the planting, the way a hostile or broken one would.
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
+import pytest
 import trio
 
 from subagentd import protocol as p
 from subagentd.client import AsyncClient
+from subagentd.protocol.errors import Internal
 
 from .conftest import DaemonProcess
 from .helpers import RawConnection, sh, wait_output
@@ -133,3 +137,48 @@ async def test_descriptor_exhaustion_as_a_worker_ends_loses_its_wake(
     assert (wake.id, wake.state) == (worker.id, ended.state), daemon.log()[-4000:]
     assert wake.preview.startswith("[result file could not be read ("), wake.preview
     assert wake.preview.endswith("done\n"), wake.preview
+
+
+async def test_a_resume_that_meets_a_planted_stdout_tail_directory_leaves_nothing_starting(
+    daemon: DaemonProcess,
+) -> None:
+    """A directory the worker made at stdout.tail (whose unlink fails EISDIR) is moved
+    aside before the record is reopened: the resume starts the next attempt, which ends
+    like any other, and nothing is left `starting`."""
+    with trio.fail_after(30):
+        async with AsyncClient(daemon.socket) as client:
+            worker = await client.spawn(sh('mkdir "$SUBAGENTD_ARCHIVE/stdout.tail"; exit 3'))
+            assert (await client.wait(worker.id)).state == "failed"
+            resumed = await client.resume(worker.id)
+            ended = await client.wait(worker.id)
+            assert (resumed.attempt, ended.attempt, ended.state) == (2, 2, "failed")
+            await client.stop(worker.id)
+
+
+def _open_on(pid: int, path: Path) -> int:
+    """How many of process `pid`'s descriptors are open on `path`."""
+    fds = Path(f"/proc/{pid}/fd")
+    return sum(1 for fd in fds.iterdir() if os.path.realpath(fd) == str(path))
+
+
+async def test_a_resume_that_fails_after_reopening_ends_the_attempt_and_closes_its_journal(
+    daemon_dirs: DaemonProcess,
+) -> None:
+    """Whatever fails once the record is reopened (here an injected fault: a stand-in
+    for any unexpected exception) ends that attempt as a spawn failure does: the
+    worker is `failed` at attempt 2, not `starting` for good, its journal closed,
+    and a wait or a stop of it answers at once."""
+    daemon_dirs.start(env={"SUBAGENTD_FAULT": "resume:flaky"})
+    assert daemon_dirs.proc is not None
+    with trio.fail_after(30):
+        async with AsyncClient(daemon_dirs.socket) as client:
+            worker = await client.spawn(sh("exit 3"), name="flaky")
+            assert (await client.wait(worker.id)).state == "failed"
+            with pytest.raises(Internal):
+                await client.resume(worker.id)
+            ended = await client.wait(worker.id)
+            assert (ended.state, ended.attempt) == ("failed", 2)
+            await client.stop(worker.id)
+            assert (await client.info()).pid == daemon_dirs.proc.pid
+    journal = Path(ended.archive) / "journal"
+    assert _open_on(daemon_dirs.proc.pid, journal) == 0
