@@ -60,7 +60,7 @@ from ._registry import (
 )
 from ._resume import git_branch
 from ._statedir import StateDir, save_run
-from ._tree import Graces, ProcessTable, end_tree
+from ._tree import Graces, ProcessTable, end_marked, end_tree
 from ._wakes import WakeKey, WakeLog
 
 log = structlog.get_logger("subagentd")
@@ -619,7 +619,8 @@ class Daemon:
     ) -> int:
         """End what is left of a worker no supervise task watches (a dead daemon's, say).
 
-        Through its cgroup if it has one, else by scanning for its leader's tree.
+        Through its cgroup if it has one, else by scanning for its leader's tree, or
+        with no leader known, for the processes that inherited its worker id.
         """
         group = self.cgroups.worker(worker_id) if self.cgroups else None
         if group is not None and group.exists():
@@ -627,7 +628,7 @@ class Daemon:
             self._remove_group(group)
             return killed
         if pid is None or pid_start is None:
-            return 0
+            return await end_marked(self.processes, worker_id, grace)
         return await end_tree(self.processes, pid, worker_id, pid_start, grace)
 
     async def sweep_cgroups(self) -> None:

@@ -9,20 +9,28 @@ the wake log, and an interrupted worker posts its own.
 Each interrupted worker is recovered in its own fault boundary: its archive is
 in its reach, and whatever was planted there (a directory where a file is
 written, say) is logged and reported by `info`, never the end of recovery and
-so of every later start.
+so of every later start. A record that no longer reads (the worker may have
+replaced it) is rebuilt from the snapshot and the journal's last state: such a
+worker cannot escape recovery, and its leftovers are found by the worker id
+they inherited, there being no pid to go by (`_rebuild` says what is lost).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import structlog
+
+from subagentd.protocol import TERMINAL_STATES, WorkerState
+from subagentd.protocol.errors import Refused
 
 from ._archive import STDOUT_TAIL_BYTES, Archive, is_spare
 from ._daemon import Daemon
 from ._journal import Journal, JournalCorrupt
 from ._process import reap
-from ._registry import WorkerRecord
+from ._registry import WorkerRecord, new_token
+from ._resume import read_snapshot
 from ._statedir import load_runs
 
 log = structlog.get_logger("subagentd")
@@ -37,9 +45,8 @@ async def recover(daemon: Daemon) -> list[str]:
         if is_spare(path):
             continue
         archive = Archive(path)
-        record = archive.load_record()
+        record = archive.load_record() or await _rebuild(daemon, archive)
         if record is None:
-            log.warning("recovery.unreadable_archive", archive=str(path))
             continue
         if not record.ended:
             await _interrupt_alone(daemon, record, archive)
@@ -56,6 +63,74 @@ async def recover(daemon: Daemon) -> list[str]:
     )
     log.info("recovery.done", retained=len(records), interrupted=interrupted)
     return interrupted
+
+
+async def _rebuild(daemon: Daemon, archive: Archive) -> WorkerRecord | None:
+    """A record for an archive whose record.json does not read, from what does.
+
+    The snapshot gives what the worker ran and where it belongs; the journal's
+    last state entry whether it had ended. Lost with the record: its pid (its
+    tree is found by the worker id its processes inherited, so one that exec'd
+    with a new environment escapes), its token, and its attempt (taken as 1).
+    Without a snapshot nothing is listed, but what still runs is ended.
+    """
+    worker_id = archive.path.name
+    try:
+        snapshot = read_snapshot(archive, worker_id)
+    except (Refused, OSError) as exc:
+        log.warning("recovery.unreadable_archive", archive=str(archive.path), error=str(exc))
+        if worker_id.startswith("w-"):
+            killed = await daemon.end_leftover_tree(worker_id, None, None, 0)
+            if killed:
+                log.warning("recovery.killed_orphans", worker=worker_id, processes=killed)
+        return None
+    record = WorkerRecord(
+        id=worker_id,
+        run=snapshot.run,
+        parent=snapshot.parent,
+        name=snapshot.name,
+        state="running",
+        argv=snapshot.argv,
+        cwd=snapshot.cwd,
+        agent=snapshot.agent,
+        grace=snapshot.grace,
+        timeout=snapshot.timeout,
+        token=new_token(),
+        archive=str(archive.path),
+        started_at=snapshot.created_at,
+    )
+    why = "its record did not read: rebuilt from its snapshot and journal by recovery"
+    try:
+        journal = Journal.open(archive.file(Archive.JOURNAL), writable=True)
+    except (OSError, JournalCorrupt) as exc:
+        log.error("recovery.journal_unusable", worker=worker_id, error=str(exc))
+    else:
+        try:
+            _last_state(journal, record)
+            journal.append("note", why.encode(), daemon.clock())
+        except OSError as exc:
+            log.error("recovery.journal_unwritable", worker=worker_id, error=str(exc))
+        finally:
+            journal.close()
+    log.warning("recovery.record_rebuilt", worker=worker_id, state=record.state)
+    daemon.recovery_problems.append(f"worker {worker_id}: {why}")
+    if record.ended:
+        _alone(daemon, record, "record", lambda: archive.write_record(record))
+    return record
+
+
+def _last_state(journal: Journal, record: WorkerRecord) -> None:
+    """Take an ending from the journal's last state entry, if it names one."""
+    recent = journal.read(max(0, journal.last_seq - 64), 64)
+    states = [e for e in recent if e.kind == "state"]
+    if not states:
+        return
+    words = states[-1].data.decode(errors="replace").split()
+    if words and words[0] in TERMINAL_STATES:
+        record.state = cast(WorkerState, words[0])
+        record.ended_at = states[-1].at
+        code = words[1].removeprefix("exit_code=") if len(words) > 1 else ""
+        record.exit_code = int(code) if code.lstrip("-").isdigit() else None
 
 
 async def _interrupt_alone(daemon: Daemon, record: WorkerRecord, archive: Archive) -> None:

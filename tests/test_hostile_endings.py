@@ -22,7 +22,7 @@ from subagentd.client import AsyncClient
 from subagentd.protocol.errors import Internal
 
 from .conftest import DaemonProcess
-from .helpers import RawConnection, sh, wait_output
+from .helpers import RawConnection, alive, sh, wait_output
 
 PY = sys.executable
 
@@ -182,3 +182,56 @@ async def test_a_resume_that_fails_after_reopening_ends_the_attempt_and_closes_i
             assert (await client.info()).pid == daemon_dirs.proc.pid
     journal = Path(ended.archive) / "journal"
     assert _open_on(daemon_dirs.proc.pid, journal) == 0
+
+
+#: What a worker puts in place of its record.json once the daemon has written it.
+_RECORD_REPLACEMENTS = {
+    "fifo": 'mkfifo "$SUBAGENTD_ARCHIVE/record.json"',
+    "directory": 'mkdir "$SUBAGENTD_ARCHIVE/record.json"',
+    "symlink": 'ln -s /nonexistent "$SUBAGENTD_ARCHIVE/record.json"',
+}
+
+
+@pytest.mark.parametrize("replacement", sorted(_RECORD_REPLACEMENTS))
+async def test_a_worker_that_replaces_its_record_is_still_ended_by_recovery(
+    daemon_dirs: DaemonProcess, replacement: str
+) -> None:
+    """Recovery found interrupted workers only through record.json, which is in the
+    worker's reach: one replaced by a FIFO, directory or symlink was skipped, and the
+    worker's tree ran on unsupervised after a daemon crash. With trees found by /proc
+    scans (no cgroups) there is no pid to go by either: its record is rebuilt from
+    its snapshot, it is `interrupted`, and its processes are found by the worker id
+    they inherited (a setsid'd stray too)."""
+    daemon = daemon_dirs
+    daemon.extra_args = ["--cgroups", "off"]
+    daemon.start()
+    stray_pid = daemon.root / "stray"
+    with trio.fail_after(60):
+        async with AsyncClient(daemon.socket) as client:
+            worker = await client.spawn(
+                sh(
+                    'until grep -q running "$SUBAGENTD_ARCHIVE/record.json"; do sleep 0.01; done; '
+                    f'setsid sh -c "echo \\$\\$ > {stray_pid}; exec sleep 600" & '
+                    'rm "$SUBAGENTD_ARCHIVE/record.json"; '
+                    f"{_RECORD_REPLACEMENTS[replacement]}; "
+                    f"until [ -s {stray_pid} ]; do sleep 0.01; done; echo planted; sleep 600"
+                )
+            )
+            await wait_output(client, worker.id, b"planted\n")
+        assert worker.pid is not None
+        stray = int(stray_pid.read_text())
+        daemon.kill()
+        await trio.to_thread.run_sync(daemon.start)
+        try:
+            assert not alive(worker.pid), "the worker runs on, unsupervised, after recovery"
+            assert not alive(stray), "its stray runs on, unsupervised, after recovery"
+            async with AsyncClient(daemon.socket) as client:
+                ended = await client.status(worker.id)
+                assert (ended.state, ended.run) == ("interrupted", worker.run)
+                assert any(worker.id in problem for problem in (await client.info()).problems)
+                journal = await client.watch_page(worker.id, since=0, limit=100)
+                assert any(b"rebuilt" in e.data for e in journal.entries)
+        finally:
+            for pid in (worker.pid, stray):
+                if alive(pid):
+                    os.killpg(pid, 9)
