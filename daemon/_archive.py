@@ -277,15 +277,22 @@ class SpareArchives:
         self.ready: list[Path] = []
 
     def take(self, worker_id: str) -> Archive | None:
-        """A spare renamed to `worker_id`'s archive; None if there is none."""
+        """A spare renamed to `worker_id`'s archive; None if there is none.
+
+        Spares are in a worker's reach: one that is no longer as made (a symlink
+        in its place, a file written or planted in it) is deleted, and the next
+        one taken; with none left, the spawn makes a fresh archive.
+        """
         while self.ready:
             spare = self.ready.pop()
             target = self.archives / worker_id
             try:
                 spare.rename(target)
                 if not stat.S_ISDIR(target.lstat().st_mode):
-                    # A symlink put in its place (spares are in a worker's reach): not followed.
-                    target.unlink()
+                    target.unlink()  # a symlink put in its place: not followed
+                    continue
+                if not _untouched(target):
+                    shutil.rmtree(target)  # never follows a symlink inside
                     continue
             except OSError:
                 continue  # removed by hand, say: the next one
@@ -312,7 +319,7 @@ class SpareArchives:
         """Take up the spares an earlier daemon left, if whole and untouched; remove the rest."""
         for path in self.archives.glob(f"{self.PREFIX}*"):
             try:
-                whole = all(_empty_regular(path / name) for name in self.FILES)
+                whole = _untouched(path)
             except OSError:
                 whole = False
             if whole and len(path.name) == len(self.PREFIX) + 12:
@@ -344,6 +351,12 @@ def move_aside(dir_fd: int, name: str) -> None:
 
 def is_spare(path: Path) -> bool:
     return path.name.startswith(SpareArchives.PREFIX)
+
+
+def _untouched(spare: Path) -> bool:
+    """A spare as made: its files, nothing else, each empty, regular and unlinked elsewhere."""
+    names = sorted(SpareArchives.FILES)
+    return sorted(os.listdir(spare)) == names and all(_empty_regular(spare / n) for n in names)
 
 
 def _empty_regular(path: Path) -> bool:

@@ -235,3 +235,32 @@ async def test_a_worker_that_replaces_its_record_is_still_ended_by_recovery(
             for pid in (worker.pid, stray):
                 if alive(pid):
                     os.killpg(pid, 9)
+
+
+_TAMPER_SPARES = """
+spares="$(dirname "$SUBAGENTD_ARCHIVE")"
+while :; do
+  n=0
+  for d in "$spares"/.spare-*; do
+    [ -d "$d" ] || continue
+    printf x > "$d/snapshot.json"; mkfifo "$d/result" 2>/dev/null; n=$((n + 1))
+  done
+  [ "$n" -ge 8 ] && break
+  sleep 0.01
+done
+echo tampered; sleep 600
+"""
+
+
+async def test_a_tampered_spare_archive_is_replaced_by_a_fresh_one(daemon: DaemonProcess) -> None:
+    """Spare archives (.spare-*, made ahead for spawns) are in every worker's reach:
+    one that wrote into all of them made the next spawn refused ("free some space").
+    A tampered spare is deleted instead, and the spawn makes a fresh archive."""
+    with trio.fail_after(30):
+        async with AsyncClient(daemon.socket) as client:
+            tamperer = await client.spawn(sh(_TAMPER_SPARES))
+            await wait_output(client, tamperer.id, b"tampered\n")
+            worker = await client.spawn(sh("echo fine"))
+            ended = await client.wait(worker.id)
+            assert (ended.state, (await client.collect(worker.id)).result) == ("finished", "fine\n")
+            await client.stop(tamperer.id)
