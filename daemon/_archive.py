@@ -291,11 +291,15 @@ class SpareArchives:
                 if not stat.S_ISDIR(target.lstat().st_mode):
                     target.unlink()  # a symlink put in its place: not followed
                     continue
-                if not _untouched(target):
-                    shutil.rmtree(target)  # never follows a symlink inside
-                    continue
             except OSError:
                 continue  # removed by hand, say: the next one
+            try:
+                tampered = not _untouched(target)
+            except OSError:
+                tampered = False  # cannot look (no descriptor left, say): its writes will tell
+            if tampered:
+                shutil.rmtree(target, ignore_errors=True)  # never follows a symlink inside
+                continue
             return Archive(target)
         return None
 

@@ -45,7 +45,9 @@ async def recover(daemon: Daemon) -> list[str]:
         if is_spare(path):
             continue
         archive = Archive(path)
-        record = archive.load_record() or await _rebuild(daemon, archive)
+        record = archive.load_record()
+        if record is None:
+            record = await _rebuild(daemon, archive)
         if record is None:
             continue
         if not record.ended:
