@@ -47,7 +47,7 @@ async def recover(daemon: Daemon) -> list[str]:
         archive = Archive(path)
         record = archive.load_record()
         if record is None:
-            record = await _rebuild(daemon, archive)
+            record = await _rebuild_alone(daemon, archive)
         if record is None:
             continue
         if not record.ended:
@@ -65,6 +65,19 @@ async def recover(daemon: Daemon) -> list[str]:
     )
     log.info("recovery.done", retained=len(records), interrupted=interrupted)
     return interrupted
+
+
+async def _rebuild_alone(daemon: Daemon, archive: Archive) -> WorkerRecord | None:
+    """`_rebuild`, as a fault boundary: if it fails, that archive is left as it is."""
+    try:
+        return await _rebuild(daemon, archive)
+    except Exception as exc:
+        log.exception("recovery.rebuild_failed", archive=str(archive.path))
+        daemon.recovery_problems.append(
+            f"archive {archive.path} has no readable record, and rebuilding one failed "
+            f"({type(exc).__name__}: {exc}): see the daemon log"
+        )
+        return None
 
 
 async def _rebuild(daemon: Daemon, archive: Archive) -> WorkerRecord | None:
