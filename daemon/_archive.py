@@ -46,6 +46,8 @@ RECORD_IN_PLACE_BYTES = 4096
 RECORD_READ_LIMIT = 64 * 1024 * 1024
 #: What collect says of a result file that is a symlink, FIFO or directory.
 RESULT_REFUSED = "[result file is not a regular file: ignored; the end of stdout follows]\n"
+#: What it says of one that could not be read ({} says why).
+RESULT_UNREADABLE = "[result file could not be read ({}); the end of stdout follows]\n"
 
 
 def prune_archives(archives: Path, cutoff: float, keep: set[str]) -> int:
@@ -147,7 +149,7 @@ class Archive:
 
     def replace(self, name: str, data: bytes, *, what: str) -> None:
         with self.opened() as dir_fd:
-            replace_in(dir_fd, name, data, what=what)
+            _replace_planted(dir_fd, name, data, what=what)
 
     def write_snapshot(self, snapshot: Snapshot) -> None:
         # Written once, never replaced: into the empty file made ahead, or created exclusively.
@@ -178,7 +180,7 @@ class Archive:
         with self.opened() as dir_fd:
             if len(data) <= RECORD_IN_PLACE_BYTES and self._rewrite(dir_fd, data):
                 return
-            replace_in(dir_fd, self.RECORD, data, what="of a worker record")
+            _replace_planted(dir_fd, self.RECORD, data, what="of a worker record")
 
     def _rewrite(self, dir_fd: int, data: bytes) -> bool:
         """Overwrite the record in place if it is the daemon's own one-page file."""
@@ -212,8 +214,9 @@ class Archive:
     def result_text(self, stdout_tail: Callable[[], bytes]) -> str:
         """The worker's result file if it wrote one, else the tail of its stdout.
 
-        A result that is no regular file (a symlink, a FIFO) is not read: the
-        text says so, and the tail of stdout follows.
+        A result that is no regular file (a symlink, a FIFO) is not read, nor one
+        that cannot be (a lease held on it, no descriptor left): the text says
+        so, and the tail of stdout follows.
         """
         note = ""
         try:
@@ -222,6 +225,8 @@ class Archive:
             note, raw = RESULT_REFUSED, stdout_tail()
         except FileNotFoundError:
             raw = stdout_tail()
+        except OSError as exc:
+            note, raw = RESULT_UNREADABLE.format(exc.strerror or exc), stdout_tail()
         text = note + raw[:RESULT_LIMIT].decode("utf-8", errors="replace")
         if len(raw) > RESULT_LIMIT:
             text += f"\n[result cut at {RESULT_LIMIT} bytes; the file holds the rest]"
@@ -235,8 +240,8 @@ class Archive:
         """
         try:
             return self.read(self.STDOUT_TAIL, STDOUT_TAIL_BYTES, tail=True)
-        except (FileNotFoundError, NotRegularFile):
-            pass  # not written, or something a worker put there: the journal answers
+        except OSError:
+            pass  # not written, something a worker put there, or unreadable: the journal answers
         if journal is None:
             try:
                 journal = Journal.open(self.file(self.JOURNAL), writable=False)
@@ -247,7 +252,10 @@ class Archive:
     def forget_stdout_tail(self) -> None:
         """A new attempt begins: the last one's tail no longer ends its stdout."""
         with contextlib.suppress(FileNotFoundError), self.opened() as dir_fd:
-            os.unlink(self.STDOUT_TAIL, dir_fd=dir_fd)
+            try:
+                os.unlink(self.STDOUT_TAIL, dir_fd=dir_fd)
+            except IsADirectoryError:
+                move_aside(dir_fd, self.STDOUT_TAIL)
 
 
 class SpareArchives:
@@ -269,18 +277,29 @@ class SpareArchives:
         self.ready: list[Path] = []
 
     def take(self, worker_id: str) -> Archive | None:
-        """A spare renamed to `worker_id`'s archive; None if there is none."""
+        """A spare renamed to `worker_id`'s archive; None if there is none.
+
+        Spares are in a worker's reach: one that is no longer as made (a symlink
+        in its place, a file written or planted in it) is deleted, and the next
+        one taken; with none left, the spawn makes a fresh archive.
+        """
         while self.ready:
             spare = self.ready.pop()
             target = self.archives / worker_id
             try:
                 spare.rename(target)
                 if not stat.S_ISDIR(target.lstat().st_mode):
-                    # A symlink put in its place (spares are in a worker's reach): not followed.
-                    target.unlink()
+                    target.unlink()  # a symlink put in its place: not followed
                     continue
             except OSError:
                 continue  # removed by hand, say: the next one
+            try:
+                tampered = not _untouched(target)
+            except OSError:
+                tampered = False  # cannot look (no descriptor left, say): its writes will tell
+            if tampered:
+                shutil.rmtree(target, ignore_errors=True)  # never follows a symlink inside
+                continue
             return Archive(target)
         return None
 
@@ -304,7 +323,7 @@ class SpareArchives:
         """Take up the spares an earlier daemon left, if whole and untouched; remove the rest."""
         for path in self.archives.glob(f"{self.PREFIX}*"):
             try:
-                whole = all(_empty_regular(path / name) for name in self.FILES)
+                whole = _untouched(path)
             except OSError:
                 whole = False
             if whole and len(path.name) == len(self.PREFIX) + 12:
@@ -313,8 +332,35 @@ class SpareArchives:
                 shutil.rmtree(path, ignore_errors=True)
 
 
+def _replace_planted(dir_fd: int, name: str, data: bytes, *, what: str) -> None:
+    """`replace_in`, even over a directory a worker made at `name` (a rename cannot
+    replace one): that is moved aside first, and the file written."""
+    try:
+        replace_in(dir_fd, name, data, what=what)
+    except IsADirectoryError:
+        move_aside(dir_fd, name)
+        replace_in(dir_fd, name, data, what=what)
+
+
+def move_aside(dir_fd: int, name: str) -> None:
+    """Rename what is at `name` to an unused `.name.*.planted` in the same directory.
+
+    For something a worker put where the daemon writes: a rename moves a
+    symlink itself, never what it leads to, and nothing leaves the archive
+    (deleted with it when it is pruned); nothing is read or walked.
+    """
+    aside = f".{name}.{secrets.token_hex(8)}.planted"
+    os.rename(name, aside, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+
+
 def is_spare(path: Path) -> bool:
     return path.name.startswith(SpareArchives.PREFIX)
+
+
+def _untouched(spare: Path) -> bool:
+    """A spare as made: its files, nothing else, each empty, regular and unlinked elsewhere."""
+    names = sorted(SpareArchives.FILES)
+    return sorted(os.listdir(spare)) == names and all(_empty_regular(spare / n) for n in names)
 
 
 def _empty_regular(path: Path) -> bool:

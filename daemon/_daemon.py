@@ -60,7 +60,7 @@ from ._registry import (
 )
 from ._resume import git_branch
 from ._statedir import StateDir, save_run
-from ._tree import Graces, ProcessTable, end_tree
+from ._tree import Graces, ProcessTable, end_marked, end_tree
 from ._wakes import WakeKey, WakeLog
 
 log = structlog.get_logger("subagentd")
@@ -90,7 +90,8 @@ MAX_PAGE_ENTRIES = 10_000
 #: Fault injection for the tests of the fault boundaries, read once at start:
 #: SUBAGENTD_FAULT="point:target,...". `ending:N`, `pump:N` and `record:N` raise in the
 #: supervision of a worker named N (as its ending begins, once a chunk of its output is
-#: journaled, as its ending's record is written), `expire:N` as its handle expires;
+#: journaled, as its ending's record is written), `expire:N` as its handle expires,
+#: `resume:N` as a resume of it has reopened its record;
 #: `reload:early` raises as the first reload begins.
 FAULT_ENV = "SUBAGENTD_FAULT"
 #: Variables of the daemon's own environment that no worker inherits: they
@@ -198,6 +199,8 @@ class Daemon:
         self.disk_problem: str | None = None
         #: What ran out of file descriptors, until a descriptor is had again (reported by `info`).
         self.descriptor_problem: str | None = None
+        #: What crash recovery could not do for some worker (reported by `info`).
+        self.recovery_problems: list[str] = []
         self.journals: collections.OrderedDict[str, Journal] = collections.OrderedDict()
         #: Threads verifying ended journals: their own, so a worker's huge journal
         #: read by many requests holds these and never those a spawn needs.
@@ -481,7 +484,10 @@ class Daemon:
         return record.view()
 
     def _end_unstarted(self, live: LiveWorker, why: str) -> None:
-        live.journal.append("note", why.encode(), self.clock())
+        try:
+            live.journal.append("note", why.encode(), self.clock())
+        except OSError as exc:
+            self._disk_trouble(f"journal of {live.record.id}", exc)
         del self.live[live.record.id]
         self._finish(live.record, live.journal, None, b"")
         live.ended.set()
@@ -635,7 +641,8 @@ class Daemon:
     ) -> int:
         """End what is left of a worker no supervise task watches (a dead daemon's, say).
 
-        Through its cgroup if it has one, else by scanning for its leader's tree.
+        Through its cgroup if it has one, else by scanning for its leader's tree, or
+        with no leader known, for the processes that inherited its worker id.
         """
         group = self.cgroups.worker(worker_id) if self.cgroups else None
         if group is not None and group.exists():
@@ -643,7 +650,7 @@ class Daemon:
             self._remove_group(group)
             return killed
         if pid is None or pid_start is None:
-            return 0
+            return await end_marked(self.processes, worker_id, grace)
         return await end_tree(self.processes, pid, worker_id, pid_start, grace)
 
     async def sweep_cgroups(self) -> None:
@@ -696,9 +703,12 @@ class Daemon:
                 archive.write_stdout_tail(stdout_tail)
             except OSError as exc:
                 self._disk_trouble(f"archive of {record.id}", exc)
-        self.post_wake(record, archive, stdout_tail)
-        if failure is not None:
-            self._restate_wake(record)
+        try:
+            self.post_wake(record, archive, stdout_tail)
+            if failure is not None:
+                self._restate_wake(record)
+        except Exception:  # never seen; but whatever it was, the record below is written
+            log.exception("wake.not_posted", worker=record.id)
         try:
             if failure is None:
                 self.fault("record", record.name)
@@ -759,7 +769,7 @@ class Daemon:
 
         try:
             preview = archive.result_text(tail)[:WAKE_PREVIEW_CHARS]
-        except OSError as exc:  # out of descriptors, say: the wake matters, its preview less
+        except Exception as exc:  # result_text reads around OSError; the wake matters more
             log.warning("wake.no_preview", worker=record.id, error=str(exc))
             preview = ""
         wake = self.wakes.post(
@@ -1201,7 +1211,8 @@ class Daemon:
             socket=str(self.socket_path),
             state_dir=str(self.state_dir.root),
             problems=[p for p in (self.disk_problem, self.descriptor_problem) if p]
-            + self.wake_log.problems,
+            + self.wake_log.problems
+            + self.recovery_problems,
         )
 
 

@@ -5,17 +5,32 @@ workers that were running are `interrupted`, and whatever of their process
 trees survived (orphans now) is ended, but only after their leader's start
 time shows the pid is still theirs; wakes not yet acknowledged come back from
 the wake log, and an interrupted worker posts its own.
+
+Each interrupted worker is recovered in its own fault boundary: its archive is
+in its reach, and whatever was planted there (a directory where a file is
+written, say) is logged and reported by `info`, never the end of recovery and
+so of every later start. A record that no longer reads (the worker may have
+replaced it) is rebuilt from the snapshot and the journal's last state: such a
+worker cannot escape recovery, and its leftovers are found by the worker id
+they inherited, there being no pid to go by (`_rebuild` says what is lost).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import cast
+
 import structlog
+
+from subagentd.protocol import TERMINAL_STATES, WorkerState
+from subagentd.protocol.errors import Refused
 
 from ._archive import STDOUT_TAIL_BYTES, Archive, is_spare
 from ._daemon import Daemon
 from ._journal import Journal, JournalCorrupt
 from ._process import reap
-from ._registry import WorkerRecord
+from ._registry import WorkerRecord, new_token
+from ._resume import read_snapshot
 from ._statedir import load_runs
 
 log = structlog.get_logger("subagentd")
@@ -32,10 +47,11 @@ async def recover(daemon: Daemon) -> list[str]:
         archive = Archive(path)
         record = archive.load_record()
         if record is None:
-            log.warning("recovery.unreadable_archive", archive=str(path))
+            record = await _rebuild_alone(daemon, archive)
+        if record is None:
             continue
         if not record.ended:
-            await _interrupt(daemon, record, archive)
+            await _interrupt_alone(daemon, record, archive)
             interrupted.append(record.id)
         if not record.collected:
             records.append(record)
@@ -49,6 +65,102 @@ async def recover(daemon: Daemon) -> list[str]:
     )
     log.info("recovery.done", retained=len(records), interrupted=interrupted)
     return interrupted
+
+
+async def _rebuild_alone(daemon: Daemon, archive: Archive) -> WorkerRecord | None:
+    """`_rebuild`, as a fault boundary: if it fails, that archive is left as it is."""
+    try:
+        return await _rebuild(daemon, archive)
+    except Exception as exc:
+        log.exception("recovery.rebuild_failed", archive=str(archive.path))
+        daemon.recovery_problems.append(
+            f"archive {archive.path} has no readable record, and rebuilding one failed "
+            f"({type(exc).__name__}: {exc}): see the daemon log"
+        )
+        return None
+
+
+async def _rebuild(daemon: Daemon, archive: Archive) -> WorkerRecord | None:
+    """A record for an archive whose record.json does not read, from what does.
+
+    The snapshot gives what the worker ran and where it belongs; the journal's
+    last state entry whether it had ended. Lost with the record: its pid (its
+    tree is found by the worker id its processes inherited, so one that exec'd
+    with a new environment escapes), its token, and its attempt (taken as 1).
+    Without a snapshot nothing is listed, but what still runs is ended.
+    """
+    worker_id = archive.path.name
+    try:
+        snapshot = read_snapshot(archive, worker_id)
+    except (Refused, OSError) as exc:
+        log.warning("recovery.unreadable_archive", archive=str(archive.path), error=str(exc))
+        if worker_id.startswith("w-"):
+            killed = await daemon.end_leftover_tree(worker_id, None, None, 0)
+            if killed:
+                log.warning("recovery.killed_orphans", worker=worker_id, processes=killed)
+        return None
+    record = WorkerRecord(
+        id=worker_id,
+        run=snapshot.run,
+        parent=snapshot.parent,
+        name=snapshot.name,
+        state="running",
+        argv=snapshot.argv,
+        cwd=snapshot.cwd,
+        agent=snapshot.agent,
+        grace=snapshot.grace,
+        timeout=snapshot.timeout,
+        token=new_token(),
+        archive=str(archive.path),
+        started_at=snapshot.created_at,
+    )
+    why = "its record did not read: rebuilt from its snapshot and journal by recovery"
+    try:
+        journal = Journal.open(archive.file(Archive.JOURNAL), writable=True)
+    except (OSError, JournalCorrupt) as exc:
+        log.error("recovery.journal_unusable", worker=worker_id, error=str(exc))
+    else:
+        try:
+            _last_state(journal, record)
+            journal.append("note", why.encode(), daemon.clock())
+        except OSError as exc:
+            log.error("recovery.journal_unwritable", worker=worker_id, error=str(exc))
+        finally:
+            journal.close()
+    log.warning("recovery.record_rebuilt", worker=worker_id, state=record.state)
+    daemon.recovery_problems.append(f"worker {worker_id}: {why}")
+    if record.ended:
+        _alone(daemon, record, "record", lambda: archive.write_record(record))
+    return record
+
+
+def _last_state(journal: Journal, record: WorkerRecord) -> None:
+    """Take an ending from the journal's last state entry, if it names one."""
+    recent = journal.read(max(0, journal.last_seq - 64), 64)
+    states = [e for e in recent if e.kind == "state"]
+    if not states:
+        return
+    words = states[-1].data.decode(errors="replace").split()
+    if words and words[0] in TERMINAL_STATES:
+        record.state = cast(WorkerState, words[0])
+        record.ended_at = states[-1].at
+        code = words[1].removeprefix("exit_code=") if len(words) > 1 else ""
+        record.exit_code = int(code) if code.lstrip("-").isdigit() else None
+
+
+async def _interrupt_alone(daemon: Daemon, record: WorkerRecord, archive: Archive) -> None:
+    """`_interrupt`, as a fault boundary: whatever fails, the worker is held as ended."""
+    try:
+        await _interrupt(daemon, record, archive)
+    except Exception as exc:
+        log.exception("recovery.worker_failed", worker=record.id)
+        daemon.recovery_problems.append(
+            f"recovery of worker {record.id} failed partway ({type(exc).__name__}: {exc}); "
+            f"it is held as {record.state if record.ended else 'interrupted'}: see the daemon log"
+        )
+    if not record.ended:
+        record.state = "interrupted"
+        record.ended_at = daemon.clock()
 
 
 async def _interrupt(daemon: Daemon, record: WorkerRecord, archive: Archive) -> None:
@@ -66,26 +178,52 @@ async def _interrupt(daemon: Daemon, record: WorkerRecord, archive: Archive) -> 
         record.ended_at = daemon.clock()
         archive.write_record(record)
         return
-    if record.pid is not None:
-        killed = await daemon.end_leftover_tree(
-            record.id, record.pid, record.pid_start, record.grace
+    try:
+        await _end_leftovers(daemon, record)
+    except Exception as exc:
+        log.exception("recovery.tree_not_ended", worker=record.id)
+        daemon.recovery_problems.append(
+            f"what is left of worker {record.id}'s process tree could not be ended "
+            f"({type(exc).__name__}: {exc}): see the daemon log"
         )
-        await reap(record.pid)
-        if killed:
-            log.warning("recovery.killed_orphans", worker=record.id, processes=killed)
     stdout_tail = b""
     try:
         journal = Journal.open(archive.file(Archive.JOURNAL), writable=True)
     except (OSError, JournalCorrupt) as exc:
         log.error("recovery.journal_unusable", worker=record.id, error=str(exc))
     else:
-        if journal.torn_bytes:
-            log.warning("recovery.torn_tail_cut", worker=record.id, bytes=journal.torn_bytes)
-        journal.append("state", b"interrupted (the daemon died while it ran)", daemon.clock())
-        stdout_tail = journal.tail_bytes("stdout", STDOUT_TAIL_BYTES)
-        journal.close()
+        try:
+            if journal.torn_bytes:
+                log.warning("recovery.torn_tail_cut", worker=record.id, bytes=journal.torn_bytes)
+            stdout_tail = journal.tail_bytes("stdout", STDOUT_TAIL_BYTES)
+            journal.append("state", b"interrupted (the daemon died while it ran)", daemon.clock())
+        except OSError as exc:
+            log.error("recovery.journal_unwritable", worker=record.id, error=str(exc))
+        finally:
+            journal.close()
     record.state = "interrupted"
     record.ended_at = daemon.clock()
-    archive.write_stdout_tail(stdout_tail)
-    daemon.post_wake(record, archive)
-    archive.write_record(record)
+    # Each step stands alone: a tail that cannot be written costs no wake, nor the record.
+    _alone(daemon, record, "stdout tail", lambda: archive.write_stdout_tail(stdout_tail))
+    _alone(daemon, record, "wake", lambda: daemon.post_wake(record, archive))
+    _alone(daemon, record, "record", lambda: archive.write_record(record))
+
+
+async def _end_leftovers(daemon: Daemon, record: WorkerRecord) -> None:
+    killed = await daemon.end_leftover_tree(record.id, record.pid, record.pid_start, record.grace)
+    if record.pid is not None:
+        await reap(record.pid)
+    if killed:
+        log.warning("recovery.killed_orphans", worker=record.id, processes=killed)
+
+
+def _alone(daemon: Daemon, record: WorkerRecord, what: str, step: Callable[[], None]) -> None:
+    """One step of a worker's recovery; if it fails, that is logged and reported."""
+    try:
+        step()
+    except Exception as exc:
+        log.exception("recovery.step_failed", worker=record.id, step=what)
+        daemon.recovery_problems.append(
+            f"recovery of worker {record.id} could not write its {what} "
+            f"({type(exc).__name__}: {exc})"
+        )

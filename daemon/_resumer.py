@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import structlog
 import trio
 
 from subagentd.protocol import WorkerView
@@ -21,6 +22,8 @@ from ._files import NotRegularFile
 from ._journal import Journal
 from ._registry import WorkerRecord
 from ._resume import RESUMABLE, check_branch, read_snapshot
+
+log = structlog.get_logger("subagentd")
 
 
 class Resumer:
@@ -66,22 +69,41 @@ class Resumer:
                 f"worker {record.id} cannot be resumed: its journal is not a regular file "
                 "of its own (a symlink, FIFO or hard link put in its place); start it afresh"
             ) from None
+        # Every archive step that may fail comes before the reopen, too.
+        try:
+            archive.forget_stdout_tail()
+        except OSError as exc:
+            journal.close()
+            raise Refused(
+                f"worker {record.id} cannot be resumed: its archive cannot be written "
+                f"({exc.strerror or exc})"
+            ) from None
         self.daemon.registry.tombstones.pop(record.id, None)
         record = self.daemon.registry.reopen(
             record,
             self.daemon.clock(),
             snapshot.timeout if worker_timeout is None else worker_timeout or None,
         )
-        self.daemon.save_run(record.run)
-        self.daemon.journals.pop(record.id, None)  # its read-only view is about to go stale
-        archive.forget_stdout_tail()
-        journal.append("note", f"attempt {record.attempt}: resumed".encode(), self.daemon.clock())
         live = LiveWorker(record=record, journal=journal)
-        live.stdout_tail += journal.tail_bytes("stdout", STDOUT_TAIL_BYTES)
         self.daemon.live[record.id] = live
-        stdin = str(archive.file(Archive.INPUT)) if snapshot.has_input else None
-        base_env = self.daemon.inherited_env | snapshot.env
-        return await self.daemon.launch(live, snapshot.argv, snapshot.cwd, base_env, stdin)
+        try:
+            self.daemon.fault("resume", record.name)
+            self.daemon.save_run(record.run)
+            self.daemon.journals.pop(record.id, None)  # its read-only view is about to go stale
+            journal.append(
+                "note", f"attempt {record.attempt}: resumed".encode(), self.daemon.clock()
+            )
+            live.stdout_tail += journal.tail_bytes("stdout", STDOUT_TAIL_BYTES)
+            stdin = str(archive.file(Archive.INPUT)) if snapshot.has_input else None
+            base_env = self.daemon.inherited_env | snapshot.env
+            return await self.daemon.launch(live, snapshot.argv, snapshot.cwd, base_env, stdin)
+        except Exception as exc:
+            if live.process is None and record.id in self.daemon.live:
+                # Nothing started: the attempt ends here (its journal closed), never `starting`.
+                log.exception("worker.resume_failed", worker=record.id)
+                why = f"attempt {record.attempt} failed to start ({type(exc).__name__}: {exc})"
+                self.daemon._end_unstarted(live, why)
+            raise
 
     @staticmethod
     def _check_resumable(worker_id: str, state: str) -> None:

@@ -3,7 +3,8 @@
 A worker's tree is its leader, everything descended from it, everything in
 its process group (children of an exited parent keep the group), and strays:
 processes that left the group with setsid and were orphaned to init, found by
-the worker id they inherited in their environment. Read straight from /proc:
+the worker id they inherited in their environment (by which alone a tree
+whose leader is not known is found, see `end_marked`). Read straight from /proc:
 one read of /proc/PID/stat gives parent, group, session and start time
 together. Signals go through pidfds opened and then checked against the start
 time seen in the scan, so a recycled pid is never signalled.
@@ -14,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-from collections.abc import Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import structlog
@@ -125,9 +126,6 @@ def tree_members(
     table: dict[int, ProcStat], leader: int, worker_id: str, leader_start: int
 ) -> list[ProcStat]:
     """Every live process of the tree whose leader is `leader` (its pgid)."""
-    children: dict[int, list[int]] = {}
-    for stat in table.values():
-        children.setdefault(stat.ppid, []).append(stat.pid)
     now_leader = table.get(leader)
     if now_leader is not None and now_leader.starttime != leader_start:
         roots: set[int] = set()  # the pid was recycled: that process and its group are strangers
@@ -147,6 +145,23 @@ def tree_members(
             and _carries(pid, marker)
         ):
             roots.add(pid)
+    return _with_descendants(table, roots)
+
+
+def marked_members(table: dict[int, ProcStat], worker_id: str) -> list[ProcStat]:
+    """Every live process carrying `worker_id` in its environment, and their descendants:
+    a worker's tree when there is no leader to go by. One environ read per process
+    (in a thread: it is slow); one that exec'd with a new environment is not found."""
+    marker = f"SUBAGENTD_WORKER_ID={worker_id}".encode()
+    me = os.getpid()
+    roots = {pid for pid in table if pid != me and _carries(pid, marker)}
+    return _with_descendants(table, roots)
+
+
+def _with_descendants(table: dict[int, ProcStat], roots: set[int]) -> list[ProcStat]:
+    children: dict[int, list[int]] = {}
+    for stat in table.values():
+        children.setdefault(stat.ppid, []).append(stat.pid)
     found: dict[int, ProcStat] = {}
     pending = list(roots)
     while pending:
@@ -218,6 +233,22 @@ async def end_tree(
     async def find() -> list[ProcStat]:
         return tree_members(await processes.scan(), leader, worker_id, leader_start)
 
+    return await _end_all(find, grace, graces)
+
+
+async def end_marked(processes: ProcessTable, worker_id: str, grace: float) -> int:
+    """`end_tree` for a worker whose leader is not known (see `marked_members`)."""
+
+    async def find() -> list[ProcStat]:
+        table = await processes.scan()
+        return await trio.to_thread.run_sync(marked_members, table, worker_id)
+
+    return await _end_all(find, grace, None)
+
+
+async def _end_all(
+    find: Callable[[], Awaitable[list[ProcStat]]], grace: float, graces: Graces | None
+) -> int:
     members = await find()
     with Pinned(members) as pinned:
         pinned.signal(signal.SIGTERM)

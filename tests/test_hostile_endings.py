@@ -1,0 +1,258 @@
+"""Endings, recovery and resume meet files a worker planted and errors nobody expects:
+nothing keeps the daemon from starting, no wake is lost, nothing is left `starting`,
+and no worker escapes recovery by damaging its record.
+
+Workers run as the same user and are told their archive directory, so each test
+has a real worker do the planting, the way a hostile or broken one would.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+from collections.abc import Callable
+
+import pytest
+import trio
+
+from subagentd import protocol as p
+from subagentd.client import AsyncClient
+from subagentd.protocol.errors import Internal
+
+from .conftest import DaemonProcess
+from .helpers import RawConnection, alive, sh, wait_output
+
+PY = sys.executable
+
+
+async def _wakes(daemon: DaemonProcess, run: str) -> list[p.Wake]:
+    conn = await RawConnection.open(daemon.socket)
+    async with conn.stream:
+        await conn.send(p.Subscribe(id=2, run=run))
+        reply = await conn.receive()
+        assert isinstance(reply, p.Wakes)
+        return reply.wakes
+
+
+async def _until(condition: Callable[[], object], what: str) -> None:
+    """Poll for a condition no event announces (a file a worker writes, a log line)."""
+    while not condition():  # noqa: ASYNC110  nothing to wait on but the condition: `what`
+        await trio.sleep(0.02)
+
+
+async def test_a_planted_directory_does_not_keep_the_daemon_from_starting_after_a_crash(
+    daemon: DaemonProcess,
+) -> None:
+    """A worker that made `stdout.tail` a directory (a rename onto it fails EISDIR)
+    does not turn a daemon crash into a daemon that never starts again: the directory
+    is moved aside, the tail written, and every interrupted worker gets its wake."""
+    with trio.fail_after(60):
+        async with AsyncClient(daemon.socket) as client:
+            run = await client.new_run()
+            planter = await client.spawn(
+                sh('mkdir "$SUBAGENTD_ARCHIVE/stdout.tail"; echo planted; sleep 600'), run=run
+            )
+            other = await client.spawn(sh("echo other; sleep 600"), run=run)
+            await wait_output(client, planter.id, b"planted\n")
+            await wait_output(client, other.id, b"other\n")
+        daemon.kill()  # a crash (OOM, a bug): both are found interrupted at the next start
+        await trio.to_thread.run_sync(daemon.start)
+        async with AsyncClient(daemon.socket) as client:
+            for worker in (planter, other):
+                assert (await client.status(worker.id)).state == "interrupted"
+            assert (await client.collect(planter.id)).result == "planted\n"
+        woken = sorted((w.id, w.state) for w in await _wakes(daemon, run))
+        assert woken == sorted([(planter.id, "interrupted"), (other.id, "interrupted")])
+
+
+_LEASER = """
+import fcntl, os, signal, sys, time
+path, marker = sys.argv[1], sys.argv[2]
+signal.signal(signal.SIGIO, signal.SIG_IGN)  # keep the lease when the daemon's open breaks it
+fd = os.open(path, os.O_RDWR)
+fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+open(marker, "w").close()
+time.sleep(600)
+"""
+
+
+async def test_a_lease_on_a_result_file_loses_the_workers_wake(daemon: DaemonProcess) -> None:
+    """Another worker (same user) holds a file lease on B's result, so the daemon's
+    O_NONBLOCK open of it fails EWOULDBLOCK: B still ends `finished` with its wake,
+    whose preview and collect say the result could not be read and give stdout's end."""
+    gate, where, leased = daemon.root / "gate", daemon.root / "where", daemon.root / "leased"
+    with trio.fail_after(30):
+        async with AsyncClient(daemon.socket) as client:
+            run = await client.new_run()
+            b = await client.spawn(
+                sh(
+                    f'echo my result > "$SUBAGENTD_RESULT"; echo "$SUBAGENTD_RESULT" > {where}; '
+                    f"while [ ! -e {gate} ]; do sleep 0.02; done; echo my stdout"
+                ),
+                run=run,
+            )
+            await _until(lambda: where.exists() and where.read_text().strip(), "result path")
+            result_path = where.read_text().strip()
+            leaser = await client.spawn([PY, "-c", _LEASER, result_path, str(leased)])
+            await _until(leased.exists, "lease taken")
+            gate.touch()
+            ended = await client.wait(b.id)
+            collected = await client.collect(b.id)
+            await client.stop(leaser.id)
+            (wake,) = await _wakes(daemon, run)
+    unreadable = "[result file could not be read ("
+    assert (wake.id, wake.state, ended.state, ended.exit_code) == (b.id, "finished", "finished", 0)
+    assert wake.preview.startswith(unreadable), wake.preview
+    assert wake.preview.endswith("my stdout\n"), wake.preview
+    assert collected.result.startswith(unreadable), collected.result
+    assert collected.result.endswith("my stdout\n"), collected.result
+
+
+async def test_descriptor_exhaustion_as_a_worker_ends_loses_its_wake(
+    daemon: DaemonProcess,
+) -> None:
+    """EMFILE while a worker ends (issue 11: exhaustion is a state, not a loss): the
+    result cannot be opened, yet the worker's wake is posted, its preview saying why
+    and giving the end of stdout."""
+    assert daemon.proc is not None
+    pid = daemon.proc.pid
+    gate = daemon.root / "gate"
+    with trio.fail_after(30):
+        async with AsyncClient(daemon.socket) as client:
+            run = await client.new_run()
+            worker = await client.spawn(
+                sh(f"while [ ! -e {gate} ]; do sleep 0.02; done; echo done"), run=run
+            )
+            soft, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+            resource.prlimit(pid, resource.RLIMIT_NOFILE, (3, hard))
+            try:
+                gate.touch()
+                ended = await client.wait(worker.id)  # on a connection opened before
+            finally:
+                resource.prlimit(pid, resource.RLIMIT_NOFILE, (soft, hard))
+        (wake,) = await _wakes(daemon, run)
+    # Its state may be `failed`: with no descriptor, its tree could not be seen to end.
+    assert (wake.id, wake.state) == (worker.id, ended.state), daemon.log()[-4000:]
+    assert wake.preview.startswith("[result file could not be read ("), wake.preview
+    assert wake.preview.endswith("done\n"), wake.preview
+
+
+async def test_a_resume_that_meets_a_planted_stdout_tail_directory_leaves_nothing_starting(
+    daemon: DaemonProcess,
+) -> None:
+    """A directory the worker made at stdout.tail (whose unlink fails EISDIR) is moved
+    aside before the record is reopened: the resume starts the next attempt, which ends
+    like any other, and nothing is left `starting`."""
+    with trio.fail_after(30):
+        async with AsyncClient(daemon.socket) as client:
+            worker = await client.spawn(sh('mkdir "$SUBAGENTD_ARCHIVE/stdout.tail"; exit 3'))
+            assert (await client.wait(worker.id)).state == "failed"
+            resumed = await client.resume(worker.id)
+            ended = await client.wait(worker.id)
+            assert (resumed.attempt, ended.attempt, ended.state) == (2, 2, "failed")
+            await client.stop(worker.id)
+
+
+async def test_a_resume_that_fails_after_reopening_ends_the_attempt_and_says_why(
+    daemon_dirs: DaemonProcess,
+) -> None:
+    """Whatever fails once the record is reopened (here an injected fault: a stand-in
+    for any unexpected exception) ends that attempt as a spawn failure does: the
+    worker is `failed` at attempt 2, not `starting` for good, its journal says why,
+    and a wait or a stop of it answers at once."""
+    daemon_dirs.start(env={"SUBAGENTD_FAULT": "resume:flaky"})
+    with trio.fail_after(30):
+        async with AsyncClient(daemon_dirs.socket) as client:
+            worker = await client.spawn(sh("exit 3"), name="flaky")
+            assert (await client.wait(worker.id)).state == "failed"
+            with pytest.raises(Internal):
+                await client.resume(worker.id)
+            ended = await client.wait(worker.id)
+            assert (ended.state, ended.attempt) == ("failed", 2)
+            await client.stop(worker.id)
+            page = await client.watch_page(worker.id, since=0, limit=100)
+            assert any(b"attempt 2 failed to start" in e.data for e in page.entries)
+            assert page.entries[-1].data == b"failed exit_code=None", page.entries[-1]
+
+
+#: What a worker puts in place of its record.json once the daemon has written it.
+_RECORD_REPLACEMENTS = {
+    "fifo": 'mkfifo "$SUBAGENTD_ARCHIVE/record.json"',
+    "directory": 'mkdir "$SUBAGENTD_ARCHIVE/record.json"',
+    "symlink": 'ln -s /nonexistent "$SUBAGENTD_ARCHIVE/record.json"',
+}
+
+
+@pytest.mark.parametrize("replacement", sorted(_RECORD_REPLACEMENTS))
+async def test_a_worker_that_replaces_its_record_is_still_ended_by_recovery(
+    daemon_dirs: DaemonProcess, replacement: str
+) -> None:
+    """Recovery found interrupted workers only through record.json, which is in the
+    worker's reach: one replaced by a FIFO, directory or symlink was skipped, and the
+    worker's tree ran on unsupervised after a daemon crash. With trees found by /proc
+    scans (no cgroups) there is no pid to go by either: its record is rebuilt from
+    its snapshot, it is `interrupted`, and its processes are found by the worker id
+    they inherited (a setsid'd stray too)."""
+    daemon = daemon_dirs
+    daemon.extra_args = ["--cgroups", "off"]
+    daemon.start()
+    stray_pid = daemon.root / "stray"
+    with trio.fail_after(60):
+        async with AsyncClient(daemon.socket) as client:
+            worker = await client.spawn(
+                sh(
+                    'until grep -q running "$SUBAGENTD_ARCHIVE/record.json"; do sleep 0.01; done; '
+                    f'setsid sh -c "echo \\$\\$ > {stray_pid}; exec sleep 600" & '
+                    'rm "$SUBAGENTD_ARCHIVE/record.json"; '
+                    f"{_RECORD_REPLACEMENTS[replacement]}; "
+                    f"until [ -s {stray_pid} ]; do sleep 0.01; done; echo planted; sleep 600"
+                )
+            )
+            await wait_output(client, worker.id, b"planted\n")
+        assert worker.pid is not None
+        stray = int(stray_pid.read_text())
+        daemon.kill()
+        await trio.to_thread.run_sync(daemon.start)
+        try:
+            assert not alive(worker.pid), "the worker runs on, unsupervised, after recovery"
+            assert not alive(stray), "its stray runs on, unsupervised, after recovery"
+            async with AsyncClient(daemon.socket) as client:
+                ended = await client.status(worker.id)
+                assert (ended.state, ended.run) == ("interrupted", worker.run)
+                assert any(worker.id in problem for problem in (await client.info()).problems)
+                journal = await client.watch_page(worker.id, since=0, limit=100)
+                assert any(b"rebuilt" in e.data for e in journal.entries)
+        finally:
+            for pid in (worker.pid, stray):
+                if alive(pid):
+                    os.killpg(pid, 9)
+
+
+_TAMPER_SPARES = """
+spares="$(dirname "$SUBAGENTD_ARCHIVE")"
+while :; do
+  n=0
+  for d in "$spares"/.spare-*; do
+    [ -d "$d" ] || continue
+    printf x > "$d/snapshot.json"; mkfifo "$d/result" 2>/dev/null; n=$((n + 1))
+  done
+  [ "$n" -ge 8 ] && break
+  sleep 0.01
+done
+echo tampered; sleep 600
+"""
+
+
+async def test_a_tampered_spare_archive_is_replaced_by_a_fresh_one(daemon: DaemonProcess) -> None:
+    """Spare archives (.spare-*, made ahead for spawns) are in every worker's reach:
+    one that wrote into all of them made the next spawn refused ("free some space").
+    A tampered spare is deleted instead, and the spawn makes a fresh archive."""
+    with trio.fail_after(30):
+        async with AsyncClient(daemon.socket) as client:
+            tamperer = await client.spawn(sh(_TAMPER_SPARES))
+            await wait_output(client, tamperer.id, b"tampered\n")
+            worker = await client.spawn(sh("echo fine"))
+            ended = await client.wait(worker.id)
+            assert (ended.state, (await client.collect(worker.id)).result) == ("finished", "fine\n")
+            await client.stop(tamperer.id)
