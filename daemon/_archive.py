@@ -70,13 +70,18 @@ def decode_written(raw: bytes, kind: type[_Written]) -> _Written:
     not lost, its grace is the default.
     """
     try:
-        return msgspec.json.decode(raw, type=kind)
-    except msgspec.ValidationError:
-        fields = msgspec.json.decode(raw)
-        if not isinstance(fields, dict) or "grace" not in fields or fields["grace"] is not None:
-            raise
-        fields["grace"] = DEFAULT_GRACE
-        return msgspec.convert(fields, kind)
+        try:
+            return msgspec.json.decode(raw, type=kind)
+        except msgspec.ValidationError:
+            fields = msgspec.json.decode(raw)
+            if not isinstance(fields, dict) or fields.get("grace", 0) is not None:
+                raise
+            fields["grace"] = DEFAULT_GRACE
+            return msgspec.convert(fields, kind)
+    except RecursionError:
+        # Nested past the decoder's depth: damage (a worker can write its own record),
+        # reported as any other undecodable file, not an exception nobody expects.
+        raise msgspec.DecodeError("nested too deep to decode") from None
 
 
 def open_new(path: Path, flags: int = 0) -> int:

@@ -181,6 +181,8 @@ _RECORD_REPLACEMENTS = {
     "fifo": 'mkfifo "$SUBAGENTD_ARCHIVE/record.json"',
     "directory": 'mkdir "$SUBAGENTD_ARCHIVE/record.json"',
     "symlink": 'ln -s /nonexistent "$SUBAGENTD_ARCHIVE/record.json"',
+    # A regular file that JSON nests past any decoder's depth (RecursionError, not DecodeError).
+    "nested": 'head -c 100000 /dev/zero | tr "\\0" "[" > "$SUBAGENTD_ARCHIVE/record.json"',
 }
 
 
