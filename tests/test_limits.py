@@ -282,7 +282,8 @@ async def test_second_sigterm_ends_the_grace_and_loses_nothing(
     daemon = daemon_dirs
     daemon.start(*tracking)
     assert daemon.proc is not None
-    stubborn = sh('trap "" TERM; sleep 600 & echo "$$ $!"; wait')
+    # Loops on wait: a KILL that reaches its child first must not let it exit 0 by itself.
+    stubborn = sh('trap "" TERM; sleep 600 & echo "$$ $!"; while :; do wait; done')
     pids: list[int] = []
     try:
         with trio.fail_after(60):
