@@ -27,6 +27,7 @@ Operations, each `--repeats` times, every one counted alone:
   `collect(id, wait=True)` answers: its spawn, its ending, its collect;
 - spawn into a named run: `new_run()` and the run's first spawn of `sleep 3600`
   until its answer, counted together; then a second spawn into that same run;
+  then `stop_run` of that run, its two workers running, until its answer;
 - stop: `stop(id)` of a lone running `sleep 3600` (started before, not counted);
 - ending, short / long journal: a worker that waits on a FIFO outside the state
   dir is spawned uncounted; the count is from opening the FIFO (the worker goes
@@ -351,8 +352,8 @@ def lone_true(c: Counting) -> Counts:
     return c.count(op)
 
 
-def run_spawns(c: Counting) -> tuple[Counts, Counts, list[str]]:
-    """A new run and its first spawn, then a second spawn into it; the ids, to stop after."""
+def run_spawns(c: Counting) -> tuple[Counts, Counts, Counts]:
+    """A new run and its first spawn, a second spawn into it, then `stop_run` of the two."""
     runs: list[str] = []
     ids: list[str] = []
 
@@ -361,9 +362,11 @@ def run_spawns(c: Counting) -> tuple[Counts, Counts, list[str]]:
         ids.append(c.client.spawn(["sleep", "3600"], run=runs[0]).id)
 
     first = c.count(first_spawn)
-    run = runs[0]
-    second = c.count(lambda: ids.append(c.client.spawn(["sleep", "3600"], run=run).id))
-    return first, second, ids
+    second = c.count(lambda: ids.append(c.client.spawn(["sleep", "3600"], run=runs[0]).id))
+    stopped: list[str] = []
+    stop = c.count(lambda: stopped.extend(c.client.stop_run(runs[0])))
+    assert sorted(stopped) == sorted(ids), (stopped, ids)
+    return first, second, stop
 
 
 def stop_lone(c: Counting) -> Counts:
@@ -392,6 +395,7 @@ OPERATIONS = [
     ("true", "lone spawn of `true` until collected"),
     ("run_first", "`new_run` and its first spawn (`sleep`)"),
     ("run_second", "second spawn into that run"),
+    ("stop_run", "`stop_run` of that run (2 running)"),
     ("stop", "stop of a running lone worker"),
     ("end_short", "ending, short journal, until collected"),
     ("end_long", "ending, long journal, until collected"),
@@ -407,11 +411,10 @@ def count_all(repeats: int = 5, long_mib: int = 2) -> dict[str, list[Counts]]:
         c.client.stop_run(c.client.new_run())
         for i in range(repeats):
             counts["true"].append(lone_true(c))
-            first, second, ids = run_spawns(c)
+            first, second, stop = run_spawns(c)
             counts["run_first"].append(first)
             counts["run_second"].append(second)
-            for worker_id in ids:
-                c.client.stop(worker_id)
+            counts["stop_run"].append(stop)
             counts["stop"].append(stop_lone(c))
             fifo = Path(scratch) / f"go-{i}"
             counts["end_short"].append(ending(c, fifo, "echo ok"))
@@ -430,7 +433,9 @@ def figures(counts: dict[str, list[Counts]], long_mib: int) -> list[Figure]:
         # Every repeat should do the same: the note names what one did, and any that differed.
         kinds = Counter(tuple(sorted(s.what)) for s in samples)
         usual = kinds.most_common(1)[0][0]
-        note = "each did: " + (", ".join(f"{n}x {w}" for w, n in Counter(usual).items()) or "none")
+        note = "each repeat did: " + (
+            ", ".join(f"{n}x {w}" for w, n in Counter(usual).items()) or "none"
+        )
         if len(kinds) > 1:
             note += f" ({len(samples) - kinds[usual]} of {len(samples)} repeats differed)"
         what = what.replace("long journal", f"long journal ({long_mib} MiB)")
