@@ -283,8 +283,11 @@ def inodes(state_dir: Path) -> int:
 
 def spares_made(state_dir: Path) -> bool:
     """Whether all the spare archives are made again (each with its three files)."""
-    made = [p for p in (state_dir / "archives").glob(".spare-*") if len(os.listdir(p)) == 3]
-    return len(made) >= SPARES
+    made = 0
+    for spare in (state_dir / "archives").glob(".spare-*"):
+        with contextlib.suppress(OSError):  # renamed into place meanwhile
+            made += len(os.listdir(spare)) == 3
+    return made >= SPARES
 
 
 class Counting:
