@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import shutil
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -11,12 +10,6 @@ from types import ModuleType
 import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
-
-needs_strace = pytest.mark.skipif(
-    shutil.which("strace") is None,
-    reason="bench/files.py counts with strace (Debian: apt-get install strace)",
-)
-
 
 @pytest.fixture(scope="module")
 def files_bench() -> ModuleType:
@@ -51,7 +44,6 @@ def test_trace_lines_count_what_was_made_in_the_state_dir_only(files_bench: Modu
     )
 
 
-@needs_strace
 def test_a_lone_spawn_is_counted_on_a_real_daemon(files_bench: ModuleType) -> None:
     with files_bench.traced_daemon(timeout=30) as counting:
         counts = files_bench.lone_true(counting)
