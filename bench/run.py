@@ -212,6 +212,11 @@ def main() -> None:
 
     args.out.mkdir(parents=True, exist_ok=True)
     stem = result["date"] + ("-quick" if args.quick else "") + ("-partial" if args.only else "")
+    # A second full run the same day is kept beside the first, not written over it.
+    base, n = stem, 1
+    while (args.out / f"{stem}.json").exists():
+        n += 1
+        stem = f"{base}-{n}"
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
     (args.out / f"{stem}.md").write_text(markdown(result, figures))
     main_figures, files_table = split(figures)
