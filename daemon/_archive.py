@@ -29,7 +29,7 @@ from ._files import (
     replace_in,
     short_write,
 )
-from ._journal import Journal, JournalCorrupt
+from ._journal import Journal, read_tail
 from ._registry import DEFAULT_GRACE, WorkerRecord
 
 _Written = TypeVar("_Written", bound=msgspec.Struct)
@@ -242,17 +242,19 @@ class Archive:
 
         The file is written at the end only where the journal would not
         answer as well (see Daemon._finish); `journal`: the journal, if open.
+        Else only the journal's end is read, never all of it: as long as its
+        worker made it, this is on the event loop.
         """
         try:
             return self.read(self.STDOUT_TAIL, STDOUT_TAIL_BYTES, tail=True)
         except OSError:
             pass  # not written, something a worker put there, or unreadable: the journal answers
-        if journal is None:
-            try:
-                journal = Journal.open(self.file(self.JOURNAL), writable=False)
-            except (OSError, JournalCorrupt):
-                return b""
-        return journal.tail_bytes("stdout", STDOUT_TAIL_BYTES)
+        if journal is not None:
+            return journal.tail_bytes("stdout", STDOUT_TAIL_BYTES)
+        try:
+            return read_tail(self.file(self.JOURNAL), "stdout", STDOUT_TAIL_BYTES)
+        except OSError:
+            return b""
 
     def forget_stdout_tail(self) -> None:
         """A new attempt begins: the last one's tail no longer ends its stdout."""

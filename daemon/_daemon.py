@@ -202,8 +202,8 @@ class Daemon:
         #: What crash recovery could not do for some worker (reported by `info`).
         self.recovery_problems: list[str] = []
         self.journals: collections.OrderedDict[str, Journal] = collections.OrderedDict()
-        #: Threads verifying ended journals: their own, so a worker's huge journal
-        #: read by many requests holds these and never those a spawn needs.
+        #: Threads verifying journals (see open_journal): their own, so a worker's huge
+        #: journal read by many requests holds these and never those a spawn needs.
         self._journal_scans = trio.CapacityLimiter(JOURNAL_SCANS)
         self.runs_dir = state_dir.root / "runs"
         self._saved_runs: set[str] = set()
@@ -794,11 +794,11 @@ class Daemon:
     def _note_failure(
         self, record: WorkerRecord, journal: Journal, failure: str, now: float
     ) -> Journal:
-        """Say in the journal why supervision failed; the journal, opened again if the
+        """Say in the journal why supervision failed; the journal, written again if the
         ending had closed it before the fault."""
         try:
             if not journal.writable:
-                journal = Journal.open(journal.path, writable=True)
+                journal.write_again()  # never verified again here: on the event loop
             journal.append("note", failure.encode(), now)
         except Exception:
             log.exception("journal.failure_not_noted", worker=record.id)
@@ -1053,11 +1053,7 @@ class Daemon:
         if journal is None:
             path = Path(found.archive) / Archive.JOURNAL
             try:
-                journal = await trio.to_thread.run_sync(
-                    functools.partial(Journal.open, path, writable=False),
-                    abandon_on_cancel=True,
-                    limiter=self._journal_scans,
-                )
+                journal = await self.open_journal(path, writable=False)
             except FileNotFoundError:
                 raise NotFound(
                     f"worker {found.id}'s journal is gone (its archive was pruned)"
@@ -1071,6 +1067,18 @@ class Daemon:
                 raise _damaged(found.id, exc) from None
         self._keep_journal_open(found.id, journal)
         return journal
+
+    async def open_journal(self, path: Path, *, writable: bool) -> Journal:
+        """Journal.open, verifying every entry, in a thread: the one way a journal is
+        opened while the daemon serves, so a journal its worker made huge delays only
+        who asked for it. Few at once (JOURNAL_SCANS), so many such requests hold
+        those threads and never those a spawn needs. One opened for writing may cut
+        a torn tail: it is never abandoned half done."""
+        return await trio.to_thread.run_sync(
+            functools.partial(Journal.open, path, writable=writable),
+            abandon_on_cancel=not writable,
+            limiter=self._journal_scans,
+        )
 
     def _keep_journal_open(self, worker_id: str, journal: Journal) -> None:
         self.journals.pop(worker_id, None)

@@ -8,7 +8,8 @@ reported as `JournalCorrupt`, never skipped. The file is in its worker's reach,
 so it is read through the descriptor opened once, by pread into a bounded buffer,
 and no entry is believed longer than the daemon ever writes one. Plain
 synchronous file I/O: the callers decide when to call it (a long journal's
-scan is worth a thread).
+scan is worth a thread). `read_tail` reads a journal's newest entries from its
+end alone, however long the file: for what needs only the end of its stdout.
 """
 
 from __future__ import annotations
@@ -52,6 +53,16 @@ ENTRY_COST: Final = 64
 #: How much of the file one read takes while scanning it, and while reading a page.
 SCAN_WINDOW: Final = 4 * 1024 * 1024
 PAGE_WINDOW: Final = 256 * 1024
+#: What `read_tail` reads from a journal's end: room for the newest entries an open
+#: journal keeps in memory (TAIL_BYTES of them) and the longest entry besides.
+TAIL_READ_BYTES: Final = TAIL_BYTES + ENTRY_HEADER.size + MAX_ENTRY_BODY
+#: The work `read_tail` may do, in bytes checksummed (each entry start it tries counts
+#: as TRY_COST): an honest journal's end costs under half; one crafted to make it
+#: search gives up with what it found, in tens of milliseconds.
+TAIL_READ_WORK: Final = 8 * TAIL_READ_BYTES
+TRY_COST: Final = 256
+#: Every body begins so: msgpack's array of four ([seq, kind, at, data]).
+_BODY_START: Final = b"\x94"
 
 
 class _Stored(msgspec.Struct, array_like=True):
@@ -86,6 +97,7 @@ class Journal:
         self._fd = fd
         self._release = weakref.finalize(self, os.close, fd)
         self._writable = writable
+        self._opened_writable = writable
         self._size = 0
         self._last_seq = 0
         self._offsets = array("Q")  # offset of seq 1, 1 + STRIDE, 1 + 2*STRIDE, ...
@@ -161,15 +173,17 @@ class Journal:
         return offset
 
     @staticmethod
-    def _verify(body: bytes | memoryview, crc: int, seq: int) -> tuple[_Stored | None, str]:
+    def _verify(body: bytes | memoryview, crc: int, seq: int | None) -> tuple[_Stored | None, str]:
+        """The entry `body` holds if it is whole, and numbered `seq` (any, if None)."""
         if zlib.crc32(body) != crc:
             return None, "checksum mismatch"
         try:
             stored = _decoder.decode(body)
         except msgspec.DecodeError as exc:
             return None, str(exc)
-        if stored.seq != seq:
-            return None, f"sequence {stored.seq} where {seq} belongs"
+        misnumbered = stored.seq < 1 if seq is None else stored.seq != seq
+        if misnumbered:
+            return None, f"sequence {stored.seq} where {seq or 'one or more'} belongs"
         return stored, ""
 
     def _note(self, offset: int, entry: Entry) -> None:
@@ -265,10 +279,81 @@ class Journal:
         """Stop writing; the journal stays readable."""
         self._writable = False
 
+    def write_again(self) -> None:
+        """Take writes again after `close` (a fault came after an ending closed it):
+        through the descriptor verified at open, so nothing is read again, and never
+        the file a worker may have put at its name since."""
+        if not self._opened_writable or not self._release.alive:
+            raise ValueError(f"journal {self.path} was not opened for writing, or was released")
+        self._writable = True
+
     def release(self) -> None:
         """Close the descriptor now rather than when the journal is dropped."""
         self._writable = False
         self._release()
+
+
+def read_tail(path: Path, kind: EntryKind, limit: int) -> bytes:
+    """The last `limit` bytes of `kind` among a journal's newest entries (those an
+    open journal would keep in memory), read from its last TAIL_READ_BYTES alone.
+
+    The journal is not verified: its entries are found walking back from the
+    file's end, each where the next begins, and each believed only if its length
+    ends it there and its checksum, body and number (one less than the next's)
+    verify. The walk stops at the first that does not, or after TAIL_READ_WORK:
+    a file that does not end with a whole entry (a torn tail, something planted)
+    answers what was found before, maybe nothing. OSError if it cannot be read,
+    NotRegularFile if it is no regular file.
+    """
+    fd = open_regular(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        start = max(0, size - TAIL_READ_BYTES)
+        end = os.pread(fd, size - start, start)
+    finally:
+        os.close(fd)
+    found: list[bytes] = []  # newest first
+    cost = length = 0
+    for newer, stored in enumerate(_newest_first(end)):
+        cost += len(stored.data) + ENTRY_COST
+        if newer and cost > TAIL_BYTES:
+            break  # an open journal's tail holds no more (but always its newest entry)
+        if stored.kind == kind:
+            found.append(stored.data)
+            length += len(stored.data)
+            if length >= limit:
+                break
+    return b"".join(reversed(found))[-limit:]
+
+
+def _newest_first(end: bytes) -> collections.abc.Iterator[_Stored]:
+    """The whole entries that `end` (a journal's end) ends with, newest first.
+
+    Each is looked for by the start of its body, nearest its end first. Once the
+    next entry's number is known, the body's start says its own too: a worker's
+    output that holds what reads as whole entries (it printed a journal) is not
+    taken for one unless it is so numbered and ends where an entry must. The
+    newest, with no next, is the daemon's own note of its worker's ending when
+    it ended, so no output of its comes after it.
+    """
+    work = TAIL_READ_WORK
+    stop, seq = len(end), None  # where the entry looked for ends; the number after it
+    while stop > 0 and seq != 1:
+        marker = _BODY_START if seq is None else _BODY_START + _encoder.encode(seq - 1)
+        lowest = max(0, stop - MAX_ENTRY_BODY - ENTRY_HEADER.size) + ENTRY_HEADER.size
+        at, stored = stop, None
+        while stored is None:
+            at = end.rfind(marker, lowest, at)
+            work -= TRY_COST
+            if at < 0 or work < 0:
+                return  # no whole entry ends there, or the end was made to keep the walk searching
+            length, crc = ENTRY_HEADER.unpack_from(end, at - ENTRY_HEADER.size)
+            if at + length == stop:
+                work -= length
+                body = memoryview(end)[at:stop]
+                stored, _ = Journal._verify(body, crc, None if seq is None else seq - 1)
+        yield stored
+        stop, seq = at - ENTRY_HEADER.size, stored.seq
 
 
 class _Window:

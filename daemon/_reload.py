@@ -39,7 +39,7 @@ from ._checkpoint import (
     write_checkpoint,
 )
 from ._daemon import Daemon, LiveWorker
-from ._journal import Journal, JournalCorrupt
+from ._journal import JournalCorrupt
 from ._notify import monotonic_usec, notify
 from ._process import WorkerProcess, reap
 from ._registry import WorkerRecord
@@ -375,7 +375,9 @@ async def adopt(daemon: Daemon, checkpoint: Checkpoint) -> tuple[int, list[str]]
                 carried.stderr,
                 cgroup=daemon.cgroups.worker(carried.id) if daemon.cgroups else None,
             )
-            journal = Journal.open(Path(record.archive) / Archive.JOURNAL, writable=True)
+            journal = await daemon.open_journal(
+                Path(record.archive) / Archive.JOURNAL, writable=True
+            )
         except (msgspec.DecodeError, OSError, JournalCorrupt) as exc:  # OSError: pid gone too
             log.error("reload.cannot_adopt", worker=carried.id, pid=carried.pid, error=str(exc))
             if process is not None:

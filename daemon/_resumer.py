@@ -29,6 +29,8 @@ log = structlog.get_logger("subagentd")
 class Resumer:
     def __init__(self, daemon: Daemon) -> None:
         self.daemon = daemon
+        #: Workers whose journal a resume is verifying (in a thread): one resume at a time.
+        self._opening: set[str] = set()
 
     async def resume(
         self, worker_id: str, worker_timeout: float | None, caller: str | None = None
@@ -62,13 +64,7 @@ class Resumer:
         worker_timeout: float | None,
     ) -> WorkerView:
         # The journal first: if it cannot be opened, nothing has changed yet.
-        try:
-            journal = Journal.open(archive.file(Archive.JOURNAL), writable=True)
-        except NotRegularFile:
-            raise Refused(
-                f"worker {record.id} cannot be resumed: its journal is not a regular file "
-                "of its own (a symlink, FIFO or hard link put in its place); start it afresh"
-            ) from None
+        journal = await self._open_journal(record.id, archive)
         # Every archive step that may fail comes before the reopen, too.
         try:
             archive.forget_stdout_tail()
@@ -104,6 +100,23 @@ class Resumer:
                 why = f"attempt {record.attempt} failed to start ({type(exc).__name__}: {exc})"
                 self.daemon._end_unstarted(live, why)
             raise
+
+    async def _open_journal(self, worker_id: str, archive: Archive) -> Journal:
+        """The journal, verified for writing in a thread (as long as its worker made
+        it: the daemon serves meanwhile). A second resume of the worker meanwhile
+        is refused: its open could cut, as a torn tail, what the first appends."""
+        if worker_id in self._opening:
+            raise Refused(f"worker {worker_id} is being resumed already")
+        self._opening.add(worker_id)
+        try:
+            return await self.daemon.open_journal(archive.file(Archive.JOURNAL), writable=True)
+        except NotRegularFile:
+            raise Refused(
+                f"worker {worker_id} cannot be resumed: its journal is not a regular file "
+                "of its own (a symlink, FIFO or hard link put in its place); start it afresh"
+            ) from None
+        finally:
+            self._opening.discard(worker_id)
 
     @staticmethod
     def _check_resumable(worker_id: str, state: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -16,8 +17,10 @@ from subagentd.daemon._journal import (
     MAX_ENTRY_DATA,
     NOTE_BYTES,
     TAIL_BYTES,
+    TAIL_READ_BYTES,
     Journal,
     JournalCorrupt,
+    read_tail,
 )
 from subagentd.daemon._process import ENTRY_BYTES, READ_CHUNK
 
@@ -159,3 +162,86 @@ def test_any_chunks_read_back_in_order(
             got.extend(e.data for e in page)
             cursor = page[-1].seq
         assert got == chunks
+
+
+def _open_tail(path: Path, limit: int) -> bytes:
+    return Journal.open(path, writable=False).tail_bytes("stdout", limit)
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    chunks=st.lists(
+        st.one_of(
+            st.binary(max_size=3000),
+            st.integers(0, 3000).map(lambda n: b"\x94" * n),  # each byte an entry's first
+            st.just(b"journal"),  # stands for the journal so far, printed whole (cat)
+        ),
+        max_size=60,
+    ),
+    limit=st.integers(1, 5000),
+)
+def test_the_tail_read_from_the_end_is_the_tail_an_open_journal_keeps(
+    tmp_path_factory: pytest.TempPathFactory, chunks: list[bytes], limit: int
+) -> None:
+    path = tmp_path_factory.mktemp("j") / "journal"
+    journal = Journal.create(path)
+    for i, chunk in enumerate(chunks):
+        data = path.read_bytes()[: 64 * 1024] if chunk == b"journal" else chunk
+        journal.append("stderr" if i % 3 == 2 else "stdout", data, float(i))
+    journal.append("state", b"finished exit_code=0", 0.0)  # as every ending does
+    assert read_tail(path, "stdout", limit) == _open_tail(path, limit)
+
+
+def test_the_tail_read_from_the_end_holds_what_an_open_journal_keeps_however_long(
+    tmp_path: Path,
+) -> None:
+    """Past TAIL_BYTES of newest entries an open journal keeps none: neither does the
+    read from the end, whether the entries are many and small or few and large."""
+    many = _fill(tmp_path / "many", 20_000, size=3)
+    for i in range(5000):
+        many.append("stderr", b"", float(i))
+    large = Journal.create(tmp_path / "large")
+    for i in range(8):
+        large.append("stdout" if i % 2 else "stderr", bytes([i]) * (ENTRY_BYTES + READ_CHUNK), 0.0)
+    for journal in (many, large):
+        for limit in (1, 4096, 32 * 1024, 4 * TAIL_BYTES):
+            assert read_tail(journal.path, "stdout", limit) == _open_tail(journal.path, limit)
+
+
+def test_the_tail_is_read_from_the_end_alone(tmp_path: Path) -> None:
+    """Damage far from the end is not read (the whole journal is no longer verified to
+    answer its end): only the last TAIL_READ_BYTES are."""
+    journal = _fill(tmp_path / "j", 200_000)
+    with open(journal.path, "r+b") as f:
+        f.write(b"\xff" * (journal.size - TAIL_READ_BYTES))
+    with pytest.raises(JournalCorrupt):
+        Journal.open(journal.path, writable=False)
+    assert read_tail(journal.path, "stdout", 42) == b"".join(
+        f"{i:020d}\n".encode() for i in (199_998, 199_999)
+    )
+
+
+@pytest.mark.parametrize(
+    "end",
+    [
+        pytest.param(b"\x94" * TAIL_READ_BYTES, id="every-byte-a-body-start"),
+        pytest.param(b"\0\0\0\x05\0\0\0\0\x94" * (TAIL_READ_BYTES // 9), id="headers"),
+    ],
+)
+def test_a_crafted_end_answers_nothing_and_soon(tmp_path: Path, end: bytes) -> None:
+    """A file made to send the walk back from the end searching gives up after
+    TAIL_READ_WORK: nothing found, in milliseconds (a generous bound here)."""
+    path = tmp_path / "j"
+    path.write_bytes(os.urandom(4096) + end)
+    began = time.monotonic()
+    assert read_tail(path, "stdout", 32 * 1024) == b""
+    assert time.monotonic() - began < 1.0
+
+
+def test_a_torn_tail_answers_no_tail_without_reading_the_rest(tmp_path: Path) -> None:
+    """The walk begins at the file's end: with no whole entry there, it finds nothing
+    (recovery cuts a torn tail when it opens the journal for writing)."""
+    journal = _fill(tmp_path / "j", 10)
+    with open(journal.path, "ab") as f:
+        f.write(b"\0\0\0\x30torn")
+    assert read_tail(journal.path, "stdout", 100) == b""
