@@ -375,6 +375,8 @@ async def adopt(daemon: Daemon, checkpoint: Checkpoint) -> tuple[int, list[str]]
                 carried.stderr,
                 cgroup=daemon.cgroups.worker(carried.id) if daemon.cgroups else None,
             )
+            # Verified whole while clients wait in the backlog: a million entries cost
+            # seconds of this reload (carrying the verified index would spare that).
             journal = await daemon.open_journal(
                 Path(record.archive) / Archive.JOURNAL, writable=True
             )
