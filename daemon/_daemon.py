@@ -990,9 +990,11 @@ class Daemon:
         if caller is None:
             return
         current: str | None = worker_id
-        while current is not None and current != caller:
+        seen: set[str] = set()  # archived records are in workers' reach: one may loop
+        while current is not None and current != caller and current not in seen:
+            seen.add(current)
             current = self.lookup(current).parent
-        if current is None:
+        if current != caller:
             raise Forbidden(
                 f"worker {caller} may act only on itself and the workers it delegated to, "
                 f"not on {worker_id}"
@@ -1212,7 +1214,8 @@ class Daemon:
             state_dir=str(self.state_dir.root),
             problems=[p for p in (self.disk_problem, self.descriptor_problem) if p]
             + self.wake_log.problems
-            + self.recovery_problems,
+            + self.recovery_problems
+            + self.registry.damage,
         )
 
 

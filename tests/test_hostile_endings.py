@@ -8,6 +8,7 @@ has a real worker do the planting, the way a hostile or broken one would.
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import sys
@@ -258,3 +259,59 @@ async def test_a_tampered_spare_archive_is_replaced_by_a_fresh_one(daemon: Daemo
             ended = await client.wait(worker.id)
             assert (ended.state, (await client.collect(worker.id)).result) == ("finished", "fine\n")
             await client.stop(tamperer.id)
+
+
+def _reparent(daemon: DaemonProcess, worker_id: str, parent: str) -> None:
+    """Rewrite a worker's record.json as the worker itself may: a regular file of its archive."""
+    path = daemon.state_dir / "archives" / worker_id / "record.json"
+    record = json.loads(path.read_bytes())
+    record["parent"] = parent
+    path.write_text(json.dumps(record))
+
+
+async def test_a_parent_loop_planted_in_an_archived_record_does_not_hang_the_daemon(
+    daemon: DaemonProcess,
+) -> None:
+    """A released worker's record whose parent is itself sent the authority walk round
+    forever on the event loop: one `status` from a worker's connection hung the daemon."""
+    with trio.fail_after(60):
+        async with AsyncClient(daemon.socket) as client:
+            a = await client.spawn(["true"], name="a")
+            await client.collect(a.id, wait=True)  # released: a lookup reads its archive
+            b = await client.spawn(sh("echo $SUBAGENTD_TOKEN; sleep 600"), name="b")
+            token = (await wait_output(client, b.id, b"\n")).decode().strip()
+            _reparent(daemon, a.id, a.id)
+            conn = await RawConnection.open(daemon.socket, hello=False)
+            async with conn.stream:
+                await conn.send(p.Hello(id=1, token=token))
+                assert isinstance(await conn.receive(), p.Welcome)
+                await conn.send(p.Status(id=2, worker=a.id))
+                reply = await conn.receive()
+                assert isinstance(reply, p.Error), reply
+                assert reply.code == "forbidden", reply
+            assert (await client.info()).workers == {"running": 1}
+            await client.stop(b.id)
+
+
+async def test_a_parent_loop_planted_before_a_crash_is_cut_when_records_are_restored(
+    daemon: DaemonProcess,
+) -> None:
+    """After a crash the registry is rebuilt from records in workers' reach: two that
+    name each other as parent must not send a stop's walk of the subtree round forever."""
+    with trio.fail_after(60):
+        async with AsyncClient(daemon.socket) as client:
+            run = await client.new_run()
+            a = await client.spawn(sh("echo up; sleep 600"), run=run)
+            b = await client.spawn(sh("echo up; sleep 600"), run=run)
+            for worker in (a, b):
+                await wait_output(client, worker.id, b"up\n")
+        daemon.kill()
+        _reparent(daemon, a.id, b.id)
+        _reparent(daemon, b.id, a.id)
+        await trio.to_thread.run_sync(daemon.start)
+        async with AsyncClient(daemon.socket) as client:
+            problems = (await client.info()).problems
+            assert any("loops back" in problem for problem in problems), problems
+            assert {w.id for w in await client.ls(all=True, run=run)} == {a.id, b.id}
+            assert await client.stop(a.id)  # found, ended (interrupted): its walk ends
+            assert await client.stop_run(run) == []
