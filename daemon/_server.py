@@ -115,8 +115,6 @@ BUDGETED_FROM = 64 * 1024
 #: of a large frame and stalls must not hold the budget (and every large request) for good.
 FRAME_SECONDS = 5.0
 FRAME_MIN_RATE = 1024 * 1024
-#: Requests that never wait (their dispatch awaits nothing): no task, scope or event each.
-ANSWERED_AT_ONCE = (Info, Status, ListWorkers)
 _PEERCRED = struct.Struct("3i")
 _conn_ids = itertools.count(1)
 
@@ -486,7 +484,7 @@ class Server:
                         await conn.send(message)  # the connection carries on
                     elif refusal := self._admission(conn, message):
                         await conn.send(refusal)
-                    elif isinstance(message, ANSWERED_AT_ONCE):
+                    elif message.at_once:
                         # Nothing to wait for: answered here, without a task of its own.
                         if (reply := await self._reply(conn, message)) is not None:
                             await conn.send(reply)
