@@ -37,7 +37,6 @@ from subagentd.protocol import (
 )
 from subagentd.protocol.errors import (
     Busy,
-    Forbidden,
     Invalid,
     NotFound,
     Refused,
@@ -329,13 +328,11 @@ class Daemon:
         if self.reloading:
             raise Reloading("the daemon is reloading; spawn again", retry_after=RELOAD_RETRY)
         launch = self._resolve_command(request)
-        if request.parent is not None:
-            self.authorize(caller, request.parent)
-            if request.parent not in self.registry.workers:
-                ended = self.lookup(request.parent)  # released: it has ended
-                raise RunStopped(
-                    f"worker {request.parent} has ended ({ended.state}); it cannot delegate"
-                )
+        if request.parent is not None and request.parent not in self.registry.workers:
+            ended = self.lookup(request.parent)  # released: it has ended
+            raise RunStopped(
+                f"worker {request.parent} has ended ({ended.state}); it cannot delegate"
+            )
         with self.launching(), trio.CancelScope(shield=True):
             view = await self._start(request, caller, launch)
         # Made again once this spawn is done, not while it competes for the CPU.
@@ -877,9 +874,7 @@ class Daemon:
 
     # -- stopping ------------------------------------------------------------
 
-    async def stop(
-        self, worker_id: str, *, wait: bool, caller: str | None = None
-    ) -> tuple[bool, list[str]]:
+    async def stop(self, worker_id: str, *, wait: bool) -> tuple[bool, list[str]]:
         """Stop a worker and its subtree; (found, ids newly stopped).
 
         An id whose handle was released (collected, expired) is found, ended,
@@ -890,9 +885,7 @@ class Daemon:
                 self.lookup(worker_id)
             except NotFound:
                 return False, []
-            self.authorize(caller, worker_id)
             return True, []
-        self.registry.authorize(caller, worker_id)
         stopped = self.registry.stop(worker_id)
         self.ask_stop(stopped)
         log.info("worker.stop_asked", worker=worker_id, stopped=stopped)
@@ -935,14 +928,7 @@ class Daemon:
         if not self.registry.run_stopped(run_id):
             await self._run_stopped.setdefault(run_id, trio.Event()).wait()
 
-    def cancel(self, scope: str, caller: str | None = None) -> list[str]:
-        if caller is not None:
-            kind, _, target = scope.partition(":")
-            if kind != "worker":
-                raise Forbidden(
-                    f"a worker may cancel only worker:<id> in its subtree, not {scope!r}"
-                )
-            self.authorize(caller, target)
+    def cancel(self, scope: str) -> list[str]:
         kind, _, target = scope.partition(":")
         if kind == "worker" and target not in self.registry.workers:
             self.lookup(target)  # not_found for an id never seen
@@ -984,21 +970,6 @@ class Daemon:
         if archived is None:
             raise NotFound(f"no worker {worker_id!r}")
         return archived
-
-    def authorize(self, caller: str | None, worker_id: str) -> None:
-        """A worker's connection may act only on its own subtree, archived ones included."""
-        if caller is None:
-            return
-        current: str | None = worker_id
-        seen: set[str] = set()  # archived records are in workers' reach: one may loop
-        while current is not None and current != caller and current not in seen:
-            seen.add(current)
-            current = self.lookup(current).parent
-        if current != caller:
-            raise Forbidden(
-                f"worker {caller} may act only on itself and the workers it delegated to, "
-                f"not on {worker_id}"
-            )
 
     def _archive(self, worker_id: str) -> Archive:
         path = self.state_dir.archive(worker_id)
@@ -1103,16 +1074,12 @@ class Daemon:
 
     # -- wakes ---------------------------------------------------------------
 
-    def wake_key(self, run: str | None, worker: str | None, caller: str | None) -> WakeKey:
-        """The parent a subscription is for, checked: it exists and the caller may see it."""
+    def wake_key(self, run: str | None, worker: str | None) -> WakeKey:
+        """The parent a subscription is for, checked: it exists."""
         if (run is None) == (worker is None):
             raise Invalid("subscribe to the wakes of one parent: give a run or a worker, not both")
         key: WakeKey = ("run", run) if run is not None else ("worker", worker)  # type: ignore[assignment]
-        if caller is not None:
-            if worker is None:
-                raise Forbidden("a worker may subscribe only to its own subtree's wakes")
-            self.authorize(caller, worker)
-        elif not self.wakes.pending_for(key):
+        if not self.wakes.pending_for(key):
             if run is not None:
                 self.registry.run(run)
             else:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 import msgspec
 
 from subagentd.protocol import MAX_GRACE, TERMINAL_STATES, WorkerState, WorkerView
-from subagentd.protocol.errors import Forbidden, Invalid, NotFound, RunStopped
+from subagentd.protocol.errors import Invalid, NotFound, RunStopped
 
 #: Seconds between TERM and KILL when a spawn names none.
 DEFAULT_GRACE = 5.0
@@ -257,27 +257,6 @@ class Registry:
             return self.workers[worker_id]
         except KeyError:
             raise NotFound(f"no worker {worker_id!r}") from None
-
-    def within(self, ancestor: str, worker_id: str) -> bool:
-        """Whether `worker_id` is `ancestor` or was delegated by it, at any depth."""
-        current: str | None = worker_id
-        seen: set[str] = set()
-        while current is not None and current not in seen:
-            if current == ancestor:
-                return True
-            seen.add(current)
-            found = self.workers.get(current) or self.tombstones.get(current)
-            current = found.parent if found is not None else None
-        return False
-
-    def authorize(self, caller: str | None, worker_id: str) -> None:
-        """A connection acting as worker `caller` may touch only its own subtree."""
-        self.worker(worker_id)
-        if caller is not None and not self.within(caller, worker_id):
-            raise Forbidden(
-                f"worker {caller} may act only on itself and the workers it delegated to, "
-                f"not on {worker_id}"
-            )
 
     def register(
         self,

@@ -30,16 +30,13 @@ class Resumer:
     def __init__(self, daemon: Daemon) -> None:
         self.daemon = daemon
 
-    async def resume(
-        self, worker_id: str, worker_timeout: float | None, caller: str | None = None
-    ) -> WorkerView:
+    async def resume(self, worker_id: str, worker_timeout: float | None) -> WorkerView:
         """Carry a stopped, failed, timed-out or interrupted worker on from its snapshot:
         same id, next attempt, same journal; only the timeout may be given anew."""
         if self.daemon.shutting_down:
             raise Refused("the daemon is shutting down: it resumes nothing")
         if self.daemon.reloading:
             raise Reloading("the daemon is reloading; resume again", retry_after=RELOAD_RETRY)
-        self.daemon.authorize(caller, worker_id)
         found = self.daemon.lookup(worker_id)
         self._check_resumable(found.id, found.state)
         archive = Archive(Path(found.archive))
