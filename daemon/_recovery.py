@@ -44,7 +44,7 @@ async def recover(daemon: Daemon) -> list[str]:
     for path in sorted(archives.iterdir()):
         if is_spare(path):
             continue
-        archive = Archive(path)
+        archive = Archive(path, damaged=daemon.record_damaged)
         record = archive.load_record()
         if record is None:
             record = await _rebuild_alone(daemon, archive)

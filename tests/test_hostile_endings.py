@@ -8,10 +8,12 @@ has a real worker do the planting, the way a hostile or broken one would.
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import trio
@@ -258,3 +260,71 @@ async def test_a_tampered_spare_archive_is_replaced_by_a_fresh_one(daemon: Daemo
             ended = await client.wait(worker.id)
             assert (ended.state, (await client.collect(worker.id)).result) == ("finished", "fine\n")
             await client.stop(tamperer.id)
+
+
+def _point_record_elsewhere(daemon: DaemonProcess, worker_id: str) -> Path:
+    """Rewrite a worker's record.json (a regular file of its own archive, which README lets
+    a worker rewrite) so that its `archive` names a directory outside the state dir, holding
+    a copy of what the real archive holds and files of the user's; that directory."""
+    real = daemon.state_dir / "archives" / worker_id
+    elsewhere = daemon.root / "elsewhere"
+    elsewhere.mkdir()
+    for name in ("snapshot.json", "journal"):
+        (elsewhere / name).write_bytes((real / name).read_bytes())
+    (elsewhere / "result").write_text("read from outside the state dir")
+    (elsewhere / "stdout.tail").write_text("a file of the user's, outside the state dir")
+    record = json.loads((real / "record.json").read_bytes())
+    record["archive"] = str(elsewhere)
+    for archive in (real, elsewhere):
+        (archive / "record.json").write_text(json.dumps(record))
+    return elsewhere
+
+
+async def test_a_record_naming_another_archive_does_not_make_collect_read_there(
+    daemon: DaemonProcess,
+) -> None:
+    """collect (and watch, the wake's preview, the stdout fallback) took the archive from
+    the `archive` field of the record it read: a record rewritten by its worker sent
+    collect to read a `result` anywhere. The archive is the one the state dir holds for
+    that id; the record's claim is corrected, reported in `info`, and shown nowhere."""
+    with trio.fail_after(60):
+        async with AsyncClient(daemon.socket) as client:
+            worker = await client.spawn(sh("echo real output; exit 3"))
+            await client.wait(worker.id)
+            first = await client.collect(worker.id)  # the handle goes: lookups read the archive
+            assert first.state == "failed"
+            _point_record_elsewhere(daemon, worker.id)
+            again = await client.collect(worker.id)
+            shown = await client.status(worker.id)
+            problems = (await client.info()).problems
+    assert "outside the state dir" not in again.result, again.result
+    assert again.result == "real output\n"
+    assert shown.archive == str(daemon.state_dir / "archives" / worker.id)
+    assert any(worker.id in problem and "elsewhere" in problem for problem in problems), problems
+
+
+async def test_a_record_naming_another_archive_does_not_make_resume_write_there(
+    daemon: DaemonProcess,
+) -> None:
+    """resume took the archive from the record it read: it deleted `stdout.tail` there,
+    appended to the `journal` there, wrote `record.json` there and gave the worker
+    SUBAGENTD_ARCHIVE=there. It resumes the worker in its own archive instead."""
+    real = daemon.state_dir / "archives"
+    with trio.fail_after(60):
+        async with AsyncClient(daemon.socket) as client:
+            worker = await client.spawn(
+                sh('[ -n "$SUBAGENTD_RESUME" ] && echo "$SUBAGENTD_ARCHIVE" && exit 0; exit 3')
+            )
+            await client.wait(worker.id)
+            await client.collect(worker.id)
+            elsewhere = _point_record_elsewhere(daemon, worker.id)
+            journal_before = (elsewhere / "journal").read_bytes()
+            record_before = (elsewhere / "record.json").read_bytes()
+            resumed = await client.resume(worker.id)
+            ended = await client.wait(resumed.id)
+            told = await client.collect(worker.id)
+    assert (elsewhere / "stdout.tail").exists(), "the daemon deleted a file outside its state dir"
+    assert (elsewhere / "journal").read_bytes() == journal_before, "it appended to a journal there"
+    assert (elsewhere / "record.json").read_bytes() == record_before, "it wrote a record there"
+    assert ended.state == "finished"
+    assert told.result == f"{real / worker.id}\n", "the worker was told another archive"
