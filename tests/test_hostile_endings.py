@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import resource
+import signal
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -328,3 +330,51 @@ async def test_a_record_naming_another_archive_does_not_make_resume_write_there(
     assert (elsewhere / "record.json").read_bytes() == record_before, "it wrote a record there"
     assert ended.state == "finished"
     assert told.result == f"{real / worker.id}\n", "the worker was told another archive"
+
+
+def _stranger() -> subprocess.Popen[bytes]:
+    """A process of the user's that no worker started (an editor, a shell)."""
+    return subprocess.Popen(["sleep", "60"], start_new_session=True)
+
+
+def _start_time(pid: int) -> int:
+    """Field 22 of /proc/PID/stat, which any process of the user's may read."""
+    stat = Path(f"/proc/{pid}/stat").read_bytes()
+    return int(stat[stat.rindex(b")") + 2 :].split()[19])
+
+
+async def test_recovery_does_not_signal_a_process_a_planted_record_names(
+    daemon_dirs: DaemonProcess,
+) -> None:
+    """After a crash, recovery ended an interrupted worker's leftover tree from the pid
+    and start time its record.json names; that file is in its worker's reach, and both
+    are in /proc/PID/stat for any process of the user's: a worker that wrote another
+    process's there had recovery TERM that process, its group and its descendants.
+    The pid is believed only for a process carrying the worker's id in its environment;
+    else the worker's processes are found by that id alone (the real one still ends)."""
+    daemon = daemon_dirs
+    daemon.start("--cgroups", "off")  # with cgroups, the worker's cgroup is used instead
+    victim = _stranger()
+    worker_pid: int | None = None
+    try:
+        with trio.fail_after(60):
+            async with AsyncClient(daemon.socket) as client:
+                worker = await client.spawn(["sleep", "60"], grace=1)
+                worker_pid = (await client.status(worker.id)).pid
+            assert worker_pid is not None
+            daemon.kill()  # a crash: no checkpoint, the next start recovers from archives
+            record_path = daemon.state_dir / "archives" / worker.id / "record.json"
+            record = json.loads(record_path.read_bytes())
+            record["pid"], record["pid_start"] = victim.pid, _start_time(victim.pid)
+            record_path.write_text(json.dumps(record))
+            await trio.to_thread.run_sync(daemon.start, "--cgroups", "off")
+            assert victim.poll() is None, f"recovery signalled pid {victim.pid}"
+            assert not alive(worker_pid), "the worker itself was not ended by recovery"
+            async with AsyncClient(daemon.socket) as client:
+                problems = (await client.info()).problems
+            assert any(str(victim.pid) in problem for problem in problems), problems
+    finally:
+        victim.kill()
+        victim.wait()
+        if worker_pid is not None and alive(worker_pid):
+            os.kill(worker_pid, signal.SIGKILL)
