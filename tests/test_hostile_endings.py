@@ -378,3 +378,29 @@ async def test_recovery_does_not_signal_a_process_a_planted_record_names(
         victim.wait()
         if worker_pid is not None and alive(worker_pid):
             os.kill(worker_pid, signal.SIGKILL)
+
+
+async def test_a_record_naming_another_worker_is_rebuilt_from_its_snapshot_by_recovery(
+    daemon: DaemonProcess,
+) -> None:
+    """A record whose `id` names another worker was taken for that worker's: after a
+    crash, recovery held two records under one id, and `status` of the one rewritten
+    answered as the other. Who a record is comes from its directory: that one is
+    unreadable, rebuilt from its snapshot (interrupted like any other), and reported."""
+    with trio.fail_after(60):
+        async with AsyncClient(daemon.socket) as client:
+            run = await client.new_run()
+            liar = await client.spawn(["sleep", "60"], run=run, grace=1)
+            other = await client.spawn(["sleep", "60"], run=run, grace=1)
+        daemon.kill()  # a crash: the next start recovers from the archives
+        record_path = daemon.state_dir / "archives" / liar.id / "record.json"
+        record = json.loads(record_path.read_bytes())
+        record["id"] = other.id
+        record_path.write_text(json.dumps(record))
+        await trio.to_thread.run_sync(daemon.start)
+        async with AsyncClient(daemon.socket) as client:
+            views = [await client.status(w) for w in (liar.id, other.id)]
+            states = {view.id: view.state for view in views}
+            problems = (await client.info()).problems
+    assert states == {liar.id: "interrupted", other.id: "interrupted"}, states
+    assert any(liar.id in problem and other.id in problem for problem in problems), problems
