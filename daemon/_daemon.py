@@ -84,6 +84,8 @@ JOURNAL_SCANS = 2
 TAIL_FILE_FROM_BYTES = 1024 * 1024
 #: A wake carries this much of the result, so a parent rarely needs to collect.
 WAKE_PREVIEW_CHARS = 200
+#: Records naming another worker or archive listed in `info`, at most (each is logged).
+RECORD_PROBLEMS = 100
 #: A watch page never holds more entries than this, whatever the client asks.
 MAX_PAGE_ENTRIES = 10_000
 #: Fault injection for the tests of the fault boundaries, read once at start:
@@ -200,6 +202,8 @@ class Daemon:
         self.descriptor_problem: str | None = None
         #: What crash recovery could not do for some worker (reported by `info`).
         self.recovery_problems: list[str] = []
+        #: Records found naming another worker or archive, by worker (reported by `info`).
+        self.record_problems: dict[str, str] = {}
         self.journals: collections.OrderedDict[str, Journal] = collections.OrderedDict()
         #: Threads verifying ended journals: their own, so a worker's huge journal
         #: read by many requests holds these and never those a spawn needs.
@@ -373,7 +377,7 @@ class Daemon:
                 self.save_run(record.run)
             archive = self.spares.take(record.id)
             if archive is None:
-                archive = Archive(Path(record.archive))
+                archive = self.archive_of(record.id)
                 archive.create()
             archive.write_snapshot(
                 Snapshot(
@@ -427,14 +431,14 @@ class Daemon:
         """Start the process of a registered worker (a new one, or a resumed attempt)."""
         assert self._nursery is not None, "Daemon.run is not running"
         record = live.record
-        archive = Archive(Path(record.archive))
+        archive = self.archive_of(record.id)
         worker_env = base_env | {
             "PWD": cwd,  # the daemon's own PWD would name the wrong directory
             "SUBAGENTD_SOCKET": str(self.socket_path),
             "SUBAGENTD_WORKER_ID": record.id,
             "SUBAGENTD_RUN_ID": record.run,
             "SUBAGENTD_TOKEN": record.token,
-            "SUBAGENTD_ARCHIVE": record.archive,
+            "SUBAGENTD_ARCHIVE": str(archive.path),
             "SUBAGENTD_RESULT": str(archive.file(Archive.RESULT)),
         }
         if record.attempt > 1:
@@ -676,7 +680,7 @@ class Daemon:
             self.fault("ending", record.name)
         now = self.clock()
         self.registry.ended(record.id, returncode, now)
-        archive = Archive(Path(record.archive))
+        archive = self.archive_of(record.id)
         # Each write may meet a full disk; the ending stands in memory regardless
         # (and its wake is delivered from memory) and is reported.
         if failure is not None:
@@ -737,7 +741,7 @@ class Daemon:
 
     def _stdout_tail(self, found: WorkerRecord | Tombstone) -> bytes:
         """The end of an ended worker's stdout; its journal is not read again if open."""
-        return Archive(Path(found.archive)).stdout_tail(self.journals.get(found.id))
+        return self.archive_of(found.id).stdout_tail(self.journals.get(found.id))
 
     def _out_of_descriptors(self, worker_id: str, exc: OutOfDescriptors) -> Busy:
         """Report a spawn that found no descriptor; the refusal its client gets."""
@@ -966,16 +970,23 @@ class Daemon:
         found = self.registry.workers.get(worker_id) or self.registry.tombstones.get(worker_id)
         if found is not None:
             return found
-        archived = self._archive(worker_id).load_record()
+        archived = self.archive_of(worker_id).load_record()
         if archived is None:
             raise NotFound(f"no worker {worker_id!r}")
         return archived
 
-    def _archive(self, worker_id: str) -> Archive:
+    def archive_of(self, worker_id: str) -> Archive:
+        """The worker's archive: where the state dir keeps it for that id, never where a
+        record says (its worker may rewrite its record); NotFound for no worker id."""
         path = self.state_dir.archive(worker_id)
         if path is None:
             raise NotFound(f"no worker {worker_id!r} (not a worker id)")
-        return Archive(path)
+        return Archive(path, damaged=self.record_damaged)
+
+    def record_damaged(self, worker_id: str, problem: str) -> None:
+        """Report a record that is not its archive's own, once per worker (see load_record)."""
+        if worker_id not in self.record_problems and len(self.record_problems) < RECORD_PROBLEMS:
+            self.record_problems[worker_id] = f"worker {worker_id}: {problem}"
 
     async def wait(self, worker_id: str) -> WorkerView:
         self.lookup(worker_id)
@@ -989,7 +1000,7 @@ class Daemon:
             found = self.lookup(worker_id)
         elif found.state not in TERMINAL_STATES:
             raise Busy(f"worker {worker_id} is still {found.state}; collect --wait waits for it")
-        archive = Archive(Path(found.archive))
+        archive = self.archive_of(found.id)
         text = ""
         if archive.path.exists():
             text = archive.result_text(lambda: self._stdout_tail(found))
@@ -1024,7 +1035,7 @@ class Daemon:
         """
         journal = self.journals.pop(found.id, None)
         if journal is None:
-            path = Path(found.archive) / Archive.JOURNAL
+            path = self.archive_of(found.id).file(Archive.JOURNAL)
             try:
                 journal = await trio.to_thread.run_sync(
                     functools.partial(Journal.open, path, writable=False),
@@ -1182,7 +1193,8 @@ class Daemon:
             problems=[p for p in (self.disk_problem, self.descriptor_problem) if p]
             + self.wake_log.problems
             + self.recovery_problems
-            + self.registry.damage,
+            + self.registry.damage
+            + list(self.record_problems.values()),
         )
 
 

@@ -8,7 +8,6 @@ down the same launch path as a new spawn.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import structlog
 import trio
@@ -39,7 +38,7 @@ class Resumer:
             raise Reloading("the daemon is reloading; resume again", retry_after=RELOAD_RETRY)
         found = self.daemon.lookup(worker_id)
         self._check_resumable(found.id, found.state)
-        archive = Archive(Path(found.archive))
+        archive = self.daemon.archive_of(found.id)
         snapshot = read_snapshot(archive, worker_id)
         check_branch(snapshot, worker_id)
         record = self.daemon.registry.workers.get(worker_id) or archive.load_record()
@@ -134,7 +133,7 @@ class Resumer:
             raise Refused(f"run {run_id} ended well: every worker finished")
         heads = [r for r in unfinished.values() if r.parent not in unfinished]
         for record in heads:
-            check_branch(read_snapshot(Archive(Path(record.archive)), record.id), record.id)
+            check_branch(read_snapshot(self.daemon.archive_of(record.id), record.id), record.id)
         return sorted(heads, key=lambda r: (r.started_at, r.id))
 
     async def resume_run(self, run_id: str) -> list[WorkerView]:
