@@ -290,3 +290,37 @@ async def test_a_resume_run_under_way_when_a_reload_begins_resumes_every_head_on
     assert isinstance(outcome[0], list), f"resume_run raised {outcome[0]!r}"
     assert sorted(view.id for view in outcome[0]) == sorted(w.id for w in workers)
     assert attempts == [2] * heads, attempts
+
+
+async def test_a_stop_run_cut_short_by_a_reload_on_its_connection_answers_what_it_stopped(
+    daemon: DaemonProcess,
+) -> None:
+    """A stop_run waiting (out its worker's grace) on the connection that asks for a reload
+    is answered with what it stopped, not `reloading`: sent again, it would find the run
+    stopped already and answer that it stopped nothing."""
+    with trio.fail_after(90):
+        async with AsyncClient(daemon.socket) as client, AsyncClient(daemon.socket) as watcher:
+            run = await client.new_run()
+            worker = await client.spawn(
+                sh("trap 'echo term' TERM; echo ready; while :; do sleep 0.1; done"),
+                run=run,
+                grace=8,
+            )
+            await wait_output(watcher, worker.id, b"ready")
+            answered: list[list[str]] = []
+            told = trio.Event()
+            async with trio.open_nursery() as nursery:
+
+                async def stop_run() -> None:
+                    answered.append(await client.stop_run(run))  # waits for the grace
+                    told.set()
+
+                nursery.start_soon(stop_run)
+                await wait_output(watcher, worker.id, b"term")  # the stop waits out the grace
+                await client.reload()  # on the same connection, as an AsyncClient shares one
+                with trio.move_on_after(4):  # half the grace
+                    await told.wait()
+                # Answered at the seal, without waiting out the grace: the worker still runs.
+                assert (await watcher.status(worker.id)).state == "running"
+                nursery.cancel_scope.cancel()
+    assert answered == [[worker.id]], f"stop_run answered {answered}, not [{worker.id!r}]"
