@@ -306,9 +306,12 @@ def latest_resumable(cwd: str | os.PathLike[str] | None = None) -> Call[Latest]:
 
 def retry_delay(request: Request[Reply], reply: Reply) -> float | None:
     """How long to wait before sending `request` again, for a `reloading` answer to it: a
-    spawn or resume refused while the launch fence of a reload is up, or any request in
-    flight on the connection that asked for a reload, which that reload cut short (what
-    such a request did, a stop say, is safe to ask again); None: no retry."""
+    spawn or resume refused while the launch fence of a reload is up, or a request that
+    only asks, cut short on the connection that asked for a reload; None: no retry. No
+    other request is sent twice: the daemon answers one that took effect (a stop that
+    was waiting) with what it did, and a second stop would say it stopped nothing."""
+    if not (request.again_after_reloading or request.resendable()):
+        return None
     if isinstance(reply, Error) and reply.code == Reloading.code and reply.id != 0:
         return reply.retry_after if reply.retry_after is not None else 0.2
     return None

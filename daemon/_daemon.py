@@ -878,8 +878,9 @@ class Daemon:
 
     # -- stopping ------------------------------------------------------------
 
-    async def stop(self, worker_id: str, *, wait: bool) -> tuple[bool, list[str]]:
-        """Stop a worker and its subtree; (found, ids newly stopped).
+    def stop(self, worker_id: str) -> tuple[bool, list[str]]:
+        """Stop a worker and its subtree; (found, ids newly stopped). `wait_stopped` waits
+        for them to end.
 
         An id whose handle was released (collected, expired) is found, ended,
         and so stops nothing; only an id never seen is not found.
@@ -893,9 +894,12 @@ class Daemon:
         stopped = self.registry.stop(worker_id)
         self.ask_stop(stopped)
         log.info("worker.stop_asked", worker=worker_id, stopped=stopped)
-        if wait:
-            await self.wait_ended(list(self.registry.subtree(worker_id)))
         return True, stopped
+
+    async def wait_stopped(self, worker_id: str) -> None:
+        """Return once a worker and its subtree have ended (a stop's wait)."""
+        if worker_id in self.registry.workers:
+            await self.wait_ended(list(self.registry.subtree(worker_id)))
 
     def new_run(self, outer: str | None) -> str:
         run = self.registry.new_run(self.clock(), outer)
@@ -909,8 +913,9 @@ class Daemon:
         save_run(self.runs_dir, self.registry.runs[run_id])
         self._saved_runs.add(run_id)
 
-    async def stop_run(self, run_id: str, *, wait: bool) -> tuple[bool, list[str]]:
-        """Stop a run and the runs nested in it: workers in flight, and every later spawn."""
+    def stop_run(self, run_id: str) -> tuple[bool, list[str]]:
+        """Stop a run and the runs nested in it: workers in flight, and every later spawn;
+        (found, ids newly stopped). `wait_run_ended` waits for them to end."""
         if run_id not in self.registry.runs:
             return False, []
         stopped = self.registry.stop_run(run_id)
@@ -921,10 +926,14 @@ class Daemon:
             if (event := self._run_stopped.pop(run, None)) is not None:
                 event.set()
         log.info("run.stop_asked", run=run_id, stopped=stopped)
-        if wait:
+        return True, stopped
+
+    async def wait_run_ended(self, run_id: str) -> None:
+        """Return once every live worker of a run (and of the runs nested in it) has ended
+        (a stop_run's wait)."""
+        if run_id in self.registry.runs:
             members = [r.id for r in self.registry.listing(include_ended=False, run=run_id)]
             await self.wait_ended(members)
-        return True, stopped
 
     async def wait_run_stopped(self, run_id: str) -> None:
         """Return once `run_id` is stopped, by whoever and through whichever outer run."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import math
 import secrets
 from collections.abc import Callable, Iterator
 
@@ -72,12 +73,22 @@ class WorkerRecord(msgspec.Struct, kw_only=True):
     fence: int | None = None
     #: Left uncollected past the retention TTL (released once nothing needs it).
     expired: bool = False
+    #: When its first attempt started: its place in a listing, which a resume keeps
+    #: (0: a record from before this was kept, placed by its start).
+    spawned_at: float = 0.0
 
     def __post_init__(self) -> None:
         # A grace carried from before numbers were checked at the door (nan, inf) would
         # make the ending of its worker raise: such a record ends with the default.
         if not 0 <= self.grace <= MAX_GRACE:
             self.grace = DEFAULT_GRACE
+        if not 0 < self.spawned_at < math.inf:
+            self.spawned_at = self.started_at
+
+    @property
+    def place(self) -> tuple[float, str]:
+        """Where it comes in a listing: by first start, then id."""
+        return self.spawned_at, self.id
 
     @property
     def ended(self) -> bool:
@@ -118,14 +129,14 @@ def listing_page(
 
     A page holds at most `limit` workers (and LIST_PAGE_WORKERS) and stops once
     it passes LIST_PAGE_BYTES, so it always fits in a frame. The cursor names
-    a place in the order (started_at, id), not a worker: a worker released
-    between pages moves nothing.
+    a place in the order (spawned_at, id), not a worker: a worker released
+    between pages moves nothing, and one resumed keeps its place.
     """
     if limit < 1:
         raise Invalid(f"list_workers needs limit >= 1, not {limit}")
     start = 0
     if after is not None:
-        start = bisect.bisect_right(records, _cursor_key(after), key=lambda r: (r.started_at, r.id))
+        start = bisect.bisect_right(records, _cursor_key(after), key=lambda r: r.place)
     views: list[WorkerView] = []
     size = 0
     end = start
@@ -139,7 +150,7 @@ def listing_page(
     if end >= len(records):
         return views, None, True
     last = records[end - 1]
-    return views, f"{last.started_at.hex()}/{last.id}", False
+    return views, f"{last.spawned_at.hex()}/{last.id}", False
 
 
 def _cursor_key(cursor: str) -> tuple[float, str]:
@@ -667,7 +678,7 @@ class Registry:
             records = list(self.workers.values())
         if not include_ended:
             records = [r for r in records if not r.ended]
-        return sorted(records, key=lambda r: (r.started_at, r.id))
+        return sorted(records, key=lambda r: r.place)
 
     def counts(self) -> dict[str, int]:
         counts: dict[str, int] = {}

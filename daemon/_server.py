@@ -16,7 +16,7 @@ import math
 import os
 import socket
 import struct
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
 import msgspec
@@ -187,6 +187,18 @@ class Connection:
                 )
                 await self.stream.send_all(encode(self.unsent.pop(rid, again)))
             self.sealed = True
+
+    @contextlib.contextmanager
+    def answers_if_sealed(self, reply: Reply) -> Iterator[None]:
+        """For the body, a wait after its request took effect (a stop waiting for processes
+        to exit): cut short by the seal, the request is answered `reply`, not `reloading`,
+        whose re-send would find it done and answer otherwise (a stop: nothing stopped)."""
+        try:
+            yield
+        except trio.Cancelled:
+            if self.kept:
+                self.unsent[reply.id] = reply
+            raise
 
     async def send(self, reply: Reply) -> None:
         if self.sealed:
@@ -644,8 +656,12 @@ class Server:
             case Status(worker=worker):
                 return WorkerReply(id=rid, worker=daemon.lookup(worker).view())
             case Stop(worker=worker, wait=wait):
-                found, stopped = await daemon.stop(worker, wait=wait)
-                return Stopped(id=rid, found=found, stopped=stopped)
+                found, stopped = daemon.stop(worker)
+                reply = Stopped(id=rid, found=found, stopped=stopped)
+                if wait:
+                    with conn.answers_if_sealed(reply):
+                        await daemon.wait_stopped(worker)
+                return reply
             case Watch(worker=worker, since=since, limit=limit, follow=follow):
                 if follow:
                     await daemon.follow(worker, since, limit, _sender(conn, rid))
@@ -702,8 +718,12 @@ class Server:
             case NewRun(outer=outer):
                 return RunReply(id=rid, run=daemon.new_run(outer))
             case StopRun(run=run, wait=wait):
-                found, stopped = await daemon.stop_run(run, wait=wait)
-                return Stopped(id=rid, found=found, stopped=stopped)
+                found, stopped = daemon.stop_run(run)
+                reply = Stopped(id=rid, found=found, stopped=stopped)
+                if wait:
+                    with conn.answers_if_sealed(reply):
+                        await daemon.wait_run_ended(run)
+                return reply
             case WaitRunStopped(run=run):
                 await daemon.wait_run_stopped(run)
                 return Done(id=rid)

@@ -293,10 +293,10 @@ class Request(msgspec.Struct, Generic[R], tag_field="op", kw_only=True):
     (or an `Error`); a stream, by several. The class-level facts below are
     ClassVars (not fields: never encoded); those that depend on a field are methods.
 
-    One fact holds for every request alike: answered `reloading` under its own id
-    (a spawn or resume while the launch fence of a reload is up, or any request cut short
-    on the connection that asked for the reload), it may be sent again after
-    ``retry_after``; the clients do (`retry_delay`).
+    Answered `reloading` under its own id (a spawn or resume while the launch fence of
+    a reload is up, or a request cut short on the connection that asked for the reload),
+    a request is sent again after ``retry_after`` if it is `resendable` or
+    `again_after_reloading`; the clients do (`retry_delay`). Nothing else is sent twice.
     """
 
     id: RequestId
@@ -309,6 +309,10 @@ class Request(msgspec.Struct, Generic[R], tag_field="op", kw_only=True):
     for_workers: ClassVar[bool] = False
     #: Answered without waiting for anything: the daemon answers it inline, without a task.
     at_once: ClassVar[bool] = False
+    #: Changes something, yet is safe to send again when answered `reloading`: the launch
+    #: fence refuses it before it does anything (and once under way, a reload waits for
+    #: it), or a second asking answers the same.
+    again_after_reloading: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -356,6 +360,7 @@ class Spawn(Request[WorkerReply], tag="spawn"):
     grace: Grace | None = None
 
     for_workers = True
+    again_after_reloading = True
 
 
 class NewRun(Request[RunReply], tag="new_run"):
@@ -419,6 +424,7 @@ class Collect(Request[ResultReply], tag="collect"):
     wait: bool = False
 
     for_workers = True
+    again_after_reloading = True
 
     def resendable(self) -> bool:
         # A collect releases the handle, though a repeat answers the same: only one that
@@ -492,12 +498,15 @@ class Resume(Request[WorkerReply], tag="resume"):
     model: Name | None = None
 
     for_workers = True
+    again_after_reloading = True
 
 
 class ResumeRun(Request[WorkerList], tag="resume_run"):
     """A new live attempt of a run: its highest unfinished workers carry on."""
 
     run: Id
+
+    again_after_reloading = True
 
 
 class LatestResumable(Request[Latest], tag="latest_resumable"):
