@@ -474,6 +474,8 @@ class Daemon:
             archive.write_record(record)
         except OSError as exc:
             self._disk_trouble(f"archive of {record.id}", exc)
+        else:
+            self.disk_problem = None  # writes go through again: the trouble has passed
         log.info(
             "worker.started",
             worker=record.id,
@@ -716,6 +718,8 @@ class Daemon:
             archive.write_record(record)
         except OSError as exc:
             self._disk_trouble(f"record of {record.id}", exc)
+        else:
+            self.disk_problem = None
         self._retention_changed.set()
         self.touch()
 
