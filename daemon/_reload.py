@@ -378,7 +378,7 @@ async def adopt(daemon: Daemon, checkpoint: Checkpoint) -> tuple[int, list[str]]
             # Verified whole while clients wait in the backlog: a million entries cost
             # seconds of this reload (carrying the verified index would spare that).
             journal = await daemon.open_journal(
-                Path(record.archive) / Archive.JOURNAL, writable=True
+                daemon.archive_of(record.id).file(Archive.JOURNAL), writable=True
             )
         except (msgspec.DecodeError, OSError, JournalCorrupt) as exc:  # OSError: pid gone too
             log.error("reload.cannot_adopt", worker=carried.id, pid=carried.pid, error=str(exc))
@@ -402,10 +402,15 @@ async def adopt(daemon: Daemon, checkpoint: Checkpoint) -> tuple[int, list[str]]
         fence=checkpoint.fence,
         fence_epochs=checkpoint.fence_epochs,
     )
+    # What clients see: an earlier image may have taken it from a rewritten record.
+    for record in daemon.registry.workers.values():
+        record.archive = str(daemon.archive_of(record.id).path)
+    for stone in daemon.registry.tombstones.values():
+        stone.archive = str(daemon.archive_of(stone.id).path)
     daemon.image_generation = checkpoint.image_generation + 1
     daemon.reloads = checkpoint.reloads + 1
     for record in unadoptable:
-        daemon.post_wake(record, Archive(Path(record.archive)))
+        daemon.post_wake(record, daemon.archive_of(record.id))
     return len(daemon.live), stopped
 
 
@@ -416,7 +421,7 @@ async def _stop_unadoptable(daemon: Daemon, carried: CarriedWorker) -> WorkerRec
             os.close(fd)
     await daemon.end_leftover_tree(carried.id, carried.pid, carried.pid_start, 0.5)
     await reap(carried.pid)
-    archive = Archive(Path(carried.archive))
+    archive = daemon.archive_of(carried.id)
     record = archive.load_record()
     if record is None:
         return None

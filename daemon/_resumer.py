@@ -8,7 +8,6 @@ down the same launch path as a new spawn.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import structlog
 import trio
@@ -32,19 +31,27 @@ class Resumer:
         #: Workers whose journal a resume is verifying (in a thread): one resume at a time.
         self._opening: set[str] = set()
 
-    async def resume(
-        self, worker_id: str, worker_timeout: float | None, caller: str | None = None
-    ) -> WorkerView:
+    async def resume(self, worker_id: str, worker_timeout: float | None) -> WorkerView:
         """Carry a stopped, failed, timed-out or interrupted worker on from its snapshot:
         same id, next attempt, same journal; only the timeout may be given anew."""
+        self._check_fence()
+        with self.daemon.launching(), trio.CancelScope(shield=True):
+            view = await self._resume_one(worker_id, worker_timeout)
+        return view
+
+    def _check_fence(self) -> None:
+        """Refuse a resume the daemon cannot start now; once past this, a reload's freeze
+        waits for it (its launch is counted)."""
         if self.daemon.shutting_down:
             raise Refused("the daemon is shutting down: it resumes nothing")
         if self.daemon.reloading:
             raise Reloading("the daemon is reloading; resume again", retry_after=RELOAD_RETRY)
-        self.daemon.authorize(caller, worker_id)
+
+    async def _resume_one(self, worker_id: str, worker_timeout: float | None) -> WorkerView:
+        """`resume`, past the fence, its launch counted and shielded by the caller."""
         found = self.daemon.lookup(worker_id)
         self._check_resumable(found.id, found.state)
-        archive = Archive(Path(found.archive))
+        archive = self.daemon.archive_of(found.id)
         snapshot = read_snapshot(archive, worker_id)
         check_branch(snapshot, worker_id)
         record = self.daemon.registry.workers.get(worker_id) or archive.load_record()
@@ -52,9 +59,7 @@ class Resumer:
             raise Refused(f"worker {worker_id} cannot be resumed: its record is unreadable")
         if worker_timeout is not None and worker_timeout < 0:
             raise Invalid(f"timeout must be zero or more seconds, not {worker_timeout}")
-        with self.daemon.launching(), trio.CancelScope(shield=True):
-            view = await self._reopen(record, snapshot, archive, worker_timeout)
-        return view
+        return await self._reopen(record, snapshot, archive, worker_timeout)
 
     async def _reopen(
         self,
@@ -150,14 +155,22 @@ class Resumer:
             raise Refused(f"run {run_id} ended well: every worker finished")
         heads = [r for r in unfinished.values() if r.parent not in unfinished]
         for record in heads:
-            check_branch(read_snapshot(Archive(Path(record.archive)), record.id), record.id)
+            check_branch(read_snapshot(self.daemon.archive_of(record.id), record.id), record.id)
         return sorted(heads, key=lambda r: (r.started_at, r.id))
 
     async def resume_run(self, run_id: str) -> list[WorkerView]:
-        """A new live attempt of a run: its highest unfinished workers carry on."""
+        """A new live attempt of a run: its highest unfinished workers carry on.
+
+        All of them or none as far as a reload goes: the fence is checked once, and the
+        launches are counted (and shielded) together, so a reload asked meanwhile waits
+        for every head rather than refusing the later ones after the earlier ran again.
+        """
+        self._check_fence()
         heads = self._resumable_heads(run_id)
         self.daemon.registry.reopen_run(run_id, self.daemon.clock())
-        return [await self.resume(record.id, None) for record in heads]
+        with self.daemon.launching(), trio.CancelScope(shield=True):
+            views = [await self._resume_one(record.id, None) for record in heads]
+        return views
 
     def latest_resumable(self, cwd: str) -> tuple[str, bool, str]:
         """The newest run started in `cwd` that a resume would take: (run, True, "");

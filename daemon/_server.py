@@ -16,7 +16,7 @@ import math
 import os
 import socket
 import struct
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
 import msgspec
@@ -71,11 +71,11 @@ from subagentd.protocol import (
     WorkerReply,
     client_decoder,
     encode,
+    op,
     package_version,
 )
 from subagentd.protocol.errors import (
     ErrorCode,
-    Forbidden,
     FrameTooLarge,
     Frozen,
     Invalid,
@@ -83,6 +83,7 @@ from subagentd.protocol.errors import (
     RemoteError,
 )
 
+from ._authority import Authority
 from ._daemon import RELOAD_RETRY, Daemon
 from ._registry import listing_page
 from ._reload import Handover, Reloader, owed_by_connection
@@ -115,8 +116,6 @@ BUDGETED_FROM = 64 * 1024
 #: of a large frame and stalls must not hold the budget (and every large request) for good.
 FRAME_SECONDS = 5.0
 FRAME_MIN_RATE = 1024 * 1024
-#: Requests that never wait (their dispatch awaits nothing): no task, scope or event each.
-ANSWERED_AT_ONCE = (Info, Status, ListWorkers)
 _PEERCRED = struct.Struct("3i")
 _conn_ids = itertools.count(1)
 
@@ -189,6 +188,18 @@ class Connection:
                 await self.stream.send_all(encode(self.unsent.pop(rid, again)))
             self.sealed = True
 
+    @contextlib.contextmanager
+    def answers_if_sealed(self, reply: Reply) -> Iterator[None]:
+        """For the body, a wait after its request took effect (a stop waiting for processes
+        to exit): cut short by the seal, the request is answered `reply`, not `reloading`,
+        whose re-send would find it done and answer otherwise (a stop: nothing stopped)."""
+        try:
+            yield
+        except trio.Cancelled:
+            if self.kept:
+                self.unsent[reply.id] = reply
+            raise
+
     async def send(self, reply: Reply) -> None:
         if self.sealed:
             return  # its request was answered `reloading`, to be sent again
@@ -239,6 +250,7 @@ class Server:
         self.connections = 0  # open now
         self.reloader: Reloader | None = None
         self.resumer = Resumer(daemon)
+        self.authority = Authority(lambda worker_id: daemon.lookup(worker_id).parent)
         self._open: set[Connection] = set()
         self._scope = trio.CancelScope()
         self._accepting = trio.CancelScope()
@@ -486,7 +498,7 @@ class Server:
                         await conn.send(message)  # the connection carries on
                     elif refusal := self._admission(conn, message):
                         await conn.send(refusal)
-                    elif isinstance(message, ANSWERED_AT_ONCE):
+                    elif message.at_once:
                         # Nothing to wait for: answered here, without a task of its own.
                         if (reply := await self._reply(conn, message)) is not None:
                             await conn.send(reply)
@@ -614,13 +626,14 @@ class Server:
     async def _reply(self, conn: Connection, request: ClientMessage) -> Reply | None:
         """What answers `request`: its reply, or the error it met."""
         try:
+            self.authority.check(conn.caller, request)
             return await self._dispatch(conn, request)
         except RemoteError as exc:
             return Error(
                 id=request.id, code=exc.code, message=exc.message, retry_after=exc.retry_after
             )
         except Exception as exc:
-            log.exception("request.failed", op=type(request).__name__)
+            log.exception("request.failed", op=op(request))
             return Error(
                 id=request.id,
                 code=ErrorCode.INTERNAL,
@@ -637,17 +650,19 @@ class Server:
             case ListWorkers(all=include_ended, run=run, after=after, limit=limit):
                 records = registry.listing(include_ended=include_ended, run=run)
                 if caller is not None:
-                    records = [r for r in records if registry.within(caller, r.id)]
+                    records = [r for r in records if self.authority.sees(caller, r.id)]
                 views, cursor, complete = listing_page(records, after, limit)
                 return WorkerList(id=rid, workers=views, next=cursor, complete=complete)
             case Status(worker=worker):
-                daemon.authorize(caller, worker)
                 return WorkerReply(id=rid, worker=daemon.lookup(worker).view())
             case Stop(worker=worker, wait=wait):
-                found, stopped = await daemon.stop(worker, wait=wait, caller=caller)
-                return Stopped(id=rid, found=found, stopped=stopped)
+                found, stopped = daemon.stop(worker)
+                reply = Stopped(id=rid, found=found, stopped=stopped)
+                if wait:
+                    with conn.answers_if_sealed(reply):
+                        await daemon.wait_stopped(worker)
+                return reply
             case Watch(worker=worker, since=since, limit=limit, follow=follow):
-                daemon.authorize(caller, worker)
                 if follow:
                     await daemon.follow(worker, since, limit, _sender(conn, rid))
                     return None
@@ -655,13 +670,11 @@ class Server:
                 page.id = rid
                 return page
             case Collect(worker=worker, wait=wait):
-                daemon.authorize(caller, worker)
                 return ResultReply(id=rid, result=await daemon.collect(worker, wait=wait))
             case Wait(worker=worker):
-                daemon.authorize(caller, worker)
                 return WorkerReply(id=rid, worker=await daemon.wait(worker))
             case Subscribe(run=run, worker=worker, follow=follow):
-                key = daemon.wake_key(run, worker, caller)
+                key = daemon.wake_key(run, worker)
                 await daemon.subscribe(key, follow, _wake_sender(conn, rid))
                 return None
             case Ack(wakes=seqs):
@@ -689,11 +702,9 @@ class Server:
                         f"a resume runs what worker {worker}'s snapshot froze at spawn: "
                         f"{', '.join(given)} cannot be given again (only --timeout can)"
                     )
-                return WorkerReply(
-                    id=rid, worker=await self.resumer.resume(worker, timeout, caller)
-                )
+                return WorkerReply(id=rid, worker=await self.resumer.resume(worker, timeout))
             case Cancel(scope=scope):
-                return Cancelled(id=rid, cancelled=daemon.cancel(scope, caller))
+                return Cancelled(id=rid, cancelled=daemon.cancel(scope))
             case Info():
                 return InfoReply(id=rid, info=daemon.info())
             case Abort(request=target):
@@ -704,17 +715,15 @@ class Server:
                 return Done(id=rid)
             case Hello():
                 raise Invalid("hello was already exchanged on this connection")
-        if caller is not None:
-            raise Forbidden(
-                f"{type(request).__name__} is not for a worker's connection: it reaches "
-                f"beyond worker {caller}'s own subtree"
-            )
-        match request:
             case NewRun(outer=outer):
                 return RunReply(id=rid, run=daemon.new_run(outer))
             case StopRun(run=run, wait=wait):
-                found, stopped = await daemon.stop_run(run, wait=wait)
-                return Stopped(id=rid, found=found, stopped=stopped)
+                found, stopped = daemon.stop_run(run)
+                reply = Stopped(id=rid, found=found, stopped=stopped)
+                if wait:
+                    with conn.answers_if_sealed(reply):
+                        await daemon.wait_run_ended(run)
+                return reply
             case WaitRunStopped(run=run):
                 await daemon.wait_run_stopped(run)
                 return Done(id=rid)
@@ -735,7 +744,7 @@ class Server:
             case ClearFence():
                 registry.clear_fence()
                 return Done(id=rid)
-        raise Invalid(f"unknown request {type(request).__name__}")
+        raise Invalid(f"unknown request {op(request)}")
 
 
 def _duplicates(conns: list[Connection]) -> dict[Connection, int]:

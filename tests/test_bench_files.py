@@ -11,6 +11,7 @@ import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
+
 @pytest.fixture(scope="module")
 def files_bench() -> ModuleType:
     sys.path.insert(0, str(BENCH))  # the bench's own imports (_harness) are beside it

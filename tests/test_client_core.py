@@ -32,12 +32,14 @@ from subagentd.protocol import (
     Request,
     ResultReply,
     Resume,
+    ResumeRun,
     RunReply,
     SetFence,
     Spawn,
     Status,
     Stop,
     Stopped,
+    StopRun,
     Subscribe,
     TurnReply,
     Wait,
@@ -527,7 +529,7 @@ RELOADING = encode(
 )
 
 
-def reconnect(conn: _core.Connection) -> list[Request]:
+def reconnect(conn: _core.Connection) -> list[Request[Reply]]:
     """What a shell does once a new connection said welcome: the requests it sends on it."""
     assert conn.reconnecting
     return [client_decoder.decode(data[HEADER.size :]) for data in conn.reconnected()]
@@ -628,8 +630,13 @@ def test_a_request_answered_reloading_under_its_own_id_is_sent_again() -> None:
     reloading = Error(id=2, code="reloading", message="reloading", retry_after=0.3)
     assert _core.retry_delay(Spawn(id=2), reloading) == 0.3
     assert _core.retry_delay(Resume(id=2, worker="w-1"), reloading) == 0.3
-    # Cut short on the connection that asked for a reload: safe to ask again.
-    assert _core.retry_delay(Stop(id=2, worker="w-1"), reloading) == 0.3
+    assert _core.retry_delay(ResumeRun(id=2, run="r-1"), reloading) == 0.3
+    # Cut short on the connection that asked for a reload: asking again is safe.
+    assert _core.retry_delay(Status(id=2, worker="w-1"), reloading) == 0.3
+    # Not a stop: sent again it would say it stopped nothing (its real answer comes instead).
+    assert _core.retry_delay(Stop(id=2, worker="w-1"), reloading) is None
+    assert _core.retry_delay(StopRun(id=2, run="r-1"), reloading) is None
+    assert _core.retry_delay(Cancel(id=2, scope="all"), reloading) is None
     assert _core.retry_delay(Spawn(id=2), Error(id=2, code="busy", message="busy")) is None
     notice = Error(id=0, code="reloading", message="reloading; reconnect")
     assert _core.retry_delay(Spawn(id=2), notice) is None

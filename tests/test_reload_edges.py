@@ -1,7 +1,8 @@
 """Edges of reload and of runs, driven the way a user drives them: an unexpected
 failure early in a reload, reloads pipelined on one connection and asked too
 soon, requests in flight and frames half read on the connection that asks, a
-failing worker's grace, and a run nested in a lone spawn's implicit run.
+failing worker's grace, a run nested in a lone spawn's implicit run, and a
+resume of a run or a waiting stop_run under way when a reload begins.
 """
 
 from __future__ import annotations
@@ -253,3 +254,73 @@ async def test_a_failing_workers_grace_does_not_stall_a_reload_for_everyone(
         assert served, f"nobody was served for 8 s while {faulty.id} had its grace"
         assert faulty.pid is not None
         assert not alive(faulty.pid)
+
+
+async def test_a_resume_run_under_way_when_a_reload_begins_resumes_every_head_once(
+    daemon: DaemonProcess,
+) -> None:
+    """A reload asked (by anyone) while a resume of a run is restarting its heads waits for
+    all of them: the resume is answered with every head, each resumed once, never half
+    done and refused `reloading` for the rest (whose re-send finds the run live)."""
+    heads = 60
+    script = 'if [ -n "$SUBAGENTD_RESUME" ]; then exec sleep 30; fi; exit 3'
+    with trio.fail_after(120):
+        async with AsyncClient(daemon.socket) as client, AsyncClient(daemon.socket) as other:
+            run = await client.new_run()
+            workers = [await client.spawn(sh(script), run=run, grace=1) for _ in range(heads)]
+            for worker in workers:
+                assert (await client.wait(worker.id)).state == "failed"
+            outcome: list[object] = []
+            async with trio.open_nursery() as nursery:
+
+                async def resume_run() -> None:
+                    try:
+                        outcome.append(await client.resume_run(run))
+                    except Exception as exc:
+                        outcome.append(exc)
+
+                nursery.start_soon(resume_run)
+                # Once the first head runs again, the resume of the run is under way.
+                first = sorted(workers, key=lambda w: (w.started_at, w.id))[0]
+                while (await other.status(first.id)).attempt < 2:  # noqa: ASYNC110  a condition
+                    await trio.sleep(0.005)
+                await other.reload()
+            attempts = [(await other.status(w.id)).attempt for w in workers]
+            await other.stop_run(run, wait=False)
+    assert isinstance(outcome[0], list), f"resume_run raised {outcome[0]!r}"
+    assert sorted(view.id for view in outcome[0]) == sorted(w.id for w in workers)
+    assert attempts == [2] * heads, attempts
+
+
+async def test_a_stop_run_cut_short_by_a_reload_on_its_connection_answers_what_it_stopped(
+    daemon: DaemonProcess,
+) -> None:
+    """A stop_run waiting (out its worker's grace) on the connection that asks for a reload
+    is answered with what it stopped, not `reloading`: sent again, it would find the run
+    stopped already and answer that it stopped nothing."""
+    with trio.fail_after(90):
+        async with AsyncClient(daemon.socket) as client, AsyncClient(daemon.socket) as watcher:
+            run = await client.new_run()
+            worker = await client.spawn(
+                sh("trap 'echo term' TERM; echo ready; while :; do sleep 0.1; done"),
+                run=run,
+                grace=8,
+            )
+            await wait_output(watcher, worker.id, b"ready")
+            answered: list[list[str]] = []
+            told = trio.Event()
+            async with trio.open_nursery() as nursery:
+
+                async def stop_run() -> None:
+                    answered.append(await client.stop_run(run))  # waits for the grace
+                    told.set()
+
+                nursery.start_soon(stop_run)
+                await wait_output(watcher, worker.id, b"term")  # the stop waits out the grace
+                await client.reload()  # on the same connection, as an AsyncClient shares one
+                with trio.move_on_after(4):  # half the grace
+                    await told.wait()
+                # Answered at the seal, without waiting out the grace: the worker still runs.
+                assert (await watcher.status(worker.id)).state == "running"
+                nursery.cancel_scope.cancel()
+    assert answered == [[worker.id]], f"stop_run answered {answered}, not [{worker.id!r}]"

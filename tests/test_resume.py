@@ -6,16 +6,17 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import msgspec
 import trio
 
 from subagentd import protocol as p
-from subagentd.client import AsyncClient
+from subagentd.client import AsyncClient, _core
 
 from .conftest import BIN, DaemonProcess
 from .helpers import RawConnection, sh, wait_output
 
 
-async def ask(daemon: DaemonProcess, request: p.Request) -> p.Reply:
+async def ask(daemon: DaemonProcess, request: p.Request[p.Reply]) -> p.Reply:
     conn = await RawConnection.open(daemon.socket)
     async with conn.stream:
         request.id = 2
@@ -250,3 +251,29 @@ def test_a_second_daemon_on_the_same_state_dir_is_refused(daemon: DaemonProcess)
     assert other.returncode == 1
     assert daemon.proc is not None
     assert f"pid {daemon.proc.pid}" in other.stderr
+
+
+async def test_a_worker_resumed_between_two_pages_of_a_listing_is_listed_once(
+    daemon: DaemonProcess,
+) -> None:
+    """A listing pages in the order workers were first spawned, which a resume does not
+    change: a worker resumed after its page was read does not come again on a later one."""
+    with trio.fail_after(30):
+        async with AsyncClient(daemon.socket) as client:
+            run = await client.new_run()
+            first = await client.spawn(
+                sh('[ -n "$SUBAGENTD_RESUME" ] && exec sleep 30; exit 3'), run=run
+            )
+            assert (await client.wait(first.id)).state == "failed"
+            later = [(await client.spawn(["sleep", "30"], run=run)).id for _ in range(2)]
+            cursor = _core.ListingCursor(all=True, run=run)
+            pages = 0
+            while not cursor.done:
+                page = msgspec.structs.replace(cursor.request(), limit=1)
+                cursor.take(await client.request(page))
+                pages += 1
+                if pages == 1:
+                    assert [w.id for w in cursor.workers] == [first.id]
+                    await client.resume(first.id)  # it starts again, after the others
+            await client.stop_run(run, wait=False)
+    assert [w.id for w in cursor.workers] == [first.id, *later]
