@@ -4,7 +4,7 @@ The last daemon died without handing over. Finished results stay collectable;
 workers that were running are `interrupted`, and whatever of their process
 trees survived (orphans now) is ended, but only after their leader's start
 time shows the pid is still theirs; wakes not yet acknowledged come back from
-the wake log, and an interrupted worker posts its own.
+the store, and an interrupted worker posts its own.
 
 Each interrupted worker is recovered in its own fault boundary: its archive is
 in its reach, and whatever was planted there (a directory where a file is
