@@ -2,6 +2,11 @@
 each change one `BEGIN IMMEDIATE` transaction, so a crash at any point leaves every change
 whole or absent. It may touch only that file (and its -wal and -shm) in the state dir.
 
+The daemon holds the database in exclusive locking mode (it alone uses it, under the
+state dir's lock; the WAL index lives in its memory, so there is no -shm file while it
+runs), and a reload's exec lets go of it (sqlite's descriptors are close-on-exec): the
+new image just opens it again.
+
 Durability: `synchronous=NORMAL`. In WAL mode a commit is then written to the WAL before
 it returns (so it survives kill -9 of the daemon, which is what every guarantee here is
 about) but fsynced only at checkpoints, so a machine crash may lose the last commits
@@ -21,9 +26,10 @@ Version 1 (this image) holds the wakes:
     counters(name TEXT PRIMARY KEY, value INTEGER)  -- 'wake_seq': the highest seq given
     wakes(seq INTEGER PRIMARY KEY, worker, attempt, run, parent, state, exit_code,
           preview, posted_at, UNIQUE (worker, attempt))  -- the unacknowledged ones
+    TRIGGER wake_seq_rises AFTER INSERT ON wakes  -- wake_seq = max(wake_seq, seq)
 
-A post inserts the wake and raises `wake_seq` in one transaction; an ack deletes it.
-`wake_seq` outlives every row, so no seq is ever given twice.
+A post inserts the wake (and the trigger raises `wake_seq`) in one transaction; an ack
+deletes it. `wake_seq` outlives every row, so no seq is ever given twice.
 
 The versions to come (issue 12), each its own migration, hold the rest of what the daemon
 knows, so that an ending (record, wake, retention) is one transaction:
@@ -108,6 +114,12 @@ def _to_v1(db: sqlite3.Connection) -> None:
             UNIQUE (worker, attempt)
         )"""
     )
+    # The floor rises with every post by construction, not by each writer remembering to.
+    db.execute(
+        """CREATE TRIGGER wake_seq_rises AFTER INSERT ON wakes BEGIN
+            UPDATE counters SET value = max(value, NEW.seq) WHERE name = 'wake_seq';
+        END"""
+    )
 
 
 #: MIGRATIONS[n] takes the schema from version n-1 to n (0: an empty database).
@@ -185,8 +197,7 @@ class Store:
 
     def post_wake(self, wake: Wake) -> None:
         with self.transaction("posting a wake") as db:
-            _insert_wake(db, wake, or_ignore=False)
-            _raise_floor(db, wake.seq)
+            _insert_wake(db, wake, or_ignore=False)  # and the floor rises (a trigger)
 
     def restate_wake(self, wake: Wake) -> None:
         """A posted wake, not yet delivered, now says its worker's new state."""
@@ -265,6 +276,9 @@ def _connect(path: Path) -> sqlite3.Connection:
     db = sqlite3.connect(path, isolation_level=None)  # transactions are ours: BEGIN IMMEDIATE
     try:
         _refuse_if_swapped(path)
+        # The daemon is the store's only user (it holds the state dir's lock): exclusive
+        # locking keeps the WAL's index in its memory (no -shm, no lock calls per change).
+        db.execute("PRAGMA locking_mode = EXCLUSIVE")
         db.execute("PRAGMA journal_mode = WAL")
         db.execute("PRAGMA synchronous = NORMAL")
         verdict = [row[0] for row in db.execute("PRAGMA quick_check")]

@@ -13,6 +13,7 @@ import zlib
 from pathlib import Path
 
 import msgspec
+import pytest
 import trio
 
 from subagentd import protocol as p
@@ -124,16 +125,25 @@ def test_a_wake_row_that_does_not_read_is_removed_alone(tmp_path: Path) -> None:
     assert (sorted(queue.pending), store.problems) == ([1, 3], [])  # reported once
 
 
-def test_the_store_is_not_fsynced_per_commit_but_is_write_ahead_logged(tmp_path: Path) -> None:
+def test_the_store_is_write_ahead_logged_and_held_by_the_daemon_alone(tmp_path: Path) -> None:
     """WAL with synchronous=NORMAL: each commit is in the WAL when it returns (kill -9
-    loses none), fsynced at checkpoints (see the module docstring for why)."""
+    loses none), fsynced at checkpoints (see the module docstring for why); exclusive
+    locking: the WAL index is in the daemon's memory, and nobody else writes meanwhile."""
     store, _ = _open(tmp_path)
     store.post_wake(_wake(1))
-    modes = _query(tmp_path / STORE_NAME, "PRAGMA journal_mode")
-    assert modes == [("wal",)]
+    assert store._db.execute("PRAGMA journal_mode").fetchall() == [("wal",)]
+    assert store._db.execute("PRAGMA synchronous").fetchall() == [(1,)]  # NORMAL
     assert (tmp_path / f"{STORE_NAME}-wal").stat().st_size > 0
+    assert not (tmp_path / f"{STORE_NAME}-shm").exists()
     assert store.version == SCHEMA_VERSION
+    other = sqlite3.connect(tmp_path / STORE_NAME, timeout=0)
+    try:
+        with pytest.raises(sqlite3.OperationalError, match="locked"):
+            other.execute("SELECT count(*) FROM wakes").fetchall()
+    finally:
+        other.close()
     store.close()
+    assert _query(tmp_path / STORE_NAME, "SELECT seq FROM wakes") == [(1,)]
 
 
 # -- the daemon, end to end ----------------------------------------------------
