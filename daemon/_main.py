@@ -28,7 +28,7 @@ from ._logging import LogFormat, configure_logging
 from ._registry import DEFAULT_FINISHED_TTL, DEFAULT_KEEP_ARCHIVES_DAYS
 from ._statedir import StateDirLocked, ensure_private_dir
 from ._store import READS_VERSIONS as STORE_READS_VERSIONS
-from ._store import StoreTooNew
+from ._store import StoreUnusable
 
 log = structlog.get_logger("subagentd")
 
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         trio.run(serve, settings)
-    except (StateDirLocked, SocketInUse, PermissionError, StoreTooNew) as exc:
+    except (StateDirLocked, SocketInUse, PermissionError, StoreUnusable) as exc:
         print(f"subagentd: {exc}", file=sys.stderr)
         return 1
     return 0

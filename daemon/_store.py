@@ -84,7 +84,11 @@ _COMPANIONS = ("", "-wal", "-shm")
 _WAKE_COLUMNS = ("seq", "id", "run", "parent", "state", "exit_code", "preview", "attempt")
 
 
-class StoreTooNew(Exception):
+class StoreUnusable(Exception):
+    """No store can be had: the daemon cannot start (the message says why and what to do)."""
+
+
+class StoreTooNew(StoreUnusable):
     """The database was written by a newer image: this one cannot read it."""
 
 
@@ -143,16 +147,23 @@ class Store:
         Whatever is wrong with the file costs only what it must: a symlink or a
         non-regular file there is set aside unfollowed, a damaged database is set aside
         and what can be read from it carried into a fresh one; both are reported. Raises
-        StoreTooNew for a schema from a newer image, OSError if no database can be made.
+        StoreTooNew for a schema from a newer image, StoreUnusable if no database can be
+        made (the disk is full, the directory unwritable).
         """
         problems: list[str] = []
-        _set_aside_foreign(path, problems)
         try:
-            db = _connect(path)
-        except sqlite3.DatabaseError as exc:
-            if isinstance(exc, sqlite3.OperationalError) and not _is_damage(exc):
-                raise _unusable(path, exc) from exc
-            db = _recover_from_damage(path, str(exc), problems)
+            _set_aside_foreign(path, problems)
+            try:
+                db = _connect(path)
+            except sqlite3.DatabaseError as exc:
+                if isinstance(exc, sqlite3.OperationalError) and not _is_damage(exc):
+                    raise
+                db = _recover_from_damage(path, str(exc), problems)
+        except (sqlite3.Error, OSError) as exc:
+            raise StoreUnusable(
+                f"cannot open the store {path}: {exc}; free space or fix the state dir's "
+                "permissions, then start again"
+            ) from exc
         return cls(path, db, problems)
 
     @property
@@ -208,6 +219,8 @@ class Store:
             )
 
     def ack_wakes(self, seqs: list[int]) -> None:
+        if not seqs:
+            return
         with self.transaction("acknowledging wakes") as db:
             db.executemany("DELETE FROM wakes WHERE seq = ?", [(s,) for s in seqs])
 
@@ -332,10 +345,6 @@ def _is_damage(exc: sqlite3.OperationalError) -> bool:
     """Whether an error at open says the file is damaged, not that it cannot be reached."""
     code = getattr(exc, "sqlite_errorcode", None)
     return code in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB)
-
-
-def _unusable(path: Path, exc: sqlite3.Error) -> OSError:
-    return OSError(errno.EIO, f"cannot open the store: {exc}", str(path))
 
 
 def _write_failed(what: str, exc: sqlite3.Error) -> StoreWriteFailed:

@@ -19,7 +19,7 @@ import structlog
 
 from subagentd.protocol import Wake, WorkerState
 
-from ._files import read_regular
+from ._files import NotRegularFile, read_regular
 from ._journal import ENTRY_HEADER
 from ._store import SEQ_SKIP_WITHOUT_FLOOR, Store
 
@@ -120,25 +120,44 @@ def open_wakes(store: Store, old_log: Path) -> WakeQueue:
     image before the store) once: its pending wakes keep their seqs, its floor stays the
     floor, and it is renamed `<name>.imported` so that it is never read again."""
     try:
-        blob = read_regular(old_log, WAKE_LOG_READ_LIMIT)
-    except FileNotFoundError:
-        pass
-    else:
-        replayed, problems = _replay(blob, old_log)
-        taken = store.import_wakes(
-            sorted(replayed.pending.values(), key=lambda w: w.seq), replayed.last_seq
+        _import_old_log(store, old_log)
+    except OSError as exc:  # the store is still whole: the daemon serves, and says so
+        problem = (
+            f"the wake log {old_log} of an earlier version could not be imported "
+            f"({exc.strerror or exc}): its wakes are not delivered until it is"
         )
-        imported = old_log.with_name(f"{old_log.name}.imported")
-        os.replace(old_log, imported)
-        log.info("wakes.log_imported", log=str(imported), wakes=len(taken))
-        for problem in problems:
-            store.problems.append(f"{problem}; it is kept as {imported}")
+        log.error("wakes.log_not_imported", problem=problem)
+        store.problems.append(problem)
     queue = WakeQueue()
     wakes, floor = store.wakes()
     for wake in wakes:
         queue.restore(wake)
     queue.last_seq = max(queue.last_seq, floor)
     return queue
+
+
+def _import_old_log(store: Store, old_log: Path) -> None:
+    try:
+        blob = read_regular(old_log, WAKE_LOG_READ_LIMIT)
+    except FileNotFoundError:
+        return
+    except NotRegularFile:
+        # Planted (a symlink, a FIFO): moved aside as it is, never followed or read.
+        aside = old_log.with_name(f"{old_log.name}.not-ours")
+        os.replace(old_log, aside)
+        store.problems.append(
+            f"the wake log {old_log} was not a regular file: set aside, unread, as {aside}"
+        )
+        return
+    replayed, problems = _replay(blob, old_log)
+    taken = store.import_wakes(
+        sorted(replayed.pending.values(), key=lambda w: w.seq), replayed.last_seq
+    )
+    imported = old_log.with_name(f"{old_log.name}.imported")
+    os.replace(old_log, imported)
+    log.info("wakes.log_imported", log=str(imported), wakes=len(taken))
+    for problem in problems:
+        store.problems.append(f"{problem}; it is kept as {imported}")
 
 
 def _replay(blob: bytes, path: Path) -> tuple[WakeQueue, list[str]]:

@@ -146,6 +146,19 @@ def test_the_store_is_write_ahead_logged_and_held_by_the_daemon_alone(tmp_path: 
     assert _query(tmp_path / STORE_NAME, "SELECT seq FROM wakes") == [(1,)]
 
 
+def test_a_symlink_at_the_old_wake_log_is_set_aside_unread(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious, outside the state dir\n")
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "wakes.log").symlink_to(victim)
+    store, queue = _open(state)
+    assert queue.pending == {}
+    assert (state / "wakes.log.not-ours").is_symlink()
+    assert victim.read_bytes() == b"precious, outside the state dir\n"
+    assert any("not a regular file" in problem for problem in store.problems)
+
+
 # -- the daemon, end to end ----------------------------------------------------
 
 
