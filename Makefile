@@ -31,8 +31,10 @@ test: lint typecheck
 
 # Every benchmark, side by side with supervisord (from PyPI, into the venv):
 # writes bench/results/<date>.md and .json and prints the table. See bench/README.md.
+# bench/files.py counts the daemon's file syscalls with strace (Debian's package).
 bench: $(STAMP)
 	$(BIN)/python -m pip install --quiet supervisor
+	command -v strace >/dev/null || (apt-get update -qq && apt-get install -y -qq strace)
 	$(BIN)/python bench/run.py
 
 clean:

@@ -45,6 +45,7 @@ BENCHES: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     ("scale", {"workers": 1000, "seconds": 10}, {"workers": 50, "seconds": 2}),
     ("collect", {"workers": 1000, "rounds": 3}, {"workers": 50, "rounds": 1}),
     ("retention", {"workers": 10_000}, {"workers": 100}),
+    ("files", {"repeats": 5, "long_mib": 2}, {"repeats": 1, "long_mib": 2}),
 ]  # fmt: skip
 
 
@@ -106,9 +107,18 @@ def versions() -> dict[str, Any]:
     }
 
 
+def split(figures: list[Figure]) -> tuple[list[Figure], str]:
+    """The figures of the main table, and the files bench's own table (operations down,
+    counts across) if it ran: its counts have no supervisord side to compare."""
+    counted = [f for f in figures if f.bench == "files"]
+    rest = [f for f in figures if f.bench != "files"]
+    return rest, importlib.import_module("files").table(counted) if counted else ""
+
+
 def markdown(result: dict[str, Any], figures: list[Figure]) -> str:
     m, v = result["machine"], result["versions"]
     missed = [f for f in figures if f.met is False]
+    main_figures, files_table = split(figures)
     lines = [
         f"# subagentd benchmarks, {result['date']}",
         "",
@@ -132,8 +142,17 @@ def markdown(result: dict[str, Any], figures: list[Figure]) -> str:
         "many times better subagentd is than supervisord, on the medians. Targets are "
         "reported, not asserted.",
         "",
-        table(figures),
-        "",
+        *([table(main_figures), ""] if main_figures else []),
+        *(
+            [
+                "## Files and directories per operation (state dir, counted by strace)",
+                "",
+                files_table,
+                "",
+            ]
+            if files_table
+            else []
+        ),
         "## Notes",
         "",
         *[f"- {f.what}: {f.note}" for f in figures if f.note],
@@ -193,9 +212,15 @@ def main() -> None:
 
     args.out.mkdir(parents=True, exist_ok=True)
     stem = result["date"] + ("-quick" if args.quick else "") + ("-partial" if args.only else "")
+    # A second full run the same day is kept beside the first, not written over it.
+    base, n = stem, 1
+    while (args.out / f"{stem}.json").exists():
+        n += 1
+        stem = f"{base}-{n}"
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
     (args.out / f"{stem}.md").write_text(markdown(result, figures))
-    print(table(figures))
+    main_figures, files_table = split(figures)
+    print("\n\n".join(t for t in (table(main_figures) if main_figures else "", files_table) if t))
     print(f"\nwritten: {args.out / stem}.md and .json ({result['duration_s']:.0f} s)")
 
 

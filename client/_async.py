@@ -295,7 +295,7 @@ class AsyncClient:
         """Remove the launch fence: later spawns belong to none."""
         await self._call(_core.clear_fence())
 
-    async def request(self, message: Request) -> Reply:
+    async def request(self, message: Request[Reply]) -> Reply:
         """Send any request under a fresh id and answer its reply, or raise the error it carries.
 
         A spawn or resume refused because a reload is under way is sent again once it is over.
@@ -329,7 +329,9 @@ class AsyncClient:
             raise RuntimeError("not connected: use `async with AsyncClient() as daemon:`")
         return self._stream
 
-    async def _send(self, request: Request, *, again: Callable[[], Request] | None = None) -> int:
+    async def _send(
+        self, request: Request[Reply], *, again: Callable[[], Request[Reply]] | None = None
+    ) -> int:
         """Open `request`; a transport failure comes out of `_next_reply`, where a request
         sent again on a new connection has its answer."""
         self._connected()

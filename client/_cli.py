@@ -26,9 +26,7 @@ from subagentd.protocol import (
     ReloadReply,
     Resume,
     Stop,
-    Stopped,
     Wake,
-    WorkerReply,
     WorkerResult,
     WorkerView,
 )
@@ -345,7 +343,8 @@ def stop(daemon: Client, args: argparse.Namespace, out: Output) -> None:
         out.stopped(daemon.stop_run(args.run, wait=wait))
         return
     # Not Client.stop: it answers only whether the worker was found, and we print what stopped.
-    answer = _core.expect(daemon.request(Stop(id=0, worker=args.worker, wait=wait)), Stopped)
+    asked = Stop(id=0, worker=args.worker, wait=wait)
+    answer = _core.answer(asked, daemon.request(asked))
     if not answer.found:
         raise _core.unknown_worker(args.worker)
     out.stopped(answer.stopped)
@@ -429,7 +428,7 @@ def resume(daemon: Client, args: argparse.Namespace, out: Output) -> None:
             argv=args.argv or None,
             model=args.model,
         )
-        out.spawned(_core.expect(daemon.request(given), WorkerReply).worker)
+        out.spawned(_core.answer(given, daemon.request(given)).worker)
 
 
 def _resumed(workers: list[WorkerView], out: Output) -> None:

@@ -24,18 +24,15 @@ from subagentd.protocol import (
     BeginTurn,
     Cancel,
     CancelFence,
-    Cancelled,
     ClearFence,
     Collect,
     DaemonInfo,
     Done,
     Entry,
     Error,
-    FenceReply,
     FrameDecoder,
     Hello,
     Info,
-    InfoReply,
     Latest,
     LatestResumable,
     ListWorkers,
@@ -45,10 +42,8 @@ from subagentd.protocol import (
     ReloadReply,
     Reply,
     Request,
-    ResultReply,
     Resume,
     ResumeRun,
-    RunReply,
     SetFence,
     Spawn,
     Status,
@@ -56,15 +51,11 @@ from subagentd.protocol import (
     Stopped,
     StopRun,
     Subscribe,
-    TurnReply,
     Wait,
     WaitRunStopped,
     Wake,
-    Wakes,
     Watch,
     Welcome,
-    WorkerList,
-    WorkerReply,
     WorkerResult,
     WorkerView,
     daemon_decoder,
@@ -159,6 +150,11 @@ def expect(reply: Reply, kind: type[R]) -> R:
     return reply
 
 
+def answer(request: Request[R], reply: Reply) -> R:
+    """`reply` as what answers `request`, whose class declares it (`Request[TheReply]`)."""
+    return expect(reply, request.answered_by())
+
+
 @dataclass(frozen=True, slots=True)
 class Call(Generic[T]):
     """One request, and how its reply becomes the value a client method returns.
@@ -166,69 +162,26 @@ class Call(Generic[T]):
     The request's id is a placeholder: the connection stamps the real one on sending.
     """
 
-    request: Request
+    request: Request[Reply]
     answer: Callable[[Reply], T]
 
 
-def _welcome(reply: Reply) -> Welcome:
-    return expect(reply, Welcome)
+def _call(request: Request[R], value: Callable[[R], T]) -> Call[T]:
+    """A call of `request` whose method returns `value` of the reply its class declares."""
+    return Call(request, lambda reply: value(answer(request, reply)))
 
 
-def _worker(reply: Reply) -> WorkerView:
-    return expect(reply, WorkerReply).worker
+def _itself(reply: R) -> R:
+    return reply
 
 
-def _workers(reply: Reply) -> list[WorkerView]:
-    return expect(reply, WorkerList).workers
-
-
-def _run(reply: Reply) -> str:
-    return expect(reply, RunReply).run
-
-
-def _found(reply: Reply) -> bool:
-    return expect(reply, Stopped).found
-
-
-def _page(reply: Reply) -> Page:
-    return expect(reply, Page)
-
-
-def _result(reply: Reply) -> WorkerResult:
-    return expect(reply, ResultReply).result
-
-
-def _info(reply: Reply) -> DaemonInfo:
-    return expect(reply, InfoReply).info
-
-
-def _turn(reply: Reply) -> int:
-    return expect(reply, TurnReply).turn
-
-
-def _cancelled(reply: Reply) -> list[str]:
-    return expect(reply, Cancelled).cancelled
-
-
-def _epoch(reply: Reply) -> int:
-    return expect(reply, FenceReply).epoch
-
-
-def _done(reply: Reply) -> None:
-    expect(reply, Done)
-
-
-def _reloaded(reply: Reply) -> ReloadReply:
-    return expect(reply, ReloadReply)
-
-
-def _latest(reply: Reply) -> Latest:
-    return expect(reply, Latest)
+def _nothing(reply: Reply) -> None:
+    return None
 
 
 def hello(worker_token: str | None) -> Call[Welcome]:
-    return Call(
-        Hello(id=0, token=worker_token, client=f"subagentd.client/{package_version()}"), _welcome
+    return _call(
+        Hello(id=0, token=worker_token, client=f"subagentd.client/{package_version()}"), _itself
     )
 
 
@@ -259,100 +212,99 @@ def spawn(
         timeout=timeout,
         grace=grace,
     )
-    return Call(request, _worker)
+    return _call(request, lambda reply: reply.worker)
 
 
 def new_run(outer: str | None = None) -> Call[str]:
-    return Call(NewRun(id=0, outer=outer), _run)
+    return _call(NewRun(id=0, outer=outer), lambda reply: reply.run)
 
 
 def ls(all: bool = False, run: str | None = None) -> Call[list[WorkerView]]:
     """The first page of a listing; `ListingCursor` follows every page."""
-    return Call(ListWorkers(id=0, all=all, run=run), _workers)
+    return _call(ListWorkers(id=0, all=all, run=run), lambda reply: reply.workers)
 
 
 def status(worker_id: str) -> Call[WorkerView]:
-    return Call(Status(id=0, worker=worker_id), _worker)
+    return _call(Status(id=0, worker=worker_id), lambda reply: reply.worker)
 
 
 def stop(worker_id: str, wait: bool = True) -> Call[bool]:
-    return Call(Stop(id=0, worker=worker_id, wait=wait), _found)
+    return _call(Stop(id=0, worker=worker_id, wait=wait), lambda reply: reply.found)
 
 
 def stop_run(run_id: str, wait: bool = True) -> Call[list[str]]:
-    def stopped(reply: Reply) -> list[str]:
-        answer = expect(reply, Stopped)
-        if not answer.found:
+    def stopped(reply: Stopped) -> list[str]:
+        if not reply.found:
             raise unknown_run(run_id)
-        return answer.stopped
+        return reply.stopped
 
-    return Call(StopRun(id=0, run=run_id, wait=wait), stopped)
+    return _call(StopRun(id=0, run=run_id, wait=wait), stopped)
 
 
 def watch_page(worker_id: str, since: int = 0, limit: int = 1000) -> Call[Page]:
-    return Call(Watch(id=0, worker=worker_id, since=since, limit=limit), _page)
+    return _call(Watch(id=0, worker=worker_id, since=since, limit=limit), _itself)
 
 
 def collect(worker_id: str, wait: bool = False) -> Call[WorkerResult]:
-    return Call(Collect(id=0, worker=worker_id, wait=wait), _result)
+    return _call(Collect(id=0, worker=worker_id, wait=wait), lambda reply: reply.result)
 
 
 def wait(worker_id: str) -> Call[WorkerView]:
-    return Call(Wait(id=0, worker=worker_id), _worker)
+    return _call(Wait(id=0, worker=worker_id), lambda reply: reply.worker)
 
 
 def info() -> Call[DaemonInfo]:
-    return Call(Info(id=0), _info)
+    return _call(Info(id=0), lambda reply: reply.info)
 
 
 def wait_run_stopped(run_id: str) -> Call[None]:
-    return Call(WaitRunStopped(id=0, run=run_id), _done)
+    return _call(WaitRunStopped(id=0, run=run_id), _nothing)
 
 
 def begin_turn() -> Call[int]:
-    return Call(BeginTurn(id=0), _turn)
+    return _call(BeginTurn(id=0), lambda reply: reply.turn)
 
 
 def cancel(scope: str) -> Call[list[str]]:
-    return Call(Cancel(id=0, scope=scope), _cancelled)
+    return _call(Cancel(id=0, scope=scope), lambda reply: reply.cancelled)
 
 
 def set_fence() -> Call[int]:
-    return Call(SetFence(id=0), _epoch)
+    return _call(SetFence(id=0), lambda reply: reply.epoch)
 
 
 def cancel_fence(epoch: int) -> Call[list[str]]:
-    return Call(CancelFence(id=0, epoch=epoch), _cancelled)
+    return _call(CancelFence(id=0, epoch=epoch), lambda reply: reply.cancelled)
 
 
 def clear_fence() -> Call[None]:
-    return Call(ClearFence(id=0), _done)
+    return _call(ClearFence(id=0), _nothing)
 
 
 def ack(seqs: Iterable[int]) -> Call[None]:
-    return Call(Ack(id=0, wakes=list(seqs)), _done)
+    return _call(Ack(id=0, wakes=list(seqs)), _nothing)
 
 
 def reload() -> Call[ReloadReply]:
-    return Call(Reload(id=0), _reloaded)
+    return _call(Reload(id=0), _itself)
 
 
 def resume(worker_id: str, timeout: float | None = None) -> Call[WorkerView]:
-    return Call(Resume(id=0, worker=worker_id, timeout=timeout), _worker)
+    return _call(Resume(id=0, worker=worker_id, timeout=timeout), lambda reply: reply.worker)
 
 
 def resume_run(run_id: str) -> Call[list[WorkerView]]:
-    return Call(ResumeRun(id=0, run=run_id), _workers)
+    return _call(ResumeRun(id=0, run=run_id), lambda reply: reply.workers)
 
 
 def latest_resumable(cwd: str | os.PathLike[str] | None = None) -> Call[Latest]:
     # As for spawn: "here" is where the caller stands, not where the daemon runs.
-    return Call(
-        LatestResumable(id=0, cwd=os.fspath(cwd) if cwd is not None else os.getcwd()), _latest
+    return _call(
+        LatestResumable(id=0, cwd=os.fspath(cwd) if cwd is not None else os.getcwd()), _itself
     )
 
 
-def retry_delay(request: Request, reply: Reply) -> float | None:
+def retry_delay(request: Request[Reply], reply: Reply) -> float | None:
     """How long to wait before sending `request` again, for a `reloading` answer to it: a
     spawn or resume refused while the launch fence of a reload is up, or any request in
     flight on the connection that asked for a reload, which that reload cut short (what
@@ -360,19 +312,6 @@ def retry_delay(request: Request, reply: Reply) -> float | None:
     if isinstance(reply, Error) and reply.code == Reloading.code and reply.id != 0:
         return reply.retry_after if reply.retry_after is not None else 0.2
     return None
-
-
-def resend(request: Request) -> bool:
-    """Whether `request`, lost with a connection, may be sent again on the next one: it
-    asks without changing anything, so a second asking answers the same."""
-    match request:
-        case Status() | ListWorkers() | Info() | Wait() | Watch() | WaitRunStopped():
-            return True
-        case LatestResumable() | Subscribe():
-            return True
-        case Collect(wait=wait):
-            return wait
-    return False
 
 
 class ListingCursor:
@@ -390,7 +329,7 @@ class ListingCursor:
         return ListWorkers(id=0, all=self.all, run=self.run, after=self.after)
 
     def take(self, reply: Reply) -> None:
-        page = expect(reply, WorkerList)
+        page = expect(reply, ListWorkers.answered_by())
         self.workers += page.workers
         self.after = page.next
         self.done = page.complete or page.next is None
@@ -415,7 +354,7 @@ class JournalCursor:
 
     def take(self, reply: Reply) -> list[Entry]:
         """The entries of the next page, advancing the cursor past them."""
-        page = expect(reply, Page)
+        page = expect(reply, Watch.answered_by())
         self.since = page.next
         self.done = page.complete or (not self.follow and not page.entries)
         return page.entries
@@ -454,7 +393,7 @@ class WakeSubscription:
         """The wakes of the next page not handed over before; raises what an error reply
         carries, which ends it. ``owed``: seqs whose acknowledgement was lost."""
         self.done = True  # an error ends the subscription as surely as a complete page
-        page = expect(reply, Wakes)
+        page = expect(reply, Subscribe.answered_by())
         self.done = page.complete or not self.follow
         owed = set(owed)
         fresh = [w for w in page.wakes if w.seq not in self._handed and w.seq not in owed]
@@ -479,9 +418,9 @@ _envelope_decoder = msgspec.msgpack.Decoder(_Envelope)
 class _Open:
     """A request still waiting for (more of) its answer."""
 
-    request: Request
+    request: Request[Reply]
     # What to send instead on a new connection (None: it must not be sent twice).
-    again: Callable[[], Request] | None
+    again: Callable[[], Request[Reply]] | None
     stream: bool
     sent: bool
 
@@ -538,7 +477,7 @@ class Connection:
         return self._reconnecting
 
     def send(
-        self, request: Request, *, again: Callable[[], Request] | None = None
+        self, request: Request[Reply], *, again: Callable[[], Request[Reply]] | None = None
     ) -> tuple[int, bytes | None]:
         """Open `request` under a fresh id; answers (id, the frame to send). The frame is
         None while reconnecting: the request goes out on the new connection.
@@ -550,10 +489,10 @@ class Connection:
             self._raise_closed()
         request_id = self._take_id()
         self._inboxes[request_id] = deque()
-        if again is None and resend(request):
+        if again is None and request.resendable():
             again = functools.partial(_same, request)
         self._open[request_id] = _Open(
-            request, again, stream=_streams(request), sent=not self._reconnecting
+            request, again, stream=request.streams(), sent=not self._reconnecting
         )
         if self._reconnecting:
             if isinstance(request, Ack):
@@ -731,13 +670,8 @@ class Connection:
                 raise ConnectionLost("the daemon closed the connection before answering")
 
 
-def _same(request: Request) -> Request:
+def _same(request: Request[Reply]) -> Request[Reply]:
     return request
-
-
-def _streams(request: Request) -> bool:
-    """Whether `request` is answered with many replies, carrying on from a cursor."""
-    return isinstance(request, Subscribe) or (isinstance(request, Watch) and request.follow)
 
 
 class Handshake:
@@ -761,7 +695,7 @@ class Handshake:
         reply = _decode(body)
         if reply is None:
             return None
-        welcome = expect(reply, Welcome)
+        welcome = expect(reply, Hello.answered_by())
         frames = self._frames.frames()
         self.rest = b"".join(frame(body) for body in frames)
         return welcome

@@ -271,7 +271,7 @@ class Client:
         delivered on this connection (else `Invalid`)."""
         self._call(_core.ack(seqs))
 
-    def request(self, message: Request) -> Reply:
+    def request(self, message: Request[Reply]) -> Reply:
         """Send any request under a fresh id and answer its reply, or raise the error it carries.
 
         A spawn or resume refused because a reload is under way is sent again once it is over.
@@ -301,7 +301,9 @@ class Client:
             raise RuntimeError("not connected: use `with Client() as daemon:`")
         return self._sock
 
-    def _send(self, request: Request, *, again: Callable[[], Request] | None = None) -> int:
+    def _send(
+        self, request: Request[Reply], *, again: Callable[[], Request[Reply]] | None = None
+    ) -> int:
         """Open `request`; a transport failure comes out of `_next_reply`, where a request
         sent again on a new connection has its answer."""
         self._connected()

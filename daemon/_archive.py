@@ -15,10 +15,11 @@ import secrets
 import shutil
 import stat
 from collections.abc import Callable, Iterator
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import TypeVar
 
 import msgspec
+import structlog
 
 from ._files import (
     SAFE_FLAGS,
@@ -33,6 +34,7 @@ from ._journal import Journal, JournalCorrupt
 from ._registry import DEFAULT_GRACE, WorkerRecord
 
 _Written = TypeVar("_Written", bound=msgspec.Struct)
+log = structlog.get_logger("subagentd")
 
 #: The snapshot's format; a resume refuses one it cannot read.
 SNAPSHOT_VERSION = 1
@@ -120,6 +122,10 @@ class Snapshot(msgspec.Struct, kw_only=True):
     branch: str | None = None
 
 
+#: Told of a record that is not its archive's own: (the archive's worker id, what is wrong).
+RecordDamage = Callable[[str, str], None]
+
+
 class Archive:
     JOURNAL = "journal"
     INPUT = "input"
@@ -128,8 +134,10 @@ class Archive:
     SNAPSHOT = "snapshot.json"
     RECORD = "record.json"
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, damaged: RecordDamage | None = None) -> None:
         self.path = path
+        #: Who hears of a record naming another worker or archive (it is logged regardless).
+        self.damaged = damaged
 
     def create(self) -> None:
         self.path.mkdir(mode=0o700)
@@ -210,11 +218,35 @@ class Archive:
         self.replace(self.STDOUT_TAIL, data[-STDOUT_TAIL_BYTES:], what="of a stdout tail")
 
     def load_record(self) -> WorkerRecord | None:
-        """The worker's last record, or None if there is no archive (or it no longer reads)."""
+        """The worker's last record, or None if there is no archive (or it no longer reads).
+
+        Its worker may have rewritten it, so who it is and where it lives are
+        taken from this directory, never from what it says: a record naming
+        another worker is unreadable (recovery rebuilds it from the snapshot),
+        and one naming another archive is corrected. Either is reported.
+        """
         try:
-            return decode_written(self.read(self.RECORD, RECORD_READ_LIMIT), WorkerRecord)
+            record = decode_written(self.read(self.RECORD, RECORD_READ_LIMIT), WorkerRecord)
         except (OSError, msgspec.DecodeError):
             return None
+        worker_id = self.path.name
+        if record.id != worker_id:
+            self._report(worker_id, f"its record.json names worker {record.id!r}; not read")
+            return None
+        if record.archive != str(self.path):
+            # The same archive under a state dir moved or spelled otherwise is no damage.
+            if PurePath(record.archive).parts[-2:] != ("archives", worker_id):
+                self._report(
+                    worker_id,
+                    f"its record.json names archive {record.archive!r}; {self.path} is used",
+                )
+            record.archive = str(self.path)
+        return record
+
+    def _report(self, worker_id: str, problem: str) -> None:
+        log.warning("archive.record_damaged", worker=worker_id, problem=problem)
+        if self.damaged is not None:
+            self.damaged(worker_id, problem)
 
     def result_text(self, stdout_tail: Callable[[], bytes]) -> str:
         """The worker's result file if it wrote one, else the tail of its stdout.

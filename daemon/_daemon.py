@@ -37,7 +37,6 @@ from subagentd.protocol import (
 )
 from subagentd.protocol.errors import (
     Busy,
-    Forbidden,
     Invalid,
     NotFound,
     Refused,
@@ -86,6 +85,8 @@ JOURNAL_SCANS = 2
 TAIL_FILE_FROM_BYTES = 1024 * 1024
 #: A wake carries this much of the result, so a parent rarely needs to collect.
 WAKE_PREVIEW_CHARS = 200
+#: Records naming another worker or archive listed in `info`, at most (each is logged).
+RECORD_PROBLEMS = 100
 #: A watch page never holds more entries than this, whatever the client asks.
 MAX_PAGE_ENTRIES = 10_000
 #: Fault injection for the tests of the fault boundaries, read once at start:
@@ -202,6 +203,8 @@ class Daemon:
         self.descriptor_problem: str | None = None
         #: What crash recovery could not do for some worker (reported by `info`).
         self.recovery_problems: list[str] = []
+        #: Records found naming another worker or archive, by worker (reported by `info`).
+        self.record_problems: dict[str, str] = {}
         self.journals: collections.OrderedDict[str, Journal] = collections.OrderedDict()
         #: Threads verifying ended journals: their own, so a worker's huge journal
         #: read by many requests holds these and never those a spawn needs.
@@ -331,13 +334,11 @@ class Daemon:
         if self.reloading:
             raise Reloading("the daemon is reloading; spawn again", retry_after=RELOAD_RETRY)
         launch = self._resolve_command(request)
-        if request.parent is not None:
-            self.authorize(caller, request.parent)
-            if request.parent not in self.registry.workers:
-                ended = self.lookup(request.parent)  # released: it has ended
-                raise RunStopped(
-                    f"worker {request.parent} has ended ({ended.state}); it cannot delegate"
-                )
+        if request.parent is not None and request.parent not in self.registry.workers:
+            ended = self.lookup(request.parent)  # released: it has ended
+            raise RunStopped(
+                f"worker {request.parent} has ended ({ended.state}); it cannot delegate"
+            )
         with self.launching(), trio.CancelScope(shield=True):
             view = await self._start(request, caller, launch)
         # Made again once this spawn is done, not while it competes for the CPU.
@@ -378,7 +379,7 @@ class Daemon:
                 self.save_run(record.run)
             archive = self.spares.take(record.id)
             if archive is None:
-                archive = Archive(Path(record.archive))
+                archive = self.archive_of(record.id)
                 archive.create()
             archive.write_snapshot(
                 Snapshot(
@@ -432,14 +433,14 @@ class Daemon:
         """Start the process of a registered worker (a new one, or a resumed attempt)."""
         assert self._nursery is not None, "Daemon.run is not running"
         record = live.record
-        archive = Archive(Path(record.archive))
+        archive = self.archive_of(record.id)
         worker_env = base_env | {
             "PWD": cwd,  # the daemon's own PWD would name the wrong directory
             "SUBAGENTD_SOCKET": str(self.socket_path),
             "SUBAGENTD_WORKER_ID": record.id,
             "SUBAGENTD_RUN_ID": record.run,
             "SUBAGENTD_TOKEN": record.token,
-            "SUBAGENTD_ARCHIVE": record.archive,
+            "SUBAGENTD_ARCHIVE": str(archive.path),
             "SUBAGENTD_RESULT": str(archive.file(Archive.RESULT)),
         }
         if record.attempt > 1:
@@ -681,7 +682,7 @@ class Daemon:
             self.fault("ending", record.name)
         now = self.clock()
         self.registry.ended(record.id, returncode, now)
-        archive = Archive(Path(record.archive))
+        archive = self.archive_of(record.id)
         # Each write may meet a full disk; the ending stands in memory regardless
         # (and its wake is delivered from memory) and is reported.
         if failure is not None:
@@ -742,7 +743,7 @@ class Daemon:
 
     def _stdout_tail(self, found: WorkerRecord | Tombstone) -> bytes:
         """The end of an ended worker's stdout; its journal is not read again if open."""
-        return Archive(Path(found.archive)).stdout_tail(self.journals.get(found.id))
+        return self.archive_of(found.id).stdout_tail(self.journals.get(found.id))
 
     def _out_of_descriptors(self, worker_id: str, exc: OutOfDescriptors) -> Busy:
         """Report a spawn that found no descriptor; the refusal its client gets."""
@@ -879,9 +880,7 @@ class Daemon:
 
     # -- stopping ------------------------------------------------------------
 
-    async def stop(
-        self, worker_id: str, *, wait: bool, caller: str | None = None
-    ) -> tuple[bool, list[str]]:
+    async def stop(self, worker_id: str, *, wait: bool) -> tuple[bool, list[str]]:
         """Stop a worker and its subtree; (found, ids newly stopped).
 
         An id whose handle was released (collected, expired) is found, ended,
@@ -892,9 +891,7 @@ class Daemon:
                 self.lookup(worker_id)
             except NotFound:
                 return False, []
-            self.authorize(caller, worker_id)
             return True, []
-        self.registry.authorize(caller, worker_id)
         stopped = self.registry.stop(worker_id)
         self.ask_stop(stopped)
         log.info("worker.stop_asked", worker=worker_id, stopped=stopped)
@@ -937,14 +934,7 @@ class Daemon:
         if not self.registry.run_stopped(run_id):
             await self._run_stopped.setdefault(run_id, trio.Event()).wait()
 
-    def cancel(self, scope: str, caller: str | None = None) -> list[str]:
-        if caller is not None:
-            kind, _, target = scope.partition(":")
-            if kind != "worker":
-                raise Forbidden(
-                    f"a worker may cancel only worker:<id> in its subtree, not {scope!r}"
-                )
-            self.authorize(caller, target)
+    def cancel(self, scope: str) -> list[str]:
         kind, _, target = scope.partition(":")
         if kind == "worker" and target not in self.registry.workers:
             self.lookup(target)  # not_found for an id never seen
@@ -982,29 +972,23 @@ class Daemon:
         found = self.registry.workers.get(worker_id) or self.registry.tombstones.get(worker_id)
         if found is not None:
             return found
-        archived = self._archive(worker_id).load_record()
+        archived = self.archive_of(worker_id).load_record()
         if archived is None:
             raise NotFound(f"no worker {worker_id!r}")
         return archived
 
-    def authorize(self, caller: str | None, worker_id: str) -> None:
-        """A worker's connection may act only on its own subtree, archived ones included."""
-        if caller is None:
-            return
-        current: str | None = worker_id
-        while current is not None and current != caller:
-            current = self.lookup(current).parent
-        if current is None:
-            raise Forbidden(
-                f"worker {caller} may act only on itself and the workers it delegated to, "
-                f"not on {worker_id}"
-            )
-
-    def _archive(self, worker_id: str) -> Archive:
+    def archive_of(self, worker_id: str) -> Archive:
+        """The worker's archive: where the state dir keeps it for that id, never where a
+        record says (its worker may rewrite its record); NotFound for no worker id."""
         path = self.state_dir.archive(worker_id)
         if path is None:
             raise NotFound(f"no worker {worker_id!r} (not a worker id)")
-        return Archive(path)
+        return Archive(path, damaged=self.record_damaged)
+
+    def record_damaged(self, worker_id: str, problem: str) -> None:
+        """Report a record that is not its archive's own, once per worker (see load_record)."""
+        if worker_id not in self.record_problems and len(self.record_problems) < RECORD_PROBLEMS:
+            self.record_problems[worker_id] = f"worker {worker_id}: {problem}"
 
     async def wait(self, worker_id: str) -> WorkerView:
         self.lookup(worker_id)
@@ -1018,7 +1002,7 @@ class Daemon:
             found = self.lookup(worker_id)
         elif found.state not in TERMINAL_STATES:
             raise Busy(f"worker {worker_id} is still {found.state}; collect --wait waits for it")
-        archive = Archive(Path(found.archive))
+        archive = self.archive_of(found.id)
         text = ""
         if archive.path.exists():
             text = archive.result_text(lambda: self._stdout_tail(found))
@@ -1053,7 +1037,7 @@ class Daemon:
         """
         journal = self.journals.pop(found.id, None)
         if journal is None:
-            path = Path(found.archive) / Archive.JOURNAL
+            path = self.archive_of(found.id).file(Archive.JOURNAL)
             try:
                 journal = await trio.to_thread.run_sync(
                     functools.partial(Journal.open, path, writable=False),
@@ -1103,16 +1087,12 @@ class Daemon:
 
     # -- wakes ---------------------------------------------------------------
 
-    def wake_key(self, run: str | None, worker: str | None, caller: str | None) -> WakeKey:
-        """The parent a subscription is for, checked: it exists and the caller may see it."""
+    def wake_key(self, run: str | None, worker: str | None) -> WakeKey:
+        """The parent a subscription is for, checked: it exists."""
         if (run is None) == (worker is None):
             raise Invalid("subscribe to the wakes of one parent: give a run or a worker, not both")
         key: WakeKey = ("run", run) if run is not None else ("worker", worker)  # type: ignore[assignment]
-        if caller is not None:
-            if worker is None:
-                raise Forbidden("a worker may subscribe only to its own subtree's wakes")
-            self.authorize(caller, worker)
-        elif not self.wakes.pending_for(key):
+        if not self.wakes.pending_for(key):
             if run is not None:
                 self.registry.run(run)
             else:
@@ -1212,7 +1192,9 @@ class Daemon:
             state_dir=str(self.state_dir.root),
             problems=[p for p in (self.disk_problem, self.descriptor_problem) if p]
             + self.store.problems
-            + self.recovery_problems,
+            + self.recovery_problems
+            + self.registry.damage
+            + list(self.record_problems.values()),
         )
 
 

@@ -2,8 +2,10 @@
 
 The last daemon died without handing over. Finished results stay collectable;
 workers that were running are `interrupted`, and whatever of their process
-trees survived (orphans now) is ended, but only after their leader's start
-time shows the pid is still theirs; wakes not yet acknowledged come back from
+trees survived (orphans now) is ended: by its cgroup, else from the leader
+its record names only if that pid is still the process started then and
+carries the worker's id (a record is in its worker's reach; see `_leader`),
+else by that id alone; wakes not yet acknowledged come back from
 the store, and an interrupted worker posts its own.
 
 Each interrupted worker is recovered in its own fault boundary: its archive is
@@ -32,6 +34,7 @@ from ._process import reap
 from ._registry import WorkerRecord, new_token
 from ._resume import read_snapshot
 from ._statedir import load_runs
+from ._tree import carries_worker_id, read_stat
 
 log = structlog.get_logger("subagentd")
 
@@ -44,7 +47,7 @@ async def recover(daemon: Daemon) -> list[str]:
     for path in sorted(archives.iterdir()):
         if is_spare(path):
             continue
-        archive = Archive(path)
+        archive = Archive(path, damaged=daemon.record_damaged)
         record = archive.load_record()
         if record is None:
             record = await _rebuild_alone(daemon, archive)
@@ -210,11 +213,38 @@ async def _interrupt(daemon: Daemon, record: WorkerRecord, archive: Archive) -> 
 
 
 async def _end_leftovers(daemon: Daemon, record: WorkerRecord) -> None:
-    killed = await daemon.end_leftover_tree(record.id, record.pid, record.pid_start, record.grace)
-    if record.pid is not None:
-        await reap(record.pid)
+    leader = _leader(daemon, record)
+    start = record.pid_start if leader is not None else None
+    killed = await daemon.end_leftover_tree(record.id, leader, start, record.grace)
+    if leader is not None:
+        await reap(leader)
     if killed:
         log.warning("recovery.killed_orphans", worker=record.id, processes=killed)
+
+
+def _leader(daemon: Daemon, record: WorkerRecord) -> int | None:
+    """The pid its record names, if that process is the worker's (it carries the worker's
+    id); else None, and its tree is found by that id alone, or is its cgroup. The record
+    is in its worker's reach, and any process's pid and start time are in /proc/PID/stat:
+    believed, a planted pair had recovery signal any process of the user's, and its group.
+    One environ read per interrupted worker, at recovery only."""
+    pid, start = record.pid, record.pid_start
+    group = daemon.cgroups.worker(record.id) if daemon.cgroups else None
+    if pid is None or start is None or (group is not None and group.exists()):
+        return None  # no leader named, or its cgroup holds the tree: no pid is needed
+    if carries_worker_id(pid, start, record.id):
+        return pid
+    named = read_stat(pid)
+    if named is not None and named.starttime == start and named.state != "Z":
+        # Alive, and the very process named, yet not the worker's: planted, or a leader
+        # that exec'd with a new environment (which then runs on: said here).
+        log.warning("recovery.leader_not_the_workers", worker=record.id, pid=pid)
+        daemon.recovery_problems.append(
+            f"worker {record.id}'s record names pid {pid}, which does not carry its worker id: "
+            "not signalled (its processes were found by that id instead; if it is the worker's "
+            "own, end it by hand)"
+        )
+    return None
 
 
 def _alone(daemon: Daemon, record: WorkerRecord, what: str, step: Callable[[], None]) -> None:

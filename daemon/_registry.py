@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 import msgspec
 
 from subagentd.protocol import MAX_GRACE, TERMINAL_STATES, WorkerState, WorkerView
-from subagentd.protocol.errors import Forbidden, Invalid, NotFound, RunStopped
+from subagentd.protocol.errors import Invalid, NotFound, RunStopped
 
 #: Seconds between TERM and KILL when a spawn names none.
 DEFAULT_GRACE = 5.0
@@ -211,6 +211,8 @@ class Registry:
         self.turn = 0
         self.fence: LaunchFence | None = None
         self.fence_epochs = 0  # the last epoch handed out
+        #: Loops cut when records were restored (a worker may rewrite its own record).
+        self.damage: list[str] = []
 
     # -- runs ----------------------------------------------------------------
 
@@ -238,10 +240,13 @@ class Registry:
             ) from None
 
     def runs_within(self, run_id: str) -> Iterator[str]:
-        """`run_id` and every run nested in it, at any depth."""
-        pending = [run_id]
+        """`run_id` and every run nested in it, at any depth (each once, loops or not)."""
+        pending, seen = [run_id], set()
         while pending:
             current = pending.pop()
+            if current in seen:
+                continue
+            seen.add(current)
             yield current
             pending.extend(self._inner_runs.get(current, ()))
 
@@ -252,25 +257,6 @@ class Registry:
             return self.workers[worker_id]
         except KeyError:
             raise NotFound(f"no worker {worker_id!r}") from None
-
-    def within(self, ancestor: str, worker_id: str) -> bool:
-        """Whether `worker_id` is `ancestor` or was delegated by it, at any depth."""
-        current: str | None = worker_id
-        while current is not None:
-            if current == ancestor:
-                return True
-            found = self.workers.get(current) or self.tombstones.get(current)
-            current = found.parent if found is not None else None
-        return False
-
-    def authorize(self, caller: str | None, worker_id: str) -> None:
-        """A connection acting as worker `caller` may touch only its own subtree."""
-        self.worker(worker_id)
-        if caller is not None and not self.within(caller, worker_id):
-            raise Forbidden(
-                f"worker {caller} may act only on itself and the workers it delegated to, "
-                f"not on {worker_id}"
-            )
 
     def register(
         self,
@@ -351,7 +337,9 @@ class Registry:
     def run_stopped(self, run_id: str) -> bool:
         """Whether `run_id` or any run it is nested in was stopped."""
         current: str | None = run_id
-        while current is not None:
+        seen: set[str] = set()
+        while current is not None and current not in seen:
+            seen.add(current)
             run = self.runs[current]
             if run.stopped:
                 return True
@@ -400,10 +388,13 @@ class Registry:
         return record
 
     def subtree(self, worker_id: str) -> Iterator[str]:
-        """`worker_id` and every worker it delegated to, at any depth."""
-        pending = [worker_id]
+        """`worker_id` and every worker it delegated to, at any depth (each once)."""
+        pending, seen = [worker_id], set()
         while pending:
             current = pending.pop()
+            if current in seen:
+                continue
+            seen.add(current)
             yield current
             pending.extend(self._children.get(current, ()))
 
@@ -509,7 +500,12 @@ class Registry:
         fence: LaunchFence | None,
         fence_epochs: int,
     ) -> None:
-        """Rebuild the registry as a checkpoint or the archives describe it."""
+        """Rebuild the registry as a checkpoint or the archives describe it.
+
+        Records read from archives are in workers' reach: a parent or an outer run
+        that loops back is cut (and said in `damage`), so no walk ever goes round.
+        """
+        self.damage += _cut_loops(records, runs)
         for run in runs:
             self.runs[run.id] = run
             self._run_members.setdefault(run.id, [])
@@ -631,7 +627,7 @@ class Registry:
         """
         released: list[str] = []
         current: str | None = worker_id
-        while current is not None and self._releasable(current):
+        while current is not None and current not in released and self._releasable(current):
             record = self.workers.pop(current)
             released.append(current)
             del self._by_token[record.token]
@@ -689,3 +685,35 @@ class Registry:
             candidate = self._make_id(prefix)
             if candidate not in self.workers and candidate not in self.runs:
                 return candidate
+
+
+def _cut_loops(records: list[WorkerRecord], runs: list[RunRecord]) -> list[str]:
+    """Cut every parent and outer link that leads round in a loop; what was cut.
+
+    Records restored from archives are in their workers' reach, and a parent
+    that is its own ancestor would send every walk up the tree round forever.
+    """
+    cut: list[str] = []
+    parents = {r.id: r.parent for r in records}
+    for record in records:
+        if _loops(record.id, parents):
+            cut.append(f"worker {record.id}'s record names a parent that loops back to it")
+            record.parent = parents[record.id] = None
+    outers = {r.id: r.outer for r in runs}
+    for run in runs:
+        if _loops(run.id, outers):
+            cut.append(f"run {run.id} is nested in a run that loops back to it")
+            run.outer = outers[run.id] = None
+    return cut
+
+
+def _loops(start: str, up: dict[str, str | None]) -> bool:
+    """Whether following `up` from `start` comes back to `start`."""
+    seen = {start}
+    current = up.get(start)
+    while current is not None:
+        if current in seen:
+            return current == start
+        seen.add(current)
+        current = up.get(current)
+    return False

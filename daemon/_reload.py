@@ -392,7 +392,9 @@ async def adopt(daemon: Daemon, checkpoint: Checkpoint) -> tuple[int, list[str]]
                 carried.stderr,
                 cgroup=daemon.cgroups.worker(carried.id) if daemon.cgroups else None,
             )
-            journal = Journal.open(Path(record.archive) / Archive.JOURNAL, writable=True)
+            journal = Journal.open(
+                daemon.archive_of(record.id).file(Archive.JOURNAL), writable=True
+            )
         except (msgspec.DecodeError, OSError, JournalCorrupt) as exc:  # OSError: pid gone too
             log.error("reload.cannot_adopt", worker=carried.id, pid=carried.pid, error=str(exc))
             if process is not None:
@@ -415,10 +417,15 @@ async def adopt(daemon: Daemon, checkpoint: Checkpoint) -> tuple[int, list[str]]
         fence=checkpoint.fence,
         fence_epochs=checkpoint.fence_epochs,
     )
+    # What clients see: an earlier image may have taken it from a rewritten record.
+    for record in daemon.registry.workers.values():
+        record.archive = str(daemon.archive_of(record.id).path)
+    for stone in daemon.registry.tombstones.values():
+        stone.archive = str(daemon.archive_of(stone.id).path)
     daemon.image_generation = checkpoint.image_generation + 1
     daemon.reloads = checkpoint.reloads + 1
     for record in unadoptable:
-        daemon.post_wake(record, Archive(Path(record.archive)))
+        daemon.post_wake(record, daemon.archive_of(record.id))
     return len(daemon.live), stopped
 
 
@@ -429,7 +436,7 @@ async def _stop_unadoptable(daemon: Daemon, carried: CarriedWorker) -> WorkerRec
             os.close(fd)
     await daemon.end_leftover_tree(carried.id, carried.pid, carried.pid_start, 0.5)
     await reap(carried.pid)
-    archive = Archive(Path(carried.archive))
+    archive = daemon.archive_of(carried.id)
     record = archive.load_record()
     if record is None:
         return None

@@ -8,7 +8,6 @@ down the same launch path as a new spawn.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import structlog
 import trio
@@ -30,19 +29,16 @@ class Resumer:
     def __init__(self, daemon: Daemon) -> None:
         self.daemon = daemon
 
-    async def resume(
-        self, worker_id: str, worker_timeout: float | None, caller: str | None = None
-    ) -> WorkerView:
+    async def resume(self, worker_id: str, worker_timeout: float | None) -> WorkerView:
         """Carry a stopped, failed, timed-out or interrupted worker on from its snapshot:
         same id, next attempt, same journal; only the timeout may be given anew."""
         if self.daemon.shutting_down:
             raise Refused("the daemon is shutting down: it resumes nothing")
         if self.daemon.reloading:
             raise Reloading("the daemon is reloading; resume again", retry_after=RELOAD_RETRY)
-        self.daemon.authorize(caller, worker_id)
         found = self.daemon.lookup(worker_id)
         self._check_resumable(found.id, found.state)
-        archive = Archive(Path(found.archive))
+        archive = self.daemon.archive_of(found.id)
         snapshot = read_snapshot(archive, worker_id)
         check_branch(snapshot, worker_id)
         record = self.daemon.registry.workers.get(worker_id) or archive.load_record()
@@ -137,7 +133,7 @@ class Resumer:
             raise Refused(f"run {run_id} ended well: every worker finished")
         heads = [r for r in unfinished.values() if r.parent not in unfinished]
         for record in heads:
-            check_branch(read_snapshot(Archive(Path(record.archive)), record.id), record.id)
+            check_branch(read_snapshot(self.daemon.archive_of(record.id), record.id), record.id)
         return sorted(heads, key=lambda r: (r.started_at, r.id))
 
     async def resume_run(self, run_id: str) -> list[WorkerView]:

@@ -71,11 +71,11 @@ from subagentd.protocol import (
     WorkerReply,
     client_decoder,
     encode,
+    op,
     package_version,
 )
 from subagentd.protocol.errors import (
     ErrorCode,
-    Forbidden,
     FrameTooLarge,
     Frozen,
     Invalid,
@@ -83,6 +83,7 @@ from subagentd.protocol.errors import (
     RemoteError,
 )
 
+from ._authority import Authority
 from ._daemon import RELOAD_RETRY, Daemon
 from ._registry import listing_page
 from ._reload import Handover, Reloader, owed_by_connection
@@ -115,8 +116,6 @@ BUDGETED_FROM = 64 * 1024
 #: of a large frame and stalls must not hold the budget (and every large request) for good.
 FRAME_SECONDS = 5.0
 FRAME_MIN_RATE = 1024 * 1024
-#: Requests that never wait (their dispatch awaits nothing): no task, scope or event each.
-ANSWERED_AT_ONCE = (Info, Status, ListWorkers)
 _PEERCRED = struct.Struct("3i")
 _conn_ids = itertools.count(1)
 
@@ -239,6 +238,7 @@ class Server:
         self.connections = 0  # open now
         self.reloader: Reloader | None = None
         self.resumer = Resumer(daemon)
+        self.authority = Authority(lambda worker_id: daemon.lookup(worker_id).parent)
         self._open: set[Connection] = set()
         self._scope = trio.CancelScope()
         self._accepting = trio.CancelScope()
@@ -486,7 +486,7 @@ class Server:
                         await conn.send(message)  # the connection carries on
                     elif refusal := self._admission(conn, message):
                         await conn.send(refusal)
-                    elif isinstance(message, ANSWERED_AT_ONCE):
+                    elif message.at_once:
                         # Nothing to wait for: answered here, without a task of its own.
                         if (reply := await self._reply(conn, message)) is not None:
                             await conn.send(reply)
@@ -614,13 +614,14 @@ class Server:
     async def _reply(self, conn: Connection, request: ClientMessage) -> Reply | None:
         """What answers `request`: its reply, or the error it met."""
         try:
+            self.authority.check(conn.caller, request)
             return await self._dispatch(conn, request)
         except RemoteError as exc:
             return Error(
                 id=request.id, code=exc.code, message=exc.message, retry_after=exc.retry_after
             )
         except Exception as exc:
-            log.exception("request.failed", op=type(request).__name__)
+            log.exception("request.failed", op=op(request))
             return Error(
                 id=request.id,
                 code=ErrorCode.INTERNAL,
@@ -637,17 +638,15 @@ class Server:
             case ListWorkers(all=include_ended, run=run, after=after, limit=limit):
                 records = registry.listing(include_ended=include_ended, run=run)
                 if caller is not None:
-                    records = [r for r in records if registry.within(caller, r.id)]
+                    records = [r for r in records if self.authority.sees(caller, r.id)]
                 views, cursor, complete = listing_page(records, after, limit)
                 return WorkerList(id=rid, workers=views, next=cursor, complete=complete)
             case Status(worker=worker):
-                daemon.authorize(caller, worker)
                 return WorkerReply(id=rid, worker=daemon.lookup(worker).view())
             case Stop(worker=worker, wait=wait):
-                found, stopped = await daemon.stop(worker, wait=wait, caller=caller)
+                found, stopped = await daemon.stop(worker, wait=wait)
                 return Stopped(id=rid, found=found, stopped=stopped)
             case Watch(worker=worker, since=since, limit=limit, follow=follow):
-                daemon.authorize(caller, worker)
                 if follow:
                     await daemon.follow(worker, since, limit, _sender(conn, rid))
                     return None
@@ -655,13 +654,11 @@ class Server:
                 page.id = rid
                 return page
             case Collect(worker=worker, wait=wait):
-                daemon.authorize(caller, worker)
                 return ResultReply(id=rid, result=await daemon.collect(worker, wait=wait))
             case Wait(worker=worker):
-                daemon.authorize(caller, worker)
                 return WorkerReply(id=rid, worker=await daemon.wait(worker))
             case Subscribe(run=run, worker=worker, follow=follow):
-                key = daemon.wake_key(run, worker, caller)
+                key = daemon.wake_key(run, worker)
                 await daemon.subscribe(key, follow, _wake_sender(conn, rid))
                 return None
             case Ack(wakes=seqs):
@@ -689,11 +686,9 @@ class Server:
                         f"a resume runs what worker {worker}'s snapshot froze at spawn: "
                         f"{', '.join(given)} cannot be given again (only --timeout can)"
                     )
-                return WorkerReply(
-                    id=rid, worker=await self.resumer.resume(worker, timeout, caller)
-                )
+                return WorkerReply(id=rid, worker=await self.resumer.resume(worker, timeout))
             case Cancel(scope=scope):
-                return Cancelled(id=rid, cancelled=daemon.cancel(scope, caller))
+                return Cancelled(id=rid, cancelled=daemon.cancel(scope))
             case Info():
                 return InfoReply(id=rid, info=daemon.info())
             case Abort(request=target):
@@ -704,12 +699,6 @@ class Server:
                 return Done(id=rid)
             case Hello():
                 raise Invalid("hello was already exchanged on this connection")
-        if caller is not None:
-            raise Forbidden(
-                f"{type(request).__name__} is not for a worker's connection: it reaches "
-                f"beyond worker {caller}'s own subtree"
-            )
-        match request:
             case NewRun(outer=outer):
                 return RunReply(id=rid, run=daemon.new_run(outer))
             case StopRun(run=run, wait=wait):
@@ -735,7 +724,7 @@ class Server:
             case ClearFence():
                 registry.clear_fence()
                 return Done(id=rid)
-        raise Invalid(f"unknown request {type(request).__name__}")
+        raise Invalid(f"unknown request {op(request)}")
 
 
 def _duplicates(conns: list[Connection]) -> dict[Connection, int]:

@@ -148,6 +148,16 @@ def tree_members(
     return _with_descendants(table, roots)
 
 
+def carries_worker_id(pid: int, pid_start: int, worker_id: str) -> bool:
+    """Whether `pid` is still the process started at `pid_start` and inherited `worker_id`
+    in its environment: a pid and start time alone are anyone's to read in /proc and to
+    write where a worker may write (its record). One environ read: for recovery, not for
+    every stop (a leader exec'd with a new environment is not recognised)."""
+    stat = read_stat(pid)
+    marker = f"SUBAGENTD_WORKER_ID={worker_id}".encode()
+    return stat is not None and stat.starttime == pid_start and _carries(pid, marker)
+
+
 def marked_members(table: dict[int, ProcStat], worker_id: str) -> list[ProcStat]:
     """Every live process carrying `worker_id` in its environment, and their descendants:
     a worker's tree when there is no leader to go by. One environ read per process

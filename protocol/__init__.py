@@ -77,6 +77,7 @@ from ._messages import WorkerView as WorkerView
 from ._messages import client_decoder as client_decoder
 from ._messages import daemon_decoder as daemon_decoder
 from ._messages import encode as encode
+from ._messages import op as op
 from ._paths import default_config_path as default_config_path
 from ._paths import default_socket_path as default_socket_path
 from ._paths import default_state_dir as default_state_dir

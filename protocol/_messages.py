@@ -9,7 +9,8 @@ older peer keeps decoding what a newer one sends.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import typing
+from typing import Annotated, Any, ClassVar, Generic, Literal, TypeVar
 
 import msgspec
 
@@ -157,193 +158,6 @@ class DaemonInfo(msgspec.Struct, kw_only=True):
     problems: list[str] = []
 
 
-# -- requests: client to daemon ------------------------------------------------
-
-
-class Request(msgspec.Struct, tag_field="op", kw_only=True):
-    id: RequestId
-
-
-class Hello(Request, tag="hello"):
-    """The first message of every connection."""
-
-    version: int = PROTOCOL_VERSION
-    token: Id | None = None
-    client: Name = ""
-
-
-class Spawn(Request, tag="spawn"):
-    argv: Argv = []
-    agent: Name | None = None
-    name: Name = ""
-    run: Id | None = None
-    parent: Id | None = None
-    input: Input | None = None
-    cwd: PathText | None = None
-    env: Env = {}
-    timeout: Timeout | None = None
-    grace: Grace | None = None
-
-
-class NewRun(Request, tag="new_run"):
-    outer: Id | None = None
-
-
-class ListWorkers(Request, tag="list_workers"):
-    """One page of workers; ``after``: the ``next`` of the page before (None: the first)."""
-
-    all: bool = False
-    run: Id | None = None
-    after: Name | None = None
-    limit: Annotated[int, msgspec.Meta(ge=1, le=MAX_INT)] = 1000
-
-
-class Status(Request, tag="status"):
-    worker: Id
-
-
-class Stop(Request, tag="stop"):
-    worker: Id
-    wait: bool = True
-
-
-class StopRun(Request, tag="stop_run"):
-    run: Id
-    wait: bool = True
-
-
-class Watch(Request, tag="watch"):
-    worker: Id
-    since: Count = 0
-    follow: bool = False
-    limit: Annotated[int, msgspec.Meta(ge=1, le=MAX_INT)] = 1000
-
-
-class Collect(Request, tag="collect"):
-    worker: Id
-    wait: bool = False
-
-
-class Wait(Request, tag="wait"):
-    worker: Id
-
-
-class Info(Request, tag="info"):
-    pass
-
-
-class BeginTurn(Request, tag="begin_turn"):
-    """Advance the turn generation that new registrations are stamped with."""
-
-
-class Cancel(Request, tag="cancel"):
-    """Stop every worker in ``scope``: ``all``, ``turn:G``, ``run:R`` or ``worker:W``."""
-
-    scope: Name
-
-
-class SetFence(Request, tag="set_fence"):
-    """Set a launch fence (replacing any other); answered with its epoch."""
-
-
-class CancelFence(Request, tag="cancel_fence"):
-    """Stop what registered under fence ``epoch``, and every later spawn until it is replaced."""
-
-    epoch: Count
-
-
-class ClearFence(Request, tag="clear_fence"):
-    pass
-
-
-class WaitRunStopped(Request, tag="wait_run_stopped"):
-    """Answered (with done) once ``run`` is stopped, however that happened."""
-
-    run: Id
-
-
-class Resume(Request, tag="resume"):
-    """Carry an ended (not finished) worker on from its snapshot: same id, next attempt.
-
-    Only ``timeout`` may be given again; ``input``, ``argv`` or ``model`` are
-    refused with `frozen` (the snapshot holds what the worker was given).
-    """
-
-    worker: Id
-    timeout: Timeout | None = None
-    input: Input | None = None
-    argv: Argv | None = None
-    model: Name | None = None
-
-
-class ResumeRun(Request, tag="resume_run"):
-    """A new live attempt of a run: its highest unfinished workers carry on."""
-
-    run: Id
-
-
-class LatestResumable(Request, tag="latest_resumable"):
-    """The newest run started in ``cwd`` that a resume would take, or the newest and why not."""
-
-    cwd: PathText
-
-
-class Reload(Request, tag="reload"):
-    """Re-exec the daemon's image in place, keeping every worker. Answered by the new image."""
-
-
-class Subscribe(Request, tag="subscribe"):
-    """The wakes for one parent: ``run`` (its top-level workers) or ``worker`` (its children).
-
-    Answered with `Wakes` pages: first every wake not yet acknowledged; with
-    ``follow``, then each new one as it is posted, until aborted.
-    """
-
-    run: Id | None = None
-    worker: Id | None = None
-    follow: bool = False
-
-
-class Ack(Request, tag="ack"):
-    """Acknowledge wakes by seq; each must have been delivered on this connection."""
-
-    wakes: Annotated[list[Count], msgspec.Meta(max_length=MAX_ACK_WAKES)]
-
-
-class Abort(Request, tag="abort"):
-    """End the stream opened by request ``request`` on this connection."""
-
-    request: RequestId
-
-
-ClientMessage = (
-    Hello
-    | Spawn
-    | NewRun
-    | ListWorkers
-    | Status
-    | Stop
-    | StopRun
-    | Watch
-    | Collect
-    | Wait
-    | Info
-    | BeginTurn
-    | Cancel
-    | SetFence
-    | CancelFence
-    | ClearFence
-    | WaitRunStopped
-    | Subscribe
-    | Ack
-    | Reload
-    | Resume
-    | ResumeRun
-    | LatestResumable
-    | Abort
-)
-
-
 # -- replies and events: daemon to client --------------------------------------
 
 
@@ -465,6 +279,304 @@ DaemonMessage = (
 )
 
 
+# -- requests: client to daemon ------------------------------------------------
+
+
+#: The reply that answers a request, the type parameter of its class.
+R = TypeVar("R", bound=Reply, covariant=True)
+
+
+class Request(msgspec.Struct, Generic[R], tag_field="op", kw_only=True):
+    """A request, with what both sides need to know about it declared once on its class.
+
+    ``Request[WorkerReply]`` as the base of a request class: it is answered by a `WorkerReply`
+    (or an `Error`); a stream, by several. The class-level facts below are
+    ClassVars (not fields: never encoded); those that depend on a field are methods.
+
+    One fact holds for every request alike: answered `reloading` under its own id
+    (a spawn or resume while the launch fence of a reload is up, or any request cut short
+    on the connection that asked for the reload), it may be sent again after
+    ``retry_after``; the clients do (`retry_delay`).
+    """
+
+    id: RequestId
+
+    #: The reply type that answers it: `R`, set from the class's own parameter.
+    reply: ClassVar[type[Reply]]
+    #: A worker's connection may send it, reaching only the worker's own subtree (the
+    #: daemon's `Authority` decides what that means for each request); the others belong
+    #: to whoever runs the workflow.
+    for_workers: ClassVar[bool] = False
+    #: Answered without waiting for anything: the daemon answers it inline, without a task.
+    at_once: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for base in getattr(cls, "__orig_bases__", ()):
+            if typing.get_origin(base) is Request:
+                (cls.reply,) = typing.get_args(base)
+        if not hasattr(cls, "reply"):
+            raise TypeError(f"{cls.__name__} must say which reply answers it: Request[TheReply]")
+
+    @classmethod
+    def answered_by(cls) -> type[R]:
+        """`reply`, typed: what `expect`-style checks of an answer to this request want."""
+        return typing.cast("type[R]", cls.reply)
+
+    def resendable(self) -> bool:
+        """Whether, lost with its connection, it may be sent again on the next one: it asks
+        without changing anything, so a second asking answers the same."""
+        return False
+
+    def streams(self) -> bool:
+        """Whether it is answered with many replies, carrying on from a cursor."""
+        return False
+
+
+class Hello(Request[Welcome], tag="hello"):
+    """The first message of every connection."""
+
+    version: int = PROTOCOL_VERSION
+    token: Id | None = None
+    client: Name = ""
+
+    for_workers = True
+
+
+class Spawn(Request[WorkerReply], tag="spawn"):
+    argv: Argv = []
+    agent: Name | None = None
+    name: Name = ""
+    run: Id | None = None
+    parent: Id | None = None
+    input: Input | None = None
+    cwd: PathText | None = None
+    env: Env = {}
+    timeout: Timeout | None = None
+    grace: Grace | None = None
+
+    for_workers = True
+
+
+class NewRun(Request[RunReply], tag="new_run"):
+    outer: Id | None = None
+
+
+class ListWorkers(Request[WorkerList], tag="list_workers"):
+    """One page of workers; ``after``: the ``next`` of the page before (None: the first)."""
+
+    all: bool = False
+    run: Id | None = None
+    after: Name | None = None
+    limit: Annotated[int, msgspec.Meta(ge=1, le=MAX_INT)] = 1000
+
+    for_workers = True
+    at_once = True
+
+    def resendable(self) -> bool:
+        return True
+
+
+class Status(Request[WorkerReply], tag="status"):
+    worker: Id
+
+    for_workers = True
+    at_once = True
+
+    def resendable(self) -> bool:
+        return True
+
+
+class Stop(Request[Stopped], tag="stop"):
+    worker: Id
+    wait: bool = True
+
+    for_workers = True
+
+
+class StopRun(Request[Stopped], tag="stop_run"):
+    run: Id
+    wait: bool = True
+
+
+class Watch(Request[Page], tag="watch"):
+    worker: Id
+    since: Count = 0
+    follow: bool = False
+    limit: Annotated[int, msgspec.Meta(ge=1, le=MAX_INT)] = 1000
+
+    for_workers = True
+
+    def resendable(self) -> bool:
+        return True
+
+    def streams(self) -> bool:
+        return self.follow
+
+
+class Collect(Request[ResultReply], tag="collect"):
+    worker: Id
+    wait: bool = False
+
+    for_workers = True
+
+    def resendable(self) -> bool:
+        # A collect releases the handle, though a repeat answers the same: only one that
+        # waits, which a reload must not cut short, is sent again.
+        return self.wait
+
+
+class Wait(Request[WorkerReply], tag="wait"):
+    worker: Id
+
+    for_workers = True
+
+    def resendable(self) -> bool:
+        return True
+
+
+class Info(Request[InfoReply], tag="info"):
+    for_workers = True
+    at_once = True
+
+    def resendable(self) -> bool:
+        return True
+
+
+class BeginTurn(Request[TurnReply], tag="begin_turn"):
+    """Advance the turn generation that new registrations are stamped with."""
+
+
+class Cancel(Request[Cancelled], tag="cancel"):
+    """Stop every worker in ``scope``: ``all``, ``turn:G``, ``run:R`` or ``worker:W``."""
+
+    scope: Name
+
+    for_workers = True
+
+
+class SetFence(Request[FenceReply], tag="set_fence"):
+    """Set a launch fence (replacing any other); answered with its epoch."""
+
+
+class CancelFence(Request[Cancelled], tag="cancel_fence"):
+    """Stop what registered under fence ``epoch``, and every later spawn until it is replaced."""
+
+    epoch: Count
+
+
+class ClearFence(Request[Done], tag="clear_fence"):
+    pass
+
+
+class WaitRunStopped(Request[Done], tag="wait_run_stopped"):
+    """Answered (with done) once ``run`` is stopped, however that happened."""
+
+    run: Id
+
+    def resendable(self) -> bool:
+        return True
+
+
+class Resume(Request[WorkerReply], tag="resume"):
+    """Carry an ended (not finished) worker on from its snapshot: same id, next attempt.
+
+    Only ``timeout`` may be given again; ``input``, ``argv`` or ``model`` are
+    refused with `frozen` (the snapshot holds what the worker was given).
+    """
+
+    worker: Id
+    timeout: Timeout | None = None
+    input: Input | None = None
+    argv: Argv | None = None
+    model: Name | None = None
+
+    for_workers = True
+
+
+class ResumeRun(Request[WorkerList], tag="resume_run"):
+    """A new live attempt of a run: its highest unfinished workers carry on."""
+
+    run: Id
+
+
+class LatestResumable(Request[Latest], tag="latest_resumable"):
+    """The newest run started in ``cwd`` that a resume would take, or the newest and why not."""
+
+    cwd: PathText
+
+    def resendable(self) -> bool:
+        return True
+
+
+class Reload(Request[ReloadReply], tag="reload"):
+    """Re-exec the daemon's image in place, keeping every worker. Answered by the new image."""
+
+
+class Subscribe(Request[Wakes], tag="subscribe"):
+    """The wakes for one parent: ``run`` (its top-level workers) or ``worker`` (its children).
+
+    Answered with `Wakes` pages: first every wake not yet acknowledged; with
+    ``follow``, then each new one as it is posted, until aborted.
+    """
+
+    run: Id | None = None
+    worker: Id | None = None
+    follow: bool = False
+
+    for_workers = True
+
+    def resendable(self) -> bool:
+        return True
+
+    def streams(self) -> bool:
+        return True
+
+
+class Ack(Request[Done], tag="ack"):
+    """Acknowledge wakes by seq; each must have been delivered on this connection."""
+
+    wakes: Annotated[list[Count], msgspec.Meta(max_length=MAX_ACK_WAKES)]
+
+    for_workers = True
+
+
+class Abort(Request[Done], tag="abort"):
+    """End the stream opened by request ``request`` on this connection."""
+
+    request: RequestId
+
+    for_workers = True
+
+
+ClientMessage = (
+    Hello
+    | Spawn
+    | NewRun
+    | ListWorkers
+    | Status
+    | Stop
+    | StopRun
+    | Watch
+    | Collect
+    | Wait
+    | Info
+    | BeginTurn
+    | Cancel
+    | SetFence
+    | CancelFence
+    | ClearFence
+    | WaitRunStopped
+    | Subscribe
+    | Ack
+    | Reload
+    | Resume
+    | ResumeRun
+    | LatestResumable
+    | Abort
+)
+
+
 # -- encoding ------------------------------------------------------------------
 
 _encoder = msgspec.msgpack.Encoder()
@@ -472,6 +584,11 @@ client_decoder: msgspec.msgpack.Decoder[ClientMessage] = msgspec.msgpack.Decoder
 daemon_decoder: msgspec.msgpack.Decoder[DaemonMessage] = msgspec.msgpack.Decoder(DaemonMessage)
 
 
-def encode(message: Request | Reply) -> bytes:
+def encode(message: Request[Reply] | Reply) -> bytes:
     """The whole frame (length prefix and body) for one message."""
     return frame(_encoder.encode(message))
+
+
+def op(message: Request[Reply] | Reply) -> str:
+    """A message's name on the wire ("new_run"), for what a person reads."""
+    return str(type(message).__struct_config__.tag)

@@ -88,7 +88,7 @@ class RawConnection:
                 raise
         return conn
 
-    async def send(self, message: p.Request) -> None:
+    async def send(self, message: p.Request[p.Reply]) -> None:
         await self.stream.send_all(p.encode(message))
 
     async def receive(self) -> DaemonMessage | None:

@@ -109,7 +109,7 @@ async def test_torn_frame_then_hangup_keeps_serving(connect: Connect) -> None:
 async def test_unknown_ids_answer_not_found(connect: Connect) -> None:
     with trio.fail_after(10):
         conn = await connect()
-        requests: list[p.Request] = [
+        requests: list[p.Request[p.Reply]] = [
             p.Status(id=0, worker="w-nope"),
             p.Watch(id=0, worker="w-nope"),
             p.Collect(id=0, worker="w-nope"),

@@ -527,7 +527,7 @@ RELOADING = encode(
 )
 
 
-def reconnect(conn: _core.Connection) -> list[Request]:
+def reconnect(conn: _core.Connection) -> list[Request[Reply]]:
     """What a shell does once a new connection said welcome: the requests it sends on it."""
     assert conn.reconnecting
     return [client_decoder.decode(data[HEADER.size :]) for data in conn.reconnected()]

@@ -145,7 +145,7 @@ WORKER = WorkerView(
     agent="reviewer",
 )
 
-EXAMPLES: list[Request | Reply] = [
+EXAMPLES: list[Request[Reply] | Reply] = [
     Hello(id=1, token="secret", client="test"),
     Spawn(
         id=2,
@@ -246,7 +246,7 @@ def _every(base: type[msgspec.Struct]) -> set[type[msgspec.Struct]]:
     return found
 
 
-def _decoder_for(message: Request | Reply) -> msgspec.msgpack.Decoder[typing.Any]:
+def _decoder_for(message: Request[Reply] | Reply) -> msgspec.msgpack.Decoder[typing.Any]:
     return client_decoder if isinstance(message, Request) else daemon_decoder
 
 
@@ -262,7 +262,7 @@ def test_the_decoders_know_every_message_type() -> None:
 
 
 @pytest.mark.parametrize("message", EXAMPLES, ids=lambda message: type(message).__name__)
-def test_every_message_round_trips(message: Request | Reply) -> None:
+def test_every_message_round_trips(message: Request[Reply] | Reply) -> None:
     wire = encode(message)
     decoder = FrameDecoder()
     decoder.feed(wire)
@@ -272,7 +272,7 @@ def test_every_message_round_trips(message: Request | Reply) -> None:
 
 
 @pytest.mark.parametrize("message", EXAMPLES, ids=lambda message: type(message).__name__)
-def test_fields_from_a_newer_peer_are_ignored(message: Request | Reply) -> None:
+def test_fields_from_a_newer_peer_are_ignored(message: Request[Reply] | Reply) -> None:
     fields = msgspec.to_builtins(message, builtin_types=(bytes,))
     fields["added_in_a_later_version"] = {"any": ["shape"]}
     assert _decoder_for(message).decode(msgspec.msgpack.encode(fields)) == message

@@ -39,7 +39,9 @@ async def connect(daemon: DaemonProcess) -> AsyncIterator[Connect]:
         await conn.stream.aclose()
 
 
-async def _ask(conn: RawConnection, request: p.Request | dict[str, object]) -> p.DaemonMessage:
+async def _ask(
+    conn: RawConnection, request: p.Request[p.Reply] | dict[str, object]
+) -> p.DaemonMessage:
     """Send one request (a Struct, or a map as any client may write it) and read the answer."""
     if isinstance(request, dict):
         await conn.stream.send_all(p.frame(msgspec.msgpack.encode(request)))

@@ -247,3 +247,30 @@ def test_a_run_nested_in_one_no_file_describes_is_still_nested_after_a_restore()
     )
     assert sorted(after.stop_run(lone.run)) == sorted([lone.id, nested.id])
     assert after.run_stopped(inner.id)
+
+
+def test_parents_and_outer_runs_that_loop_are_cut_when_restored() -> None:
+    # Records restored from archives are in workers' reach: a worker may rewrite its
+    # own so that its parent loops back to it. No walk may go round forever.
+    before = _registry()
+    a, b, c = _spawn(before), _spawn(before), _spawn(before)
+    outer = before.new_run(0.0)
+    inner = before.new_run(0.0, outer=outer.id)
+    a.parent, b.parent, c.parent = b.id, a.id, a.id  # a <-> b loop; c hangs below a
+    outer.outer = inner.id  # runs nested in each other
+    after = _registry()
+    after.restore(
+        runs=[outer, inner],
+        records=[a, b, c],
+        tombstones=[],
+        turn=0,
+        fence=None,
+        fence_epochs=0,
+    )
+    assert len(after.damage) == 2  # one link of each loop cut, no more
+    assert any("loops back" in line for line in after.damage)
+    # a's link was cut (the first found in a loop), b's stands: a is the top again.
+    assert (after.workers[a.id].parent, after.workers[b.id].parent) == (None, a.id)
+    assert set(after.subtree(a.id)) == {a.id, b.id, c.id}
+    assert not after.run_stopped(inner.id)
+    assert set(after.runs_within(outer.id)) <= {outer.id, inner.id}

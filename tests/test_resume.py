@@ -15,7 +15,7 @@ from .conftest import BIN, DaemonProcess
 from .helpers import RawConnection, sh, wait_output
 
 
-async def ask(daemon: DaemonProcess, request: p.Request) -> p.Reply:
+async def ask(daemon: DaemonProcess, request: p.Request[p.Reply]) -> p.Reply:
     conn = await RawConnection.open(daemon.socket)
     async with conn.stream:
         request.id = 2
