@@ -11,8 +11,9 @@ Durability: `synchronous=NORMAL`. In WAL mode a commit is then written to the WA
 it returns (so it survives kill -9 of the daemon, which is what every guarantee here is
 about) but fsynced only at checkpoints, so a machine crash may lose the last commits
 (never tear one: the WAL's checksums stop replay at the first incomplete frame). That is
-what the hand-written wake log it replaces promised (appended, not fsynced), at a tenth of
-FULL's cost on an ending (`bench/store.py`).
+what the hand-written wake log it replaces promised (appended, not fsynced), at a sixth
+to a ninth of FULL's cost per post and per ack (`bench/store.py`: 50 and 29 us, against
+317 and 258 us with FULL, against 4.6 and 2.9 us for the old log's append).
 
 The schema has a version (the table `schema_version`, one row per migration applied) and
 moves forward one step at a time: `MIGRATIONS[n]` takes version n-1 to n, all pending steps
