@@ -59,8 +59,9 @@ from ._registry import (
 )
 from ._resume import git_branch
 from ._statedir import StateDir, save_run
+from ._store import STORE_NAME, Store
 from ._tree import Graces, ProcessTable, end_marked, end_tree
-from ._wakes import WakeKey, WakeLog
+from ._wakes import WakeKey, open_wakes
 
 log = structlog.get_logger("subagentd")
 
@@ -210,8 +211,9 @@ class Daemon:
         self._journal_scans = trio.CapacityLimiter(JOURNAL_SCANS)
         self.runs_dir = state_dir.root / "runs"
         self._saved_runs: set[str] = set()
-        self.wake_log = WakeLog(state_dir.root / "wakes.log")
-        self.wakes = self.wake_log.open()
+        #: What the daemon knows, transactionally (so far: the wakes).
+        self.store = Store.open(state_dir.root / STORE_NAME)
+        self.wakes = open_wakes(self.store, state_dir.root / "wakes.log")
         self._wakes_posted = trio.Event()
         self._retention_changed = trio.Event()
         self.spares = SpareArchives(state_dir.archives)
@@ -789,10 +791,10 @@ class Daemon:
         if wake is None:
             return
         try:
-            self.wake_log.posted(wake)
+            self.store.post_wake(wake)
         except OSError as exc:
             # Still delivered from memory; only a crash before its ack could lose it.
-            self._disk_trouble("wake log", exc)
+            self._disk_trouble("store (a wake)", exc)
         posted, self._wakes_posted = self._wakes_posted, trio.Event()
         posted.set()
 
@@ -813,8 +815,8 @@ class Daemon:
         """Make a wake posted before a fault changed its worker's state say the new one.
 
         Nobody has read it: the fault's handling reaches here without a checkpoint
-        after the post (a fault after the reap awaits nothing). Logged again under
-        its seq, it replaces the first post when the log is replayed.
+        after the post (a fault after the reap awaits nothing). Its row in the
+        store is changed in place.
         """
         for wake in self.wakes.pending.values():
             if (wake.id, wake.attempt) != (record.id, record.attempt):
@@ -822,9 +824,9 @@ class Daemon:
             if (wake.state, wake.exit_code) != (record.state, record.exit_code):
                 wake.state, wake.exit_code = record.state, record.exit_code
                 try:
-                    self.wake_log.posted(wake)
+                    self.store.restate_wake(wake)
                 except OSError as exc:
-                    self._disk_trouble("wake log", exc)
+                    self._disk_trouble("store (a wake)", exc)
 
     async def _pump_pipes(self, live: LiveWorker, closed: trio.Event) -> None:
         async with trio.open_nursery() as nursery:
@@ -1140,9 +1142,7 @@ class Daemon:
     def ack(self, seqs: list[int]) -> None:
         self.wakes.ack(seqs)
         try:
-            self.wake_log.acked(seqs)
-            if self.wake_log.should_compact(self.wakes):
-                self.wake_log.compact(self.wakes)
+            self.store.ack_wakes(seqs)
         except OSError as exc:
             log.error("wakes.write_failed", error=str(exc))
 
@@ -1212,7 +1212,7 @@ class Daemon:
             socket=str(self.socket_path),
             state_dir=str(self.state_dir.root),
             problems=[p for p in (self.disk_problem, self.descriptor_problem) if p]
-            + self.wake_log.problems
+            + self.store.problems
             + self.recovery_problems
             + self.registry.damage
             + list(self.record_problems.values()),

@@ -27,6 +27,8 @@ from ._checkpoint import READS_VERSIONS
 from ._logging import LogFormat, configure_logging
 from ._registry import DEFAULT_FINISHED_TTL, DEFAULT_KEEP_ARCHIVES_DAYS
 from ._statedir import StateDirLocked, ensure_private_dir
+from ._store import READS_VERSIONS as STORE_READS_VERSIONS
+from ._store import StoreUnusable
 
 log = structlog.get_logger("subagentd")
 
@@ -172,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         trio.run(serve, settings)
-    except (StateDirLocked, SocketInUse, PermissionError) as exc:
+    except (StateDirLocked, SocketInUse, PermissionError, StoreUnusable) as exc:
         print(f"subagentd: {exc}", file=sys.stderr)
         return 1
     return 0
@@ -200,6 +202,7 @@ def check(settings: Settings) -> int:
     print(f"config: {settings.config} ({len(agents)} agents)")
     print(f"state dir: {settings.state_dir}")
     print(f"reads checkpoint versions: {', '.join(map(str, READS_VERSIONS))}")
+    print(f"reads store schema versions: {', '.join(map(str, STORE_READS_VERSIONS))}")
     for problem in problems:
         print(f"error: {problem}", file=sys.stderr)
     return 1 if problems else 0

@@ -6,7 +6,7 @@ trees survived (orphans now) is ended: by its cgroup, else from the leader
 its record names only if that pid is still the process started then and
 carries the worker's id (a record is in its worker's reach; see `_leader`),
 else by that id alone; wakes not yet acknowledged come back from
-the wake log, and an interrupted worker posts its own.
+the store, and an interrupted worker posts its own.
 
 Each interrupted worker is recovered in its own fault boundary: its archive is
 in its reach, and whatever was planted there (a directory where a file is

@@ -202,12 +202,10 @@ class Reloader:
                 if line.startswith("error: ")
             ]
             raise Refused(f"the new image refuses this reload: {'; '.join(errors) or said}")
-        versions = _versions_read(result.stdout.decode(errors="replace"))
-        if CHECKPOINT_VERSION not in versions:
-            raise Refused(
-                f"the new image reads checkpoint versions {sorted(versions)}, not "
-                f"{CHECKPOINT_VERSION}; stop the daemon to change to it"
-            )
+        # The new image just reopens the store: it must read the schema in use.
+        refusal = image_refusal(result.stdout.decode(errors="replace"), self.daemon.store.version)
+        if refusal is not None:
+            raise Refused(refusal)
 
     async def _stop_uncarriable(self) -> list[str]:
         """Stop, before the exec, the workers that cannot be carried live."""
@@ -340,9 +338,28 @@ def _answer(failure: Error | None, request_id: int) -> Reply | None:
     return Error(id=request_id, code=failure.code, message=failure.message)
 
 
-def _versions_read(check_output: str) -> set[int]:
+def image_refusal(check_output: str, schema_in_use: int) -> str | None:
+    """Why a new image whose --check said `check_output` cannot take over, if it cannot:
+    it must read this image's checkpoint and the store's schema version in use."""
+    versions = _versions_read(check_output, "checkpoint")
+    if CHECKPOINT_VERSION not in versions:
+        return (
+            f"the new image reads checkpoint versions {sorted(versions)}, not "
+            f"{CHECKPOINT_VERSION}; stop the daemon to change to it"
+        )
+    schemas = _versions_read(check_output, "store schema")
+    if schema_in_use not in schemas:
+        return (
+            f"the new image reads store schema versions {sorted(schemas)}, not "
+            f"{schema_in_use} (the one in use); stop the daemon to change to it"
+        )
+    return None
+
+
+def _versions_read(check_output: str, what: str) -> set[int]:
+    """The versions of `what` the new image's --check says it reads."""
     for line in check_output.splitlines():
-        if line.startswith("reads checkpoint versions:"):
+        if line.startswith(f"reads {what} versions:"):
             return {int(v) for v in line.split(":", 1)[1].replace(",", " ").split()}
     return set()
 

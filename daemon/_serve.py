@@ -104,16 +104,21 @@ async def serve(settings: Settings) -> None:
         state_dir.release()
         raise
     cgroups, tree_tracking = _tree_tracking(settings)
-    daemon = Daemon(
-        state_dir,
-        socket_path=settings.socket,
-        config_path=settings.config,
-        finished_ttl=settings.finished_ttl,
-        keep_archives_days=settings.keep_archives_days,
-        cgroups=cgroups,
-        tree_tracking=tree_tracking,
-        faults=read_faults(os.environ.get(FAULT_ENV, "")),
-    )
+    try:
+        daemon = Daemon(
+            state_dir,
+            socket_path=settings.socket,
+            config_path=settings.config,
+            finished_ttl=settings.finished_ttl,
+            keep_archives_days=settings.keep_archives_days,
+            cgroups=cgroups,
+            tree_tracking=tree_tracking,
+            faults=read_faults(os.environ.get(FAULT_ENV, "")),
+        )
+    except BaseException:  # the store cannot be opened (a newer schema, no disk)
+        control.remove()
+        state_dir.release()
+        raise
     adopted: list[Handover] = []
     if handoff is not None:
         carried, stopped = await adopt(daemon, handoff)
@@ -195,6 +200,7 @@ async def serve(settings: Settings) -> None:
             cgroups.remove()
         control.remove()
         await listener.aclose()
+        daemon.store.close()
         state_dir.release()
         log.info("daemon.stopped")
 

@@ -1,18 +1,16 @@
 """Wakes: one completion event per worker ending, kept until its parent acknowledges it.
 
 `WakeQueue` is the sans-I/O core: it posts at most one wake per worker attempt
-and holds each until acknowledged. `WakeLog` makes it survive a crash: posts
-and acks are appended to a checksummed log (the journal's framing), replayed
-on start, and compacted to what is still pending. A damaged entry costs only
-itself: replay skips to the next entry that verifies, says so, and keeps the
-damaged log aside before compacting it. A seq is never given twice, whatever
-entry is damaged: past damage, the next seq skips ahead (gaps are harmless).
+and holds each until acknowledged. The store (`_store.py`) makes it survive a
+crash: each post and each ack is a transaction there, and `open_wakes` loads the
+queue from it at start. The wake log of an image before the store is read once,
+with its damage handling (a damaged entry costs only itself, and seqs skip past
+any it may hide, so none is given twice), imported, and renamed aside.
 """
 
 from __future__ import annotations
 
 import os
-import time
 import zlib
 from pathlib import Path
 
@@ -21,20 +19,17 @@ import structlog
 
 from subagentd.protocol import Wake, WorkerState
 
-from ._files import read_regular, replace_file, short_write
+from ._files import NotRegularFile, read_regular
 from ._journal import ENTRY_HEADER
+from ._store import SEQ_SKIP_WITHOUT_FLOOR, Store
 
-#: Far above any wake log (compaction keeps it near what is pending).
+#: Far above any old wake log (compaction kept it near what was pending).
 WAKE_LOG_READ_LIMIT = 1024 * 1024 * 1024
 log = structlog.get_logger("subagentd")
 
 #: Past damage, replay looks for the next entry no longer than this (a post or an ack is far
 #: smaller), so that garbage claiming a huge length is not checksummed at every offset.
 RESYNC_ENTRY_LIMIT = 1024 * 1024
-#: How far seqs skip ahead when damage hid the floor: the seqs given out before the last
-#: compaction are then unknown (they may lie far above every pending one), and no daemon
-#: gives out this many wakes between two compactions of its log.
-SEQ_SKIP_WITHOUT_FLOOR = 2**32
 #: A parent that wakes are for: ("run", run id) or ("worker", worker id).
 WakeKey = tuple[str, str]
 
@@ -78,7 +73,7 @@ class WakeQueue:
         return wake
 
     def restore(self, wake: Wake) -> None:
-        """Take back a wake read from the log."""
+        """Take back a wake read from the store."""
         self._posted.add((wake.id, wake.attempt))
         self.pending[wake.seq] = wake
         self.last_seq = max(self.last_seq, wake.seq)
@@ -117,125 +112,100 @@ class _Floor(msgspec.Struct, tag="floor"):
 
 
 _Record = _Post | _Ack | _Floor
-_encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(_Record)
 
 
-class WakeLog:
-    """The queue's file: every post and ack appended, so a crash loses none."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._fd: int | None = None
-        self._records = 0
-        self._size = 0
-        #: What replay found damaged, for a person to see (`info.problems`).
-        self.problems: list[str] = []
-
-    def open(self) -> WakeQueue:
-        """Replay the log into a queue, then compact it.
-
-        A torn tail is cut: the post or ack it held never completed. Damage
-        before the tail (an entry whose checksum fails, or whose body does not
-        decode) skips only that entry: replay goes on from the next one that
-        verifies, and the damaged log is kept aside before compaction.
-        """
-        queue = WakeQueue()
-        try:
-            blob = read_regular(self.path, WAKE_LOG_READ_LIMIT)
-        except FileNotFoundError:
-            blob = b""
-        damaged: list[int] = []  # offsets where replay skipped
-        skipped = 0  # bytes not replayed: damaged entries and a torn tail
-        floor_seen = False
-        offset = 0
-        while offset + ENTRY_HEADER.size <= len(blob):
-            record, end, whole = _entry_at(blob, offset)
-            if record is None:
-                following = _next_entry(blob, end if whole else offset + 1)
-                if following is None:
-                    if whole:
-                        damaged.append(offset)
-                    break  # the rest is damaged, or a torn tail: counted below
-                damaged.append(offset)
-                skipped += following - offset
-                offset = following
-                continue
-            match record:
-                case _Post(wake=wake):
-                    queue.restore(wake)
-                case _Ack(seqs=seqs):
-                    queue.ack(seqs)
-                    queue.last_seq = max([queue.last_seq, *seqs])  # each was given out
-                case _Floor(last_seq=last_seq):
-                    queue.last_seq = max(queue.last_seq, last_seq)
-                    floor_seen = True
-            offset = end
-        skipped += len(blob) - offset
-        queue.last_seq += _seqs_maybe_hidden(skipped, floor_seen)
-        if damaged:
-            self._keep_damaged(damaged)
-        self.compact(queue)
-        return queue
-
-    def _keep_damaged(self, offsets: list[int]) -> None:
-        """Keep the damaged log beside the new one, and say what was skipped."""
-        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-        aside = self.path.with_name(f"{self.path.name}.damaged-{stamp}-{os.getpid()}")
-        try:
-            os.link(self.path, aside)  # the compaction renames a new file over the old name
-        except OSError as exc:
-            aside_note = f"it could not be kept aside ({exc.strerror or exc})"
-        else:
-            aside_note = f"the damaged log is kept as {aside}"
+def open_wakes(store: Store, old_log: Path) -> WakeQueue:
+    """The queue as the store holds it, after taking in `old_log` (the wake log of an
+    image before the store) once: its pending wakes keep their seqs, its floor stays the
+    floor, and it is renamed `<name>.imported` so that it is never read again."""
+    try:
+        _import_old_log(store, old_log)
+    except OSError as exc:  # the store is still whole: the daemon serves, and says so
         problem = (
-            f"the wake log {self.path} was damaged at byte(s) {', '.join(map(str, offsets))}: "
-            f"{len(offsets)} entr{'y' if len(offsets) == 1 else 'ies'} skipped (a wake, or an "
-            f"acknowledgement, may be lost there; every other was kept); {aside_note}"
+            f"the wake log {old_log} of an earlier version could not be imported "
+            f"({exc.strerror or exc}): its wakes are not delivered until it is"
         )
-        log.error("wakes.log_damaged", problem=problem, offsets=offsets)
-        self.problems.append(problem)
+        log.error("wakes.log_not_imported", problem=problem)
+        store.problems.append(problem)
+    queue = WakeQueue()
+    wakes, floor = store.wakes()
+    for wake in wakes:
+        queue.restore(wake)
+    queue.last_seq = max(queue.last_seq, floor)
+    return queue
 
-    def compact(self, queue: WakeQueue) -> None:
-        """Rewrite the log as just what is pending, atomically.
 
-        The floor goes first and last: the pending posts between may be far older than
-        it, so one damaged copy must not be all that said which seqs were used.
-        """
-        records: list[_Record] = [_Floor(queue.last_seq)]
-        records += [_Post(w) for w in sorted(queue.pending.values(), key=lambda w: w.seq)]
-        records.append(_Floor(queue.last_seq))
-        data = b"".join(_frame(r) for r in records)
-        replace_file(self.path, data, what="compacting the wake log", durable=True)
-        if self._fd is not None:
-            os.close(self._fd)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
-        self._records = len(records)
-        self._size = len(data)
+def _import_old_log(store: Store, old_log: Path) -> None:
+    try:
+        blob = read_regular(old_log, WAKE_LOG_READ_LIMIT)
+    except FileNotFoundError:
+        return
+    except NotRegularFile:
+        # Planted (a symlink, a FIFO): moved aside as it is, never followed or read.
+        aside = old_log.with_name(f"{old_log.name}.not-ours")
+        os.replace(old_log, aside)
+        store.problems.append(
+            f"the wake log {old_log} was not a regular file: set aside, unread, as {aside}"
+        )
+        return
+    replayed, problems = _replay(blob, old_log)
+    taken = store.import_wakes(
+        sorted(replayed.pending.values(), key=lambda w: w.seq), replayed.last_seq
+    )
+    imported = old_log.with_name(f"{old_log.name}.imported")
+    os.replace(old_log, imported)
+    log.info("wakes.log_imported", log=str(imported), wakes=len(taken))
+    for problem in problems:
+        store.problems.append(f"{problem}; it is kept as {imported}")
 
-    def posted(self, wake: Wake) -> None:
-        self._append(_Post(wake))
 
-    def acked(self, seqs: list[int]) -> None:
-        self._append(_Ack(seqs))
+def _replay(blob: bytes, path: Path) -> tuple[WakeQueue, list[str]]:
+    """The queue a wake log (of an image before the store) leaves, and what was damaged.
 
-    def should_compact(self, queue: WakeQueue) -> bool:
-        return self._records > 1000 and self._records > 4 * (len(queue.pending) + 1)
-
-    def _append(self, record: _Record) -> None:
-        assert self._fd is not None, "WakeLog.open was not called"
-        data = _frame(record)
-        if os.write(self._fd, data) != len(data):
-            # Cut the partial record, or every later one would follow garbage.
-            os.ftruncate(self._fd, self._size)
-            raise short_write("to the wake log", str(self.path))
-        self._records += 1
-        self._size += len(data)
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+    A torn tail is cut: the post or ack it held never completed. Damage
+    before the tail (an entry whose checksum fails, or whose body does not
+    decode) skips only that entry: replay goes on from the next one that
+    verifies, and the next seq skips past any the damage may have hidden.
+    """
+    queue = WakeQueue()
+    damaged: list[int] = []  # offsets where replay skipped
+    skipped = 0  # bytes not replayed: damaged entries and a torn tail
+    floor_seen = False
+    offset = 0
+    while offset + ENTRY_HEADER.size <= len(blob):
+        record, end, whole = _entry_at(blob, offset)
+        if record is None:
+            following = _next_entry(blob, end if whole else offset + 1)
+            if following is None:
+                if whole:
+                    damaged.append(offset)
+                break  # the rest is damaged, or a torn tail: counted below
+            damaged.append(offset)
+            skipped += following - offset
+            offset = following
+            continue
+        match record:
+            case _Post(wake=wake):
+                queue.restore(wake)
+            case _Ack(seqs=seqs):
+                queue.ack(seqs)
+                queue.last_seq = max([queue.last_seq, *seqs])  # each was given out
+            case _Floor(last_seq=last_seq):
+                queue.last_seq = max(queue.last_seq, last_seq)
+                floor_seen = True
+        offset = end
+    skipped += len(blob) - offset
+    queue.last_seq += _seqs_maybe_hidden(skipped, floor_seen)
+    if not damaged:
+        return queue, []
+    problem = (
+        f"the wake log {path} was damaged at byte(s) {', '.join(map(str, damaged))}: "
+        f"{len(damaged)} entr{'y' if len(damaged) == 1 else 'ies'} skipped (a wake, or an "
+        "acknowledgement, may be lost there; every other was kept)"
+    )
+    log.error("wakes.log_damaged", problem=problem, offsets=damaged)
+    return queue, [problem]
 
 
 def _entry_at(
@@ -274,8 +244,3 @@ def _next_entry(blob: bytes, start: int) -> int | None:
         if _entry_at(blob, offset, RESYNC_ENTRY_LIMIT)[0] is not None:
             return offset
     return None
-
-
-def _frame(record: _Record) -> bytes:
-    body = _encoder.encode(record)
-    return ENTRY_HEADER.pack(len(body), zlib.crc32(body)) + body

@@ -1,10 +1,13 @@
 """kill -9 of the daemon at random points while it spawns, stops, journals and
-reloads; after each restart: journals whole up to a torn tail, every result
-kept, every unacknowledged wake there once, and no process of any worker left."""
+reloads, or posts and acknowledges wakes by the hundred (mid-transaction in the
+store); after each restart: journals whole up to a torn tail, every result kept,
+every unacknowledged wake there once and no acknowledged one back, no seq given
+twice, and no process of any worker left."""
 
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import trio
@@ -91,3 +94,92 @@ async def test_kill_9_at_random_points_loses_nothing_and_leaves_no_orphan(
                 assert isinstance(page, p.Wakes)
                 woken = [w.id for w in page.wakes]
                 assert len(woken) == len(set(woken))  # never posted twice
+
+
+# -- wakes, posted and acknowledged by the hundred -----------------------------
+
+
+@dataclass
+class _Wakes:
+    """What the test saw of one run's wakes, across every kill."""
+
+    spawned: list[str] = field(default_factory=list)
+    seen: dict[int, str] = field(default_factory=dict)  # seq -> worker: one wake per seq
+    acked: set[int] = field(default_factory=set)  # the daemon answered `done` to their ack
+    unsure: set[int] = field(default_factory=set)  # ack sent, answer lost with the daemon
+
+
+async def _spawn_endings(daemon: DaemonProcess, run: str, wakes: _Wakes) -> None:
+    try:
+        async with AsyncClient(daemon.socket) as client:
+            while True:
+                wakes.spawned.append((await client.spawn(["true"], run=run)).id)
+    except (OSError, p.errors.SubagentdError, trio.BrokenResourceError):
+        return
+
+
+async def _ack_as_delivered(daemon: DaemonProcess, run: str, wakes: _Wakes) -> None:
+    try:
+        conn = await RawConnection.open(daemon.socket)
+        async with conn.stream:
+            await conn.send(p.Subscribe(id=2, run=run, follow=True))
+            asked: dict[int, list[int]] = {}
+            while (reply := await conn.receive()) is not None:
+                if isinstance(reply, p.Done):
+                    done = asked.pop(reply.id)
+                    wakes.acked.update(done)
+                    wakes.unsure.difference_update(done)
+                    continue
+                assert isinstance(reply, p.Wakes), reply
+                for wake in reply.wakes:
+                    assert wakes.seen.setdefault(wake.seq, wake.id) == wake.id, "seq given twice"
+                if reply.wakes:
+                    rid = 3 + len(asked) + len(wakes.acked)
+                    asked[rid] = [w.seq for w in reply.wakes]
+                    wakes.unsure.update(asked[rid])
+                    await conn.send(p.Ack(id=rid, wakes=asked[rid]))
+    except (OSError, trio.BrokenResourceError, AssertionError) as exc:
+        if isinstance(exc, AssertionError):
+            raise
+        return
+
+
+async def test_kill_9_amid_many_wake_posts_and_acks_loses_none_and_resurrects_none(
+    daemon: DaemonProcess,
+) -> None:
+    rng = random.Random(20261201)
+    async with AsyncClient(daemon.socket) as client:
+        run = await client.new_run()
+    wakes = _Wakes()
+    for _ in range(ROUNDS):
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_spawn_endings, daemon, run, wakes)
+                nursery.start_soon(_ack_as_delivered, daemon, run, wakes)
+                await trio.sleep(rng.uniform(0.3, 1.5))
+                daemon.kill()
+                nursery.cancel_scope.cancel()  # a client would wait out its retries
+            await trio.to_thread.run_sync(daemon.start)
+            pending = {w.seq: w.id for w in await _pending_wakes(daemon, run)}
+        assert not pending.keys() & wakes.acked, "an acknowledged wake came back"
+        assert len(set(pending.values())) == len(pending), "a worker woke its run twice"
+        for seq, worker in pending.items():
+            assert wakes.seen.get(seq, worker) == worker, f"seq {seq} given twice"
+        async with AsyncClient(daemon.socket) as client:
+            for worker in wakes.spawned:
+                if (await client.status(worker)).state not in p.TERMINAL_STATES:
+                    continue
+                delivered = {s for s, w in wakes.seen.items() if w == worker}
+                assert worker in pending.values() or delivered & (wakes.acked | wakes.unsure), (
+                    f"the wake of {worker} was lost"
+                )
+    assert len(wakes.acked) > 50, "too few wakes acknowledged to have tested much"
+
+
+async def _pending_wakes(daemon: DaemonProcess, run: str) -> list[p.Wake]:
+    conn = await RawConnection.open(daemon.socket)
+    async with conn.stream:
+        await conn.send(p.Subscribe(id=2, run=run))
+        page = await conn.receive()
+        assert isinstance(page, p.Wakes)
+        return page.wakes

@@ -12,9 +12,7 @@ import functools
 import os
 import socket
 import stat
-import struct
 import subprocess
-import zlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -328,107 +326,6 @@ async def test_a_lock_file_hard_linked_elsewhere_is_replaced_not_written_through
         await trio.to_thread.run_sync(daemon_dirs.start)
         assert _lock_file_held(daemon_dirs)
     _assert_untouched(victim)
-
-
-# -- the wake log ------------------------------------------------------------
-
-
-async def _pending_wakes(daemon: DaemonProcess, run: str) -> list[p.Wake]:
-    conn = await RawConnection.open(daemon.socket)
-    async with conn.stream:
-        await conn.send(p.Subscribe(id=2, run=run))
-        reply = await conn.receive()
-        assert isinstance(reply, p.Wakes)
-        return reply.wakes
-
-
-async def _five_wakes_then_kill(daemon: DaemonProcess) -> tuple[str, list[p.Wake], bytes]:
-    """Five unacknowledged wakes of one run; the daemon killed; its wake log."""
-    async with AsyncClient(daemon.socket) as client:
-        run = await client.new_run()
-        workers = [await client.spawn(["true"], run=run) for _ in range(5)]
-        for w in workers:
-            await client.wait(w.id)
-    wakes = await _pending_wakes(daemon, run)
-    assert len(wakes) == 5
-    daemon.kill()
-    return run, wakes, (daemon.state_dir / "wakes.log").read_bytes()
-
-
-def _entries(blob: bytes) -> list[tuple[int, int]]:
-    """(offset, end) of each entry of a wake log: u32 length, u32 crc32, body."""
-    found, offset = [], 0
-    while offset < len(blob):
-        (length,) = struct.unpack_from(">I", blob, offset)
-        found.append((offset, offset + 8 + length))
-        offset += 8 + length
-    return found
-
-
-async def _restart_and_check(daemon: DaemonProcess, run: str, expected: list[p.Wake]) -> None:
-    await trio.to_thread.run_sync(daemon.start)
-    assert [w.id for w in await _pending_wakes(daemon, run)] == [w.id for w in expected]
-    async with AsyncClient(daemon.socket) as client:
-        problems = (await client.info()).problems
-    assert any("wake log" in problem and "damaged" in problem for problem in problems)
-    assert list(daemon.state_dir.glob("wakes.log.damaged-*"))
-
-
-async def test_one_damaged_byte_in_the_wake_log_costs_only_its_own_wake(
-    daemon: DaemonProcess,
-) -> None:
-    with trio.fail_after(60):
-        run, wakes, blob = await _five_wakes_then_kill(daemon)
-        entries = _entries(blob)
-        assert len(entries) == 7  # the two floors compaction wrote, then five posts
-        start, end = entries[4]  # the third post, in the middle of the log
-        damaged = bytearray(blob)
-        damaged[(start + 8 + end) // 2] ^= 0xFF
-        (daemon.state_dir / "wakes.log").write_bytes(damaged)
-        await _restart_and_check(daemon, run, wakes[:2] + wakes[3:])
-
-
-async def test_a_wake_log_entry_with_a_valid_checksum_and_garbage_body_is_skipped(
-    daemon: DaemonProcess,
-) -> None:
-    with trio.fail_after(60):
-        run, wakes, blob = await _five_wakes_then_kill(daemon)
-        _, end = _entries(blob)[3]
-        garbage = msgspec.msgpack.encode({"type": "no such record", "x": [1, 2]})
-        entry = struct.pack(">II", len(garbage), zlib.crc32(garbage)) + garbage
-        (daemon.state_dir / "wakes.log").write_bytes(blob[:end] + entry + blob[end:])
-        await _restart_and_check(daemon, run, wakes)
-
-
-async def test_a_damaged_floor_in_the_wake_log_never_gives_a_seq_again(
-    daemon: DaemonProcess,
-) -> None:
-    """Compaction writes the floor (the last seq given) before the pending posts, which may
-    be far older: if that floor is damaged, seqs already given out, delivered and
-    acknowledged must not be given again (a client's subscription drops a wake whose seq
-    it has handed over before)."""
-    with trio.fail_after(60):
-        async with AsyncClient(daemon.socket) as client:
-            kept_run, acked_run = await client.new_run(), await client.new_run()
-            await client.wait((await client.spawn(["true"], run=kept_run)).id)  # seq 1, pending
-            for _ in range(5):
-                await client.wait((await client.spawn(["true"], run=acked_run)).id)
-            seen = [w.seq async for w in client.events(run=acked_run)]  # delivered and acked
-        assert max(seen) == 6
-        await trio.to_thread.run_sync(daemon.terminate)
-        await trio.to_thread.run_sync(daemon.start)  # replays and compacts: floor 6, post 1
-        await trio.to_thread.run_sync(daemon.terminate)
-        log = daemon.state_dir / "wakes.log"
-        blob = bytearray(log.read_bytes())
-        _, floor_end = _entries(bytes(blob))[0]
-        blob[floor_end - 1] ^= 0x01  # one byte of the floor's body
-        log.write_bytes(bytes(blob))
-        await trio.to_thread.run_sync(daemon.start)
-        async with AsyncClient(daemon.socket) as client:
-            await client.wait((await client.spawn(["true"], run=acked_run)).id)
-            (fresh,) = [w async for w in client.events(run=acked_run)]
-            assert [w.id for w in await _pending_wakes(daemon, kept_run)]  # still there
-        assert fresh.seq > max(seen), f"seq {fresh.seq} was given out before: {seen}"
 
 
 # -- resume and git files ----------------------------------------------------

@@ -260,7 +260,7 @@ async def test_wakes_of_implicit_runs_go_with_their_last_worker(daemon: DaemonPr
                 lone = await client.spawn(["true"])
                 await client.collect(lone.id, wait=True)
                 lone_runs.append(lone.run)
-        # Gone from the wake log too: a restart does not bring them back.
+        # Gone from the store too: a restart does not bring them back.
         assert await trio.to_thread.run_sync(daemon.terminate) == 0
         await trio.to_thread.run_sync(daemon.start)
         conn = await RawConnection.open(daemon.socket)

@@ -1,0 +1,465 @@
+"""The store: what the daemon knows, in one sqlite database (`<state>/state.db`, WAL mode),
+each change one `BEGIN IMMEDIATE` transaction, so a crash at any point leaves every change
+whole or absent. It may touch only that file (and its -wal and -shm) in the state dir.
+
+The daemon holds the database in exclusive locking mode (it alone uses it, under the
+state dir's lock; the WAL index lives in its memory, so there is no -shm file while it
+runs), and a reload's exec lets go of it (sqlite's descriptors are close-on-exec): the
+new image just opens it again.
+
+Durability: `synchronous=NORMAL`. In WAL mode a commit is then written to the WAL before
+it returns (so it survives kill -9 of the daemon, which is what every guarantee here is
+about) but fsynced only at checkpoints, so a machine crash may lose the last commits
+(never tear one: the WAL's checksums stop replay at the first incomplete frame). That is
+what the hand-written wake log it replaces promised (appended, not fsynced), at a sixth
+to a ninth of FULL's cost per post and per ack (`bench/store.py`: 50 and 29 us, against
+317 and 258 us with FULL, against 4.6 and 2.9 us for the old log's append).
+
+The schema has a version (the table `schema_version`, one row per migration applied) and
+moves forward one step at a time: `MIGRATIONS[n]` takes version n-1 to n, all pending steps
+in one transaction. An image reads every version up to `SCHEMA_VERSION` (it migrates them)
+and refuses a newer one; `subagentd --check` lists them, and a reload refuses an image that
+cannot read the version in use.
+
+Version 1 (this image) holds the wakes:
+
+    schema_version(version INTEGER PRIMARY KEY, migrated_at REAL, by TEXT)
+    counters(name TEXT PRIMARY KEY, value INTEGER)  -- 'wake_seq': the highest seq given
+    wakes(seq INTEGER PRIMARY KEY, worker, attempt, run, parent, state, exit_code,
+          preview, posted_at, UNIQUE (worker, attempt))  -- the unacknowledged ones
+    TRIGGER wake_seq_rises AFTER INSERT ON wakes  -- wake_seq = max(wake_seq, seq)
+
+A post inserts the wake (and the trigger raises `wake_seq`) in one transaction; an ack
+deletes it. `wake_seq` outlives every row, so no seq is ever given twice.
+
+The versions to come (issue 12), each its own migration, hold the rest of what the daemon
+knows, so that an ending (record, wake, retention) is one transaction:
+
+    workers(id PRIMARY KEY, attempt, run, parent, name, state, cwd, argv, agent, grace,
+            timeout, token, archive, turn, pid, pid_start, exit_code, started_at, ended_at,
+            stop_reason, collected, fence, expired)
+            INDEX (cwd, started_at)       -- crash recovery and latest_resumable(cwd)
+            INDEX (run), INDEX (state)    -- a run's workers; the live ones to recover
+    runs(id PRIMARY KEY, outer, created_at, stopped, implicit)
+    tombstones(id PRIMARY KEY, run, view BLOB, output BLOB, released_at)
+    snapshots(worker PRIMARY KEY REFERENCES workers, cwd, started_at, path)
+            INDEX (cwd, started_at)
+    launch(singleton PRIMARY KEY CHECK (singleton = 1), turn, fence_epoch,
+           fence_cancelled, fence_epochs)
+    wakes gains FOREIGN KEY (worker) REFERENCES workers; counters gains 'turn'.
+
+A damaged database (sqlite's own errors, or `PRAGMA quick_check` at open) is set aside with
+its WAL, reported, and replaced by a fresh one holding what could be read back from it; a
+symlink or anything but a regular file of ours at its name is set aside, never followed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import sqlite3
+import stat
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import msgspec
+import structlog
+
+from subagentd.protocol import Wake
+
+log = structlog.get_logger("subagentd")
+
+#: The file's name in the state dir.
+STORE_NAME = "state.db"
+#: The schema this image writes.
+SCHEMA_VERSION = 1
+#: Every version this image reads (older ones are migrated forward); `--check` lists them.
+READS_VERSIONS = tuple(range(1, SCHEMA_VERSION + 1))
+#: How far seqs skip ahead when the store's record of the highest one given is lost: the
+#: seqs given before are then unknown, and no daemon gives out this many wakes in its life.
+SEQ_SKIP_WITHOUT_FLOOR = 2**32
+#: What follows the database's name in the files sqlite keeps beside it.
+_COMPANIONS = ("", "-wal", "-shm")
+_WAKE_COLUMNS = ("seq", "id", "run", "parent", "state", "exit_code", "preview", "attempt")
+
+
+class StoreUnusable(Exception):
+    """No store can be had: the daemon cannot start (the message says why and what to do)."""
+
+
+class StoreTooNew(StoreUnusable):
+    """The database was written by a newer image: this one cannot read it."""
+
+
+class StoreWriteFailed(OSError):
+    """A change was not committed (a full disk, an I/O error): it is not in the store."""
+
+
+# -- migrations ------------------------------------------------------------------
+
+
+def _to_v1(db: sqlite3.Connection) -> None:
+    db.execute(
+        "CREATE TABLE counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL) WITHOUT ROWID"
+    )
+    db.execute("INSERT INTO counters VALUES ('wake_seq', 0)")
+    db.execute(
+        """CREATE TABLE wakes (
+            seq INTEGER PRIMARY KEY,
+            worker TEXT NOT NULL,
+            attempt INTEGER NOT NULL,
+            run TEXT NOT NULL,
+            parent TEXT,
+            state TEXT NOT NULL,
+            exit_code INTEGER,
+            preview TEXT NOT NULL,
+            posted_at REAL NOT NULL,
+            UNIQUE (worker, attempt)
+        )"""
+    )
+    # The floor rises with every post by construction, not by each writer remembering to.
+    db.execute(
+        """CREATE TRIGGER wake_seq_rises AFTER INSERT ON wakes BEGIN
+            UPDATE counters SET value = max(value, NEW.seq) WHERE name = 'wake_seq';
+        END"""
+    )
+
+
+#: MIGRATIONS[n] takes the schema from version n-1 to n (0: an empty database).
+MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {1: _to_v1}
+
+
+# -- the store ------------------------------------------------------------------
+
+
+class Store:
+    def __init__(self, path: Path, db: sqlite3.Connection, problems: list[str]) -> None:
+        self.path = path
+        self._db = db
+        #: What opening found wrong, for a person to see (`info.problems`).
+        self.problems = problems
+
+    @classmethod
+    def open(cls, path: Path) -> Store:
+        """The store at `path`, migrated to this image's schema.
+
+        Whatever is wrong with the file costs only what it must: a symlink or a
+        non-regular file there is set aside unfollowed, a damaged database is set aside
+        and what can be read from it carried into a fresh one; both are reported. Raises
+        StoreTooNew for a schema from a newer image, StoreUnusable if no database can be
+        made (the disk is full, the directory unwritable).
+        """
+        problems: list[str] = []
+        try:
+            _set_aside_foreign(path, problems)
+            try:
+                db = _connect(path)
+            except sqlite3.DatabaseError as exc:
+                if isinstance(exc, sqlite3.OperationalError) and not _is_damage(exc):
+                    raise
+                db = _recover_from_damage(path, str(exc), problems)
+        except (sqlite3.Error, OSError) as exc:
+            raise StoreUnusable(
+                f"cannot open the store {path}: {exc}; free space or fix the state dir's "
+                "permissions, then start again"
+            ) from exc
+        return cls(path, db, problems)
+
+    @property
+    def version(self) -> int:
+        return _version(self._db)
+
+    @contextlib.contextmanager
+    def transaction(self, what: str) -> Iterator[sqlite3.Connection]:
+        """One change, whole or not at all; a failure to commit raises StoreWriteFailed."""
+        try:
+            self._db.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as exc:
+            raise _write_failed(what, exc) from exc
+        try:
+            yield self._db
+            self._db.execute("COMMIT")
+        except BaseException as exc:
+            with contextlib.suppress(sqlite3.Error):
+                self._db.execute("ROLLBACK")
+            if isinstance(exc, sqlite3.Error):
+                raise _write_failed(what, exc) from exc
+            raise
+
+    # -- wakes --
+
+    def wakes(self) -> tuple[list[Wake], int]:
+        """Every unacknowledged wake, and the highest seq ever given. A row that does not
+        read as a wake is reported and removed: it costs only itself."""
+        floor = self._wake_floor()
+        wakes, bad = [], []
+        for row in self._db.execute(
+            "SELECT seq, worker, run, parent, state, exit_code, preview, attempt FROM wakes"
+        ):
+            try:
+                wakes.append(msgspec.convert(dict(zip(_WAKE_COLUMNS, row, strict=True)), Wake))
+            except msgspec.ValidationError as exc:
+                bad.append(row[0])
+                self._problem(f"wake {row[0]} in {self.path} does not read ({exc}): removed")
+        if bad:
+            self.ack_wakes(bad)
+        return wakes, max([floor, *(w.seq for w in wakes)])
+
+    def post_wake(self, wake: Wake) -> None:
+        with self.transaction("posting a wake") as db:
+            _insert_wake(db, wake, or_ignore=False)  # and the floor rises (a trigger)
+
+    def restate_wake(self, wake: Wake) -> None:
+        """A posted wake, not yet delivered, now says its worker's new state."""
+        with self.transaction("restating a wake") as db:
+            db.execute(
+                "UPDATE wakes SET state = ?, exit_code = ? WHERE seq = ?",
+                (wake.state, wake.exit_code, wake.seq),
+            )
+
+    def ack_wakes(self, seqs: list[int]) -> None:
+        if not seqs:
+            return
+        with self.transaction("acknowledging wakes") as db:
+            db.executemany("DELETE FROM wakes WHERE seq = ?", [(s,) for s in seqs])
+
+    def import_wakes(self, wakes: list[Wake], floor: int) -> list[Wake]:
+        """Take in wakes from elsewhere (an old wake log, a damaged store) with their
+        seqs, and raise the floor to `floor`; those taken in. A seq at or below the
+        store's floor was given here already (imported before, or acknowledged since):
+        skipped, so importing twice resurrects nothing."""
+        with self.transaction("importing wakes") as db:
+            below = _read_floor(db)
+            fresh = [w for w in wakes if w.seq > below]
+            for wake in fresh:
+                _insert_wake(db, wake, or_ignore=True)
+            _raise_floor(db, floor)
+        return fresh
+
+    def _wake_floor(self) -> int:
+        return _read_floor(self._db)
+
+    def _problem(self, problem: str) -> None:
+        log.error("store.problem", problem=problem)
+        self.problems.append(problem)
+
+    def close(self) -> None:
+        with contextlib.suppress(sqlite3.Error):
+            self._db.close()
+
+
+def _read_floor(db: sqlite3.Connection) -> int:
+    row = db.execute("SELECT value FROM counters WHERE name = 'wake_seq'").fetchone()
+    return int(row[0]) if row is not None else 0
+
+
+def _raise_floor(db: sqlite3.Connection, seq: int) -> None:
+    db.execute(
+        "INSERT INTO counters VALUES ('wake_seq', ?) "
+        "ON CONFLICT (name) DO UPDATE SET value = max(value, excluded.value)",
+        (seq,),
+    )
+
+
+def _insert_wake(db: sqlite3.Connection, wake: Wake, *, or_ignore: bool) -> None:
+    verb = "INSERT OR IGNORE" if or_ignore else "INSERT"
+    db.execute(
+        f"{verb} INTO wakes (seq, worker, attempt, run, parent, state, exit_code, preview, "
+        "posted_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        (
+            wake.seq,
+            wake.id,
+            wake.attempt,
+            wake.run,
+            wake.parent,
+            wake.state,
+            wake.exit_code,
+            wake.preview,
+            time.time(),
+        ),
+    )
+
+
+# -- opening ------------------------------------------------------------------
+
+
+def _connect(path: Path) -> sqlite3.Connection:
+    """Open, check and migrate the database at `path` (made if missing)."""
+    db = sqlite3.connect(path, isolation_level=None)  # transactions are ours: BEGIN IMMEDIATE
+    try:
+        _refuse_if_swapped(path)
+        # The daemon is the store's only user (it holds the state dir's lock): exclusive
+        # locking keeps the WAL's index in its memory (no -shm, no lock calls per change).
+        db.execute("PRAGMA locking_mode = EXCLUSIVE")
+        db.execute("PRAGMA journal_mode = WAL")
+        db.execute("PRAGMA synchronous = NORMAL")
+        verdict = [row[0] for row in db.execute("PRAGMA quick_check")]
+        if verdict != ["ok"]:
+            raise sqlite3.DatabaseError(f"quick_check: {'; '.join(map(str, verdict[:5]))}")
+        _migrate(db, path)
+    except BaseException:
+        db.close()
+        raise
+    return db
+
+
+def _version(db: sqlite3.Connection) -> int:
+    exists = db.execute(
+        "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'schema_version'"
+    ).fetchone()
+    if exists is None:
+        return 0
+    return int(db.execute("SELECT max(version) FROM schema_version").fetchone()[0] or 0)
+
+
+def _migrate(db: sqlite3.Connection, path: Path) -> None:
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        found = _version(db)
+        if found > SCHEMA_VERSION:
+            raise StoreTooNew(
+                f"the store {path} has schema version {found}, written by a newer subagentd; "
+                f"this one reads {list(READS_VERSIONS)}: run the newer one"
+            )
+        if found == 0:
+            db.execute(
+                "CREATE TABLE schema_version "
+                "(version INTEGER PRIMARY KEY, migrated_at REAL NOT NULL, by TEXT NOT NULL)"
+            )
+        for version in range(found + 1, SCHEMA_VERSION + 1):
+            MIGRATIONS[version](db)
+            db.execute(
+                "INSERT INTO schema_version VALUES (?, ?, ?)",
+                (version, time.time(), f"subagentd pid {os.getpid()}"),
+            )
+        db.execute("COMMIT")
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
+    if found not in (0, SCHEMA_VERSION):
+        log.info("store.migrated", path=str(path), version_from=found, to=SCHEMA_VERSION)
+
+
+def _is_damage(exc: sqlite3.OperationalError) -> bool:
+    """Whether an error at open says the file is damaged, not that it cannot be reached."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    return code in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB)
+
+
+def _write_failed(what: str, exc: sqlite3.Error) -> StoreWriteFailed:
+    full = getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL
+    code = errno.ENOSPC if full else errno.EIO
+    return StoreWriteFailed(code, f"{os.strerror(code)} ({what} in the store: {exc})")
+
+
+def _stamp() -> str:
+    return f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}"
+
+
+def _foreign(path: Path) -> str | None:
+    """Why the name `path` is not a file of the store's own (None if it is, or is absent)."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        return "a symlink"
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
+    if st.st_nlink != 1:
+        return f"a file with {st.st_nlink} names (a hard link to a file elsewhere)"
+    if st.st_uid != os.getuid():
+        return f"a file of uid {st.st_uid}"
+    return None
+
+
+def _set_aside_foreign(path: Path, problems: list[str]) -> None:
+    """Rename the database and its companions aside, unfollowed, if any is not a regular
+    file of ours: sqlite would open through a symlink, and a WAL belongs to its database."""
+    why = {c: w for c in _COMPANIONS if (w := _foreign(Path(f"{path}{c}"))) is not None}
+    if not why:
+        return
+    aside = _move_aside(path, "not-ours")
+    problem = (
+        f"the store {path} was not the daemon's own ("
+        + "; ".join(f"{path.name}{c} is {w}" for c, w in why.items())
+        + f"): set aside, unfollowed, as {aside}; the daemon starts with an empty store "
+        "(unacknowledged wakes it held, if any, are not delivered)"
+    )
+    log.error("store.not_ours", problem=problem)
+    problems.append(problem)
+
+
+def _refuse_if_swapped(path: Path) -> None:
+    """Refuse a database whose name became a symlink while sqlite opened it."""
+    why = _foreign(path)
+    if why is not None:
+        raise sqlite3.DatabaseError(f"{path} became {why} while it was opened")
+
+
+def _move_aside(path: Path, why: str) -> Path:
+    """Rename the database and its companions to `<name>.<why>-<time>-<pid>`; the new name.
+    A rename moves a symlink itself, never what it points to."""
+    aside = path.with_name(f"{path.name}.{why}-{_stamp()}")
+    for companion in _COMPANIONS:
+        with contextlib.suppress(FileNotFoundError):
+            os.rename(f"{path}{companion}", f"{aside}{companion}")
+    return aside
+
+
+def _recover_from_damage(path: Path, error: str, problems: list[str]) -> sqlite3.Connection:
+    """Set the damaged database aside, read back what it still gives, and start a fresh
+    one with that. Only what sat in damaged pages is lost; no seq is given twice."""
+    aside = _move_aside(path, "damaged")
+    wakes, floor, unread = _salvage(aside)
+    db = _connect(path)
+    store = Store(path, db, problems)
+    store.import_wakes(wakes, floor)
+    lost = (
+        "every wake in it was read back"
+        if unread is None
+        else f"wakes in its damaged pages are lost ({unread}); {len(wakes)} were read back"
+    )
+    problem = (
+        f"the store {path} was damaged ({error}): it is kept as {aside}; a fresh one "
+        f"replaces it; {lost}"
+    )
+    log.error("store.damaged", problem=problem)
+    problems.append(problem)
+    return db
+
+
+def _salvage(path: Path) -> tuple[list[Wake], int, str | None]:
+    """The wakes a damaged database still gives, the seq floor to start from, and what
+    could not be read (None: nothing). Rows are read from both ends, so a damaged page in
+    the middle costs only the rows on it."""
+    wakes: dict[int, Wake] = {}
+    unread: list[str] = []
+    floor: int | None = None
+    try:
+        db = sqlite3.connect(f"file:{path}?mode=rw", uri=True, isolation_level=None)
+    except sqlite3.Error as exc:
+        return [], SEQ_SKIP_WITHOUT_FLOOR, str(exc)
+    try:
+        try:
+            floor = _read_floor(db)
+        except sqlite3.Error as exc:
+            unread.append(f"the highest seq given: {exc}")
+        for order in ("ASC", "DESC"):
+            try:
+                for row in db.execute(
+                    "SELECT seq, worker, run, parent, state, exit_code, preview, attempt "
+                    f"FROM wakes ORDER BY seq {order}"
+                ):
+                    with contextlib.suppress(msgspec.ValidationError):
+                        wake = msgspec.convert(dict(zip(_WAKE_COLUMNS, row, strict=True)), Wake)
+                        wakes[wake.seq] = wake
+            except sqlite3.Error as exc:
+                unread.append(f"reading wakes {order.lower()}ending: {exc}")
+    finally:
+        db.close()
+    highest = max(wakes, default=0)
+    start = max(floor, highest) if floor is not None else highest + SEQ_SKIP_WITHOUT_FLOOR
+    return sorted(wakes.values(), key=lambda w: w.seq), start, "; ".join(unread) or None

@@ -1,0 +1,290 @@
+"""The store (`<state>/state.db`): damage costs only itself and is reported, a planted
+symlink is never followed, the wake log of an image before the store is imported once,
+and `--check` and a reload agree on the schema versions an image reads."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import stat
+import struct
+import subprocess
+import zlib
+from pathlib import Path
+
+import msgspec
+import pytest
+import trio
+
+from subagentd import protocol as p
+from subagentd.client import AsyncClient
+from subagentd.daemon._reload import image_refusal
+from subagentd.daemon._store import READS_VERSIONS, SCHEMA_VERSION, STORE_NAME, Store
+from subagentd.daemon._wakes import WakeQueue, open_wakes
+
+from .conftest import BIN, DaemonProcess
+from .helpers import RawConnection
+
+PREVIEW = "x" * 200  # as long as a wake's preview gets: a few wakes fill a page
+
+
+def _wake(seq: int, run: str = "r-1") -> p.Wake:
+    return p.Wake(seq=seq, id=f"w-{seq}", run=run, state="finished", preview=PREVIEW)
+
+
+def _open(state: Path) -> tuple[Store, WakeQueue]:
+    store = Store.open(state / STORE_NAME)
+    return store, open_wakes(store, state / "wakes.log")
+
+
+def _page_size(db: Path) -> int:
+    size = int.from_bytes(db.read_bytes()[16:18], "big")
+    return 65536 if size == 1 else size
+
+
+def _overwrite_page(db: Path, page: int) -> None:
+    """Garbage over one page of the database file (pages count from 1)."""
+    size = _page_size(db)
+    with open(db, "r+b") as f:
+        f.seek((page - 1) * size)
+        f.write(bytes([0xA5]) * size)
+
+
+def _query(db: Path, sql: str) -> list[tuple[object, ...]]:
+    conn = sqlite3.connect(db)
+    try:
+        return conn.execute(sql).fetchall()
+    finally:
+        conn.close()
+
+
+# -- damage, called directly ---------------------------------------------------
+
+
+def test_a_damaged_page_of_wakes_costs_only_the_wakes_on_it(tmp_path: Path) -> None:
+    store, _ = _open(tmp_path)
+    for seq in range(1, 301):
+        store.post_wake(_wake(seq))
+    store.close()  # checkpointed into state.db: the damage below hits committed rows
+    db = tmp_path / STORE_NAME
+    leaves = [
+        row[0]
+        for row in _query(
+            db,
+            "SELECT pageno FROM dbstat WHERE name = 'wakes' AND pagetype = 'leaf' ORDER BY pageno",
+        )
+    ]
+    assert len(leaves) > 10
+    _overwrite_page(db, int(leaves[len(leaves) // 2]))  # type: ignore[call-overload]
+
+    store, queue = _open(tmp_path)
+    kept = sorted(queue.pending)
+    lost = sorted(set(range(1, 301)) - set(kept))
+    assert 0 < len(lost) < 30, lost  # one page's rows, no more
+    assert lost == list(range(lost[0], lost[-1] + 1))  # they sat together, on that page
+    assert all(queue.pending[seq] == _wake(seq) for seq in kept)
+    (problem,) = store.problems
+    assert "damaged" in problem
+    assert "kept as" in problem
+    assert "lost" in problem
+    assert list(tmp_path.glob(f"{STORE_NAME}.damaged-*"))
+    assert queue.last_seq >= 300  # the floor was read back: no seq is given again
+
+
+def test_a_damaged_seq_floor_never_lets_a_seq_be_given_again(tmp_path: Path) -> None:
+    store, queue = _open(tmp_path)
+    for seq in range(1, 7):
+        store.post_wake(_wake(seq))
+    store.ack_wakes([2, 3, 4, 5, 6])  # only the floor says 2-6 were given
+    store.close()
+    db = tmp_path / STORE_NAME
+    ((counters,),) = _query(db, "SELECT rootpage FROM sqlite_master WHERE name = 'counters'")
+    _overwrite_page(db, int(counters))  # type: ignore[call-overload]
+
+    store, queue = _open(tmp_path)
+    assert sorted(queue.pending) == [1]  # the wakes' own page was whole
+    assert queue.last_seq > 2**32  # which seqs the floor covered is unknown: skip far
+    assert store.problems
+
+
+def test_a_wake_row_that_does_not_read_is_removed_alone(tmp_path: Path) -> None:
+    store, _ = _open(tmp_path)
+    for seq in (1, 2, 3):
+        store.post_wake(_wake(seq))
+    store.close()
+    conn = sqlite3.connect(tmp_path / STORE_NAME)
+    conn.execute("UPDATE wakes SET state = 'no such state' WHERE seq = 2")
+    conn.commit()
+    conn.close()
+
+    store, queue = _open(tmp_path)
+    assert sorted(queue.pending) == [1, 3]
+    assert any("wake 2" in problem for problem in store.problems)
+    store.close()
+    store, queue = _open(tmp_path)
+    assert (sorted(queue.pending), store.problems) == ([1, 3], [])  # reported once
+
+
+def test_the_store_is_write_ahead_logged_and_held_by_the_daemon_alone(tmp_path: Path) -> None:
+    """WAL with synchronous=NORMAL: each commit is in the WAL when it returns (kill -9
+    loses none), fsynced at checkpoints (see the module docstring for why); exclusive
+    locking: the WAL index is in the daemon's memory, and nobody else writes meanwhile."""
+    store, _ = _open(tmp_path)
+    store.post_wake(_wake(1))
+    assert store._db.execute("PRAGMA journal_mode").fetchall() == [("wal",)]
+    assert store._db.execute("PRAGMA synchronous").fetchall() == [(1,)]  # NORMAL
+    assert (tmp_path / f"{STORE_NAME}-wal").stat().st_size > 0
+    assert not (tmp_path / f"{STORE_NAME}-shm").exists()
+    assert store.version == SCHEMA_VERSION
+    other = sqlite3.connect(tmp_path / STORE_NAME, timeout=0)
+    try:
+        with pytest.raises(sqlite3.OperationalError, match="locked"):
+            other.execute("SELECT count(*) FROM wakes").fetchall()
+    finally:
+        other.close()
+    store.close()
+    assert _query(tmp_path / STORE_NAME, "SELECT seq FROM wakes") == [(1,)]
+
+
+def test_a_symlink_at_the_old_wake_log_is_set_aside_unread(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious, outside the state dir\n")
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "wakes.log").symlink_to(victim)
+    store, queue = _open(state)
+    assert queue.pending == {}
+    assert (state / "wakes.log.not-ours").is_symlink()
+    assert victim.read_bytes() == b"precious, outside the state dir\n"
+    assert any("not a regular file" in problem for problem in store.problems)
+
+
+# -- the daemon, end to end ----------------------------------------------------
+
+
+async def _pending_wakes(daemon: DaemonProcess, run: str) -> list[p.Wake]:
+    conn = await RawConnection.open(daemon.socket)
+    async with conn.stream:
+        await conn.send(p.Subscribe(id=2, run=run))
+        reply = await conn.receive()
+        assert isinstance(reply, p.Wakes)
+        return reply.wakes
+
+
+async def _problems(daemon: DaemonProcess) -> list[str]:
+    async with AsyncClient(daemon.socket) as client:
+        return (await client.info()).problems
+
+
+async def test_a_corrupt_state_db_is_reported_and_the_daemon_serves_on(
+    daemon: DaemonProcess,
+) -> None:
+    """A page overwritten in the middle of the database (here the one holding the seq
+    floor): the daemon starts, says so, keeps every wake it can read, gives no seq twice."""
+    with trio.fail_after(60):
+        async with AsyncClient(daemon.socket) as client:
+            kept_run, acked_run = await client.new_run(), await client.new_run()
+            for _ in range(3):
+                await client.wait((await client.spawn(["true"], run=kept_run)).id)
+            for _ in range(3):
+                await client.wait((await client.spawn(["true"], run=acked_run)).id)
+            seen = [w.seq async for w in client.events(run=acked_run)]  # delivered and acked
+        pending = await _pending_wakes(daemon, kept_run)
+        assert len(pending) == 3
+        await trio.to_thread.run_sync(daemon.terminate)
+        db = daemon.state_dir / STORE_NAME
+        ((counters,),) = _query(db, "SELECT rootpage FROM sqlite_master WHERE name = 'counters'")
+        _overwrite_page(db, int(counters))  # type: ignore[call-overload]
+
+        await trio.to_thread.run_sync(daemon.start)
+        problems = await _problems(daemon)
+        assert any("store" in problem and "damaged" in problem for problem in problems), problems
+        assert list(daemon.state_dir.glob(f"{STORE_NAME}.damaged-*"))
+        assert await _pending_wakes(daemon, kept_run) == pending  # only the floor's page lost
+        async with AsyncClient(daemon.socket) as client:
+            await client.wait((await client.spawn(["true"], run=acked_run)).id)
+            (fresh,) = [w async for w in client.events(run=acked_run)]
+        assert fresh.seq > max(seen + [w.seq for w in pending])
+
+
+async def test_a_symlink_at_state_db_is_set_aside_not_followed(
+    daemon_dirs: DaemonProcess,
+) -> None:
+    victims = {}
+    for name in ("victim-db", "victim-wal"):
+        victims[name] = daemon_dirs.root / name
+        victims[name].write_bytes(b"precious, outside the state dir\n")
+    daemon_dirs.state_dir.mkdir(mode=0o700)
+    (daemon_dirs.state_dir / STORE_NAME).symlink_to(victims["victim-db"])
+    (daemon_dirs.state_dir / f"{STORE_NAME}-wal").symlink_to(victims["victim-wal"])
+    with trio.fail_after(60):
+        await trio.to_thread.run_sync(daemon_dirs.start)
+        async with AsyncClient(daemon_dirs.socket) as client:
+            run = await client.new_run()
+            await client.wait((await client.spawn(["true"], run=run)).id)
+        assert [w.state for w in await _pending_wakes(daemon_dirs, run)] == ["finished"]
+        problems = await _problems(daemon_dirs)
+    assert any("not the daemon's own" in problem for problem in problems), problems
+    for victim in victims.values():
+        assert victim.read_bytes() == b"precious, outside the state dir\n"
+    assert stat.S_ISREG(os.lstat(daemon_dirs.state_dir / STORE_NAME).st_mode)
+    (aside,) = daemon_dirs.state_dir.glob(f"{STORE_NAME}.not-ours-*[0-9]")
+    assert aside.is_symlink()  # moved itself, as it was
+
+
+def _frame(record: dict[str, object]) -> bytes:
+    """One entry of the wake log of an image before the store: u32 length, u32 crc32, body."""
+    body = msgspec.msgpack.encode(record)
+    return struct.pack(">II", len(body), zlib.crc32(body)) + body
+
+
+async def test_the_wake_log_of_an_image_before_the_store_is_imported(
+    daemon_dirs: DaemonProcess,
+) -> None:
+    """Upgraded in place over an old state dir, the daemon loses no wake: each keeps its
+    seq, numbering goes on above the old floor, and the old log is set aside."""
+    old = [_wake(3, run="r-old"), _wake(7, run="r-old")]
+    daemon_dirs.state_dir.mkdir(mode=0o700)
+    (daemon_dirs.state_dir / "wakes.log").write_bytes(
+        _frame({"type": "floor", "last_seq": 41})
+        + b"".join(_frame({"type": "post", "wake": msgspec.to_builtins(w)}) for w in old)
+        + _frame({"type": "floor", "last_seq": 41})
+        + _frame({"type": "post", "wake": msgspec.to_builtins(_wake(42, run="r-old"))})
+        + _frame({"type": "ack", "seqs": [7]})
+    )
+    with trio.fail_after(60):
+        await trio.to_thread.run_sync(daemon_dirs.start)
+        assert [w.seq for w in await _pending_wakes(daemon_dirs, "r-old")] == [3, 42]
+        async with AsyncClient(daemon_dirs.socket) as client:
+            run = await client.new_run()
+            await client.wait((await client.spawn(["true"], run=run)).id)
+        (fresh,) = await _pending_wakes(daemon_dirs, run)
+        assert fresh.seq == 43
+        assert not (daemon_dirs.state_dir / "wakes.log").exists()
+        assert (daemon_dirs.state_dir / "wakes.log.imported").exists()
+        await trio.to_thread.run_sync(daemon_dirs.terminate)
+        await trio.to_thread.run_sync(daemon_dirs.start)  # imported once: nothing doubled
+        assert [w.seq for w in await _pending_wakes(daemon_dirs, "r-old")] == [3, 42]
+
+
+# -- schema versions -----------------------------------------------------------
+
+
+def test_check_says_which_store_schema_versions_it_reads(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [str(BIN / "subagentd"), "--check", "--state-dir", str(tmp_path / "state"),
+         "--config", str(tmp_path / "agents.toml")],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert "reads store schema versions: " + ", ".join(map(str, READS_VERSIONS)) in result.stdout
+    assert image_refusal(result.stdout, SCHEMA_VERSION) is None  # this image takes over
+
+
+def test_a_reload_into_an_image_that_cannot_read_the_schema_in_use_is_refused() -> None:
+    before_the_store = "subagentd 0.1\nreads checkpoint versions: 1\n"
+    refusal = image_refusal(before_the_store, SCHEMA_VERSION)
+    assert refusal is not None
+    assert "store schema versions []" in refusal
+    older = before_the_store + "reads store schema versions: 1\n"
+    assert image_refusal(older, 2) is not None  # this image migrated the store past it
+    assert image_refusal(older, 1) is None
