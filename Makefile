@@ -35,7 +35,8 @@ test: lint typecheck
 bench: $(STAMP)
 	$(BIN)/python -m pip install --quiet supervisor
 	command -v strace >/dev/null || (apt-get update -qq && apt-get install -y -qq strace)
-	$(BIN)/python bench/run.py
+	# Measured as installed: with compiled bytecode (a session may turn its writing off).
+	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python bench/run.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .pytest_cache .ruff_cache .hypothesis

@@ -48,7 +48,7 @@ from ._agents import AgentDef, ConfigError, command_problem, load_agents
 from ._archive import STDOUT_TAIL_BYTES, Archive, Snapshot, SpareArchives, prune_archives
 from ._cgroup import Cgroups, WorkerCgroup, end_cgroup
 from ._files import NotRegularFile
-from ._journal import Journal, JournalCorrupt
+from ._journal import Journal, JournalCorrupt, JournalTooLong
 from ._process import DESCRIPTOR_ERRNOS, OutOfDescriptors, SpawnFailed, WorkerProcess, pump
 from ._registry import (
     DEFAULT_FINISHED_TTL,
@@ -77,6 +77,9 @@ RELOAD_RETRY = 0.2
 FREEZE_SECONDS = 5.0
 #: What a spawn refused for want of file descriptors is told to wait.
 DESCRIPTORS_RETRY = 1.0
+#: A journal up to this long is verified on the event loop (a few ms at the worst:
+#: entries are at least ~20 bytes and cost ~5 us each); a longer one in a thread.
+INLINE_JOURNAL_BYTES = 64 * 1024
 #: Ended workers' journals kept open for paging, the most recently read first.
 OPEN_JOURNALS = 16
 #: Ended journals verified at once (each in a thread).
@@ -1072,7 +1075,15 @@ class Daemon:
         opened while the daemon serves, so a journal its worker made huge delays only
         who asked for it. Few at once (JOURNAL_SCANS), so many such requests hold
         those threads and never those a spawn needs. One opened for writing may cut
-        a torn tail: it is never abandoned half done."""
+        a torn tail: it is never abandoned half done.
+
+        A short journal (most are) is verified at once, here: a thread costs more
+        than its scan, and a reload adopting 1,000 workers opens 1,000 journals.
+        """
+        try:
+            return Journal.open(path, writable=writable, most=INLINE_JOURNAL_BYTES)
+        except JournalTooLong:
+            pass
         return await trio.to_thread.run_sync(
             functools.partial(Journal.open, path, writable=writable),
             abandon_on_cancel=not writable,

@@ -84,6 +84,10 @@ class JournalCorrupt(Exception):
         self.reason = reason
 
 
+class JournalTooLong(Exception):
+    """A journal longer than its opener would verify where it stands (see Journal.open)."""
+
+
 class Journal:
     """One worker's journal file. Open it with `create` or `open`.
 
@@ -119,15 +123,18 @@ class Journal:
         return cls(path, fd, writable=True)
 
     @classmethod
-    def open(cls, path: Path, *, writable: bool) -> Journal:
+    def open(cls, path: Path, *, writable: bool, most: int | None = None) -> Journal:
         """Open an existing journal, verifying every entry; a torn tail is cut if writable.
 
         It is in its worker's reach: a symlink or FIFO there is refused
         (NotRegularFile), and the file is written through the descriptor read.
+        `most`: raise JournalTooLong, having read nothing, if the file is longer.
         """
         fd = open_regular(path, os.O_RDWR | os.O_APPEND if writable else os.O_RDONLY)
         try:
             st = os.fstat(fd)
+            if most is not None and st.st_size > most:
+                raise JournalTooLong(path)
             if writable and st.st_nlink != 1:
                 # A hard link to a file elsewhere: appending would write outside the archive.
                 raise NotRegularFile(errno.EMLINK, "a journal with other links", str(path))
