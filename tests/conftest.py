@@ -11,11 +11,13 @@ import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+from .helpers import Connect, RawConnection
 
 BIN = Path(sys.executable).parent
 START_TIMEOUT = 20.0
@@ -152,3 +154,18 @@ def daemon(daemon_dirs: DaemonProcess) -> DaemonProcess:
     """A serving daemon, stopped and cleaned up after the test."""
     daemon_dirs.start()
     return daemon_dirs
+
+
+@pytest.fixture
+async def connect(daemon: DaemonProcess) -> AsyncIterator[Connect]:
+    """Open raw connections to the daemon; all are closed after the test."""
+    opened: list[RawConnection] = []
+
+    async def open_connection(hello: bool = True) -> RawConnection:
+        conn = await RawConnection.open(daemon.socket, hello)
+        opened.append(conn)
+        return conn
+
+    yield open_connection
+    for conn in opened:
+        await conn.stream.aclose()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import trio
@@ -99,3 +99,7 @@ class RawConnection:
                 return None
             self.decoder.feed(data)
         return p.daemon_decoder.decode(body)
+
+
+#: The `connect` fixture (conftest): opens raw connections, closed after the test.
+Connect = Callable[..., Awaitable[RawConnection]]

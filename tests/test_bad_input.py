@@ -5,33 +5,14 @@ from __future__ import annotations
 import os
 import struct
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
 
 import msgspec
-import pytest
 import trio
 
 from subagentd import protocol as p
 
 from .conftest import DaemonProcess
-from .helpers import RawConnection
-
-Connect = Callable[..., Awaitable[RawConnection]]
-
-
-@pytest.fixture
-async def connect(daemon: DaemonProcess) -> AsyncIterator[Connect]:
-    """Open raw connections to the daemon; all are closed after the test."""
-    opened: list[RawConnection] = []
-
-    async def open_connection(hello: bool = True) -> RawConnection:
-        conn = await RawConnection.open(daemon.socket, hello)
-        opened.append(conn)
-        return conn
-
-    yield open_connection
-    for conn in opened:
-        await conn.stream.aclose()
+from .helpers import Connect
 
 
 async def _still_serves(connect: Connect) -> None:

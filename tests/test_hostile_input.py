@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import os
 import subprocess
-from collections.abc import AsyncIterator, Awaitable, Callable
 
 import msgspec
 import pytest
@@ -19,24 +18,7 @@ import trio
 from subagentd import protocol as p
 
 from .conftest import BIN, DaemonProcess
-from .helpers import RawConnection, alive
-
-Connect = Callable[..., Awaitable[RawConnection]]
-
-
-@pytest.fixture
-async def connect(daemon: DaemonProcess) -> AsyncIterator[Connect]:
-    """Open raw connections to the daemon; all are closed after the test."""
-    opened: list[RawConnection] = []
-
-    async def open_connection(hello: bool = True) -> RawConnection:
-        conn = await RawConnection.open(daemon.socket, hello)
-        opened.append(conn)
-        return conn
-
-    yield open_connection
-    for conn in opened:
-        await conn.stream.aclose()
+from .helpers import Connect, RawConnection, alive
 
 
 async def _ask(
