@@ -6,6 +6,7 @@ import contextlib
 import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Protocol
 
 import trio
 
@@ -103,3 +104,30 @@ class RawConnection:
 
 #: The `connect` fixture (conftest): opens raw connections, closed after the test.
 Connect = Callable[..., Awaitable[RawConnection]]
+
+
+class _Served(Protocol):
+    """A daemon under test (conftest's DaemonProcess): where it serves."""
+
+    @property
+    def socket(self) -> Path: ...
+
+
+async def reload_on_own_connection(daemon: _Served) -> p.Reply:
+    """Ask for a reload on a connection of its own; the answer comes from the new image."""
+    conn = await RawConnection.open(daemon.socket)
+    async with conn.stream:
+        await conn.send(p.Reload(id=2))
+        reply = await conn.receive()
+        assert reply is not None
+        return reply
+
+
+async def pending_wakes(daemon: _Served, run: str) -> list[p.Wake]:
+    """The wakes not yet acknowledged for `run` (a subscription's first page)."""
+    conn = await RawConnection.open(daemon.socket)
+    async with conn.stream:
+        await conn.send(p.Subscribe(id=2, run=run))
+        reply = await conn.receive()
+        assert isinstance(reply, p.Wakes)
+        return reply.wakes

@@ -26,17 +26,9 @@ from subagentd.protocol.errors import Internal
 
 from .conftest import DaemonProcess
 from .helpers import RawConnection, alive, sh, wait_output
+from .helpers import pending_wakes as _wakes
 
 PY = sys.executable
-
-
-async def _wakes(daemon: DaemonProcess, run: str) -> list[p.Wake]:
-    conn = await RawConnection.open(daemon.socket)
-    async with conn.stream:
-        await conn.send(p.Subscribe(id=2, run=run))
-        reply = await conn.receive()
-        assert isinstance(reply, p.Wakes)
-        return reply.wakes
 
 
 async def _until(condition: Callable[[], object], what: str) -> None:

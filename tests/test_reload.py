@@ -18,18 +18,9 @@ from subagentd.client import AsyncClient
 
 from .conftest import DaemonProcess
 from .helpers import RawConnection, alive, sh, wait_output
+from .helpers import reload_on_own_connection as reload
 
 COUNT_LINES = "i=0; while [ $i -lt {n} ]; do i=$((i+1)); echo line $i; sleep 0.02; done"
-
-
-async def reload(daemon: DaemonProcess) -> p.Reply:
-    """Ask for a reload on a connection of its own; the answer comes from the new image."""
-    conn = await RawConnection.open(daemon.socket)
-    async with conn.stream:
-        await conn.send(p.Reload(id=2))
-        reply = await conn.receive()
-        assert reply is not None
-        return reply
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from subagentd import protocol as p
 from subagentd.client import AsyncClient
 
 from .conftest import DaemonProcess
-from .helpers import RawConnection, alive, sh, wait_output
+from .helpers import RawConnection, alive, reload_on_own_connection, sh, wait_output
 
 # Numbered lines, slowly enough that reloads land in the middle of them.
 COUNT_LINES = "i=0; while [ $i -lt {n} ]; do i=$((i+1)); echo line $i; sleep 0.02; done"
@@ -55,16 +55,6 @@ async def test_a_run_nested_in_a_collected_lone_spawns_run_keeps_taking_spawns(
         )
         assert refused.returncode != 0
         assert "stopped" in refused.stderr, refused.stderr
-
-
-async def reload_on_own_connection(daemon: DaemonProcess) -> p.Reply:
-    """Ask for a reload on a connection of its own; the answer comes from the new image."""
-    conn = await RawConnection.open(daemon.socket)
-    async with conn.stream:
-        await conn.send(p.Reload(id=2))
-        reply = await conn.receive()
-        assert reply is not None
-        return reply
 
 
 async def test_a_reload_asked_at_once_after_another_is_busy_until_retry_after(

@@ -23,7 +23,7 @@ from subagentd.daemon._store import READS_VERSIONS, SCHEMA_VERSION, STORE_NAME, 
 from subagentd.daemon._wakes import WakeQueue, open_wakes
 
 from .conftest import BIN, DaemonProcess
-from .helpers import RawConnection
+from .helpers import pending_wakes as _pending_wakes
 
 PREVIEW = "x" * 200  # as long as a wake's preview gets: a few wakes fill a page
 
@@ -160,15 +160,6 @@ def test_a_symlink_at_the_old_wake_log_is_set_aside_unread(tmp_path: Path) -> No
 
 
 # -- the daemon, end to end ----------------------------------------------------
-
-
-async def _pending_wakes(daemon: DaemonProcess, run: str) -> list[p.Wake]:
-    conn = await RawConnection.open(daemon.socket)
-    async with conn.stream:
-        await conn.send(p.Subscribe(id=2, run=run))
-        reply = await conn.receive()
-        assert isinstance(reply, p.Wakes)
-        return reply.wakes
 
 
 async def _problems(daemon: DaemonProcess) -> list[str]:
