@@ -19,6 +19,7 @@ from subagentd.daemon._tree import scan
 
 from .conftest import DaemonProcess
 from .helpers import RawConnection, sh
+from .helpers import pending_wakes as _pending_wakes
 
 ROUNDS = 4
 
@@ -174,12 +175,3 @@ async def test_kill_9_amid_many_wake_posts_and_acks_loses_none_and_resurrects_no
                     f"the wake of {worker} was lost"
                 )
     assert len(wakes.acked) > 50, "too few wakes acknowledged to have tested much"
-
-
-async def _pending_wakes(daemon: DaemonProcess, run: str) -> list[p.Wake]:
-    conn = await RawConnection.open(daemon.socket)
-    async with conn.stream:
-        await conn.send(p.Subscribe(id=2, run=run))
-        page = await conn.receive()
-        assert isinstance(page, p.Wakes)
-        return page.wakes
