@@ -46,9 +46,9 @@ from subagentd.protocol.errors import (
 
 from ._agents import AgentDef, ConfigError, command_problem, load_agents
 from ._archive import STDOUT_TAIL_BYTES, Archive, Snapshot, SpareArchives, prune_archives
-from ._cgroup import Cgroups, WorkerCgroup, end_cgroup
 from ._files import NotRegularFile
 from ._journal import Journal, JournalCorrupt, JournalTooLong
+from ._launcher import Launcher
 from ._process import DESCRIPTOR_ERRNOS, OutOfDescriptors, SpawnFailed, WorkerProcess, pump
 from ._registry import (
     DEFAULT_FINISHED_TTL,
@@ -60,7 +60,6 @@ from ._registry import (
 from ._resume import git_branch
 from ._statedir import StateDir, save_run
 from ._store import STORE_NAME, Store
-from ._tree import Graces, ProcessTable, end_marked, end_tree
 from ._wakes import WakeKey, open_wakes
 
 log = structlog.get_logger("subagentd")
@@ -162,17 +161,14 @@ class Daemon:
         finished_ttl: float = DEFAULT_FINISHED_TTL,
         keep_archives_days: float = DEFAULT_KEEP_ARCHIVES_DAYS,
         clock: Callable[[], float] = time.time,
-        cgroups: Cgroups | None = None,
-        tree_tracking: str = "",
+        launcher: Launcher,
         faults: frozenset[tuple[str, str]] = frozenset(),
     ) -> None:
         self.state_dir = state_dir
         #: Where to raise InjectedFault (see FAULT_ENV); empty but in tests.
         self.faults = faults
-        #: Where workers' cgroups go; None: their trees are found by scanning /proc.
-        self.cgroups = cgroups
-        #: How trees are tracked, and if not by cgroups why not (reported by `info`).
-        self.tree_tracking = tree_tracking
+        #: How workers' processes are started and their trees ended (the port).
+        self.launcher = launcher
         self.finished_ttl = finished_ttl
         self.keep_archives_days = keep_archives_days
         self.socket_path = socket_path
@@ -197,9 +193,6 @@ class Daemon:
         #: Set once for good when the daemon begins to stop: no spawn, resume or reload.
         self.shutting_down = False
         self._run_stopped: dict[str, trio.Event] = {}
-        self.processes = ProcessTable()
-        #: Grace periods under way; a hurried shutdown ends them all.
-        self.graces = Graces()
         #: The last failed write, while writes fail (reported by `info`).
         self.disk_problem: str | None = None
         #: What ran out of file descriptors, until a descriptor is had again (reported by `info`).
@@ -449,16 +442,8 @@ class Daemon:
         if record.attempt > 1:
             worker_env["SUBAGENTD_RESUME"] = str(record.attempt)
         try:
-            # fork and exec off the event loop: a slow exec delays no one else.
-            process = await trio.to_thread.run_sync(
-                functools.partial(
-                    WorkerProcess.spawn,
-                    argv,
-                    cwd=cwd,
-                    env=worker_env,
-                    stdin_path=stdin,
-                    cgroup=self.cgroups.worker(record.id) if self.cgroups else None,
-                )
+            process = await self.launcher.start(
+                record.id, argv, cwd=cwd, env=worker_env, stdin_path=stdin
             )
         except SpawnFailed as exc:
             log.warning("worker.spawn_failed", worker=record.id, error=str(exc))
@@ -468,8 +453,6 @@ class Daemon:
             return record.view()
         self.descriptor_problem = None
         live.process = process
-        if process.cgroup_error is not None:
-            log.warning("worker.no_cgroup", worker=record.id, error=process.cgroup_error)
         self.registry.started(record.id, process.pid, process.starttime)
         # Supervised before anything else can fail: a process nobody reaps is lost.
         # A stop that came while it was starting is acted on at once by _supervise.
@@ -560,8 +543,7 @@ class Daemon:
             nursery.cancel_scope.cancel()
         live.returncode = returncode = process.reap()
         process.close()
-        if process.cgroup is not None:
-            self._remove_group(process.cgroup)
+        self.launcher.released(process)
         del self.live[record.id]
         self._finish(record, live.journal, returncode, bytes(live.stdout_tail))
         live.ended.set()
@@ -582,8 +564,7 @@ class Daemon:
                     pidfd, process.pidfd = process.pidfd, -1  # kept, to reap it when it exits
                     self._background.start_soon(_reap_when_exited, process.pid, pidfd)
                 process.close()
-                if process.cgroup is not None:
-                    self._remove_group(process.cgroup)
+                self.launcher.released(process)
             elif process is not None:
                 process.close()  # the pipes, if the fault came between the reap and their close
         except Exception:
@@ -603,10 +584,7 @@ class Daemon:
         output may no longer be drained (a TERM it handles could block on a full pipe),
         and a reload's freeze, and so every client, would wait out that grace."""
         try:
-            if process.cgroup is not None:
-                await end_cgroup(process.cgroup, 0.0)
-            else:
-                await end_tree(self.processes, process.pid, live.record.id, process.starttime, 0.0)
+            await self.launcher.end_tree(live.record.id, process, 0.0, hurried=False)
         except Exception:
             log.exception("worker.tree_not_ended", worker=live.record.id)
 
@@ -619,59 +597,11 @@ class Daemon:
         process = live.process
         assert process is not None
         try:
-            if process.cgroup is not None:
-                killed = await end_cgroup(process.cgroup, live.record.grace, self.graces)
-            else:
-                killed = await end_tree(
-                    self.processes,
-                    process.pid,
-                    live.record.id,
-                    process.starttime,
-                    live.record.grace,
-                    self.graces,
-                )
+            killed = await self.launcher.end_tree(live.record.id, process, live.record.grace)
             if killed:
                 log.info("worker.killed", worker=live.record.id, processes=killed)
         finally:
             live.terminated.set()
-
-    @staticmethod
-    def _remove_group(group: WorkerCgroup) -> None:
-        """Remove an ended worker's cgroup; one that will not go is left to the next start."""
-        try:
-            if not group.remove():
-                log.warning("cgroup.busy", cgroup=str(group.path))
-        except OSError as exc:
-            log.warning("cgroup.not_removed", cgroup=str(group.path), error=str(exc))
-
-    async def end_leftover_tree(
-        self, worker_id: str, pid: int | None, pid_start: int | None, grace: float
-    ) -> int:
-        """End what is left of a worker no supervise task watches (a dead daemon's, say).
-
-        Through its cgroup if it has one, else by scanning for its leader's tree, or
-        with no leader known, for the processes that inherited its worker id.
-        """
-        group = self.cgroups.worker(worker_id) if self.cgroups else None
-        if group is not None and group.exists():
-            killed = await end_cgroup(group, grace)
-            self._remove_group(group)
-            return killed
-        if pid is None or pid_start is None:
-            return await end_marked(self.processes, worker_id, grace)
-        return await end_tree(self.processes, pid, worker_id, pid_start, grace)
-
-    async def sweep_cgroups(self) -> None:
-        """At a clean start: end and remove every worker cgroup a dead daemon left."""
-        if self.cgroups is None:
-            return
-        for group in self.cgroups.leftovers():
-            if group.path.name in self.live:
-                continue
-            killed = await end_cgroup(group, 0)
-            if killed:
-                log.warning("cgroup.leftover_killed", cgroup=str(group.path), processes=killed)
-            self._remove_group(group)
 
     def _finish(
         self,
@@ -1219,7 +1149,7 @@ class Daemon:
             reloads=self.reloads,
             workers=self.registry.counts(),
             holds_park=self.registry.holds_park(),
-            tree_tracking=self.tree_tracking,
+            tree_tracking=self.launcher.tree_tracking,
             socket=str(self.socket_path),
             state_dir=str(self.state_dir.root),
             problems=[p for p in (self.disk_problem, self.descriptor_problem) if p]

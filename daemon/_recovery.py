@@ -98,7 +98,7 @@ async def _rebuild(daemon: Daemon, archive: Archive) -> WorkerRecord | None:
     except (Refused, OSError) as exc:
         log.warning("recovery.unreadable_archive", archive=str(archive.path), error=str(exc))
         if worker_id.startswith("w-"):
-            killed = await daemon.end_leftover_tree(worker_id, None, None, 0)
+            killed = await daemon.launcher.end_leftover_tree(worker_id, None, None, 0)
             if killed:
                 log.warning("recovery.killed_orphans", worker=worker_id, processes=killed)
         return None
@@ -215,7 +215,7 @@ async def _interrupt(daemon: Daemon, record: WorkerRecord, archive: Archive) -> 
 async def _end_leftovers(daemon: Daemon, record: WorkerRecord) -> None:
     leader = _leader(daemon, record)
     start = record.pid_start if leader is not None else None
-    killed = await daemon.end_leftover_tree(record.id, leader, start, record.grace)
+    killed = await daemon.launcher.end_leftover_tree(record.id, leader, start, record.grace)
     if leader is not None:
         await reap(leader)
     if killed:
@@ -229,8 +229,7 @@ def _leader(daemon: Daemon, record: WorkerRecord) -> int | None:
     believed, a planted pair had recovery signal any process of the user's, and its group.
     One environ read per interrupted worker, at recovery only."""
     pid, start = record.pid, record.pid_start
-    group = daemon.cgroups.worker(record.id) if daemon.cgroups else None
-    if pid is None or start is None or (group is not None and group.exists()):
+    if pid is None or start is None or daemon.launcher.holds_tree(record.id):
         return None  # no leader named, or its cgroup holds the tree: no pid is needed
     if carries_worker_id(pid, start, record.id):
         return pid

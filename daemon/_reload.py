@@ -385,12 +385,8 @@ async def adopt(daemon: Daemon, checkpoint: Checkpoint) -> tuple[int, list[str]]
         process: WorkerProcess | None = None
         try:
             record = msgspec.msgpack.decode(carried.record, type=WorkerRecord)
-            process = WorkerProcess.adopt(
-                carried.pid,
-                carried.pid_start,
-                carried.stdout,
-                carried.stderr,
-                cgroup=daemon.cgroups.worker(carried.id) if daemon.cgroups else None,
+            process = daemon.launcher.adopt(
+                carried.id, carried.pid, carried.pid_start, carried.stdout, carried.stderr
             )
             # Verified whole while clients wait in the backlog: a million entries cost
             # seconds of this reload (carrying the verified index would spare that).
@@ -436,7 +432,7 @@ async def _stop_unadoptable(daemon: Daemon, carried: CarriedWorker) -> WorkerRec
     for fd in (carried.stdout, carried.stderr):
         if fd is not None:
             os.close(fd)
-    await daemon.end_leftover_tree(carried.id, carried.pid, carried.pid_start, 0.5)
+    await daemon.launcher.end_leftover_tree(carried.id, carried.pid, carried.pid_start, 0.5)
     await reap(carried.pid)
     archive = daemon.archive_of(carried.id)
     record = archive.load_record()

@@ -24,6 +24,7 @@ from subagentd.protocol.errors import RemoteError
 from ._cgroup import Cgroups, CgroupsUnavailable
 from ._checkpoint import Checkpoint, CheckpointUnreadable, read_checkpoint
 from ._daemon import FAULT_ENV, Daemon, read_faults
+from ._launcher import LocalLauncher
 from ._listener import ControlSocket, activated_socket, bind_control_socket
 from ._main import Settings
 from ._notify import notify
@@ -57,7 +58,7 @@ async def _hurry_on_signal(signals: AsyncIterator[int], daemon: Daemon) -> None:
     async for signum in signals:
         if signum != signal.SIGHUP:  # a reload is refused while stopping anyway
             log.warning("daemon.hurried", signal=signal.Signals(signum).name)
-            daemon.graces.end_all()
+            daemon.launcher.graces.end_all()
             return
 
 
@@ -111,8 +112,7 @@ async def serve(settings: Settings) -> None:
             config_path=settings.config,
             finished_ttl=settings.finished_ttl,
             keep_archives_days=settings.keep_archives_days,
-            cgroups=cgroups,
-            tree_tracking=tree_tracking,
+            launcher=LocalLauncher(cgroups, tree_tracking),
             faults=read_faults(os.environ.get(FAULT_ENV, "")),
         )
     except BaseException:  # the store cannot be opened (a newer schema, no disk)
@@ -141,7 +141,7 @@ async def serve(settings: Settings) -> None:
         )
     else:
         await recover(daemon)
-        await daemon.sweep_cgroups()
+        await daemon.launcher.sweep(daemon.live)
     server = Server(daemon)
     reloader = Reloader(
         daemon,
@@ -196,8 +196,7 @@ async def serve(settings: Settings) -> None:
                         stopping.cancel_scope.cancel()
                 nursery.cancel_scope.cancel()
     finally:
-        if cgroups is not None and not daemon.live:
-            cgroups.remove()
+        daemon.launcher.close(anything_live=bool(daemon.live))
         control.remove()
         await listener.aclose()
         daemon.store.close()

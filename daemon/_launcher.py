@@ -1,0 +1,178 @@
+"""The launcher port: how a worker's process is started, adopted after an exec, and how its
+whole tree is ended. Everything above it (supervision, reload, recovery) knows a worker's
+processes only through what a launcher returns and does.
+
+The one launcher today is `LocalLauncher`: fork and exec on this machine, each worker in a
+cgroup of its own where the daemon's cgroup is delegated, else its tree found by scanning
+/proc. A launcher elsewhere (a cluster) implements the same `Launcher` protocol; the
+`WorkerProcess` it hands back is the worker's identity (pid and start time, as a checkpoint
+carries them), its output pipes, and the wait for its exit.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Container, Mapping
+from typing import Protocol
+
+import structlog
+import trio
+
+from ._cgroup import Cgroups, WorkerCgroup, end_cgroup
+from ._process import WorkerProcess
+from ._tree import Graces, ProcessTable, end_marked, end_tree
+
+log = structlog.get_logger("subagentd")
+
+
+class Launcher(Protocol):
+    #: How trees are tracked, and if not by cgroups why not (reported by `info`).
+    tree_tracking: str
+    #: Grace periods under way; a hurried shutdown ends them all.
+    graces: Graces
+
+    async def start(
+        self,
+        worker_id: str,
+        argv: list[str],
+        *,
+        cwd: str,
+        env: Mapping[str, str],
+        stdin_path: str | None,
+    ) -> WorkerProcess:
+        """Start a worker's process; raises SpawnFailed (OutOfDescriptors) naming why not."""
+        ...
+
+    def adopt(
+        self, worker_id: str, pid: int, pid_start: int, stdout: int | None, stderr: int | None
+    ) -> WorkerProcess:
+        """Take over a worker a previous image started; ProcessLookupError if it is gone."""
+        ...
+
+    async def end_tree(
+        self, worker_id: str, process: WorkerProcess, grace: float, *, hurried: bool = True
+    ) -> int:
+        """TERM the worker's whole tree, KILL what is left after `grace`; how many were
+        killed. `hurried`: a hurried shutdown may cut the grace short."""
+        ...
+
+    async def end_leftover_tree(
+        self, worker_id: str, pid: int | None, pid_start: int | None, grace: float
+    ) -> int:
+        """End what is left of a worker no one watches (a dead image's), found by what
+        the launcher kept of it, else by the leader named, else by its worker id."""
+        ...
+
+    def holds_tree(self, worker_id: str) -> bool:
+        """Whether the launcher itself keeps track of the worker's tree (so no leader pid
+        is needed to find it)."""
+        ...
+
+    def released(self, process: WorkerProcess) -> None:
+        """The worker's attempt has ended and been reaped: let go of what held its tree."""
+        ...
+
+    async def sweep(self, live: Container[str]) -> None:
+        """At a clean start: end what dead images left, but for the workers in `live`."""
+        ...
+
+    def close(self, *, anything_live: bool) -> None:
+        """The daemon stops: let go of the launcher's own resources if nothing runs."""
+        ...
+
+
+class LocalLauncher:
+    """Fork and exec here, into a per-worker cgroup where there is one."""
+
+    def __init__(self, cgroups: Cgroups | None, tree_tracking: str) -> None:
+        #: Where workers' cgroups go; None: their trees are found by scanning /proc.
+        self.cgroups = cgroups
+        self.tree_tracking = tree_tracking
+        self.graces = Graces()
+        self.processes = ProcessTable()
+
+    def _group(self, worker_id: str) -> WorkerCgroup | None:
+        return self.cgroups.worker(worker_id) if self.cgroups else None
+
+    async def start(
+        self,
+        worker_id: str,
+        argv: list[str],
+        *,
+        cwd: str,
+        env: Mapping[str, str],
+        stdin_path: str | None,
+    ) -> WorkerProcess:
+        # fork and exec off the event loop: a slow exec delays no one else.
+        process = await trio.to_thread.run_sync(
+            functools.partial(
+                WorkerProcess.spawn,
+                argv,
+                cwd=cwd,
+                env=env,
+                stdin_path=stdin_path,
+                cgroup=self._group(worker_id),
+            )
+        )
+        if process.cgroup_error is not None:
+            log.warning("worker.no_cgroup", worker=worker_id, error=process.cgroup_error)
+        return process
+
+    def adopt(
+        self, worker_id: str, pid: int, pid_start: int, stdout: int | None, stderr: int | None
+    ) -> WorkerProcess:
+        return WorkerProcess.adopt(pid, pid_start, stdout, stderr, cgroup=self._group(worker_id))
+
+    async def end_tree(
+        self, worker_id: str, process: WorkerProcess, grace: float, *, hurried: bool = True
+    ) -> int:
+        graces = self.graces if hurried else None
+        if process.cgroup is not None:
+            return await end_cgroup(process.cgroup, grace, graces)
+        return await end_tree(
+            self.processes, process.pid, worker_id, process.starttime, grace, graces
+        )
+
+    async def end_leftover_tree(
+        self, worker_id: str, pid: int | None, pid_start: int | None, grace: float
+    ) -> int:
+        group = self._group(worker_id)
+        if group is not None and group.exists():
+            killed = await end_cgroup(group, grace)
+            _remove(group)
+            return killed
+        if pid is None or pid_start is None:
+            return await end_marked(self.processes, worker_id, grace)
+        return await end_tree(self.processes, pid, worker_id, pid_start, grace)
+
+    def holds_tree(self, worker_id: str) -> bool:
+        group = self._group(worker_id)
+        return group is not None and group.exists()
+
+    def released(self, process: WorkerProcess) -> None:
+        if process.cgroup is not None:
+            _remove(process.cgroup)
+
+    async def sweep(self, live: Container[str]) -> None:
+        if self.cgroups is None:
+            return
+        for group in self.cgroups.leftovers():
+            if group.path.name in live:
+                continue
+            killed = await end_cgroup(group, 0)
+            if killed:
+                log.warning("cgroup.leftover_killed", cgroup=str(group.path), processes=killed)
+            _remove(group)
+
+    def close(self, *, anything_live: bool) -> None:
+        if self.cgroups is not None and not anything_live:
+            self.cgroups.remove()
+
+
+def _remove(group: WorkerCgroup) -> None:
+    """Remove an ended worker's cgroup; one that will not go is left to the next start."""
+    try:
+        if not group.remove():
+            log.warning("cgroup.busy", cgroup=str(group.path))
+    except OSError as exc:
+        log.warning("cgroup.not_removed", cgroup=str(group.path), error=str(exc))
