@@ -16,8 +16,8 @@ import math
 import os
 import shutil
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
@@ -27,7 +27,6 @@ from subagentd.protocol import (
     PROTOCOL_VERSION,
     TERMINAL_STATES,
     DaemonInfo,
-    EntryKind,
     Page,
     Spawn,
     Wake,
@@ -49,7 +48,7 @@ from ._archive import STDOUT_TAIL_BYTES, Archive, Snapshot, SpareArchives, prune
 from ._files import NotRegularFile
 from ._journal import Journal, JournalCorrupt, JournalTooLong
 from ._launcher import Launcher
-from ._process import DESCRIPTOR_ERRNOS, OutOfDescriptors, SpawnFailed, WorkerProcess, pump
+from ._process import DESCRIPTOR_ERRNOS, OutOfDescriptors, SpawnFailed
 from ._registry import (
     DEFAULT_FINISHED_TTL,
     DEFAULT_KEEP_ARCHIVES_DAYS,
@@ -60,20 +59,13 @@ from ._registry import (
 from ._resume import git_branch
 from ._statedir import StateDir, save_run
 from ._store import STORE_NAME, Store
+from ._supervisor import LiveWorker, Supervisor
 from ._wakes import WakeKey, open_wakes
 
 log = structlog.get_logger("subagentd")
 
-#: After the tree is gone, how long the pipes may take to give up what they hold.
-PIPE_DRAIN_SECONDS = 1.0
-#: A write that failed (disk full, EIO) is tried again after this, doubling up to the max.
-DISK_RETRY_FIRST = 0.1
-DISK_RETRY_MAX = 5.0
 #: What a client refused during a reload is told to wait before it tries again.
 RELOAD_RETRY = 0.2
-#: A reload's freeze (nobody is served meanwhile) not done within this is given up:
-#: the reload is refused and supervision carries on.
-FREEZE_SECONDS = 5.0
 #: What a spawn refused for want of file descriptors is told to wait.
 DESCRIPTORS_RETRY = 1.0
 #: A journal up to this long is verified on the event loop (a few ms at the worst:
@@ -126,31 +118,6 @@ class Launch:
     model: str | None
 
 
-@dataclass(eq=False)
-class LiveWorker:
-    """A worker not yet ended, with what supervises it. ``process`` is None while starting."""
-
-    record: WorkerRecord
-    journal: Journal
-    process: WorkerProcess | None = None
-    stop_asked: trio.Event = field(default_factory=trio.Event)
-    exited: trio.Event = field(default_factory=trio.Event)
-    ended: trio.Event = field(default_factory=trio.Event)
-    grown: trio.Event = field(default_factory=trio.Event)
-    terminated: trio.Event = field(default_factory=trio.Event)
-    terminating: bool = False
-    stdout_tail: bytearray = field(default_factory=bytearray)
-    returncode: int | None = None  # once reaped
-
-    def reset_supervision(self) -> None:
-        """Fresh per-supervision state for a (re)adopted worker; a stop asked before stands."""
-        self.exited = trio.Event()
-        self.terminated = trio.Event()
-        self.terminating = False
-        if self.record.stop_reason is not None:
-            self.stop_asked.set()
-
-
 class Daemon:
     def __init__(
         self,
@@ -174,20 +141,21 @@ class Daemon:
         self.socket_path = socket_path
         self.config_path = config_path
         self.registry = Registry()
-        self.live: dict[str, LiveWorker] = {}
+        #: The live workers and their supervision.
+        self.supervisor = Supervisor(
+            launcher,
+            self.registry,
+            ending=self._finish,
+            clock=clock,
+            fault=self.fault,
+            disk_trouble=self._disk_trouble,
+            disk_ok=self._disk_ok,
+        )
         self.image_generation = 1
         self.reloads = 0
         self.clock = clock
         self.agents: dict[str, AgentDef] = {}
         self.config_error: str | None = None
-        self._nursery: trio.Nursery | None = None
-        self._background: trio.Nursery | None = None  # outlives freezes: late reaps
-        self._supervision = trio.CancelScope()
-        self._frozen = trio.Event()
-        self._thawed = trio.Event()
-        self._thaw_asked = trio.Event()
-        self.starting = 0  # spawns between registration and their supervise task
-        self.spawned = trio.Event()
         #: While set, spawns are refused with `reloading` (a reload's launch fence).
         self.reloading = False
         #: Set once for good when the daemon begins to stop: no spawn, resume or reload.
@@ -243,79 +211,17 @@ class Daemon:
             log.error("config.invalid", error=self.config_error)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Host the workers' supervise tasks and the retention timers until cancelled.
-
-        A reload freezes supervision (`freeze`): every supervise task is
-        cancelled, leaving each worker's descriptors open and its process
-        unreaped, so the registry holds still while it is written down. If the
-        exec fails, `thaw` adopts every worker again, down the same path a new
-        image takes.
-        """
+        """Host the workers' supervision and the housekeeping timers until cancelled."""
         await self._prune_archives_once()  # before serving: nobody reads a doomed archive
         async with trio.open_nursery() as timers:
-            self._background = timers
             for task in (
                 self._expire_handles,
                 self._prune_archives_daily,
                 self._make_spare_archives,
             ):
                 timers.start_soon(_keep_running, task)
-            started = False
-            while True:
-                with trio.CancelScope() as self._supervision:
-                    async with trio.open_nursery() as nursery:
-                        self._nursery = nursery
-                        for live in self.live.values():
-                            live.reset_supervision()
-                            nursery.start_soon(self._supervise, live)
-                        if not started:
-                            task_status.started()
-                            started = True
-                        self._thawed.set()
-                        await trio.sleep_forever()
-                self._nursery = None
-                self._frozen.set()
-                self._thawed = trio.Event()
-                await self._thaw_asked.wait()
-                self._thaw_asked = trio.Event()
-                self._frozen = trio.Event()
-
-    async def launches_settled(self) -> None:
-        """Return once no spawn or resume is in flight (the caller fences new ones)."""
-        while self.starting:
-            await self.spawned.wait()
-
-    async def freeze(self) -> None:
-        """Stop supervising (nothing reaped, nothing closed), once no spawn is in flight;
-        refused, supervising on, if that is not done within FREEZE_SECONDS."""
-        if self._thaw_asked.is_set():
-            raise Refused("the last reload's freeze is still being undone; reload again shortly")
-        with trio.move_on_after(FREEZE_SECONDS) as timer:
-            await self.launches_settled()
-            self._supervision.cancel()
-            await self._frozen.wait()
-        if timer.cancelled_caught:
-            if self._supervision.cancel_called:
-                self._thaw_asked.set()  # once what holds the freeze is done: see run()
-            raise Refused(
-                f"the daemon's workers could not be frozen within {FREEZE_SECONDS:g} s "
-                "(a worker's ending is still under way); reload again shortly"
-            )
-
-    async def thaw(self) -> None:
-        """Supervise every live worker again."""
-        self._thaw_asked.set()
-        await self._thawed.wait()
-
-    @contextlib.asynccontextmanager
-    async def frozen(self) -> AsyncIterator[None]:
-        """Supervision frozen for the body, and thawed after it unless the body execs:
-        a thaw only ever follows a freeze."""
-        await self.freeze()
-        try:
-            yield
-        finally:
-            await self.thaw()
+            await timers.start(self.supervisor.run)
+            task_status.started()
 
     # -- spawning ------------------------------------------------------------
 
@@ -335,26 +241,14 @@ class Daemon:
             raise RunStopped(
                 f"worker {request.parent} has ended ({ended.state}); it cannot delegate"
             )
-        with self.launching(), trio.CancelScope(shield=True):
+        with self.supervisor.launching(), trio.CancelScope(shield=True):
             view = await self._start(request, caller, launch)
         # Made again once this spawn is done, not while it competes for the CPU.
         self._spares_wanted.set()
         return view
 
-    @contextlib.contextmanager
-    def launching(self) -> Iterator[None]:
-        """Count a launch in flight, so a reload's freeze waits for it to finish."""
-        self.starting += 1
-        try:
-            yield
-        finally:
-            self.starting -= 1
-            spawned, self.spawned = self.spawned, trio.Event()
-            spawned.set()
-
     async def _start(self, request: Spawn, caller: str | None, launch: Launch) -> WorkerView:
         argv, env, cwd = launch.argv, launch.env, launch.cwd
-        assert self._nursery is not None, "Daemon.run is not running"
         now = self.clock()
         record = self.registry.register(
             now=now,
@@ -410,7 +304,7 @@ class Daemon:
                 f"{exc.strerror or exc}; free some space and spawn again"
             ) from exc
         live = LiveWorker(record=record, journal=journal)
-        self.live[record.id] = live
+        self.supervisor.add(live)
         if record.stop_reason is not None:
             self._end_unstarted(
                 live, f"stopped at birth: launch fence {record.fence} was cancelled"
@@ -427,7 +321,6 @@ class Daemon:
         stdin: str | None,
     ) -> WorkerView:
         """Start the process of a registered worker (a new one, or a resumed attempt)."""
-        assert self._nursery is not None, "Daemon.run is not running"
         record = live.record
         archive = self.archive_of(record.id)
         worker_env = base_env | {
@@ -452,18 +345,15 @@ class Daemon:
                 raise self._out_of_descriptors(record.id, exc) from exc
             return record.view()
         self.descriptor_problem = None
-        live.process = process
         self.registry.started(record.id, process.pid, process.starttime)
-        # Supervised before anything else can fail: a process nobody reaps is lost.
-        # A stop that came while it was starting is acted on at once by _supervise.
-        self._nursery.start_soon(self._supervise, live)
+        self.supervisor.supervise(live, process)
         try:
             live.journal.append("state", f"running pid={process.pid}".encode(), self.clock())
             archive.write_record(record)
         except OSError as exc:
             self._disk_trouble(f"archive of {record.id}", exc)
         else:
-            self.disk_problem = None  # writes go through again: the trouble has passed
+            self._disk_ok()
         log.info(
             "worker.started",
             worker=record.id,
@@ -479,7 +369,7 @@ class Daemon:
             live.journal.append("note", why.encode(), self.clock())
         except OSError as exc:
             self._disk_trouble(f"journal of {live.record.id}", exc)
-        del self.live[live.record.id]
+        self.supervisor.end_unstarted(live)
         self._finish(live.record, live.journal, None, b"")
         live.ended.set()
         live.grown.set()
@@ -513,95 +403,6 @@ class Daemon:
         return Launch(argv, env, cwd, worker_env, timeout, grace, model)
 
     # -- supervising ---------------------------------------------------------
-
-    async def _supervise(self, live: LiveWorker) -> None:
-        """Supervise one worker until it has ended: a fault boundary. An exception in
-        here ends this worker `failed` (its whole tree with it), saying why in its
-        journal, and reaches no other worker and not the daemon."""
-        try:
-            await self._watch(live)
-        except* Exception as faults:
-            # Shielded like any cleanup: a reload's freeze waits for it to finish.
-            with trio.CancelScope(shield=True):
-                await self._fail(live, _first(faults))
-
-    async def _watch(self, live: LiveWorker) -> None:
-        record, process = live.record, live.process
-        assert process is not None
-        pipes_closed = trio.Event()
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._pump_pipes, live, pipes_closed)
-            nursery.start_soon(self._stop_when_asked, live)
-            if record.timeout:
-                nursery.start_soon(self._enforce_timeout, live)
-            await process.wait_exited()
-            live.exited.set()
-            # Whatever is left of its tree goes with it: TERM, grace, KILL.
-            await self._terminate(live)
-            with trio.move_on_after(PIPE_DRAIN_SECONDS):
-                await pipes_closed.wait()
-            nursery.cancel_scope.cancel()
-        live.returncode = returncode = process.reap()
-        process.close()
-        self.launcher.released(process)
-        del self.live[record.id]
-        self._finish(record, live.journal, returncode, bytes(live.stdout_tail))
-        live.ended.set()
-        live.grown.set()
-        log.info("worker.ended", worker=record.id, state=record.state, exit_code=record.exit_code)
-
-    async def _fail(self, live: LiveWorker, error: Exception) -> None:
-        """End a worker whose supervision raised: its tree, its process, then its ending,
-        as `failed`. Each step stands alone, so one that fails again skips no other."""
-        record, process = live.record, live.process
-        why = f"supervision failed ({type(error).__name__}: {error}); the worker was ended"
-        log.error("worker.supervision_failed", worker=record.id, error=why, exc_info=error)
-        try:
-            if process is not None and process.pidfd >= 0:  # not reaped: its tree may run on
-                await self._end_tree_after_fault(live, process)
-                live.returncode = await _reap_after_fault(process)
-                if live.returncode is None and self._background is not None:
-                    pidfd, process.pidfd = process.pidfd, -1  # kept, to reap it when it exits
-                    self._background.start_soon(_reap_when_exited, process.pid, pidfd)
-                process.close()
-                self.launcher.released(process)
-            elif process is not None:
-                process.close()  # the pipes, if the fault came between the reap and their close
-        except Exception:
-            log.exception("worker.not_reaped", worker=record.id)
-        self.live.pop(record.id, None)
-        try:
-            self._finish(
-                record, live.journal, live.returncode, bytes(live.stdout_tail), failure=why
-            )
-        except Exception:
-            log.exception("worker.ending_not_recorded", worker=record.id)
-        live.ended.set()
-        live.grown.set()
-
-    async def _end_tree_after_fault(self, live: LiveWorker, process: WorkerProcess) -> None:
-        """End the whole tree at once, without its grace: with its supervision failed, its
-        output may no longer be drained (a TERM it handles could block on a full pipe),
-        and a reload's freeze, and so every client, would wait out that grace."""
-        try:
-            await self.launcher.end_tree(live.record.id, process, 0.0, hurried=False)
-        except Exception:
-            log.exception("worker.tree_not_ended", worker=live.record.id)
-
-    async def _terminate(self, live: LiveWorker) -> None:
-        """End the worker's whole process tree, once, however many ask."""
-        if live.terminating:
-            await live.terminated.wait()
-            return
-        live.terminating = True
-        process = live.process
-        assert process is not None
-        try:
-            killed = await self.launcher.end_tree(live.record.id, process, live.record.grace)
-            if killed:
-                log.info("worker.killed", worker=live.record.id, processes=killed)
-        finally:
-            live.terminated.set()
 
     def _finish(
         self,
@@ -692,6 +493,10 @@ class Daemon:
             retry_after=DESCRIPTORS_RETRY,
         )
 
+    def _disk_ok(self) -> None:
+        """A write went through: the disk trouble, if any, has passed."""
+        self.disk_problem = None
+
     def _disk_trouble(self, what: str, exc: OSError) -> None:
         """Report a failed write (disk full, I/O error) once per kind of trouble."""
         problem = f"cannot write the {what}: {exc.strerror or exc}"
@@ -761,60 +566,6 @@ class Daemon:
                 except OSError as exc:
                     self._disk_trouble("store (a wake)", exc)
 
-    async def _pump_pipes(self, live: LiveWorker, closed: trio.Event) -> None:
-        async with trio.open_nursery() as nursery:
-            for kind in ("stdout", "stderr"):
-                fd = getattr(live.process, kind, None)
-                if fd is not None:
-                    nursery.start_soon(pump, fd, self._deliverer(live, kind))
-        closed.set()
-
-    def _deliverer(self, live: LiveWorker, kind: EntryKind) -> Callable[[bytes], Awaitable[None]]:
-        async def deliver(chunk: bytes) -> None:
-            # A full or failing disk holds this chunk (and, through the pipe,
-            # the worker) until the write goes through: nothing is dropped.
-            delay = DISK_RETRY_FIRST
-            while True:
-                try:
-                    live.journal.append(kind, chunk, self.clock())
-                    break
-                except OSError as exc:
-                    self._disk_trouble(f"journal of {live.record.id}", exc)
-                    await trio.sleep(delay)
-                    delay = min(delay * 2, DISK_RETRY_MAX)
-            self.disk_problem = None
-            if kind == "stdout":
-                live.stdout_tail += chunk
-                del live.stdout_tail[:-STDOUT_TAIL_BYTES]
-            grown, live.grown = live.grown, trio.Event()
-            grown.set()
-            self.fault("pump", live.record.name)
-            await trio.lowlevel.checkpoint()
-
-        return deliver
-
-    async def _stop_when_asked(self, live: LiveWorker) -> None:
-        await live.stop_asked.wait()
-        await self._terminate(live)
-
-    async def _enforce_timeout(self, live: LiveWorker) -> None:
-        """Stop the worker (and what it delegated) once its timeout has passed."""
-        timeout = live.record.timeout
-        assert timeout is not None
-        # From its start, not from this supervision's: a reload does not reset it.
-        remaining = live.record.started_at + timeout - self.clock()
-        with trio.move_on_after(max(0.0, remaining)) as deadline:
-            await live.exited.wait()
-        if deadline.cancelled_caught:
-            log.info("worker.timed_out", worker=live.record.id, timeout=timeout)
-            self.ask_stop(self.registry.stop(live.record.id, reason="timeout"))
-
-    def ask_stop(self, ids: list[str]) -> None:
-        for worker_id in ids:
-            live = self.live.get(worker_id)
-            if live is not None:
-                live.stop_asked.set()
-
     # -- stopping ------------------------------------------------------------
 
     def stop(self, worker_id: str) -> tuple[bool, list[str]]:
@@ -831,14 +582,14 @@ class Daemon:
                 return False, []
             return True, []
         stopped = self.registry.stop(worker_id)
-        self.ask_stop(stopped)
+        self.supervisor.ask_stop(stopped)
         log.info("worker.stop_asked", worker=worker_id, stopped=stopped)
         return True, stopped
 
     async def wait_stopped(self, worker_id: str) -> None:
         """Return once a worker and its subtree have ended (a stop's wait)."""
         if worker_id in self.registry.workers:
-            await self.wait_ended(list(self.registry.subtree(worker_id)))
+            await self.supervisor.wait_ended(list(self.registry.subtree(worker_id)))
 
     def new_run(self, outer: str | None) -> str:
         run = self.registry.new_run(self.clock(), outer)
@@ -860,7 +611,7 @@ class Daemon:
         stopped = self.registry.stop_run(run_id)
         for run in self.registry.runs_within(run_id):
             self.save_run(run)
-        self.ask_stop(stopped)
+        self.supervisor.ask_stop(stopped)
         for run in self.registry.runs_within(run_id):
             if (event := self._run_stopped.pop(run, None)) is not None:
                 event.set()
@@ -872,7 +623,7 @@ class Daemon:
         (a stop_run's wait)."""
         if run_id in self.registry.runs:
             members = [r.id for r in self.registry.listing(include_ended=False, run=run_id)]
-            await self.wait_ended(members)
+            await self.supervisor.wait_ended(members)
 
     async def wait_run_stopped(self, run_id: str) -> None:
         """Return once `run_id` is stopped, by whoever and through whichever outer run."""
@@ -886,30 +637,24 @@ class Daemon:
             self.lookup(target)  # not_found for an id never seen
             return []  # ended and released: nothing to cancel
         cancelled = self.registry.cancel(scope)
-        self.ask_stop(cancelled)
+        self.supervisor.ask_stop(cancelled)
         log.info("scope.cancelled", scope=scope, cancelled=cancelled)
         return cancelled
 
     def cancel_fence(self, epoch: int) -> list[str]:
         cancelled = self.registry.cancel_fence(epoch)
-        self.ask_stop(cancelled)
+        self.supervisor.ask_stop(cancelled)
         log.info("fence.cancelled", epoch=epoch, cancelled=cancelled)
         return cancelled
 
     async def shutdown(self) -> None:
         """Stop every worker and wait until all are gone; start none meanwhile."""
         self.shutting_down = True
-        while self.live:  # a spawn already past its checks may still land: stop it too
+        while self.supervisor:  # a spawn already past its checks may still land: stop it too
             ids = self.registry.stop_all("shutdown")
-            self.ask_stop(ids)
+            self.supervisor.ask_stop(ids)
             log.info("daemon.stopping_workers", count=len(ids))
-            await self.wait_ended(list(self.live))
-
-    async def wait_ended(self, ids: list[str]) -> None:
-        for worker_id in ids:
-            live = self.live.get(worker_id)
-            if live is not None:
-                await live.ended.wait()
+            await self.supervisor.wait_ended(self.supervisor.ids())
 
     # -- reading -------------------------------------------------------------
 
@@ -938,13 +683,13 @@ class Daemon:
 
     async def wait(self, worker_id: str) -> WorkerView:
         self.lookup(worker_id)
-        await self.wait_ended([worker_id])
+        await self.supervisor.wait_ended([worker_id])
         return self.lookup(worker_id).view()
 
     async def collect(self, worker_id: str, *, wait: bool) -> WorkerResult:
         found = self.lookup(worker_id)
         if wait:
-            await self.wait_ended([worker_id])
+            await self.supervisor.wait_ended([worker_id])
             found = self.lookup(worker_id)
         elif found.state not in TERMINAL_STATES:
             raise Busy(f"worker {worker_id} is still {found.state}; collect --wait waits for it")
@@ -965,7 +710,7 @@ class Daemon:
         if since < 0 or limit < 1:
             raise Invalid(f"watch needs since >= 0 and limit >= 1, not {since} and {limit}")
         found = self.lookup(worker_id)
-        live = self.live.get(worker_id)
+        live = self.supervisor.get(worker_id)
         journal = live.journal if live is not None else await self._ended_journal(found)
         try:
             entries = journal.read(since, min(limit, MAX_PAGE_ENTRIES))
@@ -1036,7 +781,7 @@ class Daemon:
         """
         cursor = since
         while True:
-            live = self.live.get(worker_id)
+            live = self.supervisor.get(worker_id)
             grown = live.grown if live is not None else None
             page = await self.watch_page(worker_id, cursor, limit)
             if page.entries or page.complete:
@@ -1184,34 +929,6 @@ def _damaged(worker_id: str, exc: JournalCorrupt) -> Refused:
         f"worker {worker_id}'s journal is damaged at byte {exc.offset} ({exc.reason}); "
         "the daemon serves no page from it"
     )
-
-
-def _first(group: BaseExceptionGroup[Exception]) -> Exception:
-    """The first exception a group holds, at any depth: what a failure is told by."""
-    found: BaseException = group
-    while isinstance(found, BaseExceptionGroup):
-        found = found.exceptions[0]
-    assert isinstance(found, Exception)
-    return found
-
-
-async def _reap_after_fault(process: WorkerProcess) -> int | None:
-    """Reap a process whose tree was just ended; None if it has not exited (yet)."""
-    with trio.move_on_after(PIPE_DRAIN_SECONDS * 5):
-        await process.wait_exited()
-        return process.reap()
-    log.error("worker.not_exited", pid=process.pid, then="reaped when it exits")
-    return None
-
-
-async def _reap_when_exited(pid: int, pidfd: int) -> None:
-    """Reap, whenever it exits, a killed process that had not: no zombie is left behind."""
-    try:
-        await trio.lowlevel.wait_readable(pidfd)
-        os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG)  # noqa: ASYNC222 - readable: exited
-        log.info("worker.reaped_late", pid=pid)
-    finally:
-        os.close(pidfd)
 
 
 def inherited_env(environ: Mapping[str, str]) -> dict[str, str]:

@@ -38,11 +38,12 @@ from ._checkpoint import (
     Checkpoint,
     write_checkpoint,
 )
-from ._daemon import Daemon, LiveWorker
+from ._daemon import Daemon
 from ._journal import JournalCorrupt
 from ._notify import monotonic_usec, notify
 from ._process import WorkerProcess, reap
 from ._registry import WorkerRecord
+from ._supervisor import LiveWorker
 
 log = structlog.get_logger("subagentd")
 
@@ -158,7 +159,7 @@ class Reloader:
             daemon.fault("reload", "early", once=True)
             # A spawn in flight may have the daemon standing in its worker's
             # cgroup to fork it: the check's child must not be born there.
-            await daemon.launches_settled()
+            await daemon.supervisor.launches_settled()
             log.info("reload.checking")
             await self._check_new_image()
             if self.no_carry:
@@ -167,7 +168,7 @@ class Reloader:
             with _reloading_told():
                 async with (
                     self.server.paused(attempt.requesters, _failure) as kept,
-                    daemon.frozen(),
+                    daemon.supervisor.frozen(),
                 ):
                     log.info("reload.frozen")
                     if daemon.shutting_down:  # SIGTERM came while we froze: stopping wins
@@ -210,10 +211,10 @@ class Reloader:
     async def _stop_uncarriable(self) -> list[str]:
         """Stop, before the exec, the workers that cannot be carried live."""
         daemon = self.daemon
-        ids = [w.record.id for w in daemon.live.values() if w.record.name in self.no_carry]
+        ids = [w.record.id for w in daemon.supervisor.workers() if w.record.name in self.no_carry]
         stopped = sorted(i for w in ids for i in daemon.registry.stop(w, reason="reload"))
-        daemon.ask_stop(stopped)
-        await daemon.wait_ended(stopped)
+        daemon.supervisor.ask_stop(stopped)
+        await daemon.supervisor.wait_ended(stopped)
         if stopped:
             log.warning("reload.stopped_uncarriable", workers=stopped)
         return stopped
@@ -231,7 +232,7 @@ class Reloader:
             runs=list(daemon.registry.runs.values()),
             ended=[msgspec.msgpack.encode(r) for r in daemon.registry.workers.values() if r.ended],
             tombstones=list(daemon.registry.tombstones.values()),
-            live=[_carried(live) for live in daemon.live.values()],
+            live=[_carried(live) for live in daemon.supervisor.workers()],
             turn=daemon.registry.turn,
             fence=daemon.registry.fence,
             fence_epochs=daemon.registry.fence_epochs,
@@ -251,7 +252,7 @@ class Reloader:
         carried = [self.listen_fd, state_dir.lock_fd, *(conn.fd for conn in kept.values())]
         for fd in carried:
             os.set_inheritable(fd, True)
-        for live in daemon.live.values():
+        for live in daemon.supervisor.workers():
             assert live.process is not None
             live.process.carry()
         command = image_command(
@@ -269,7 +270,7 @@ class Reloader:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, RELOAD_SIGNALS)
             for fd in carried[:2]:
                 os.set_inheritable(fd, False)
-            for live in daemon.live.values():
+            for live in daemon.supervisor.workers():
                 assert live.process is not None
                 live.process.uncarry()
             self.checkpoint_path.unlink(missing_ok=True)
@@ -405,7 +406,7 @@ async def adopt(daemon: Daemon, checkpoint: Checkpoint) -> tuple[int, list[str]]
             continue
         live = LiveWorker(record=record, journal=journal, process=process)
         live.stdout_tail += journal.tail_bytes("stdout", STDOUT_TAIL_BYTES)
-        daemon.live[record.id] = live
+        daemon.supervisor.add(live)
         records.append(record)
     daemon.registry.restore(
         runs=checkpoint.runs,
@@ -424,7 +425,7 @@ async def adopt(daemon: Daemon, checkpoint: Checkpoint) -> tuple[int, list[str]]
     daemon.reloads = checkpoint.reloads + 1
     for record in unadoptable:
         daemon.post_wake(record, daemon.archive_of(record.id))
-    return len(daemon.live), stopped
+    return len(daemon.supervisor), stopped
 
 
 async def _stop_unadoptable(daemon: Daemon, carried: CarriedWorker) -> WorkerRecord | None:

@@ -16,11 +16,12 @@ from subagentd.protocol import WorkerView
 from subagentd.protocol.errors import Invalid, NotFound, Refused, Reloading
 
 from ._archive import STDOUT_TAIL_BYTES, Archive, Snapshot
-from ._daemon import RELOAD_RETRY, Daemon, LiveWorker
+from ._daemon import RELOAD_RETRY, Daemon
 from ._files import NotRegularFile
 from ._journal import Journal
 from ._registry import WorkerRecord
 from ._resume import RESUMABLE, check_branch, read_snapshot
+from ._supervisor import LiveWorker
 
 log = structlog.get_logger("subagentd")
 
@@ -35,7 +36,7 @@ class Resumer:
         """Carry a stopped, failed, timed-out or interrupted worker on from its snapshot:
         same id, next attempt, same journal; only the timeout may be given anew."""
         self._check_fence()
-        with self.daemon.launching(), trio.CancelScope(shield=True):
+        with self.daemon.supervisor.launching(), trio.CancelScope(shield=True):
             view = await self._resume_one(worker_id, worker_timeout)
         return view
 
@@ -86,7 +87,7 @@ class Resumer:
             snapshot.timeout if worker_timeout is None else worker_timeout or None,
         )
         live = LiveWorker(record=record, journal=journal)
-        self.daemon.live[record.id] = live
+        self.daemon.supervisor.add(live)
         try:
             self.daemon.fault("resume", record.name)
             self.daemon.save_run(record.run)
@@ -99,7 +100,7 @@ class Resumer:
             base_env = self.daemon.inherited_env | snapshot.env
             return await self.daemon.launch(live, snapshot.argv, snapshot.cwd, base_env, stdin)
         except Exception as exc:
-            if live.process is None and record.id in self.daemon.live:
+            if live.process is None and record.id in self.daemon.supervisor:
                 # Nothing started: the attempt ends here (its journal closed), never `starting`.
                 log.exception("worker.resume_failed", worker=record.id)
                 why = f"attempt {record.attempt} failed to start ({type(exc).__name__}: {exc})"
@@ -168,7 +169,7 @@ class Resumer:
         self._check_fence()
         heads = self._resumable_heads(run_id)
         self.daemon.registry.reopen_run(run_id, self.daemon.clock())
-        with self.daemon.launching(), trio.CancelScope(shield=True):
+        with self.daemon.supervisor.launching(), trio.CancelScope(shield=True):
             views = [await self._resume_one(record.id, None) for record in heads]
         return views
 

@@ -141,7 +141,7 @@ async def serve(settings: Settings) -> None:
         )
     else:
         await recover(daemon)
-        await daemon.launcher.sweep(daemon.live)
+        await daemon.launcher.sweep(daemon.supervisor)
     server = Server(daemon)
     reloader = Reloader(
         daemon,
@@ -196,7 +196,7 @@ async def serve(settings: Settings) -> None:
                         stopping.cancel_scope.cancel()
                 nursery.cancel_scope.cancel()
     finally:
-        daemon.launcher.close(anything_live=bool(daemon.live))
+        daemon.launcher.close(anything_live=bool(daemon.supervisor))
         control.remove()
         await listener.aclose()
         daemon.store.close()

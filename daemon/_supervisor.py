@@ -1,0 +1,397 @@
+"""Supervision of live workers: one task per worker, from its launch until it has ended.
+
+The supervisor owns what is live (each worker's process, pipes and journal while it
+runs), starts and ends trees through the launcher port, enforces timeouts, and hands
+each ending to the daemon, which writes it down. A supervise task is a fault boundary:
+an exception in it ends that worker `failed`, never the daemon. A reload freezes
+supervision (`frozen`), so what is live holds still while it is carried across the exec.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import structlog
+import trio
+
+from subagentd.protocol import EntryKind
+from subagentd.protocol.errors import Refused
+
+from ._archive import STDOUT_TAIL_BYTES
+from ._journal import Journal
+from ._launcher import Launcher
+from ._process import WorkerProcess, pump
+from ._registry import Registry, WorkerRecord
+
+log = structlog.get_logger("subagentd")
+
+#: After the tree is gone, how long the pipes may take to give up what they hold.
+PIPE_DRAIN_SECONDS = 1.0
+#: A write that failed (disk full, EIO) is tried again after this, doubling up to the max.
+DISK_RETRY_FIRST = 0.1
+DISK_RETRY_MAX = 5.0
+#: A reload's freeze (nobody is served meanwhile) not done within this is given up:
+#: the reload is refused and supervision carries on.
+FREEZE_SECONDS = 5.0
+
+
+@dataclass(eq=False)
+class LiveWorker:
+    """A worker not yet ended, with what supervises it. ``process`` is None while starting."""
+
+    record: WorkerRecord
+    journal: Journal
+    process: WorkerProcess | None = None
+    stop_asked: trio.Event = field(default_factory=trio.Event)
+    exited: trio.Event = field(default_factory=trio.Event)
+    ended: trio.Event = field(default_factory=trio.Event)
+    grown: trio.Event = field(default_factory=trio.Event)
+    terminated: trio.Event = field(default_factory=trio.Event)
+    terminating: bool = False
+    stdout_tail: bytearray = field(default_factory=bytearray)
+    returncode: int | None = None  # once reaped
+
+    def reset_supervision(self) -> None:
+        """Fresh per-supervision state for a (re)adopted worker; a stop asked before stands."""
+        self.exited = trio.Event()
+        self.terminated = trio.Event()
+        self.terminating = False
+        if self.record.stop_reason is not None:
+            self.stop_asked.set()
+
+
+class Ending(Protocol):
+    """How the supervisor hands an ending to the daemon, which writes it down.
+    `failure`: supervision failed (and says why), so the worker ends `failed`."""
+
+    def __call__(
+        self,
+        record: WorkerRecord,
+        journal: Journal,
+        returncode: int | None,
+        stdout_tail: bytes,
+        failure: str | None = None,
+    ) -> None: ...
+
+
+class Supervisor:
+    def __init__(
+        self,
+        launcher: Launcher,
+        registry: Registry,
+        *,
+        ending: Ending,
+        clock: Callable[[], float],
+        fault: Callable[[str, str], None],
+        disk_trouble: Callable[[str, OSError], None],
+        disk_ok: Callable[[], None],
+    ) -> None:
+        self._launcher = launcher
+        self._registry = registry
+        self._ending = ending
+        self._clock = clock
+        self._fault = fault
+        self._disk_trouble = disk_trouble
+        self._disk_ok = disk_ok
+        self._live: dict[str, LiveWorker] = {}
+        self._nursery: trio.Nursery | None = None
+        self._background: trio.Nursery | None = None  # outlives freezes: late reaps
+        self._supervision = trio.CancelScope()
+        self._frozen = trio.Event()
+        self._thawed = trio.Event()
+        self._thaw_asked = trio.Event()
+        self.starting = 0  # launches between registration and their supervise task
+        self.spawned = trio.Event()
+
+    # -- what is live ----------------------------------------------------------
+
+    def get(self, worker_id: str) -> LiveWorker | None:
+        return self._live.get(worker_id)
+
+    def __contains__(self, worker_id: object) -> bool:
+        return worker_id in self._live
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def workers(self) -> list[LiveWorker]:
+        """Every live worker, in the order they came."""
+        return list(self._live.values())
+
+    def ids(self) -> list[str]:
+        return list(self._live)
+
+    def add(self, live: LiveWorker) -> None:
+        """A worker registered, its process about to be launched (or adopted)."""
+        self._live[live.record.id] = live
+
+    def supervise(self, live: LiveWorker, process: WorkerProcess) -> None:
+        """Supervise a worker whose process has just started; before anything else can
+        fail: a process nobody reaps is lost. A stop asked meanwhile is acted on at once."""
+        assert self._nursery is not None, "Supervisor.run is not running"
+        live.process = process
+        self._nursery.start_soon(self._supervise, live)
+
+    def end_unstarted(self, live: LiveWorker) -> None:
+        """A worker whose process never started (or never will): no longer live."""
+        self._live.pop(live.record.id, None)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Host the workers' supervise tasks until cancelled.
+
+        A reload freezes supervision (`freeze`): every supervise task is
+        cancelled, leaving each worker's descriptors open and its process
+        unreaped, so the registry holds still while it is written down. If the
+        exec fails, `thaw` adopts every worker again, down the same path a new
+        image takes.
+        """
+        async with trio.open_nursery() as background:
+            self._background = background
+            started = False
+            while True:
+                with trio.CancelScope() as self._supervision:
+                    async with trio.open_nursery() as nursery:
+                        self._nursery = nursery
+                        for live in self._live.values():
+                            live.reset_supervision()
+                            nursery.start_soon(self._supervise, live)
+                        if not started:
+                            task_status.started()
+                            started = True
+                        self._thawed.set()
+                        await trio.sleep_forever()
+                self._nursery = None
+                self._frozen.set()
+                self._thawed = trio.Event()
+                await self._thaw_asked.wait()
+                self._thaw_asked = trio.Event()
+                self._frozen = trio.Event()
+
+    async def launches_settled(self) -> None:
+        """Return once no spawn or resume is in flight (the caller fences new ones)."""
+        while self.starting:
+            await self.spawned.wait()
+
+    async def freeze(self) -> None:
+        """Stop supervising (nothing reaped, nothing closed), once no spawn is in flight;
+        refused, supervising on, if that is not done within FREEZE_SECONDS."""
+        if self._thaw_asked.is_set():
+            raise Refused("the last reload's freeze is still being undone; reload again shortly")
+        with trio.move_on_after(FREEZE_SECONDS) as timer:
+            await self.launches_settled()
+            self._supervision.cancel()
+            await self._frozen.wait()
+        if timer.cancelled_caught:
+            if self._supervision.cancel_called:
+                self._thaw_asked.set()  # once what holds the freeze is done: see run()
+            raise Refused(
+                f"the daemon's workers could not be frozen within {FREEZE_SECONDS:g} s "
+                "(a worker's ending is still under way); reload again shortly"
+            )
+
+    async def thaw(self) -> None:
+        """Supervise every live worker again."""
+        self._thaw_asked.set()
+        await self._thawed.wait()
+
+    @contextlib.asynccontextmanager
+    async def frozen(self) -> AsyncIterator[None]:
+        """Supervision frozen for the body, and thawed after it unless the body execs:
+        a thaw only ever follows a freeze."""
+        await self.freeze()
+        try:
+            yield
+        finally:
+            await self.thaw()
+
+    @contextlib.contextmanager
+    def launching(self) -> Iterator[None]:
+        """Count a launch in flight, so a reload's freeze waits for it to finish."""
+        self.starting += 1
+        try:
+            yield
+        finally:
+            self.starting -= 1
+            spawned, self.spawned = self.spawned, trio.Event()
+            spawned.set()
+
+    async def _supervise(self, live: LiveWorker) -> None:
+        """Supervise one worker until it has ended: a fault boundary. An exception in
+        here ends this worker `failed` (its whole tree with it), saying why in its
+        journal, and reaches no other worker and not the daemon."""
+        try:
+            await self._watch(live)
+        except* Exception as faults:
+            # Shielded like any cleanup: a reload's freeze waits for it to finish.
+            with trio.CancelScope(shield=True):
+                await self._fail(live, _first(faults))
+
+    async def _watch(self, live: LiveWorker) -> None:
+        record, process = live.record, live.process
+        assert process is not None
+        pipes_closed = trio.Event()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._pump_pipes, live, pipes_closed)
+            nursery.start_soon(self._stop_when_asked, live)
+            if record.timeout:
+                nursery.start_soon(self._enforce_timeout, live)
+            await process.wait_exited()
+            live.exited.set()
+            # Whatever is left of its tree goes with it: TERM, grace, KILL.
+            await self._terminate(live)
+            with trio.move_on_after(PIPE_DRAIN_SECONDS):
+                await pipes_closed.wait()
+            nursery.cancel_scope.cancel()
+        live.returncode = returncode = process.reap()
+        process.close()
+        self._launcher.released(process)
+        del self._live[record.id]
+        self._ending(record, live.journal, returncode, bytes(live.stdout_tail))
+        live.ended.set()
+        live.grown.set()
+        log.info("worker.ended", worker=record.id, state=record.state, exit_code=record.exit_code)
+
+    async def _fail(self, live: LiveWorker, error: Exception) -> None:
+        """End a worker whose supervision raised: its tree, its process, then its ending,
+        as `failed`. Each step stands alone, so one that fails again skips no other."""
+        record, process = live.record, live.process
+        why = f"supervision failed ({type(error).__name__}: {error}); the worker was ended"
+        log.error("worker.supervision_failed", worker=record.id, error=why, exc_info=error)
+        try:
+            if process is not None and process.pidfd >= 0:  # not reaped: its tree may run on
+                await self._end_tree_after_fault(live, process)
+                live.returncode = await _reap_after_fault(process)
+                if live.returncode is None and self._background is not None:
+                    pidfd, process.pidfd = process.pidfd, -1  # kept, to reap it when it exits
+                    self._background.start_soon(_reap_when_exited, process.pid, pidfd)
+                process.close()
+                self._launcher.released(process)
+            elif process is not None:
+                process.close()  # the pipes, if the fault came between the reap and their close
+        except Exception:
+            log.exception("worker.not_reaped", worker=record.id)
+        self._live.pop(record.id, None)
+        try:
+            self._ending(
+                record, live.journal, live.returncode, bytes(live.stdout_tail), failure=why
+            )
+        except Exception:
+            log.exception("worker.ending_not_recorded", worker=record.id)
+        live.ended.set()
+        live.grown.set()
+
+    async def _end_tree_after_fault(self, live: LiveWorker, process: WorkerProcess) -> None:
+        """End the whole tree at once, without its grace: with its supervision failed, its
+        output may no longer be drained (a TERM it handles could block on a full pipe),
+        and a reload's freeze, and so every client, would wait out that grace."""
+        try:
+            await self._launcher.end_tree(live.record.id, process, 0.0, hurried=False)
+        except Exception:
+            log.exception("worker.tree_not_ended", worker=live.record.id)
+
+    async def _terminate(self, live: LiveWorker) -> None:
+        """End the worker's whole process tree, once, however many ask."""
+        if live.terminating:
+            await live.terminated.wait()
+            return
+        live.terminating = True
+        process = live.process
+        assert process is not None
+        try:
+            killed = await self._launcher.end_tree(live.record.id, process, live.record.grace)
+            if killed:
+                log.info("worker.killed", worker=live.record.id, processes=killed)
+        finally:
+            live.terminated.set()
+
+    async def _pump_pipes(self, live: LiveWorker, closed: trio.Event) -> None:
+        async with trio.open_nursery() as nursery:
+            for kind in ("stdout", "stderr"):
+                fd = getattr(live.process, kind, None)
+                if fd is not None:
+                    nursery.start_soon(pump, fd, self._deliverer(live, kind))
+        closed.set()
+
+    def _deliverer(self, live: LiveWorker, kind: EntryKind) -> Callable[[bytes], Awaitable[None]]:
+        async def deliver(chunk: bytes) -> None:
+            # A full or failing disk holds this chunk (and, through the pipe,
+            # the worker) until the write goes through: nothing is dropped.
+            delay = DISK_RETRY_FIRST
+            while True:
+                try:
+                    live.journal.append(kind, chunk, self._clock())
+                    break
+                except OSError as exc:
+                    self._disk_trouble(f"journal of {live.record.id}", exc)
+                    await trio.sleep(delay)
+                    delay = min(delay * 2, DISK_RETRY_MAX)
+            self._disk_ok()
+            if kind == "stdout":
+                live.stdout_tail += chunk
+                del live.stdout_tail[:-STDOUT_TAIL_BYTES]
+            grown, live.grown = live.grown, trio.Event()
+            grown.set()
+            self._fault("pump", live.record.name)
+            await trio.lowlevel.checkpoint()
+
+        return deliver
+
+    async def _stop_when_asked(self, live: LiveWorker) -> None:
+        await live.stop_asked.wait()
+        await self._terminate(live)
+
+    async def _enforce_timeout(self, live: LiveWorker) -> None:
+        """Stop the worker (and what it delegated) once its timeout has passed."""
+        timeout = live.record.timeout
+        assert timeout is not None
+        # From its start, not from this supervision's: a reload does not reset it.
+        remaining = live.record.started_at + timeout - self._clock()
+        with trio.move_on_after(max(0.0, remaining)) as deadline:
+            await live.exited.wait()
+        if deadline.cancelled_caught:
+            log.info("worker.timed_out", worker=live.record.id, timeout=timeout)
+            self.ask_stop(self._registry.stop(live.record.id, reason="timeout"))
+
+    def ask_stop(self, ids: list[str]) -> None:
+        for worker_id in ids:
+            live = self._live.get(worker_id)
+            if live is not None:
+                live.stop_asked.set()
+
+    async def wait_ended(self, ids: list[str]) -> None:
+        for worker_id in ids:
+            live = self._live.get(worker_id)
+            if live is not None:
+                await live.ended.wait()
+
+
+def _first(group: BaseExceptionGroup[Exception]) -> Exception:
+    """The first exception a group holds, at any depth: what a failure is told by."""
+    found: BaseException = group
+    while isinstance(found, BaseExceptionGroup):
+        found = found.exceptions[0]
+    assert isinstance(found, Exception)
+    return found
+
+
+async def _reap_after_fault(process: WorkerProcess) -> int | None:
+    """Reap a process whose tree was just ended; None if it has not exited (yet)."""
+    with trio.move_on_after(PIPE_DRAIN_SECONDS * 5):
+        await process.wait_exited()
+        return process.reap()
+    log.error("worker.not_exited", pid=process.pid, then="reaped when it exits")
+    return None
+
+
+async def _reap_when_exited(pid: int, pidfd: int) -> None:
+    """Reap, whenever it exits, a killed process that had not: no zombie is left behind."""
+    try:
+        await trio.lowlevel.wait_readable(pidfd)
+        os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG)  # noqa: ASYNC222 - readable: exited
+        log.info("worker.reaped_late", pid=pid)
+    finally:
+        os.close(pidfd)
