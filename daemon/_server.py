@@ -505,11 +505,11 @@ class Server:
         with trio.CancelScope() as conn.receiving:
             if (length := session.wanted_reservation()) is not None:
                 session.reserve(await self.budget.reserve(length), trio.current_time())
-            with trio.move_on_at(session.deadline) as stalled:
+            with trio.move_on_at(session.deadline):
                 return await conn.stream.receive_some(65536)
-        if stalled.cancelled_caught:
-            return session.overdue().error
-        return None  # kept by a reload: see above
+        if conn.receiving.cancelled_caught:
+            return None  # kept by a reload (maybe while waiting for the budget): see above
+        return session.overdue().error
 
     async def _answer(
         self,
