@@ -1,9 +1,12 @@
-"""The control socket's server: connections, the hello, and request dispatch.
+"""The control socket's server: the trio shell around each connection's `Session`.
 
-Each connection is checked with SO_PEERCRED (only the daemon's own uid gets
-in), must open with a hello, and then may have many requests in flight, each
-answered by its own task. A bad frame or message costs its sender an error
-and, where the stream is unreadable, the connection; never anyone else's.
+Each connection is checked with SO_PEERCRED (only the daemon's own uid gets in); its
+bytes go to its `Session` (`_session.py`: the hello, ids in flight and their limit,
+aborts, wakes delivered, its share of the frame budget, what a reload is owed), and
+this shell does what the session answers: send, close, or run a request, inline or in
+a task of its own, dispatched to the daemon. It shares the frame budget out and pauses
+for a reload. A bad frame or message costs its sender an error and, where the stream
+is unreadable, the connection; never anyone else's.
 """
 
 from __future__ import annotations
@@ -12,20 +15,17 @@ import contextlib
 import dataclasses
 import errno
 import itertools
-import math
 import os
 import socket
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
-import msgspec
 import structlog
 import trio
 
 from subagentd.protocol import (
     DEFAULT_FRAME_LIMIT,
-    PROTOCOL_VERSION,
     Abort,
     Ack,
     BeginTurn,
@@ -38,8 +38,6 @@ from subagentd.protocol import (
     Done,
     Error,
     FenceReply,
-    FrameDecoder,
-    Hello,
     Info,
     InfoReply,
     Latest,
@@ -69,14 +67,12 @@ from subagentd.protocol import (
     Welcome,
     WorkerList,
     WorkerReply,
-    client_decoder,
     encode,
     op,
     package_version,
 )
 from subagentd.protocol.errors import (
     ErrorCode,
-    FrameTooLarge,
     Frozen,
     Invalid,
     Refused,
@@ -88,12 +84,10 @@ from ._daemon import RELOAD_RETRY, Daemon
 from ._registry import listing_page
 from ._reload import Handover, Reloader, owed_by_connection
 from ._resumer import Resumer
+from ._session import Close, Release, Session
 
 log = structlog.get_logger("subagentd")
 
-#: Requests one connection may have in flight; more are answered `busy`. Aborts have
-#: as many again of their own, so that a connection at the limit can still abort.
-MAX_IN_FLIGHT = 256
 #: How long a reload waits to tell each client `reloading` (all told at once).
 NOTICE_SECONDS = 0.1
 #: How long a reload waits for a connection it keeps to stop being read here and to
@@ -106,16 +100,9 @@ REFUSAL_DRAIN_BYTES = 1024 * 1024
 #: socket is broken: wait and accept again (as trio.serve_listeners does).
 ACCEPT_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 ACCEPT_RETRY_SECONDS = 0.1
-#: Bytes of frames still arriving that all connections together may hold. A frame
-#: longer than BUDGETED_FROM is read only once its length is reserved here;
-#: until then its connection is not read (its client's sends block).
+#: Bytes of frames still arriving that all connections together may hold (a frame
+#: longer than `_session.BUDGETED_FROM` is read only once its length is reserved here).
 FRAME_BUDGET = 64 * 1024 * 1024
-BUDGETED_FROM = 64 * 1024
-#: A budgeted frame must then arrive whole within FRAME_SECONDS plus a second per
-#: FRAME_MIN_RATE bytes, or its connection is closed: a client that sends the header
-#: of a large frame and stalls must not hold the budget (and every large request) for good.
-FRAME_SECONDS = 5.0
-FRAME_MIN_RATE = 1024 * 1024
 _PEERCRED = struct.Struct("3i")
 _conn_ids = itertools.count(1)
 
@@ -146,46 +133,37 @@ class FrameBudget:
 
 @dataclass(eq=False)
 class Connection:
+    """One connection's I/O: its socket, its sends, and the tasks answering its requests;
+    what the protocol says of it is its `session`'s."""
+
     stream: trio.SocketStream
     conn_id: int
-    caller: str | None = None  # the worker this connection acts as, if it gave a token
+    session: Session
     send_lock: trio.Lock = field(default_factory=trio.Lock)
-    streams: dict[int, tuple[trio.CancelScope, trio.Event]] = field(default_factory=dict)
-    delivered: set[int] = field(default_factory=set)  # wake seqs sent here, not yet acked
-    reserved: int = 0  # of the server's frame budget, for the large frame arriving here
-    #: A reload keeps this connection: nothing more is read of it, or sent on it, here.
-    kept: bool = False
+    #: The requests answered by a task of their own, by id: how to end each, and its end.
+    tasks: dict[int, tuple[trio.CancelScope, trio.Event]] = field(default_factory=dict)
+    #: A reload keeps this connection: nothing more is sent on it here.
     sealed: bool = False
     receiving: trio.CancelScope = field(default_factory=trio.CancelScope)  # each read's
     stopped_reading: trio.Event = field(default_factory=trio.Event)
-    unread: bytes = b""  # read, not taken as requests, once it stopped reading
-    unsent: dict[int, Reply] = field(default_factory=dict)  # answers the seal cut off
 
     async def seal(self, reloads: set[int]) -> None:
         """Stop reading here, then answer each request in flight but `reloads`: with its
         answer if it has one, else `reloading` under its own id: its client sends it again,
         and the image that reads on (the next one, or this one if the reload fails)
         answers it. Nothing is sent here after."""
-        self.kept = True
+        self.session.keep()
         self.receiving.cancel()
         await self.stopped_reading.wait()
         async with self.send_lock:  # no frame is half sent now, and none can begin
-            in_flight = [
-                (rid, stream) for rid, stream in self.streams.items() if rid not in reloads
-            ]
-            for _rid, (scope, _done) in in_flight:
+            cut = self.session.cut_off(reloads)
+            ending = [self.tasks[rid] for rid in cut]
+            for scope, _done in ending:
                 scope.cancel()
-            for _rid, (_scope, done) in in_flight:
+            for _scope, done in ending:
                 await done.wait()
-            for rid, _stream in in_flight:
-                again = Error(
-                    id=rid,
-                    code=ErrorCode.RELOADING,
-                    message="the daemon is reloading; send this request again (this "
-                    "connection is kept: the new image answers it)",
-                    retry_after=RELOAD_RETRY,
-                )
-                await self.stream.send_all(encode(self.unsent.pop(rid, again)))
+            for reply in self.session.owed(cut, RELOAD_RETRY):
+                await self.stream.send_all(encode(reply))
             self.sealed = True
 
     @contextlib.contextmanager
@@ -196,8 +174,7 @@ class Connection:
         try:
             yield
         except trio.Cancelled:
-            if self.kept:
-                self.unsent[reply.id] = reply
+            self.session.answer_if_kept(reply)
             raise
 
     async def send(self, reply: Reply) -> None:
@@ -358,7 +335,9 @@ class Server:
         for conn in set(fds) - sealed:  # would not stop in time: closed, not kept
             os.close(fds.pop(conn))
         return {
-            conn: Handover(fd, unread=conn.unread, delivered=frozenset(conn.delivered))
+            conn: Handover(
+                fd, unread=conn.session.unread(), delivered=frozenset(conn.session.delivered)
+            )
             for conn, fd in fds.items()
         }
 
@@ -417,7 +396,16 @@ class Server:
 
     async def handle(self, stream: trio.SocketStream, adopted: Handover | None = None) -> None:
         """Serve one connection; ``adopted``: one handed over by a reload (past its hello)."""
-        conn = Connection(stream=stream, conn_id=next(_conn_ids))
+        session = Session(
+            self.daemon.registry.worker_for_token,
+            pid=os.getpid(),
+            daemon_version=package_version(),
+            frame_limit=self.frame_limit,
+            welcomed=adopted is not None,
+            unread=adopted.unread if adopted is not None else b"",
+            delivered=adopted.delivered if adopted is not None else (),
+        )
+        conn = Connection(stream=stream, conn_id=next(_conn_ids), session=session)
         structlog.contextvars.bind_contextvars(conn=conn.conn_id)
         self.connections += 1
         self._open.add(conn)
@@ -426,10 +414,9 @@ class Server:
         try:
             async with stream:
                 if adopted is not None:
-                    conn.delivered = set(adopted.delivered)
                     for reply in adopted.owed:
                         await conn.send(reply)
-                    await self._serve_requests(conn, hello_seen=True, unread=adopted.unread)
+                    await self._serve_requests(conn)
                 elif await self._admit(conn):
                     await self._serve_requests(conn)
         except* (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -458,150 +445,71 @@ class Server:
             return False
         return True
 
-    async def _serve_requests(
-        self, conn: Connection, hello_seen: bool = False, unread: bytes = b""
-    ) -> None:
+    async def _serve_requests(self, conn: Connection) -> None:
         try:
-            await self._serve_frames(conn, hello_seen, unread)
+            await self._serve_frames(conn)
         finally:
             conn.stopped_reading.set()
-            self.budget.release(conn.reserved)
-            conn.reserved = 0
+            self.budget.release(conn.session.give_back())
 
-    async def _serve_frames(self, conn: Connection, hello_seen: bool, unread: bytes) -> None:
-        decoder = FrameDecoder(self.frame_limit)
-        decoder.feed(unread)  # what the image before this one read of it (a reload's)
+    async def _serve_frames(self, conn: Connection) -> None:
+        session = conn.session
         fatal: Error | None = None
-        allowed = due = math.inf  # for the budgeted frame arriving, if one is
         async with trio.open_nursery() as requests:
             while True:
-                # Frame by frame: what came before a bad frame is answered first.
-                while not conn.kept:
-                    try:
-                        body = decoder.next_frame()
-                    except FrameTooLarge as exc:
-                        # The stream cannot be resynchronised: this connection ends here.
-                        fatal = Error(id=0, code=ErrorCode.TOO_LARGE, message=str(exc))
+                while (event := session.next_event()) is not None:
+                    if isinstance(event, Close):
+                        fatal = event.error
                         break
-                    if body is None:
-                        break
-                    if conn.reserved:  # what it held is a whole frame now
-                        self.budget.release(conn.reserved)
-                        conn.reserved = 0
-                    message = _decode(body)
-                    if not hello_seen:
-                        if not await self._hello(conn, message):
-                            requests.cancel_scope.cancel()
-                            return
-                        hello_seen = True
-                    elif isinstance(message, Error):
-                        await conn.send(message)  # the connection carries on
-                    elif refusal := self._admission(conn, message):
-                        await conn.send(refusal)
-                    elif message.at_once:
+                    if isinstance(event, Release):
+                        self.budget.release(event.size)
+                    elif isinstance(event, Reply):
+                        if isinstance(event, Welcome) and event.worker is not None:
+                            structlog.contextvars.bind_contextvars(as_worker=event.worker)
+                        await conn.send(event)
+                    elif event.at_once:
                         # Nothing to wait for: answered here, without a task of its own.
-                        if (reply := await self._reply(conn, message)) is not None:
+                        try:
+                            reply = await self._reply(conn, event)
+                        finally:
+                            session.finished(event.id)
+                        if reply is not None:
                             await conn.send(reply)
                     else:
                         cancel_scope, done = trio.CancelScope(), trio.Event()
-                        conn.streams[message.id] = (cancel_scope, done)
-                        requests.start_soon(self._answer, conn, message, cancel_scope, done)
+                        conn.tasks[event.id] = (cancel_scope, done)
+                        requests.start_soon(self._answer, conn, event, cancel_scope, done)
                 if fatal is not None:
-                    requests.cancel_scope.cancel()
                     break
-                if conn.kept:
-                    # A reload keeps this connection: the rest is for the image after it.
-                    conn.unread = decoder.unread()
-                    conn.stopped_reading.set()
-                    await trio.sleep_forever()  # until the reload ends this connection here
-                length = decoder.incomplete_length
-                with trio.CancelScope() as conn.receiving:
-                    if length is not None and length > BUDGETED_FROM and not conn.reserved:
-                        conn.reserved = await self.budget.reserve(length)
-                        allowed = FRAME_SECONDS + length / FRAME_MIN_RATE
-                        due = trio.current_time() + allowed
-                    with trio.move_on_at(due if conn.reserved else math.inf) as stalled:
-                        data = await conn.stream.receive_some(65536)
-                if conn.receiving.cancelled_caught:
-                    continue  # kept by a reload: see above
-                if stalled.cancelled_caught:
-                    requests.cancel_scope.cancel()
-                    fatal = Error(
-                        id=0,
-                        code=ErrorCode.INVALID,
-                        message=f"a frame of {length} bytes did not arrive whole within "
-                        f"{allowed:.0f} s; send each frame at once",
-                    )
+                received = await self._receive(conn)
+                if isinstance(received, Error):
+                    fatal = received
                     break
-                if not data:
-                    requests.cancel_scope.cancel()
-                    return
-                decoder.feed(data)
-        await conn.refuse(fatal)
+                if received == b"":  # the client hung up
+                    break
+                if received is not None:
+                    session.receive(received)
+            requests.cancel_scope.cancel()
+        if fatal is not None:
+            await conn.refuse(fatal)
 
-    @staticmethod
-    def _admission(conn: Connection, message: ClientMessage) -> Error | None:
-        """Why a request cannot be taken on this connection now, if it cannot."""
-        if message.id in conn.streams:
-            return Error(
-                id=message.id,
-                code=ErrorCode.INVALID,
-                message=f"request id {message.id} is already in flight",
-            )
-        limit = 2 * MAX_IN_FLIGHT if isinstance(message, Abort) else MAX_IN_FLIGHT
-        if len(conn.streams) >= limit:
-            return Error(
-                id=message.id,
-                code=ErrorCode.BUSY,
-                message=f"more than {MAX_IN_FLIGHT} requests in flight on one "
-                "connection; wait for answers or open another connection",
-            )
-        return None
-
-    async def _hello(self, conn: Connection, message: ClientMessage | Error) -> bool:
-        if isinstance(message, Error):  # a first message that does not decode: no hello
-            await conn.refuse(message)
-            return False
-        if not isinstance(message, Hello):
-            await conn.refuse(
-                Error(
-                    id=message.id, code=ErrorCode.INVALID, message="a connection opens with hello"
-                )
-            )
-            return False
-        if message.version != PROTOCOL_VERSION:
-            await conn.refuse(
-                Error(
-                    id=message.id,
-                    code=ErrorCode.UNSUPPORTED_VERSION,
-                    message=f"this daemon speaks protocol {PROTOCOL_VERSION}, "
-                    f"not {message.version}; upgrade the client or the daemon",
-                )
-            )
-            return False
-        if message.token is not None:
-            caller = self.daemon.registry.worker_for_token(message.token)
-            if caller is None:
-                await conn.refuse(
-                    Error(
-                        id=message.id,
-                        code=ErrorCode.FORBIDDEN,
-                        message="this worker token is not known (its worker has been reaped?)",
-                    )
-                )
-                return False
-            conn.caller = caller
-            structlog.contextvars.bind_contextvars(as_worker=caller)
-        await conn.send(
-            Welcome(
-                id=message.id,
-                version=PROTOCOL_VERSION,
-                daemon_version=package_version(),
-                pid=os.getpid(),
-                worker=conn.caller,
-            )
-        )
-        return True
+    async def _receive(self, conn: Connection) -> bytes | Error | None:
+        """What arrives next (b"": the client hung up); None if a reload keeps the
+        connection (then the next call waits until the reload ends it here); or the last
+        word if a budgeted frame did not arrive whole in time."""
+        session = conn.session
+        if session.kept:
+            # The rest is for the image after this one (`Session.unread`).
+            conn.stopped_reading.set()
+            await trio.sleep_forever()
+        with trio.CancelScope() as conn.receiving:
+            if (length := session.wanted_reservation()) is not None:
+                session.reserve(await self.budget.reserve(length), trio.current_time())
+            with trio.move_on_at(session.deadline):
+                return await conn.stream.receive_some(65536)
+        if conn.receiving.cancelled_caught:
+            return None  # kept by a reload (maybe while waiting for the budget): see above
+        return session.overdue().error
 
     async def _answer(
         self,
@@ -618,15 +526,15 @@ class Server:
                     await conn.send(reply)
                     reply = None
         finally:
-            if reply is not None and conn.kept:  # cut off by a reload's seal, which sends it
-                conn.unsent[request.id] = reply
-            del conn.streams[request.id]
+            # An answer in hand when a reload's seal cut its sending off: the seal sends it.
+            conn.session.finished(request.id, unsent=reply)
+            del conn.tasks[request.id]
             done.set()
 
     async def _reply(self, conn: Connection, request: ClientMessage) -> Reply | None:
         """What answers `request`: its reply, or the error it met."""
         try:
-            self.authority.check(conn.caller, request)
+            self.authority.check(conn.session.caller, request)
             return await self._dispatch(conn, request)
         except RemoteError as exc:
             return Error(
@@ -642,7 +550,7 @@ class Server:
             )
 
     async def _dispatch(self, conn: Connection, request: ClientMessage) -> Reply | None:
-        daemon, registry, caller = self.daemon, self.daemon.registry, conn.caller
+        daemon, registry, caller = self.daemon, self.daemon.registry, conn.session.caller
         rid = request.id
         match request:
             case Spawn():
@@ -678,14 +586,9 @@ class Server:
                 await daemon.subscribe(key, follow, _wake_sender(conn, rid))
                 return None
             case Ack(wakes=seqs):
-                never = sorted(set(seqs) - conn.delivered)
-                if never:
-                    raise Invalid(
-                        f"wakes {never} were never delivered on this connection; "
-                        "acknowledge only wakes you received"
-                    )
+                conn.session.check_ack(seqs)
                 daemon.ack(seqs)
-                conn.delivered.difference_update(seqs)
+                conn.session.acked(seqs)
                 return Done(id=rid)
             case Resume(worker=worker, timeout=timeout):
                 given = [
@@ -708,13 +611,12 @@ class Server:
             case Info():
                 return InfoReply(id=rid, info=daemon.info())
             case Abort(request=target):
-                stream = conn.streams.get(target)
-                if stream is not None and target != rid:
-                    stream[0].cancel()
-                    await stream[1].wait()
+                # In flight when the abort came (the session answers one that is not).
+                task = conn.tasks.get(target)
+                if task is not None:
+                    task[0].cancel()
+                    await task[1].wait()
                 return Done(id=rid)
-            case Hello():
-                raise Invalid("hello was already exchanged on this connection")
             case NewRun(outer=outer):
                 return RunReply(id=rid, run=daemon.new_run(outer))
             case StopRun(run=run, wait=wait):
@@ -766,7 +668,7 @@ def _duplicates(conns: list[Connection]) -> dict[Connection, int]:
 def _wake_sender(conn: Connection, rid: int) -> Callable[[list[Wake], bool], Awaitable[None]]:
     async def send(wakes: list[Wake], complete: bool) -> None:
         await conn.send(Wakes(id=rid, wakes=wakes, complete=complete))
-        conn.delivered.update(w.seq for w in wakes)
+        conn.session.delivered_wakes(w.seq for w in wakes)
         await trio.lowlevel.checkpoint()  # see _sender
 
     return send
@@ -781,31 +683,3 @@ def _sender(conn: Connection, rid: int) -> Callable[[Page], Awaitable[None]]:
         await trio.lowlevel.checkpoint()
 
     return send
-
-
-def _decode(body: bytes) -> ClientMessage | Error:
-    try:
-        return client_decoder.decode(body)
-    except msgspec.ValidationError as exc:
-        # msgpack, but a field missing, of the wrong type or out of range: msgspec
-        # names it ("... - at `$.grace`").
-        return Error(
-            id=_salvage_id(body), code=ErrorCode.INVALID, message=f"invalid request: {exc}"
-        )
-    except msgspec.DecodeError as exc:
-        return Error(
-            id=_salvage_id(body), code=ErrorCode.INVALID, message=f"malformed message: {exc}"
-        )
-
-
-def _salvage_id(body: bytes) -> int:
-    """The id of a message that failed to decode, if it has a readable one, so the
-    client can match the error to its request. An id of 0 or less is answered as
-    given: 0 is also what a message without a readable id gets."""
-    try:
-        raw = msgspec.msgpack.decode(body)
-    except msgspec.DecodeError:
-        return 0
-    if isinstance(raw, dict) and isinstance(raw.get("id"), int):
-        return int(raw["id"])
-    return 0
