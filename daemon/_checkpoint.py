@@ -1,5 +1,6 @@
-"""The checkpoint a reload hands to the next image: the whole registry and every
-descriptor that must survive the exec, versioned and written atomically, 0600.
+"""The checkpoint a reload hands to the next image: the whole registry, the
+daemon's settings and every descriptor that must survive the exec (each listed
+once: `Checkpoint.descriptors`), versioned and written atomically, 0600.
 
 Each carried worker is an envelope (its pid, start time and pipe descriptors,
 which any image can read) around its record, encoded on its own: a new image
@@ -15,6 +16,7 @@ import msgspec
 
 from ._files import read_regular, replace_file
 from ._registry import LaunchFence, RunRecord, Tombstone
+from ._settings import Settings, decode_path, encode_path
 
 #: The format written here. Bump on an incompatible change and keep reading the old.
 CHECKPOINT_VERSION = 1
@@ -70,6 +72,22 @@ class Checkpoint(msgspec.Struct, kw_only=True):
     requesters: list[CarriedConnection] = []
     #: Workers the old image had to stop rather than carry.
     stopped_by_reload: list[str] = []
+    #: The daemon's settings, which the new image serves with (its own defaults do not
+    #: apply). None: an image that passed them on the command line instead.
+    settings: Settings | None = None
+    #: The flocked file `lock`, which images from before the lock moved to the directory
+    #: take; None: not held, or an image that did not say (the new image looks for it).
+    lock_file_fd: int | None = None
+
+    def descriptors(self) -> list[int]:
+        """Every descriptor this checkpoint carries, each where the new image finds it."""
+        fds = [self.listen_fd, self.lock_fd]
+        if self.lock_file_fd is not None:
+            fds.append(self.lock_file_fd)
+        for worker in self.live:
+            fds += (fd for fd in (worker.stdout, worker.stderr) if fd is not None)
+        fds += (conn.fd for conn in self.requesters)
+        return fds
 
 
 class _Version(msgspec.Struct):
@@ -80,8 +98,12 @@ class CheckpointUnreadable(Exception):
     pass
 
 
+_encoder = msgspec.msgpack.Encoder(enc_hook=encode_path)
+_decoder = msgspec.msgpack.Decoder(Checkpoint, dec_hook=decode_path)
+
+
 def write_checkpoint(path: Path, checkpoint: Checkpoint) -> None:
-    replace_file(path, msgspec.msgpack.encode(checkpoint), what="of the checkpoint", durable=True)
+    replace_file(path, _encoder.encode(checkpoint), what="of the checkpoint", durable=True)
 
 
 def read_checkpoint(path: Path) -> Checkpoint:
@@ -98,6 +120,6 @@ def read_checkpoint(path: Path) -> Checkpoint:
             f"checkpoint {path} has version {version}; this image reads {list(READS_VERSIONS)}"
         )
     try:
-        return msgspec.msgpack.decode(raw, type=Checkpoint)
+        return _decoder.decode(raw)
     except msgspec.DecodeError as exc:
         raise CheckpointUnreadable(f"checkpoint {path} does not decode: {exc}") from exc

@@ -12,8 +12,12 @@ import os
 import socket
 import stat
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ._statedir import ensure_private_dir
+
+if TYPE_CHECKING:
+    from ._carried import Carried
 
 BACKLOG = 4096
 #: The first descriptor systemd passes to a socket-activated service.
@@ -36,9 +40,13 @@ class ControlSocket:
 
     @classmethod
     def inherited(cls, fd: int, path: Path, *, owned: bool = True) -> ControlSocket:
-        """The listening socket an earlier image handed across the exec."""
-        os.set_inheritable(fd, False)
+        """The listening socket an earlier image handed across the exec (close-on-exec
+        again: see `_carried.take_back`)."""
         return cls(socket.socket(fileno=fd), path, owned=owned)
+
+    def carry(self, carried: Carried) -> int:
+        """Hand the listening socket to a reload's exec: connects wait in its backlog."""
+        return carried.carry(self.sock.fileno(), "the listening socket")
 
     def remove(self) -> None:
         """Unlink the socket file if it is still ours (a successor may have replaced it)."""

@@ -1,7 +1,9 @@
 """`subagentd`: parse the command line, take the state dir and socket, serve until told to stop.
 
 SIGTERM and SIGINT stop gracefully: no new connections, every worker stopped
-and its journal and record on disk, the lock released, exit 0.
+and its journal and record on disk, the lock released, exit 0. An image that a
+reload execs is given only `--handoff CHECKPOINT`: its settings are the
+checkpoint's.
 """
 
 from __future__ import annotations
@@ -9,9 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import structlog
 
@@ -23,45 +23,15 @@ from subagentd.protocol import (
 )
 
 from ._agents import ConfigError, load_agents
-from ._checkpoint import READS_VERSIONS
-from ._logging import LogFormat, configure_logging
+from ._checkpoint import READS_VERSIONS, Checkpoint, CheckpointUnreadable, read_checkpoint
+from ._logging import configure_logging
 from ._registry import DEFAULT_FINISHED_TTL, DEFAULT_KEEP_ARCHIVES_DAYS
+from ._settings import Settings
 from ._statedir import StateDirLocked, ensure_private_dir
 from ._store import READS_VERSIONS as STORE_READS_VERSIONS
 from ._store import StoreUnusable
 
 log = structlog.get_logger("subagentd")
-
-
-@dataclass(frozen=True)
-class Settings:
-    socket: Path
-    state_dir: Path
-    config: Path
-    finished_ttl: float = DEFAULT_FINISHED_TTL
-    idle_exit: float | None = None
-    keep_archives_days: float = DEFAULT_KEEP_ARCHIVES_DAYS
-    log_format: LogFormat | None = None
-    handoff: Path | None = None
-    handoff_fds: tuple[int, int] | None = None
-    cgroups: Literal["auto", "off"] = "auto"
-
-    def daemon_args(self) -> list[str]:
-        """The command line that gives the next image these settings."""
-        args = [
-            "--socket", str(self.socket),
-            "--state-dir", str(self.state_dir),
-            "--config", str(self.config),
-            "--finished-ttl", repr(self.finished_ttl),
-            "--keep-archives", repr(self.keep_archives_days),
-        ]  # fmt: skip
-        if self.idle_exit is not None:
-            args += ["--idle-exit", repr(self.idle_exit)]
-        if self.log_format is not None:
-            args += ["--log-format", self.log_format]
-        if self.cgroups != "auto":
-            args += ["--cgroups", self.cgroups]
-        return args
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -125,21 +95,14 @@ def _parser() -> argparse.ArgumentParser:
         "--handoff",
         type=Path,
         metavar="CHECKPOINT",
-        help="(given by a reload to the next image) adopt what this checkpoint carries",
+        help="(given by a reload to the next image) adopt what this checkpoint carries, "
+        "and serve with the settings it carries",
     )
-    parser.add_argument(
-        "--handoff-fds",
-        type=_fd_pair,
-        metavar="LISTEN,LOCK",
-        help="(given by a reload) the inherited listening socket and state-dir lock",
-    )
+    # Given by images before the checkpoint carried everything; the descriptors it
+    # names are the checkpoint's too, so it is accepted and not read.
+    parser.add_argument("--handoff-fds", help=argparse.SUPPRESS)
     parser.add_argument("--version", action="version", version=f"subagentd {package_version()}")
     return parser
-
-
-def _fd_pair(text: str) -> tuple[int, int]:
-    listen, _, lock = text.partition(",")
-    return int(listen), int(lock)
 
 
 def _non_negative(text: str) -> float:
@@ -151,20 +114,22 @@ def _non_negative(text: str) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    log_format: LogFormat | None = args.log_format
-    configure_logging(log_format)
-    settings = Settings(
-        socket=args.socket or default_socket_path(),
-        state_dir=args.state_dir or default_state_dir(),
-        config=args.config or default_config_path(),
-        finished_ttl=args.finished_ttl,
-        idle_exit=args.idle_exit,
-        keep_archives_days=args.keep_archives,
-        log_format=log_format,
-        handoff=args.handoff,
-        handoff_fds=args.handoff_fds,
-        cgroups=args.cgroups,
-    )
+    settings = _settings(args)
+    handoff: Checkpoint | None = None
+    if args.handoff is not None:
+        try:
+            handoff = read_checkpoint(args.handoff)
+        except CheckpointUnreadable as exc:
+            configure_logging(settings.log_format)
+            # Without it this image knows neither its settings nor its descriptors: it
+            # exits as if it had crashed, and the next start recovers every worker (each
+            # is ended and archived as interrupted, resumable), as after kill -9.
+            log.critical("reload.handoff_unreadable", error=str(exc), then="exiting")
+            return 1
+        # The carried settings win over this image's defaults: a reload changes the
+        # code, not how the daemon was started (agents.toml is read afresh, though).
+        settings = handoff.settings or settings  # None: an older image gave them in argv
+    configure_logging(settings.log_format)
     if args.check:
         return check(settings)
     import trio  # only a serving daemon needs it: --check stays quick for reloads
@@ -173,11 +138,25 @@ def main(argv: list[str] | None = None) -> int:
     from ._serve import serve
 
     try:
-        trio.run(serve, settings)
+        trio.run(serve, settings, args.handoff, handoff)
     except (StateDirLocked, SocketInUse, PermissionError, StoreUnusable) as exc:
         print(f"subagentd: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    """The settings the command line and the environment give."""
+    return Settings(
+        socket=args.socket or default_socket_path(),
+        state_dir=args.state_dir or default_state_dir(),
+        config=args.config or default_config_path(),
+        finished_ttl=args.finished_ttl,
+        idle_exit=args.idle_exit,
+        keep_archives_days=args.keep_archives,
+        log_format=args.log_format,
+        cgroups=args.cgroups,
+    )
 
 
 def check(settings: Settings) -> int:

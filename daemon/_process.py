@@ -14,12 +14,16 @@ import os
 import subprocess
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import trio
 
 from ._cgroup import WorkerCgroup
 from ._files import open_regular
 from ._tree import read_stat
+
+if TYPE_CHECKING:
+    from ._carried import Carried
 
 READ_CHUNK = 64 * 1024
 #: One journal entry gathers at most this much of what a pipe has ready.
@@ -169,7 +173,8 @@ class WorkerProcess:
         stderr: int | None,
         cgroup: WorkerCgroup | None = None,
     ) -> WorkerProcess:
-        """Take over a worker handed across an exec: same pid (still our child), same pipes.
+        """Take over a worker handed across an exec: same pid (still our child), same pipes
+        (close-on-exec again: see `_carried.take_back`).
 
         `cgroup` is kept if it exists: the image before put the worker in it.
 
@@ -180,26 +185,19 @@ class WorkerProcess:
         if stat is None or stat.starttime != starttime:
             os.close(pidfd)
             raise ProcessLookupError(f"pid {pid} is no longer the worker it was")
-        for fd in (stdout, stderr):
-            if fd is not None:
-                os.set_inheritable(fd, False)
         if cgroup is not None and not cgroup.exists():
             cgroup = None  # spawned where its tree was found by scanning
         return cls(
             pid=pid, pidfd=pidfd, starttime=starttime, stdout=stdout, stderr=stderr, cgroup=cgroup
         )
 
-    def carry(self) -> None:
-        """Let the pipes survive the exec (the pidfd need not: the pid stays our child)."""
-        for fd in (self.stdout, self.stderr):
-            if fd is not None:
-                os.set_inheritable(fd, True)
-
-    def uncarry(self) -> None:
-        """The exec failed: close-on-exec again."""
-        for fd in (self.stdout, self.stderr):
-            if fd is not None:
-                os.set_inheritable(fd, False)
+    def carry(self, carried: Carried) -> tuple[int | None, int | None]:
+        """Hand the pipes to a reload's exec; (stdout, stderr). The pidfd stays behind: the
+        pid stays our child, unreaped, so the next image opens its own on the same process."""
+        return (
+            carried.carry_if(self.stdout, f"worker pid {self.pid}'s stdout"),
+            carried.carry_if(self.stderr, f"worker pid {self.pid}'s stderr"),
+        )
 
     async def wait_exited(self) -> None:
         """Wait until the process has exited, without reaping it.

@@ -3,10 +3,13 @@ image, adopt everything the checkpoint carries.
 
 The old image keeps every worker alive across the exec: their pipes, the
 listening socket, the state-dir lock and the connections that asked are
-inherited descriptors; each pid stays our child, so the new image waits on it
-through a fresh pidfd. Signals are blocked from just before the exec until
-the new image's handlers are in place. If the check or the exec fails, the old
-image thaws and serves on, having lost and withheld nothing.
+inherited descriptors, each handed in by its owner to one inventory
+(`_carried.Carried`) and listed once in the checkpoint, with the daemon's
+settings; the command line names only the checkpoint. Each pid stays our
+child, so the new image waits on it through a fresh pidfd. Signals are blocked
+from just before the exec until the new image's handlers are in place. If the
+check or the exec fails, the old image thaws and serves on, having lost and
+withheld nothing, and holding exactly the descriptors it held before.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,18 +34,20 @@ from subagentd.protocol import Error, ReloadReply, Reply
 from subagentd.protocol.errors import Busy, ErrorCode, Refused
 
 from ._archive import STDOUT_TAIL_BYTES, Archive
+from ._carried import Carried
 from ._checkpoint import (
     CHECKPOINT_VERSION,
     CarriedConnection,
     CarriedWorker,
     Checkpoint,
-    write_checkpoint,
 )
 from ._daemon import Daemon
 from ._journal import JournalCorrupt
+from ._listener import ControlSocket
 from ._notify import monotonic_usec, notify
 from ._process import WorkerProcess, reap
 from ._registry import WorkerRecord
+from ._settings import Settings
 from ._supervisor import LiveWorker
 
 log = structlog.get_logger("subagentd")
@@ -56,6 +61,9 @@ CHECK_TIMEOUT = 60.0
 #: Environment variable naming workers (by name, comma-separated) a reload must
 #: not carry live: a fault-injection hook for tests of the stop-and-archive path.
 NO_CARRY_ENV = "SUBAGENTD_FAULT_NO_CARRY"
+#: SUBAGENTD_FAULT's (point, target) that makes the exec's image a file the kernel will
+#: not run (the checkpoint itself), once: a real failed exec, everything carried.
+UNEXECUTABLE_FAULT = ("reload", "unexecutable")
 
 
 def image_command(*args: str) -> list[str]:
@@ -91,18 +99,17 @@ class Reloader:
         server: ServerLike,
         *,
         checkpoint_path: Path,
-        listen_fd: int,
-        listen_owned: bool = True,
-        daemon_args: Sequence[str],
+        control: ControlSocket,
+        settings: Settings,
         no_carry: frozenset[str] = frozenset(),
         last_reload: float = -math.inf,
     ) -> None:
         self.daemon = daemon
         self.server = server
         self.checkpoint_path = checkpoint_path
-        self.listen_fd = listen_fd
-        self.listen_owned = listen_owned
-        self.daemon_args = list(daemon_args)
+        self.control = control
+        #: Carried to every next image as they are: see `Checkpoint.settings`.
+        self.settings = settings
         self.no_carry = no_carry
         self._attempt: _Attempt | None = None
         #: When the last reload ended (time.monotonic()), carried across the exec.
@@ -179,15 +186,15 @@ class Reloader:
 
     async def _check_new_image(self) -> None:
         """Refuse the reload unless the image on disk now reads this checkpoint format."""
-        settings = self.daemon
+        settings = self.settings
         command = image_command(
             "--check",
             "--config",
-            str(settings.config_path),
+            str(settings.config),
             "--state-dir",
-            str(settings.state_dir.root),
+            str(settings.state_dir),
             "--socket",
-            str(settings.socket_path),
+            str(settings.socket),
         )
         with trio.move_on_after(CHECK_TIMEOUT) as timer:
             result = await trio.run_process(
@@ -220,61 +227,53 @@ class Reloader:
         return stopped
 
     def _exec(self, attempt: _Attempt, kept: dict[object, Handover]) -> None:
+        """Carry every descriptor, write the checkpoint, exec; if the exec fails, leaving
+        `Carried` gives back all it took (the kept connections are resumed by the server)."""
         daemon = self.daemon
-        state_dir = daemon.state_dir
-        assert state_dir.lock_fd is not None
-        checkpoint = Checkpoint(
-            image_generation=daemon.image_generation,
-            reloads=daemon.reloads,
-            listen_fd=self.listen_fd,
-            listen_owned=self.listen_owned,
-            lock_fd=state_dir.lock_fd,
-            runs=list(daemon.registry.runs.values()),
-            ended=[msgspec.msgpack.encode(r) for r in daemon.registry.workers.values() if r.ended],
-            tombstones=list(daemon.registry.tombstones.values()),
-            live=[_carried(live) for live in daemon.supervisor.workers()],
-            turn=daemon.registry.turn,
-            fence=daemon.registry.fence,
-            fence_epochs=daemon.registry.fence_epochs,
-            requesters=[
-                CarriedConnection(
-                    fd=conn.fd,
-                    request_id=rids[0],
-                    later_request_ids=rids[1:],
-                    unread=conn.unread,
-                    delivered=sorted(conn.delivered),
-                )
-                for conn, rids in owed_by_connection(attempt.requesters, kept)
-            ],
-            stopped_by_reload=attempt.stopped_by_reload,
-        )
-        write_checkpoint(self.checkpoint_path, checkpoint)
-        carried = [self.listen_fd, state_dir.lock_fd, *(conn.fd for conn in kept.values())]
-        for fd in carried:
-            os.set_inheritable(fd, True)
-        for live in daemon.supervisor.workers():
-            assert live.process is not None
-            live.process.carry()
-        command = image_command(
-            "--handoff",
-            str(self.checkpoint_path),
-            "--handoff-fds",
-            f"{self.listen_fd},{state_dir.lock_fd}",
-            *self.daemon_args,
-        )
-        log.info("reload.exec", workers=len(checkpoint.live), command=command)
-        signal.pthread_sigmask(signal.SIG_BLOCK, RELOAD_SIGNALS)
-        try:
-            os.execv(command[0], command)
-        except OSError:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, RELOAD_SIGNALS)
-            for fd in carried[:2]:
-                os.set_inheritable(fd, False)
-            for live in daemon.supervisor.workers():
-                assert live.process is not None
-                live.process.uncarry()
-            self.checkpoint_path.unlink(missing_ok=True)
-            raise
+        command = image_command("--handoff", str(self.checkpoint_path))
+        if UNEXECUTABLE_FAULT in daemon.faults:
+            daemon.faults -= {UNEXECUTABLE_FAULT}
+            command[0] = str(self.checkpoint_path)  # a 0600 file: execv fails, EACCES
+        with Carried() as carried:
+            lock_fd, lock_file_fd = daemon.state_dir.carry(carried)
+            checkpoint = Checkpoint(
+                image_generation=daemon.image_generation,
+                reloads=daemon.reloads,
+                listen_fd=self.control.carry(carried),
+                listen_owned=self.control.owned,
+                lock_fd=lock_fd,
+                lock_file_fd=lock_file_fd,
+                runs=list(daemon.registry.runs.values()),
+                ended=[
+                    msgspec.msgpack.encode(r) for r in daemon.registry.workers.values() if r.ended
+                ],
+                tombstones=list(daemon.registry.tombstones.values()),
+                live=[_carried(live, carried) for live in daemon.supervisor.workers()],
+                turn=daemon.registry.turn,
+                fence=daemon.registry.fence,
+                fence_epochs=daemon.registry.fence_epochs,
+                requesters=[
+                    CarriedConnection(
+                        fd=carried.carry(conn.fd, "a connection that asked for the reload"),
+                        request_id=rids[0],
+                        later_request_ids=rids[1:],
+                        unread=conn.unread,
+                        delivered=sorted(conn.delivered),
+                    )
+                    for conn, rids in owed_by_connection(attempt.requesters, kept)
+                ],
+                stopped_by_reload=attempt.stopped_by_reload,
+                settings=self.settings,
+            )
+            carried.write(self.checkpoint_path, checkpoint)
+            log.info(
+                "reload.exec",
+                workers=len(checkpoint.live),
+                descriptors=len(carried.descriptors),
+                command=command,
+            )
+            with _signals_blocked():
+                os.execv(command[0], command)
 
 
 class ServerLike(Protocol):
@@ -287,6 +286,17 @@ class ServerLike(Protocol):
         connections kept (by connection), each other request in flight on them answered
         `reloading`. Serving again after it, each kept connection first answered
         `failure(exc)` for each of its requests if it raised."""
+
+
+@contextlib.contextmanager
+def _signals_blocked() -> Iterator[None]:
+    """Block the reload's signals for an exec: the new image unblocks them once it can
+    handle them; if the exec fails, unblocked again here."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, RELOAD_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, RELOAD_SIGNALS)
 
 
 @contextlib.contextmanager
@@ -312,15 +322,16 @@ def _failure(exc: BaseException) -> Error:
     return Error(id=0, code=ErrorCode.INTERNAL, message=f"reload failed: {exc!r}; serving on")
 
 
-def _carried(live: LiveWorker) -> CarriedWorker:
+def _carried(live: LiveWorker, carried: Carried) -> CarriedWorker:
     process = live.process
     assert process is not None, "no spawn is in flight once frozen"
+    stdout, stderr = process.carry(carried)
     return CarriedWorker(
         id=live.record.id,
         pid=process.pid,
         pid_start=process.starttime,
-        stdout=process.stdout,
-        stderr=process.stderr,
+        stdout=stdout,
+        stderr=stderr,
         archive=live.record.archive,
         record=msgspec.msgpack.encode(live.record),
     )

@@ -21,19 +21,25 @@ import trio
 from subagentd.protocol import package_version
 from subagentd.protocol.errors import RemoteError
 
+from ._carried import take_back
 from ._cgroup import Cgroups, CgroupsUnavailable
-from ._checkpoint import Checkpoint, CheckpointUnreadable, read_checkpoint
+from ._checkpoint import Checkpoint
 from ._daemon import FAULT_ENV, Daemon, read_faults
 from ._launcher import LocalLauncher
 from ._listener import ControlSocket, activated_socket, bind_control_socket
-from ._main import Settings
 from ._notify import notify
 from ._recovery import recover
 from ._reload import NO_CARRY_ENV, RELOAD_SIGNALS, Handover, Reloader, adopt, reload_reply
 from ._server import Server
+from ._settings import Settings
 from ._statedir import StateDir
 
 log = structlog.get_logger("subagentd")
+
+#: SUBAGENTD_FAULT's (point, target) that keeps the adopted checkpoint, renamed to
+#: KEPT_CHECKPOINT, for a test to read what was carried.
+KEEP_CHECKPOINT_FAULT = ("handoff", "keep")
+KEPT_CHECKPOINT = "checkpoint.kept"
 
 
 async def _until_signal(
@@ -90,15 +96,25 @@ async def _until_idle(
             return
 
 
-async def serve(settings: Settings) -> None:
-    handoff = _read_handoff(settings.handoff) if settings.handoff is not None else None
-    inherited = settings.handoff_fds  # (listen, lock): the reload's descriptors, whatever else
+async def serve(
+    settings: Settings, handoff_path: Path | None = None, handoff: Checkpoint | None = None
+) -> None:
+    """Serve with `settings`; `handoff`: the checkpoint a reload's exec handed this image
+    (at `handoff_path`), whose descriptors it adopts."""
+    if handoff is not None:
+        missing = take_back(handoff)
+        if missing:
+            log.error("reload.descriptors_missing", descriptors=missing)
     state_dir = StateDir(settings.state_dir)
-    state_dir.acquire(lock_fd=inherited[1] if inherited is not None else None)
+    state_dir.acquire(
+        lock_fd=handoff.lock_fd if handoff is not None else None,
+        lock_file_fd=handoff.lock_file_fd if handoff is not None else None,
+    )
     try:
-        if inherited is not None:
-            owned = handoff.listen_owned if handoff is not None else True
-            control = ControlSocket.inherited(inherited[0], settings.socket, owned=owned)
+        if handoff is not None:
+            control = ControlSocket.inherited(
+                handoff.listen_fd, settings.socket, owned=handoff.listen_owned
+            )
         else:
             control = activated_socket(settings.socket) or bind_control_socket(settings.socket)
     except BaseException:
@@ -131,8 +147,8 @@ async def serve(settings: Settings) -> None:
             )
             for c in handoff.requesters
         ]
-        assert settings.handoff is not None
-        settings.handoff.unlink(missing_ok=True)
+        assert handoff_path is not None
+        _remove_checkpoint(handoff_path, keep=KEEP_CHECKPOINT_FAULT in daemon.faults)
         log.info(
             "reload.adopted",
             image_generation=daemon.image_generation,
@@ -147,9 +163,8 @@ async def serve(settings: Settings) -> None:
         daemon,
         server,
         checkpoint_path=settings.state_dir / "checkpoint",
-        listen_fd=control.sock.fileno(),
-        listen_owned=control.owned,
-        daemon_args=settings.daemon_args(),
+        control=control,
+        settings=settings,
         no_carry=frozenset(filter(None, os.environ.get(NO_CARRY_ENV, "").split(","))),
         # A reload ends when the new image serves: its rate limit counts from here, not
         # from the exec (a busy machine may take longer than the limit to start us).
@@ -204,6 +219,13 @@ async def serve(settings: Settings) -> None:
         log.info("daemon.stopped")
 
 
+def _remove_checkpoint(path: Path, *, keep: bool) -> None:
+    """Adopted: the checkpoint is spent (`keep`: renamed aside, for a test to read)."""
+    if keep:
+        path.replace(path.with_name(KEPT_CHECKPOINT))
+    path.unlink(missing_ok=True)
+
+
 def _tree_tracking(settings: Settings) -> tuple[Cgroups | None, str]:
     """Per-worker cgroups where they can be had (and are wanted); else /proc scans, saying why."""
     if settings.cgroups == "off":
@@ -214,13 +236,3 @@ def _tree_tracking(settings: Settings) -> tuple[Cgroups | None, str]:
         log.warning("daemon.no_cgroups", reason=str(exc), then="finding trees by scanning /proc")
         return None, f"/proc scan ({exc})"
     return cgroups, f"cgroup {cgroups.base}"
-
-
-def _read_handoff(path: Path) -> Checkpoint | None:
-    try:
-        return read_checkpoint(path)
-    except CheckpointUnreadable as exc:
-        # Never start clean over workers we were handed: recovery from the
-        # archives ends each of them and archives it as interrupted.
-        log.critical("reload.handoff_unreadable", error=str(exc), then="stopping every worker")
-        return None

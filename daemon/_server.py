@@ -389,8 +389,8 @@ class Server:
         self._resume.set()
 
     async def _handle_adopted(self, handover: Handover) -> None:
+        # Close-on-exec already: given back by `Carried`, or taken back by `take_back`.
         sock = trio.socket.from_stdlib_socket(socket.socket(fileno=handover.fd))
-        os.set_inheritable(handover.fd, False)
         stream = trio.SocketStream(sock)
         await self.handle(stream, handover)
 

@@ -19,12 +19,16 @@ import re
 import socket
 import stat
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 import structlog
 
 from ._files import SAFE_FLAGS, open_dir, read_regular, replace_file, replace_in, short_write
 from ._registry import RunRecord
+
+if TYPE_CHECKING:
+    from ._carried import Carried
 
 #: A run file is a few hundred bytes; a bigger one is not one of the daemon's.
 RUN_FILE_LIMIT = 1024 * 1024
@@ -61,14 +65,14 @@ class StateDir:
         #: A descriptor of the state directory, flocked (carried across a reload's exec).
         self.lock_fd: int | None = None
         #: The file `lock`, flocked for images that lock it rather than the directory.
-        #: Inheritable, so a reload's exec carries it; the new image finds it again.
         self._file_lock_fd: int | None = None
 
-    def acquire(self, lock_fd: int | None = None) -> None:
+    def acquire(self, lock_fd: int | None = None, lock_file_fd: int | None = None) -> None:
         """Own the state dir, or raise StateDirLocked naming the holder.
 
         ``lock_fd`` is a lock descriptor inherited across a re-exec: the flock
-        is already ours and stays so, and so does the file's, carried beside it.
+        is already ours and stays so, and so does the file's, carried beside it
+        (``lock_file_fd``; looked for if the image before did not say).
         An image from before the lock moved to the directory hands over a
         flocked ``lock`` file instead: it is kept (older daemons still see it
         held) and the directory is locked too.
@@ -80,7 +84,9 @@ class StateDir:
             lock_fd = None
         if lock_fd is not None:
             self.lock_fd = lock_fd
-            self._file_lock_fd = _carried_file_lock(lock_fd)
+            self._file_lock_fd = (
+                lock_file_fd if lock_file_fd is not None else _carried_file_lock(lock_fd)
+            )
             return
         path = self.root / self.HOLDER
         fd = open_dir(self.root)
@@ -137,9 +143,16 @@ class StateDir:
             except BaseException:
                 os.close(file_fd)
                 raise
-        if file_fd is not None:
-            os.set_inheritable(file_fd, True)  # a reload's exec carries it: see acquire
         self._file_lock_fd = file_fd
+
+    def carry(self, carried: Carried) -> tuple[int, int | None]:
+        """Hand the lock to a reload's exec, so that no other daemon can take the state dir
+        while it runs; (the directory's, the file `lock`'s if held)."""
+        assert self.lock_fd is not None, "only the state dir's owner reloads"
+        return (
+            carried.carry(self.lock_fd, "the state dir's lock"),
+            carried.carry_if(self._file_lock_fd, "the state dir's file `lock`"),
+        )
 
     def _refuse_if_held(self, file_fd: int) -> None:
         """Flock the file `lock`, or raise StateDirLocked: a daemon of an image from before
@@ -214,13 +227,14 @@ def _try_flock(fd: int) -> bool:
 
 
 def _carried_file_lock(dir_fd: int) -> int | None:
-    """The flocked `lock` file a reload's exec carried (the image before made it
-    inheritable), else that file locked afresh; None if neither is to be had: the
-    directory's lock, carried too, is the one that counts."""
+    """The flocked `lock` file a reload's exec carried unlisted (an image that kept it
+    inheritable and did not name it in the checkpoint), else that file locked afresh;
+    None if neither is to be had: the directory's lock, carried too, is the one that counts."""
     for name in os.listdir("/proc/self/fd"):
         fd = int(name)
         if fd != dir_fd and _names(dir_fd, fd):
             if _try_flock(fd):
+                os.set_inheritable(fd, False)
                 return fd
             os.close(fd)  # carried, but not the lock's holder: of no use
     fresh = _open_holder_file(dir_fd)
@@ -231,7 +245,6 @@ def _carried_file_lock(dir_fd: int) -> int | None:
         # A daemon of an earlier image took it while the exec let go: nothing to refuse now.
         log.warning("state_dir.lock_file_held_by_another", file=StateDir.HOLDER)
         return None
-    os.set_inheritable(fresh, True)
     return fresh
 
 

@@ -28,6 +28,25 @@ def alive(pid: int) -> bool:
     return raw[raw.rindex(b")") + 2 : raw.rindex(b")") + 3] not in (b"Z", b"X")
 
 
+def descriptors(pid: int) -> dict[int, tuple[str, bool]]:
+    """Each open descriptor of `pid`: what it is, and whether an exec would carry it."""
+    found = {}
+    for name in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{name}")
+            fdinfo = Path(f"/proc/{pid}/fdinfo/{name}").read_text()
+        except FileNotFoundError:
+            continue  # closed while we looked
+        flags = next(int(line.split()[1], 8) for line in fdinfo.splitlines() if "flags:" in line)
+        found[int(name)] = (target, not flags & os.O_CLOEXEC)
+    return found
+
+
+def command_line(pid: int) -> list[str]:
+    """The arguments `pid` runs with (after an exec, the new image's)."""
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1]
+
+
 def pids_in(path: Path) -> list[int]:
     """The pids a worker wrote into `path`, one per line."""
     return [int(line) for line in path.read_text().split()]

@@ -1,0 +1,44 @@
+"""The daemon's effective settings: resolved once from the command line and the
+environment when it starts, then carried by each reload's checkpoint, so that
+every image of one daemon serves with the settings it was started with."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+from ._logging import LogFormat
+from ._registry import DEFAULT_FINISHED_TTL, DEFAULT_KEEP_ARCHIVES_DAYS
+
+
+class Settings(msgspec.Struct, frozen=True, kw_only=True):
+    """What `subagentd` was told (or defaulted to) at start.
+
+    A new setting gets a default: a checkpoint written by an image that did not
+    know it still decodes, and the new image's default is the only value there is.
+    """
+
+    socket: Path
+    state_dir: Path
+    config: Path
+    finished_ttl: float = DEFAULT_FINISHED_TTL
+    idle_exit: float | None = None
+    keep_archives_days: float = DEFAULT_KEEP_ARCHIVES_DAYS
+    log_format: LogFormat | None = None
+    cgroups: Literal["auto", "off"] = "auto"
+
+
+def encode_path(obj: Any) -> Any:
+    """msgspec's enc_hook for the paths in `Settings` (msgpack has no path type)."""
+    if isinstance(obj, Path):
+        return str(obj)
+    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+
+
+def decode_path(kind: type, obj: Any) -> Any:
+    """msgspec's dec_hook: a path back from its text."""
+    if kind is Path and isinstance(obj, str):
+        return Path(obj)
+    raise NotImplementedError(f"cannot decode {kind.__name__}")

@@ -1,0 +1,163 @@
+"""What a reload's exec carries: every descriptor once, listed in the checkpoint and
+found there by the new image; the daemon's settings, not rebuilt into argv; and, if
+the exec fails, exactly what it took given back."""
+
+from __future__ import annotations
+
+import subprocess
+from collections import Counter
+from typing import Any
+
+import msgspec
+import pytest
+import trio
+
+from subagentd import protocol as p
+from subagentd.client import AsyncClient
+from subagentd.protocol.errors import Refused
+
+from .conftest import BIN, DaemonProcess
+from .helpers import RawConnection, command_line, descriptors, sh, wait_output
+from .helpers import reload_on_own_connection as reload
+
+TICKING = "echo up; while :; do echo tick; sleep 0.05; done"
+
+
+async def reload_until_not_busy(daemon: DaemonProcess) -> p.Reply:
+    reply = await reload(daemon)
+    while isinstance(reply, p.Error) and reply.code == "busy":
+        await trio.sleep(reply.retry_after or 0.1)  # the refusal says when to try again
+        reply = await reload(daemon)
+    return reply
+
+
+async def test_a_failed_exec_gives_back_exactly_the_descriptors_it_took(
+    daemon_dirs: DaemonProcess,
+) -> None:
+    # The exec's image is made a file the kernel will not run: everything is carried,
+    # the checkpoint written, and execv itself fails.
+    daemon_dirs.start(env={"SUBAGENTD_FAULT": "reload:unexecutable"})
+    assert daemon_dirs.proc is not None
+    pid = daemon_dirs.proc.pid
+    with trio.fail_after(60):
+        async with AsyncClient(daemon_dirs.socket) as client:
+            workers = [await client.spawn(sh(TICKING)) for _ in range(3)]
+            for worker in workers:
+                await wait_output(client, worker.id, b"tick")
+            before = descriptors(pid)
+            with pytest.raises(Refused, match=r"exec failed.*old image serves on"):
+                await client.reload()  # asked on this connection: it is kept, then resumed
+            after = descriptors(pid)
+            # The same open files, sockets, pipes and pidfds, each as (non-)inheritable as it
+            # was. The requester's connection is the same socket, now under another number.
+            assert Counter(after.values()) == Counter(before.values())
+            assert not any(inheritable for fd, (_, inheritable) in after.items() if fd > 2)
+            assert not (daemon_dirs.state_dir / "checkpoint").exists()
+            info = await client.info()  # the old image serves on, with every worker
+            assert (info.pid, info.image_generation, info.workers) == (pid, 1, {"running": 3})
+            for worker in workers:
+                seen = await wait_output(client, worker.id, b"tick\n" * 3)  # still journaled
+                assert seen.startswith(b"up\ntick\n")
+        reloaded = await reload_until_not_busy(daemon_dirs)  # the fault was for once
+        assert isinstance(reloaded, p.ReloadReply), reloaded
+        assert (reloaded.image_generation, reloaded.carried_live) == (2, 3)
+
+
+async def test_the_new_image_finds_each_carried_descriptor_once_in_the_checkpoint(
+    daemon_dirs: DaemonProcess,
+) -> None:
+    # The new image keeps the checkpoint it adopted (renamed aside) for us to read.
+    daemon_dirs.start(env={"SUBAGENTD_FAULT": "handoff:keep"})
+    assert daemon_dirs.proc is not None
+    pid = daemon_dirs.proc.pid
+    with trio.fail_after(60):
+        async with AsyncClient(daemon_dirs.socket) as client:
+            workers = [await client.spawn(sh(TICKING)) for _ in range(3)]
+            for worker in workers:
+                await wait_output(client, worker.id, b"tick")
+        conn = await RawConnection.open(daemon_dirs.socket)
+        async with conn.stream:
+            await conn.send(p.Reload(id=2))
+            reply = await conn.receive()
+            assert isinstance(reply, p.ReloadReply), reply
+            kept = daemon_dirs.state_dir / "checkpoint.kept"
+            checkpoint: dict[str, Any] = msgspec.msgpack.decode(kept.read_bytes())
+            held = descriptors(pid)  # the new image's, while the requester is still connected
+        lock_file_fd = checkpoint["lock_file_fd"]
+        what_is_where = {
+            checkpoint["listen_fd"]: "socket:",
+            checkpoint["lock_fd"]: str(daemon_dirs.state_dir),
+            **({lock_file_fd: str(daemon_dirs.state_dir / "lock")} if lock_file_fd else {}),
+            **{w[stream]: "pipe:" for w in checkpoint["live"] for stream in ("stdout", "stderr")},
+            **{c["fd"]: "socket:" for c in checkpoint["requesters"]},
+        }
+        listed = [
+            checkpoint["listen_fd"],
+            checkpoint["lock_fd"],
+            *([lock_file_fd] if lock_file_fd is not None else []),
+            *(w[stream] for w in checkpoint["live"] for stream in ("stdout", "stderr")),
+            *(c["fd"] for c in checkpoint["requesters"]),
+        ]
+        assert len(listed) == len(set(listed)) == 2 + bool(lock_file_fd) + 3 * 2 + 1, checkpoint
+        assert {w["pid"] for w in checkpoint["live"]} == {w.pid for w in workers}
+        for fd, kind in what_is_where.items():
+            target, inheritable = held[fd]
+            assert target.startswith(kind), (fd, target, kind)
+            assert not inheritable, (fd, target)  # taken back: no worker or next image gets it
+        # Nothing but the standard streams would leak into an exec: nothing came unlisted.
+        assert [fd for fd, (_, inheritable) in held.items() if inheritable] == [0, 1, 2]
+        settings = checkpoint["settings"]
+        assert (settings["socket"], settings["state_dir"], settings["config"]) == (
+            str(daemon_dirs.socket),
+            str(daemon_dirs.state_dir),
+            str(daemon_dirs.config),
+        )
+        # The command line names the checkpoint and nothing else.
+        assert command_line(pid)[-2:] == ["--handoff", str(daemon_dirs.state_dir / "checkpoint")]
+        async with AsyncClient(daemon_dirs.socket) as client:
+            for worker in workers:
+                view = await client.status(worker.id)
+                assert (view.state, view.pid) == ("running", worker.pid)
+
+
+async def test_a_setting_given_at_start_survives_two_reloads(daemon_dirs: DaemonProcess) -> None:
+    daemon_dirs.start("--idle-exit", "0.3")
+    assert daemon_dirs.proc is not None
+    pid = daemon_dirs.proc.pid
+    with trio.fail_after(60):
+        async with AsyncClient(daemon_dirs.socket) as client:
+            worker = await client.spawn(["sleep", "60"])  # running: the daemon is not idle
+        for generation in (2, 3):
+            reply = await reload_until_not_busy(daemon_dirs)
+            assert isinstance(reply, p.ReloadReply), reply
+            assert reply.image_generation == generation
+            # Carried in the checkpoint, not rebuilt into argv.
+            assert "--idle-exit" not in command_line(pid)
+        async with AsyncClient(daemon_dirs.socket) as client:
+            await client.stop(worker.id)
+            await client.collect(worker.id)
+        # Nothing running, nothing to collect, nobody connected: idle, so it exits.
+        code = await trio.to_thread.run_sync(daemon_dirs.proc.wait, 30)
+        assert code == 0
+        assert not daemon_dirs.socket.exists()
+
+
+def test_an_image_handed_an_unreadable_checkpoint_exits_as_if_it_had_crashed(
+    daemon_dirs: DaemonProcess,
+) -> None:
+    # It knows neither its settings nor its descriptors: it must not serve on guesses
+    # (the default socket and state dir); the next start recovers, as after kill -9.
+    checkpoint = msgspec.msgpack.encode({"version": 1, "listen_fd": "three"})  # this version
+    daemon_dirs.root.joinpath("checkpoint").write_bytes(checkpoint)
+    ran = subprocess.run(
+        [str(BIN / "subagentd"), "--handoff", str(daemon_dirs.root / "checkpoint")],
+        env=daemon_dirs.env | {"SUBAGENTD_STATE_DIR": str(daemon_dirs.state_dir)},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert ran.returncode == 1, ran.stderr
+    assert "reload.handoff_unreadable" in ran.stderr
+    assert "does not decode" in ran.stderr
+    assert not daemon_dirs.state_dir.exists()  # nothing taken, nothing written
+    assert not daemon_dirs.socket.exists()
