@@ -1,24 +1,28 @@
-"""Retention: handles kept until collected or past the TTL; the archive answers after."""
+"""Retention: handles kept until collected or past the TTL; the archive answers after.
+
+The tests of the TTL and of pruning by age run the daemon in-process on the mock
+clock (tests/inprocess.py); idle exit and pruning at start are the process's own.
+"""
 
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import trio
+from trio.testing import MockClock
 
 from subagentd.client import AsyncClient
-from subagentd.protocol.errors import RunStopped
+from subagentd.protocol.errors import NotFound, RunStopped
 
 from .conftest import DaemonProcess
 from .helpers import sh
+from .inprocess import InProcess, held, in_process
 
-TTL = 0.5
-
-
-async def _past_the_ttl() -> None:
-    # The TTL is a clock: the behaviour under test is what happens once it has passed.
-    await trio.sleep(TTL * 3)
+#: An hour: on the mock clock it passes at once, and a test can look a second before it.
+TTL = 3600.0
+DAY = 86400.0
 
 
 async def test_a_collected_worker_leaves_memory_but_answers_from_its_archive(
@@ -38,35 +42,65 @@ async def test_a_collected_worker_leaves_memory_but_answers_from_its_archive(
             assert not (await client.info()).holds_park
 
 
-async def test_an_uncollected_handle_expires_after_the_ttl(daemon_dirs: DaemonProcess) -> None:
-    daemon_dirs.start("--finished-ttl", str(TTL))
-    with trio.fail_after(20):
-        async with AsyncClient(daemon_dirs.socket) as client:
+async def test_an_uncollected_handle_expires_after_the_ttl(
+    autojump_clock: MockClock, short_tmp: Path
+) -> None:
+    async with in_process(short_tmp, finished_ttl=TTL) as d, d.client() as client:
+        with held(autojump_clock):  # the worker's real run must not jump time
             worker = await client.spawn(sh("echo late"))
             await client.wait(worker.id)
-            assert (await client.info()).holds_park
-            await _past_the_ttl()
-            assert worker.id not in {w.id for w in await client.ls(all=True)}
-            assert not (await client.info()).holds_park
-            assert (await client.collect(worker.id)).result == "late\n"
+        ended = _ended(d, worker.id)
+        await trio.sleep_until(ended + TTL - 1)
+        assert worker.id in {w.id for w in await client.ls(all=True)}  # not a second early
+        assert (await client.info()).holds_park
+        await trio.sleep_until(ended + TTL + 1)
+        assert worker.id not in {w.id for w in await client.ls(all=True)}
+        assert not (await client.info()).holds_park
+        assert (await client.collect(worker.id)).result == "late\n"
 
 
 async def test_an_expired_handle_a_live_parent_needs_becomes_a_tombstone(
-    daemon_dirs: DaemonProcess,
+    autojump_clock: MockClock, short_tmp: Path
 ) -> None:
-    daemon_dirs.start("--finished-ttl", str(TTL))
-    with trio.fail_after(20):
-        async with AsyncClient(daemon_dirs.socket) as client:
-            parent = await client.spawn(["sleep", "60"])
+    async with in_process(short_tmp, finished_ttl=TTL) as d, d.client() as client:
+        with held(autojump_clock):
+            parent = await client.spawn(["sleep", "100000"])
             child = await client.spawn(sh("echo for my parent"), parent=parent.id)
             await client.wait(child.id)
-            await _past_the_ttl()
-            assert {w.id for w in await client.ls(all=True)} == {parent.id}
-            shutil.rmtree(child.archive)  # only the tombstone is left to answer
-            assert (await client.status(child.id)).state == "finished"
-            result = await client.collect(child.id)
-            assert (result.state, result.result) == ("finished", "for my parent\n")
-            await client.stop(parent.id)
+        await trio.sleep_until(_ended(d, child.id) + TTL + 1)
+        assert {w.id for w in await client.ls(all=True)} == {parent.id}
+        shutil.rmtree(child.archive)  # only the tombstone is left to answer
+        assert (await client.status(child.id)).state == "finished"
+        result = await client.collect(child.id)
+        assert (result.state, result.result) == ("finished", "for my parent\n")
+
+
+async def test_an_archive_is_pruned_once_older_than_the_days_kept(
+    autojump_clock: MockClock, short_tmp: Path
+) -> None:
+    async with in_process(short_tmp, keep_archives_days=2) as d, d.client() as client:
+        started = trio.current_time()  # the daily pruning counts its days from here
+        autojump_clock.jump(3600)  # so no pruning falls on the very second it ended
+        with held(autojump_clock):
+            worker = await client.spawn(["true"])
+            await client.collect(worker.id, wait=True)
+        ended = _ended(d, worker.id)
+        archive = Path(worker.archive)
+        await trio.sleep_until(ended + 2 * DAY - 1)  # past the pruning at day 2
+        assert await trio.to_thread.run_sync(archive.exists)
+        await trio.sleep_until(started + 3 * DAY)  # the first pruning after 2 days
+        while await trio.to_thread.run_sync(archive.exists):  # noqa: ASYNC110 - no event says pruned
+            await trio.sleep(1)  # the pruning runs in a thread: polled on the mock clock
+        assert trio.current_time() < started + 3 * DAY + 3600  # that pruning, not a later one
+        with pytest.raises(NotFound):
+            await client.status(worker.id)
+
+
+def _ended(d: InProcess, worker_id: str) -> float:
+    """When a worker ended, on trio's clock (its record says when on the wall clock)."""
+    ended_at = d.daemon.lookup(worker_id).ended_at
+    assert ended_at is not None
+    return d.wall.trio_time(ended_at)
 
 
 async def test_idle_exit_waits_for_every_worker_and_result(daemon_dirs: DaemonProcess) -> None:

@@ -1,0 +1,181 @@
+"""The daemon's parts run inside the test's own trio run, on trio's MockClock.
+
+`in_process` builds what `_serve.serve` builds (state dir, control socket,
+`Daemon`, `Server`, `Reloader`) and serves on a real Unix socket in a short
+temp dir, with real worker processes. Under pytest-trio's `autojump_clock`
+(a `MockClock(autojump_threshold=0)`) time jumps to the next deadline whenever
+every task is blocked, so a TTL of an hour, a grace or a timeout of minutes, a
+day between prunings pass in milliseconds; the daemon's wall clock
+(`FollowingWall`) moves with it, so what it writes down (ended_at) agrees.
+
+Two consequences shape the tests that use it:
+- A real wait (a process exiting, a thread) lets the clock jump too, so a test
+  holds the clock (`held`) while it waits for a real event that must happen
+  before a deadline, and asserts spans of trio time rather than trusting order.
+- `trio.fail_after` is on the mock clock, so it would fire at the first real
+  wait: the bound of such a test is `in_process`'s own, in real seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import trio
+import trio.testing
+
+from subagentd.client import AsyncClient
+from subagentd.daemon._daemon import Daemon
+from subagentd.daemon._listener import ControlSocket, bind_control_socket
+from subagentd.daemon._recovery import recover
+from subagentd.daemon._registry import DEFAULT_FINISHED_TTL, DEFAULT_KEEP_ARCHIVES_DAYS
+from subagentd.daemon._reload import Reloader
+from subagentd.daemon._server import Server
+from subagentd.daemon._statedir import StateDir
+
+#: What an in-process test may take, in real seconds, whatever its mock clock says.
+REAL_BOUND = 20.0
+
+
+class FollowingWall:
+    """A wall clock that moves as trio's clock does: the daemon's `clock` in these tests."""
+
+    def __init__(self) -> None:
+        self._wall0 = time.time()
+        self._trio0 = trio.current_time()
+
+    def __call__(self) -> float:
+        return self._wall0 + trio.current_time() - self._trio0
+
+    def trio_time(self, wall: float) -> float:
+        """The trio time at which this clock read `wall`: a written-down time, to wait for."""
+        return wall - self._wall0 + self._trio0
+
+
+class _NoExecReloader(Reloader):
+    """A reloader that never execs: the exec would replace the test run with a daemon.
+    It fails as a failed execv does, so the reload is undone and refused."""
+
+    def _exec(self, *args: object, **kwargs: object) -> None:
+        raise OSError("an in-process daemon does not exec")
+
+
+@dataclass
+class InProcess:
+    """A daemon served inside the test's trio run."""
+
+    root: Path
+    socket: Path
+    state_dir: Path
+    daemon: Daemon
+    server: Server
+    reloader: Reloader
+    wall: FollowingWall
+
+    def client(self) -> AsyncClient:
+        return AsyncClient(self.socket)
+
+
+@contextlib.contextmanager
+def short_root() -> Iterator[Path]:
+    """A temp dir short enough for a Unix socket path (108 bytes), removed after."""
+    root = Path(tempfile.mkdtemp(prefix="sa-", dir="/tmp"))
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@contextlib.asynccontextmanager
+async def in_process(
+    root: Path,
+    *,
+    finished_ttl: float = DEFAULT_FINISHED_TTL,
+    keep_archives_days: float = DEFAULT_KEEP_ARCHIVES_DAYS,
+    faults: frozenset[tuple[str, str]] = frozenset(),
+    real_bound: float = REAL_BOUND,
+) -> AsyncIterator[InProcess]:
+    """Serve a daemon on `root`/s.sock with state in `root`/state until the body ends,
+    then stop its workers as a SIGTERM would; TooSlowError after `real_bound` real s."""
+    state_dir = StateDir(root / "state")
+    state_dir.acquire()
+    control: ControlSocket | None = None
+    listener: trio.SocketListener | None = None
+    daemon: Daemon | None = None
+    try:
+        control = bind_control_socket(root / "s.sock")
+        listener = trio.SocketListener(trio.socket.from_stdlib_socket(control.sock))
+        wall = FollowingWall()
+        daemon = Daemon(
+            state_dir,
+            socket_path=control.path,
+            config_path=root / "agents.toml",
+            finished_ttl=finished_ttl,
+            keep_archives_days=keep_archives_days,
+            clock=wall,
+            faults=faults,
+            tree_tracking="/proc scan (in-process test)",
+        )
+        await recover(daemon)
+        server = Server(daemon)
+        reloader = _NoExecReloader(
+            daemon,
+            server,
+            checkpoint_path=root / "state" / "checkpoint",
+            listen_fd=control.sock.fileno(),
+            daemon_args=[],
+        )
+        server.reloader = reloader
+        async with trio.open_nursery() as nursery:
+            reloader.nursery = nursery
+            await nursery.start(daemon.run)
+            await nursery.start(server.serve, listener)
+            with _real_bound(nursery, real_bound) as bound:
+                yield InProcess(root, control.path, state_dir.root, daemon, server, reloader, wall)
+            with trio.CancelScope(shield=True):
+                await daemon.shutdown()
+            nursery.cancel_scope.cancel()
+        if bound.cancelled_caught:
+            raise trio.TooSlowError(f"the in-process test took over {real_bound} real seconds")
+    finally:
+        if daemon is not None:
+            daemon.store.close()
+        if control is not None:
+            control.remove()
+        if listener is not None:
+            await listener.aclose()
+        state_dir.release()
+
+
+@contextlib.contextmanager
+def _real_bound(nursery: trio.Nursery, seconds: float) -> Iterator[trio.CancelScope]:
+    """Cancel the body after `seconds` of real time (the mock clock cannot bound it)."""
+    done = threading.Event()
+
+    async def watch() -> None:
+        if not await trio.to_thread.run_sync(done.wait, seconds, abandon_on_cancel=True):
+            scope.cancel()
+
+    with trio.CancelScope() as scope:
+        nursery.start_soon(watch)
+        try:
+            yield scope
+        finally:
+            done.set()
+
+
+@contextlib.contextmanager
+def held(clock: trio.testing.MockClock) -> Iterator[None]:
+    """No autojump inside: for a real event that must come before the next deadline."""
+    threshold, clock.autojump_threshold = clock.autojump_threshold, math.inf
+    try:
+        yield
+    finally:
+        clock.autojump_threshold = threshold
