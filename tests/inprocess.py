@@ -179,3 +179,12 @@ def held(clock: trio.testing.MockClock) -> Iterator[None]:
         yield
     finally:
         clock.autojump_threshold = threshold
+
+
+@contextlib.asynccontextmanager
+async def at(clock: trio.testing.MockClock, when: float) -> AsyncIterator[None]:
+    """Let the clock run to `when`, then hold it for the body: what falls due at `when`
+    happens, and nothing later does while the body waits for what follows from it."""
+    await trio.sleep_until(when)
+    with held(clock):
+        yield

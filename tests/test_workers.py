@@ -1,4 +1,8 @@
-"""Workers end to end: spawn, output, input, results, stop, over the real socket."""
+"""Workers end to end: spawn, output, input, results, stop, over the real socket.
+
+Stop's grace and the timeout are waited out in-process on the mock clock
+(tests/inprocess.py); the rest talks to a subagentd process.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import trio
+from trio.testing import MockClock
 
 from subagentd import protocol as p
 from subagentd.client import AsyncClient
@@ -16,6 +21,7 @@ from subagentd.protocol.errors import Busy, NotFound, Refused
 
 from .conftest import DaemonProcess
 from .helpers import RawConnection, alive, sh, wait_output
+from .inprocess import InProcess, at, held, in_process
 
 
 @pytest.fixture
@@ -124,28 +130,54 @@ async def test_a_nonzero_exit_is_failed_and_a_signal_is_negative(client: AsyncCl
         assert (view.state, view.exit_code) == ("failed", -9)
 
 
-async def test_stop_is_term_then_kill_after_the_grace_period(client: AsyncClient) -> None:
-    with trio.fail_after(20):
-        polite = await client.spawn(["sleep", "60"])
-        stubborn = await client.spawn(
-            sh("trap '' TERM; echo ready; while :; do sleep 0.1; done"), grace=0.5
-        )
-        await wait_output(client, stubborn.id, b"ready")
-        assert await client.stop(polite.id)
-        view = await client.status(polite.id)
-        assert (view.state, view.exit_code) == ("stopped", -signal.SIGTERM)
-        assert await client.stop(stubborn.id)
+#: On the mock clock these pass at once; long enough that no real wait could outlast them.
+GRACE = 30.0
+TIMEOUT = 600.0
+#: A TERM-ignoring worker that says it got TERM at once (the trap runs as `wait` is cut short).
+STUBBORN = "trap 'echo got TERM' TERM; echo ready; while :; do sleep 100000 & wait $!; done"
+
+
+async def test_stop_is_term_then_kill_after_the_grace_period(
+    autojump_clock: MockClock, short_tmp: Path
+) -> None:
+    async with in_process(short_tmp) as d, d.client() as client:
+        with held(autojump_clock):  # real waits (starting, a polite exit): no grace may end
+            polite = await client.spawn(["sleep", "100000"])
+            stubborn = await client.spawn(sh(STUBBORN), grace=GRACE)
+            await wait_output(client, stubborn.id, b"ready")
+            assert await client.stop(polite.id)
+            view = await client.status(polite.id)
+            assert (view.state, view.exit_code) == ("stopped", -signal.SIGTERM)
+        async with d.client() as stopper, trio.open_nursery() as nursery:
+            with held(autojump_clock):
+                asked = trio.current_time()
+                nursery.start_soon(stopper.stop, stubborn.id)
+                await wait_output(client, stubborn.id, b"got TERM")  # TERM first
+            async with at(autojump_clock, asked + GRACE):  # the grace runs out: KILL
+                await client.wait(stubborn.id)
         view = await client.status(stubborn.id)
         assert (view.state, view.exit_code) == ("stopped", -signal.SIGKILL)
+        assert _ended(d, stubborn.id) - asked == pytest.approx(GRACE, abs=1e-3)
         assert view.pid is not None
         assert not alive(view.pid)
         assert not await client.stop("w-never-seen")
 
 
-async def test_timeout_ends_a_worker_timed_out(client: AsyncClient) -> None:
-    with trio.fail_after(20):
-        worker = await client.spawn(["sleep", "60"], timeout=0.3)
-        assert (await client.wait(worker.id)).state == "timed_out"
+async def test_timeout_ends_a_worker_timed_out(autojump_clock: MockClock, short_tmp: Path) -> None:
+    async with in_process(short_tmp) as d, d.client() as client:
+        with held(autojump_clock):  # its real start must not run its clock
+            worker = await client.spawn(["sleep", "100000"], timeout=TIMEOUT)
+        started = d.wall.trio_time(d.daemon.lookup(worker.id).started_at)
+        async with at(autojump_clock, started + TIMEOUT):  # TERM, and a prompt exit
+            assert (await client.wait(worker.id)).state == "timed_out"
+        assert _ended(d, worker.id) - started == pytest.approx(TIMEOUT, abs=1e-3)
+
+
+def _ended(d: InProcess, worker_id: str) -> float:
+    """When a worker ended, on trio's clock."""
+    ended_at = d.daemon.lookup(worker_id).ended_at
+    assert ended_at is not None
+    return d.wall.trio_time(ended_at)
 
 
 async def test_collecting_a_running_worker_without_wait_is_busy(client: AsyncClient) -> None:
