@@ -82,6 +82,12 @@ class InProcess:
     def client(self) -> AsyncClient:
         return AsyncClient(self.socket)
 
+    async def settle(self) -> None:
+        """Return once any scan of /proc the daemon has under way is done (a scan asked
+        now waits for it): a signal it decided to send before now has been sent. A
+        deadline's consequences may take real time, over which the clock would jump."""
+        await self.daemon.processes.scan()
+
 
 @contextlib.contextmanager
 def short_root() -> Iterator[Path]:

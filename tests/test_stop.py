@@ -196,8 +196,9 @@ async def test_timeout_takes_the_subtree(autojump_clock: MockClock, short_tmp: P
             parent = await client.spawn(["sleep", "100000"], timeout=timeout)
             child = await client.spawn(["sleep", "100000"], parent=parent.id)
         started = d.wall.trio_time(d.daemon.lookup(parent.id).started_at)
-        await trio.sleep_until(started + timeout - 1)
-        assert (await client.status(child.id)).state == "running"  # not a second early
+        async with at(autojump_clock, started + timeout - 0.01):  # not a moment early
+            assert d.daemon.lookup(parent.id).stop_reason is None  # asked at the deadline
+            assert (await client.status(child.id)).state == "running"
         async with at(autojump_clock, started + timeout):
             assert (await client.wait(parent.id)).state == "timed_out"
             assert (await client.wait(child.id)).state == "stopped"

@@ -133,8 +133,12 @@ async def test_a_nonzero_exit_is_failed_and_a_signal_is_negative(client: AsyncCl
 #: On the mock clock these pass at once; long enough that no real wait could outlast them.
 GRACE = 30.0
 TIMEOUT = 600.0
-#: A TERM-ignoring worker that says it got TERM at once (the trap runs as `wait` is cut short).
-STUBBORN = "trap 'echo got TERM' TERM; echo ready; while :; do sleep 100000 & wait $!; done"
+#: A TERM-ignoring worker that says at once (its traps run as `wait` is cut short) that it
+#: got TERM, and that it is alive when sent USR1.
+STUBBORN = (
+    "trap 'echo got TERM' TERM; trap 'echo alive' USR1; echo ready; "
+    "while :; do sleep 100000 & wait $!; done"
+)
 
 
 async def test_stop_is_term_then_kill_after_the_grace_period(
@@ -153,6 +157,12 @@ async def test_stop_is_term_then_kill_after_the_grace_period(
                 asked = trio.current_time()
                 nursery.start_soon(stopper.stop, stubborn.id)
                 await wait_output(client, stubborn.id, b"got TERM")  # TERM first
+                await d.settle()
+            async with at(autojump_clock, asked + GRACE - 0.01):  # not a moment early
+                await d.settle()  # a KILL due by now is sent
+                assert stubborn.pid is not None
+                os.kill(stubborn.pid, signal.SIGUSR1)
+                await wait_output(client, stubborn.id, b"alive")
             async with at(autojump_clock, asked + GRACE):  # the grace runs out: KILL
                 await client.wait(stubborn.id)
         view = await client.status(stubborn.id)
@@ -168,6 +178,8 @@ async def test_timeout_ends_a_worker_timed_out(autojump_clock: MockClock, short_
         with held(autojump_clock):  # its real start must not run its clock
             worker = await client.spawn(["sleep", "100000"], timeout=TIMEOUT)
         started = d.wall.trio_time(d.daemon.lookup(worker.id).started_at)
+        async with at(autojump_clock, started + TIMEOUT - 0.01):  # not a moment early
+            assert d.daemon.lookup(worker.id).stop_reason is None  # asked at the deadline
         async with at(autojump_clock, started + TIMEOUT):  # TERM, and a prompt exit
             assert (await client.wait(worker.id)).state == "timed_out"
         assert _ended(d, worker.id) - started == pytest.approx(TIMEOUT, abs=1e-3)
