@@ -1,7 +1,8 @@
 """Retention: handles kept until collected or past the TTL; the archive answers after.
 
-The tests of the TTL and of pruning by age run the daemon in-process on the mock
-clock (tests/inprocess.py); idle exit and pruning at start are the process's own.
+The tests of the TTL, of pruning by age and of when idle exit comes run the daemon
+in-process on the mock clock (tests/inprocess.py); that idle exit ends the process,
+and pruning at start, are tested on a subagentd process.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import trio
 from trio.testing import MockClock
 
 from subagentd.client import AsyncClient
+from subagentd.daemon._serve import _until_idle
 from subagentd.protocol.errors import NotFound, RunStopped
 
 from .conftest import DaemonProcess
@@ -103,17 +105,38 @@ def _ended(d: InProcess, worker_id: str) -> float:
     return d.wall.trio_time(ended_at)
 
 
-async def test_idle_exit_waits_for_every_worker_and_result(daemon_dirs: DaemonProcess) -> None:
+async def test_idle_exit_waits_for_every_worker_and_result(
+    autojump_clock: MockClock, short_tmp: Path
+) -> None:
+    idle = 300.0
+    async with in_process(short_tmp) as d:
+        async with d.client() as client:
+            with held(autojump_clock):
+                worker = await client.spawn(["sleep", "100000"])
+        done = trio.CancelScope()  # what idle exit cancels: the daemon's serving
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_until_idle, d.daemon, d.server, idle, done)
+            await trio.sleep(3 * idle)
+            assert not done.cancel_called  # a worker runs
+            async with d.client() as client:
+                await client.stop(worker.id)
+            await trio.sleep(3 * idle)
+            assert not done.cancel_called  # its result waits to be collected
+            async with d.client() as client:
+                await client.collect(worker.id)
+            quiet = trio.current_time()
+        assert done.cancel_called
+        assert idle <= trio.current_time() - quiet < idle + 1
+
+
+async def test_idle_exit_stops_the_daemon_and_removes_its_socket(
+    daemon_dirs: DaemonProcess,
+) -> None:
     daemon_dirs.start("--idle-exit", "0.3")
     assert daemon_dirs.proc is not None
     with trio.fail_after(30):
         async with AsyncClient(daemon_dirs.socket) as client:
-            worker = await client.spawn(["sleep", "60"])
-        await trio.sleep(1.0)  # three idle periods with a worker running: it must stay
-        assert daemon_dirs.proc.poll() is None
-        async with AsyncClient(daemon_dirs.socket) as client:
-            await client.stop(worker.id)
-            await client.collect(worker.id)
+            await client.collect((await client.spawn(["true"])).id, wait=True)
         code = await trio.to_thread.run_sync(daemon_dirs.proc.wait, 10)
         assert code == 0
         assert not daemon_dirs.socket.exists()

@@ -264,16 +264,23 @@ async def test_a_spawn_the_os_rejects_ends_failed_and_leaves_nothing_starting(
         assert isinstance(await conn.receive(), p.ReloadReply)  # nothing stuck blocks it
 
 
-async def test_while_stopping_the_daemon_starts_nothing_new(daemon: DaemonProcess) -> None:
+async def test_while_stopping_the_daemon_starts_nothing_new(
+    daemon: DaemonProcess, tmp_path: Path
+) -> None:
     assert daemon.proc is not None
+    gate = tmp_path / "gate"
+    # Slow to stop until the test opens the gate: no grace is waited out on a real clock.
+    slow_to_stop = f"trap 'while [ ! -e {gate} ]; do sleep 0.02; done; exit 0' TERM; echo up; "
+    slow_to_stop += "while :; do sleep 60 & wait $!; done"
     with trio.fail_after(30):
         async with AsyncClient(daemon.socket) as client:
-            slow = await client.spawn(sh("trap '' TERM; echo up; sleep 60"), grace=2)
+            slow = await client.spawn(sh(slow_to_stop), grace=60)
             await wait_output(client, slow.id, b"up")
             daemon.proc.send_signal(signal.SIGTERM)
             await trio.to_thread.run_sync(daemon.wait_notify, "STOPPING=1")
             with pytest.raises(Refused, match="shutting down"):
                 await client.spawn(["sleep", "60"])
+        gate.touch()
         assert await trio.to_thread.run_sync(daemon.proc.wait, 20) == 0
         assert slow.pid is not None
         assert not alive(slow.pid)
