@@ -35,7 +35,11 @@ from subagentd.client import AsyncClient
 from subagentd.daemon._daemon import Daemon
 from subagentd.daemon._listener import ControlSocket, bind_control_socket
 from subagentd.daemon._recovery import recover
-from subagentd.daemon._registry import DEFAULT_FINISHED_TTL, DEFAULT_KEEP_ARCHIVES_DAYS
+from subagentd.daemon._registry import (
+    DEFAULT_FINISHED_TTL,
+    DEFAULT_KEEP_ARCHIVES_DAYS,
+    WorkerRecord,
+)
 from subagentd.daemon._reload import Reloader
 from subagentd.daemon._server import Server
 from subagentd.daemon._statedir import StateDir
@@ -81,6 +85,18 @@ class InProcess:
 
     def client(self) -> AsyncClient:
         return AsyncClient(self.socket)
+
+    def record(self, worker_id: str) -> WorkerRecord:
+        """The daemon's record of a worker whose handle it holds (not a tombstone)."""
+        found = self.daemon.lookup(worker_id)
+        assert isinstance(found, WorkerRecord), found
+        return found
+
+    def ended(self, worker_id: str) -> float:
+        """When a worker ended, on trio's clock (its record says when on the wall clock)."""
+        ended_at = self.daemon.lookup(worker_id).ended_at
+        assert ended_at is not None
+        return self.wall.trio_time(ended_at)
 
     async def settle(self) -> None:
         """Return once any scan of /proc the daemon has under way is done (a scan asked

@@ -1,8 +1,9 @@
 """A failure inside one worker's supervision ends that worker, never the daemon.
 
-Faults are injected with SUBAGENTD_FAULT (read once by the daemon at start):
-the named worker's supervision raises at that point, as an unexpected bug
-would. A bystander worker shows that everyone else is still supervised.
+Faults are injected with SUBAGENTD_FAULT (read once by the daemon at start), or
+given to an in-process daemon (tests/inprocess.py) where the TTL must pass: the
+named worker's supervision raises at that point, as an unexpected bug would. A
+bystander worker shows that everyone else is still supervised.
 """
 
 from __future__ import annotations
@@ -77,9 +78,7 @@ async def test_a_fault_expiring_one_handle_leaves_the_others_expiring_and_the_da
             await client.wait(doomed.id)
             fine = await client.spawn(["true"], name="fine")
             await client.wait(fine.id)
-        ended_at = d.daemon.lookup(fine.id).ended_at
-        assert ended_at is not None
-        await trio.sleep_until(d.wall.trio_time(ended_at) + ttl + 1)
+        await trio.sleep_until(d.ended(fine.id) + ttl + 1)
         held_ids = {w.id for w in await client.ls(all=True)}
         assert held_ids == {bystander.id, doomed.id}  # the faulted handle stays, still readable
         assert (await client.status(doomed.id)).state == "finished"

@@ -20,7 +20,7 @@ from subagentd.protocol.errors import NotFound, RunStopped
 
 from .conftest import DaemonProcess
 from .helpers import sh
-from .inprocess import InProcess, held, in_process
+from .inprocess import held, in_process
 
 #: An hour: on the mock clock it passes at once, and a test can look a second before it.
 TTL = 3600.0
@@ -51,7 +51,7 @@ async def test_an_uncollected_handle_expires_after_the_ttl(
         with held(autojump_clock):  # the worker's real run must not jump time
             worker = await client.spawn(sh("echo late"))
             await client.wait(worker.id)
-        ended = _ended(d, worker.id)
+        ended = d.ended(worker.id)
         await trio.sleep_until(ended + TTL - 1)
         assert worker.id in {w.id for w in await client.ls(all=True)}  # not a second early
         assert (await client.info()).holds_park
@@ -69,7 +69,7 @@ async def test_an_expired_handle_a_live_parent_needs_becomes_a_tombstone(
             parent = await client.spawn(["sleep", "100000"])
             child = await client.spawn(sh("echo for my parent"), parent=parent.id)
             await client.wait(child.id)
-        await trio.sleep_until(_ended(d, child.id) + TTL + 1)
+        await trio.sleep_until(d.ended(child.id) + TTL + 1)
         assert {w.id for w in await client.ls(all=True)} == {parent.id}
         shutil.rmtree(child.archive)  # only the tombstone is left to answer
         assert (await client.status(child.id)).state == "finished"
@@ -96,13 +96,6 @@ async def test_an_archive_is_pruned_once_older_than_the_days_kept(
         assert started + 3 * DAY <= pruned < started + 3.5 * DAY
         with pytest.raises(NotFound):
             await client.status(worker.id)
-
-
-def _ended(d: InProcess, worker_id: str) -> float:
-    """When a worker ended, on trio's clock (its record says when on the wall clock)."""
-    ended_at = d.daemon.lookup(worker_id).ended_at
-    assert ended_at is not None
-    return d.wall.trio_time(ended_at)
 
 
 async def test_idle_exit_waits_for_every_worker_and_result(

@@ -195,9 +195,9 @@ async def test_timeout_takes_the_subtree(autojump_clock: MockClock, short_tmp: P
         with held(autojump_clock):  # real starts: the timeout must not run meanwhile
             parent = await client.spawn(["sleep", "100000"], timeout=timeout)
             child = await client.spawn(["sleep", "100000"], parent=parent.id)
-        started = d.wall.trio_time(d.daemon.lookup(parent.id).started_at)
+        started = d.wall.trio_time(d.record(parent.id).started_at)
         async with at(autojump_clock, started + timeout - 0.01):  # not a moment early
-            assert d.daemon.lookup(parent.id).stop_reason is None  # asked at the deadline
+            assert d.record(parent.id).stop_reason is None  # asked at the deadline
             assert (await client.status(child.id)).state == "running"
         async with at(autojump_clock, started + timeout):
             assert (await client.wait(parent.id)).state == "timed_out"

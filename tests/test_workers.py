@@ -21,7 +21,7 @@ from subagentd.protocol.errors import Busy, NotFound, Refused
 
 from .conftest import DaemonProcess
 from .helpers import RawConnection, alive, sh, wait_output
-from .inprocess import InProcess, at, held, in_process
+from .inprocess import at, held, in_process
 
 
 @pytest.fixture
@@ -167,7 +167,7 @@ async def test_stop_is_term_then_kill_after_the_grace_period(
                 await client.wait(stubborn.id)
         view = await client.status(stubborn.id)
         assert (view.state, view.exit_code) == ("stopped", -signal.SIGKILL)
-        assert _ended(d, stubborn.id) - asked == pytest.approx(GRACE, abs=1e-3)
+        assert d.ended(stubborn.id) - asked == pytest.approx(GRACE, abs=1e-3)
         assert view.pid is not None
         assert not alive(view.pid)
         assert not await client.stop("w-never-seen")
@@ -177,19 +177,12 @@ async def test_timeout_ends_a_worker_timed_out(autojump_clock: MockClock, short_
     async with in_process(short_tmp) as d, d.client() as client:
         with held(autojump_clock):  # its real start must not run its clock
             worker = await client.spawn(["sleep", "100000"], timeout=TIMEOUT)
-        started = d.wall.trio_time(d.daemon.lookup(worker.id).started_at)
+        started = d.wall.trio_time(d.record(worker.id).started_at)
         async with at(autojump_clock, started + TIMEOUT - 0.01):  # not a moment early
-            assert d.daemon.lookup(worker.id).stop_reason is None  # asked at the deadline
+            assert d.record(worker.id).stop_reason is None  # asked at the deadline
         async with at(autojump_clock, started + TIMEOUT):  # TERM, and a prompt exit
             assert (await client.wait(worker.id)).state == "timed_out"
-        assert _ended(d, worker.id) - started == pytest.approx(TIMEOUT, abs=1e-3)
-
-
-def _ended(d: InProcess, worker_id: str) -> float:
-    """When a worker ended, on trio's clock."""
-    ended_at = d.daemon.lookup(worker_id).ended_at
-    assert ended_at is not None
-    return d.wall.trio_time(ended_at)
+        assert d.ended(worker.id) - started == pytest.approx(TIMEOUT, abs=1e-3)
 
 
 async def test_collecting_a_running_worker_without_wait_is_busy(client: AsyncClient) -> None:
