@@ -98,6 +98,18 @@ class InProcess:
         assert ended_at is not None
         return self.wall.trio_time(ended_at)
 
+    async def settle_threads(self) -> None:
+        """Return once every thread the daemon has under way (pruning, say) is done: a
+        thread of ours, asked through the limiter they share made one token wide, is let
+        run only after them. What a thread does takes real time, over which the clock
+        would jump; so a test holds the clock, and settles, before it looks."""
+        limiter = trio.to_thread.current_default_thread_limiter()
+        total, limiter.total_tokens = limiter.total_tokens, 1
+        try:
+            await trio.to_thread.run_sync(lambda: None)
+        finally:
+            limiter.total_tokens = total
+
     async def settle(self) -> None:
         """Return once any scan of /proc the daemon has under way is done (a scan asked
         now waits for it): a signal it decided to send before now has been sent. A
@@ -159,6 +171,8 @@ async def in_process(
             reloader.nursery = nursery
             await nursery.start(daemon.run)
             await nursery.start(server.serve, listener)
+            # Every task of the daemon has begun (its timers count from now).
+            await trio.testing.wait_all_tasks_blocked()
             with _real_bound(nursery, real_bound) as bound:
                 yield InProcess(root, control.path, state_dir.root, daemon, server, reloader, wall)
             with trio.CancelScope(shield=True):
@@ -182,7 +196,12 @@ def _real_bound(nursery: trio.Nursery, seconds: float) -> Iterator[trio.CancelSc
     done = threading.Event()
 
     async def watch() -> None:
-        if not await trio.to_thread.run_sync(done.wait, seconds, abandon_on_cancel=True):
+        # A limiter of its own: this thread holds no token of those the daemon's threads
+        # share (see InProcess.settle_threads).
+        ran_out = not await trio.to_thread.run_sync(
+            done.wait, seconds, abandon_on_cancel=True, limiter=trio.CapacityLimiter(1)
+        )
+        if ran_out:
             scope.cancel()
 
     with trio.CancelScope() as scope:

@@ -20,7 +20,7 @@ from subagentd.protocol.errors import NotFound, RunStopped
 
 from .conftest import DaemonProcess
 from .helpers import sh
-from .inprocess import held, in_process
+from .inprocess import at, held, in_process
 
 #: An hour: on the mock clock it passes at once, and a test can look a second before it.
 TTL = 3600.0
@@ -81,19 +81,19 @@ async def test_an_archive_is_pruned_once_older_than_the_days_kept(
     autojump_clock: MockClock, short_tmp: Path
 ) -> None:
     async with in_process(short_tmp, keep_archives_days=2) as d, d.client() as client:
-        started = trio.current_time()  # the daily pruning counts its days from here
+        started = trio.current_time()  # the daily pruning counts its days from its start
         autojump_clock.jump(3600)  # so no pruning falls on the very second it ended
         with held(autojump_clock):
             worker = await client.spawn(["true"])
             await client.collect(worker.id, wait=True)
         archive = Path(worker.archive)
-        # Pruning runs in a thread, over whose real time the clock would leap to any
-        # deadline of the test's: so the test looks every ten minutes, and dates the pruning.
-        while archive.exists():  # noqa: ASYNC110, ASYNC240 - nothing to await; a stat
-            await trio.sleep(600)
-        pruned = trio.current_time()
-        # Ended an hour in, kept two days: the pruning of day 3 is the first past them.
-        assert started + 3 * DAY <= pruned < started + 3.5 * DAY
+        # Ended an hour in, kept two days: the daily pruning of day 3 is the first past
+        # them. Day by day, each pruning settled before the clock moves on (a leap over
+        # a pruning's thread would put it, and every later one, behind the test).
+        for day, kept in ((1, True), (2, True), (3, False)):
+            async with at(autojump_clock, started + day * DAY + 1):
+                await d.settle_threads()  # that day's pruning is done
+                assert archive.exists() == kept, f"day {day}"  # noqa: ASYNC240 - a stat
         with pytest.raises(NotFound):
             await client.status(worker.id)
 
