@@ -153,6 +153,10 @@ class Daemon:
         )
         self.image_generation = 1
         self.reloads = 0
+        #: The wall clock, for the times written down (started_at, ended_at, journal
+        #: entries). Waits are on trio's clock, each for a span worked out from this one,
+        #: so a test whose wall clock follows trio's MockClock jumps retention, timeouts
+        #: and pruning ahead with it (tests/inprocess.py).
         self.clock = clock
         self.agents: dict[str, AgentDef] = {}
         self.config_error: str | None = None
@@ -881,8 +885,12 @@ class Daemon:
             log.info("archives.pruned", count=pruned)
 
     async def _prune_archives_daily(self) -> None:
+        # On trio's clock, each day from the start: the time a pruning takes (a thread
+        # walking the archives) never pushes the next one later.
+        due = trio.current_time()
         while True:
-            await trio.sleep(86400)
+            due += 86400
+            await trio.sleep_until(due)
             await self._prune_archives_once()
 
     def info(self) -> DaemonInfo:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 import os
 import signal
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -168,7 +167,7 @@ async def serve(
         no_carry=frozenset(filter(None, os.environ.get(NO_CARRY_ENV, "").split(","))),
         # A reload ends when the new image serves: its rate limit counts from here, not
         # from the exec (a busy machine may take longer than the limit to start us).
-        last_reload=time.monotonic() if handoff is not None else -math.inf,
+        last_reload=trio.current_time() if handoff is not None else -math.inf,
     )
     server.reloader = reloader
     listener = trio.SocketListener(trio.socket.from_stdlib_socket(control.sock))

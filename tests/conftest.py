@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from .helpers import Connect, RawConnection
+from .inprocess import short_root
 
 BIN = Path(sys.executable).parent
 START_TIMEOUT = 20.0
@@ -169,3 +170,10 @@ async def connect(daemon: DaemonProcess) -> AsyncIterator[Connect]:
     yield open_connection
     for conn in opened:
         await conn.stream.aclose()
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A temp dir short enough for a Unix socket path (an in-process daemon's)."""
+    with short_root() as root:
+        yield root

@@ -1,20 +1,25 @@
 """A failure inside one worker's supervision ends that worker, never the daemon.
 
-Faults are injected with SUBAGENTD_FAULT (read once by the daemon at start):
-the named worker's supervision raises at that point, as an unexpected bug
-would. A bystander worker shows that everyone else is still supervised.
+Faults are injected with SUBAGENTD_FAULT (read once by the daemon at start), or
+given to an in-process daemon (tests/inprocess.py) where the TTL must pass: the
+named worker's supervision raises at that point, as an unexpected bug would. A
+bystander worker shows that everyone else is still supervised.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import trio
+from trio.testing import MockClock
 
 from subagentd import protocol as p
 from subagentd.client import AsyncClient
 
 from .conftest import DaemonProcess
 from .helpers import RawConnection, alive, pids_in, sh
+from .inprocess import held, in_process
 
 
 @pytest.mark.parametrize("point", ["ending", "pump", "record"])
@@ -62,21 +67,20 @@ async def test_a_fault_in_one_workers_supervision_fails_only_that_worker(
 
 
 async def test_a_fault_expiring_one_handle_leaves_the_others_expiring_and_the_daemon_serving(
-    daemon_dirs: DaemonProcess,
+    autojump_clock: MockClock, short_tmp: Path
 ) -> None:
-    daemon_dirs.start("--finished-ttl", "0.3", env={"SUBAGENTD_FAULT": "expire:doomed"})
-    with trio.fail_after(60):
-        async with AsyncClient(daemon_dirs.socket) as client:
-            bystander = await client.spawn(["sleep", "600"], name="bystander")
+    ttl = 3600.0
+    faults = frozenset({("expire", "doomed")})
+    async with in_process(short_tmp, finished_ttl=ttl, faults=faults) as d, d.client() as client:
+        with held(autojump_clock):  # the workers' real runs must not run the TTL
+            bystander = await client.spawn(["sleep", "100000"], name="bystander")
             doomed = await client.spawn(["true"], name="doomed")
             await client.wait(doomed.id)
             fine = await client.spawn(["true"], name="fine")
             await client.wait(fine.id)
-            # Expiry has no event a client can wait for: look until fine's handle is gone.
-            while fine.id in {w.id for w in await client.ls(all=True)}:  # noqa: ASYNC110
-                await trio.sleep(0.05)
-            held = {w.id for w in await client.ls(all=True)}
-            assert held == {bystander.id, doomed.id}  # the faulted handle stays, still readable
-            assert (await client.status(doomed.id)).state == "finished"
-            await client.stop(bystander.id)
-            assert (await client.status(bystander.id)).state == "stopped"
+        await trio.sleep_until(d.ended(fine.id) + ttl + 1)
+        held_ids = {w.id for w in await client.ls(all=True)}
+        assert held_ids == {bystander.id, doomed.id}  # the faulted handle stays, still readable
+        assert (await client.status(doomed.id)).state == "finished"
+        await client.stop(bystander.id)
+        assert (await client.status(bystander.id)).state == "stopped"

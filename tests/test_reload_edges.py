@@ -10,14 +10,19 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Callable
+from pathlib import Path
 
+import pytest
 import trio
+from trio.testing import MockClock
 
 from subagentd import protocol as p
 from subagentd.client import AsyncClient
+from subagentd.daemon._reload import MIN_INTERVAL
 
 from .conftest import DaemonProcess
 from .helpers import RawConnection, alive, reload_on_own_connection, sh, wait_output
+from .inprocess import held, in_process
 
 # Numbered lines, slowly enough that reloads land in the middle of them.
 COUNT_LINES = "i=0; while [ $i -lt {n} ]; do i=$((i+1)); echo line $i; sleep 0.02; done"
@@ -72,6 +77,34 @@ async def test_a_reload_asked_at_once_after_another_is_busy_until_retry_after(
         third = await reload_on_own_connection(daemon)
         assert isinstance(third, p.ReloadReply), third
         assert third.image_generation == 3
+
+
+async def test_a_reload_refused_as_too_soon_says_when_and_is_taken_then(
+    autojump_clock: MockClock, short_tmp: Path
+) -> None:
+    # In-process, on the mock clock: every attempt fails early (an injected fault), so
+    # nothing execs, and the rate limit counts from each failure as from a reload.
+    early = frozenset({("reload", "early")})
+    async with in_process(short_tmp, faults=early) as d:
+        with held(autojump_clock):  # only the test moves the clock
+            first = await reload_on_own_connection(d)
+            assert isinstance(first, p.Error), first
+            assert first.code == "internal"  # the fault, not the limit
+            second = await reload_on_own_connection(d)
+            assert isinstance(second, p.Error), second
+            assert second.code == "busy"
+            assert second.retry_after == pytest.approx(MIN_INTERVAL)
+            autojump_clock.jump(MIN_INTERVAL / 2)
+            third = await reload_on_own_connection(d)
+            assert isinstance(third, p.Error), third
+            assert third.code == "busy"
+            assert third.retry_after == pytest.approx(MIN_INTERVAL / 2)
+            assert third.retry_after is not None
+            autojump_clock.jump(third.retry_after + 1e-6)  # as the refusal says
+            d.daemon.faults = early  # the fault fires once: armed again
+            fourth = await reload_on_own_connection(d)
+            assert isinstance(fourth, p.Error), fourth
+            assert fourth.code == "internal"  # taken: failed by the fault, not busy
 
 
 async def reload_until_not_busy(daemon: DaemonProcess) -> p.Reply:

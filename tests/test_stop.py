@@ -8,12 +8,14 @@ from pathlib import Path
 
 import pytest
 import trio
+from trio.testing import MockClock
 
 from subagentd.client import AsyncClient, Client
 from subagentd.protocol.errors import RunStopped
 
 from .conftest import DaemonProcess
 from .helpers import alive, follow_stdout, sh, stop_ids, wait_output
+from .inprocess import at, held, in_process
 
 
 @pytest.fixture
@@ -66,7 +68,9 @@ def _pids(stdout: bytes) -> dict[str, int]:
 async def test_stop_leaves_no_process_of_the_tree_alive(tracked: AsyncClient) -> None:
     client = tracked
     with trio.fail_after(30):
-        worker = await client.spawn(sh(TREE), grace=0.5)
+        # No grace: what is tested is that every process is found (the grace is
+        # tests/test_workers.py's, on the mock clock).
+        worker = await client.spawn(sh(TREE), grace=0)
         pids = _pids(await follow_stdout(client, worker.id, lambda out: len(_pids(out)) == 3))
         assert set(pids) == {"child", "setsid", "orphan"}
         assert all(alive(pid) for pid in pids.values())
@@ -187,9 +191,16 @@ async def test_a_run_of_many_workers_stops_in_parallel(client: AsyncClient) -> N
         assert {(await client.status(w.id)).state for w in workers} == {"stopped"}
 
 
-async def test_timeout_takes_the_subtree(client: AsyncClient) -> None:
-    with trio.fail_after(30):
-        parent = await client.spawn(["sleep", "60"], timeout=0.5)
-        child = await client.spawn(["sleep", "60"], parent=parent.id)
-        assert (await client.wait(parent.id)).state == "timed_out"
-        assert (await client.wait(child.id)).state == "stopped"
+async def test_timeout_takes_the_subtree(autojump_clock: MockClock, short_tmp: Path) -> None:
+    timeout = 600.0
+    async with in_process(short_tmp) as d, d.client() as client:
+        with held(autojump_clock):  # real starts: the timeout must not run meanwhile
+            parent = await client.spawn(["sleep", "100000"], timeout=timeout)
+            child = await client.spawn(["sleep", "100000"], parent=parent.id)
+        started = d.wall.trio_time(d.record(parent.id).started_at)
+        async with at(autojump_clock, started + timeout - 0.01):  # not a moment early
+            assert d.record(parent.id).stop_reason is None  # asked at the deadline
+            assert (await client.status(child.id)).state == "running"
+        async with at(autojump_clock, started + timeout):
+            assert (await client.wait(parent.id)).state == "timed_out"
+            assert (await client.wait(child.id)).state == "stopped"

@@ -1,4 +1,8 @@
-"""Workers end to end: spawn, output, input, results, stop, over the real socket."""
+"""Workers end to end: spawn, output, input, results, stop, over the real socket.
+
+Stop's grace and the timeout are waited out in-process on the mock clock
+(tests/inprocess.py); the rest talks to a subagentd process.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import trio
+from trio.testing import MockClock
 
 from subagentd import protocol as p
 from subagentd.client import AsyncClient
@@ -16,6 +21,7 @@ from subagentd.protocol.errors import Busy, NotFound, Refused
 
 from .conftest import DaemonProcess
 from .helpers import RawConnection, alive, sh, wait_output
+from .inprocess import at, held, in_process
 
 
 @pytest.fixture
@@ -124,28 +130,59 @@ async def test_a_nonzero_exit_is_failed_and_a_signal_is_negative(client: AsyncCl
         assert (view.state, view.exit_code) == ("failed", -9)
 
 
-async def test_stop_is_term_then_kill_after_the_grace_period(client: AsyncClient) -> None:
-    with trio.fail_after(20):
-        polite = await client.spawn(["sleep", "60"])
-        stubborn = await client.spawn(
-            sh("trap '' TERM; echo ready; while :; do sleep 0.1; done"), grace=0.5
-        )
-        await wait_output(client, stubborn.id, b"ready")
-        assert await client.stop(polite.id)
-        view = await client.status(polite.id)
-        assert (view.state, view.exit_code) == ("stopped", -signal.SIGTERM)
-        assert await client.stop(stubborn.id)
+#: On the mock clock these pass at once; long enough that no real wait could outlast them.
+GRACE = 30.0
+TIMEOUT = 600.0
+#: A TERM-ignoring worker that says at once (its traps run as `wait` is cut short) that it
+#: got TERM, and that it is alive when sent USR1.
+STUBBORN = (
+    "trap 'echo got TERM' TERM; trap 'echo alive' USR1; echo ready; "
+    "while :; do sleep 100000 & wait $!; done"
+)
+
+
+async def test_stop_is_term_then_kill_after_the_grace_period(
+    autojump_clock: MockClock, short_tmp: Path
+) -> None:
+    async with in_process(short_tmp) as d, d.client() as client:
+        with held(autojump_clock):  # real waits (starting, a polite exit): no grace may end
+            polite = await client.spawn(["sleep", "100000"])
+            stubborn = await client.spawn(sh(STUBBORN), grace=GRACE)
+            await wait_output(client, stubborn.id, b"ready")
+            assert await client.stop(polite.id)
+            view = await client.status(polite.id)
+            assert (view.state, view.exit_code) == ("stopped", -signal.SIGTERM)
+        async with d.client() as stopper, trio.open_nursery() as nursery:
+            with held(autojump_clock):
+                asked = trio.current_time()
+                nursery.start_soon(stopper.stop, stubborn.id)
+                await wait_output(client, stubborn.id, b"got TERM")  # TERM first
+                await d.settle()
+            async with at(autojump_clock, asked + GRACE - 0.01):  # not a moment early
+                await d.settle()  # a KILL due by now is sent
+                assert stubborn.pid is not None
+                os.kill(stubborn.pid, signal.SIGUSR1)
+                await wait_output(client, stubborn.id, b"alive")
+            async with at(autojump_clock, asked + GRACE):  # the grace runs out: KILL
+                await client.wait(stubborn.id)
         view = await client.status(stubborn.id)
         assert (view.state, view.exit_code) == ("stopped", -signal.SIGKILL)
+        assert d.ended(stubborn.id) - asked == pytest.approx(GRACE, abs=1e-3)
         assert view.pid is not None
         assert not alive(view.pid)
         assert not await client.stop("w-never-seen")
 
 
-async def test_timeout_ends_a_worker_timed_out(client: AsyncClient) -> None:
-    with trio.fail_after(20):
-        worker = await client.spawn(["sleep", "60"], timeout=0.3)
-        assert (await client.wait(worker.id)).state == "timed_out"
+async def test_timeout_ends_a_worker_timed_out(autojump_clock: MockClock, short_tmp: Path) -> None:
+    async with in_process(short_tmp) as d, d.client() as client:
+        with held(autojump_clock):  # its real start must not run its clock
+            worker = await client.spawn(["sleep", "100000"], timeout=TIMEOUT)
+        started = d.wall.trio_time(d.record(worker.id).started_at)
+        async with at(autojump_clock, started + TIMEOUT - 0.01):  # not a moment early
+            assert d.record(worker.id).stop_reason is None  # asked at the deadline
+        async with at(autojump_clock, started + TIMEOUT):  # TERM, and a prompt exit
+            assert (await client.wait(worker.id)).state == "timed_out"
+        assert d.ended(worker.id) - started == pytest.approx(TIMEOUT, abs=1e-3)
 
 
 async def test_collecting_a_running_worker_without_wait_is_busy(client: AsyncClient) -> None:
@@ -220,16 +257,23 @@ async def test_a_spawn_the_os_rejects_ends_failed_and_leaves_nothing_starting(
         assert isinstance(await conn.receive(), p.ReloadReply)  # nothing stuck blocks it
 
 
-async def test_while_stopping_the_daemon_starts_nothing_new(daemon: DaemonProcess) -> None:
+async def test_while_stopping_the_daemon_starts_nothing_new(
+    daemon: DaemonProcess, tmp_path: Path
+) -> None:
     assert daemon.proc is not None
+    gate = tmp_path / "gate"
+    # Slow to stop until the test opens the gate: no grace is waited out on a real clock.
+    slow_to_stop = f"trap 'while [ ! -e {gate} ]; do sleep 0.02; done; exit 0' TERM; echo up; "
+    slow_to_stop += "while :; do sleep 60 & wait $!; done"
     with trio.fail_after(30):
         async with AsyncClient(daemon.socket) as client:
-            slow = await client.spawn(sh("trap '' TERM; echo up; sleep 60"), grace=2)
+            slow = await client.spawn(sh(slow_to_stop), grace=60)
             await wait_output(client, slow.id, b"up")
             daemon.proc.send_signal(signal.SIGTERM)
             await trio.to_thread.run_sync(daemon.wait_notify, "STOPPING=1")
             with pytest.raises(Refused, match="shutting down"):
                 await client.spawn(["sleep", "60"])
+        gate.touch()
         assert await trio.to_thread.run_sync(daemon.proc.wait, 20) == 0
         assert slow.pid is not None
         assert not alive(slow.pid)
