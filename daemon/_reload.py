@@ -235,35 +235,8 @@ class Reloader:
             daemon.faults -= {UNEXECUTABLE_FAULT}
             command[0] = str(self.checkpoint_path)  # a 0600 file: execv fails, EACCES
         with Carried() as carried:
-            lock_fd, lock_file_fd = daemon.state_dir.carry(carried)
-            checkpoint = Checkpoint(
-                image_generation=daemon.image_generation,
-                reloads=daemon.reloads,
-                listen_fd=self.control.carry(carried),
-                listen_owned=self.control.owned,
-                lock_fd=lock_fd,
-                lock_file_fd=lock_file_fd,
-                runs=list(daemon.registry.runs.values()),
-                ended=[
-                    msgspec.msgpack.encode(r) for r in daemon.registry.workers.values() if r.ended
-                ],
-                tombstones=list(daemon.registry.tombstones.values()),
-                live=[_carried(live, carried) for live in daemon.supervisor.workers()],
-                turn=daemon.registry.turn,
-                fence=daemon.registry.fence,
-                fence_epochs=daemon.registry.fence_epochs,
-                requesters=[
-                    CarriedConnection(
-                        fd=carried.carry(conn.fd, "a connection that asked for the reload"),
-                        request_id=rids[0],
-                        later_request_ids=rids[1:],
-                        unread=conn.unread,
-                        delivered=sorted(conn.delivered),
-                    )
-                    for conn, rids in owed_by_connection(attempt.requesters, kept)
-                ],
-                stopped_by_reload=attempt.stopped_by_reload,
-                settings=self.settings,
+            checkpoint = self.checkpoint(
+                carried, kept, attempt.requesters, stopped_by_reload=attempt.stopped_by_reload
             )
             carried.write(self.checkpoint_path, checkpoint)
             log.info(
@@ -274,6 +247,47 @@ class Reloader:
             )
             with _signals_blocked():
                 os.execv(command[0], command)
+
+    def checkpoint(
+        self,
+        carried: Carried,
+        kept: dict[object, Handover],
+        requesters: list[tuple[object, int]],
+        *,
+        stopped_by_reload: list[str],
+    ) -> Checkpoint:
+        """What the next image is handed, once frozen and paused: every descriptor it
+        needs handed in to `carried` by its owner, and listed. (The in-process tests build
+        a reload from this, as the exec does: tests/inprocess.py.)"""
+        daemon = self.daemon
+        lock_fd, lock_file_fd = daemon.state_dir.carry(carried)
+        return Checkpoint(
+            image_generation=daemon.image_generation,
+            reloads=daemon.reloads,
+            listen_fd=self.control.carry(carried),
+            listen_owned=self.control.owned,
+            lock_fd=lock_fd,
+            lock_file_fd=lock_file_fd,
+            runs=list(daemon.registry.runs.values()),
+            ended=[msgspec.msgpack.encode(r) for r in daemon.registry.workers.values() if r.ended],
+            tombstones=list(daemon.registry.tombstones.values()),
+            live=[_carried(live, carried) for live in daemon.supervisor.workers()],
+            turn=daemon.registry.turn,
+            fence=daemon.registry.fence,
+            fence_epochs=daemon.registry.fence_epochs,
+            requesters=[
+                CarriedConnection(
+                    fd=carried.carry(conn.fd, "a connection that asked for the reload"),
+                    request_id=rids[0],
+                    later_request_ids=rids[1:],
+                    unread=conn.unread,
+                    delivered=sorted(conn.delivered),
+                )
+                for conn, rids in owed_by_connection(requesters, kept)
+            ],
+            stopped_by_reload=stopped_by_reload,
+            settings=self.settings,
+        )
 
 
 class ServerLike(Protocol):

@@ -14,12 +14,19 @@ Two consequences shape the tests that use it:
   before a deadline, and asserts spans of trio time rather than trusting order.
 - `trio.fail_after` is on the mock clock, so it would fire at the first real
   wait: the bound of such a test is `in_process`'s own, in real seconds.
+
+The daemon can also be reloaded in place (`InProcess.reload_in_place`: the old
+image's real checkpoint, carried descriptors and all, adopted by a new `Daemon`,
+with only the exec itself left out) or crash and start again
+(`InProcess.crash_and_restart`: its tasks cancelled, its descriptors closed and its
+store left as a kill leaves them, then a new `Daemon` recovers from the state dir).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import os
 import shutil
 import tempfile
 import threading
@@ -32,6 +39,8 @@ import trio
 import trio.testing
 
 from subagentd.client import AsyncClient
+from subagentd.daemon._carried import Carried, take_back
+from subagentd.daemon._checkpoint import Checkpoint, read_checkpoint
 from subagentd.daemon._daemon import Daemon
 from subagentd.daemon._launcher import LocalLauncher
 from subagentd.daemon._listener import ControlSocket, bind_control_socket
@@ -41,10 +50,11 @@ from subagentd.daemon._registry import (
     DEFAULT_KEEP_ARCHIVES_DAYS,
     WorkerRecord,
 )
-from subagentd.daemon._reload import Reloader
+from subagentd.daemon._reload import Reloader, adopt
 from subagentd.daemon._server import Server
 from subagentd.daemon._settings import Settings
 from subagentd.daemon._statedir import StateDir
+from subagentd.daemon._store import STORE_NAME
 
 #: What an in-process test may take, in real seconds, whatever its mock clock says.
 REAL_BOUND = 20.0
@@ -75,15 +85,23 @@ class _NoExecReloader(Reloader):
 
 @dataclass
 class InProcess:
-    """A daemon served inside the test's trio run."""
+    """A daemon served inside the test's trio run. A reload or a crash puts the next
+    image's parts (`daemon`, `server`, `reloader`, `control`) in place of the old, here."""
 
     root: Path
     socket: Path
     state_dir: Path
+    wall: FollowingWall
+    settings: Settings
+    faults: frozenset[tuple[str, str]]
+    # The image in place:
     daemon: Daemon
+    state: StateDir
+    control: ControlSocket
     server: Server
     reloader: Reloader
-    wall: FollowingWall
+    listener: trio.SocketListener
+    _image: _Image
 
     def client(self) -> AsyncClient:
         return AsyncClient(self.socket)
@@ -120,6 +138,204 @@ class InProcess:
         assert isinstance(launcher, LocalLauncher)
         await launcher.processes.scan()
 
+    async def reload_in_place(self) -> InProcess:
+        """Reload as `Reloader._reload` does, on both sides, but for the exec; this, with
+        the next image's parts in place.
+
+        The old image settles its launches, pauses the server (every client told
+        `reloading`), freezes supervision and builds the real checkpoint with its
+        inventory of carried descriptors (`Reloader.checkpoint`, `Carried`), written
+        to disk. In place of the exec: its tasks end where they stand, none of its
+        undoing runs (a working exec never returns), what an exec closes is closed,
+        and its objects let go of the carried descriptors, whose numbers stay valid
+        (one process). The new image does what `_serve.serve` does with a handoff: it
+        reads the checkpoint, takes the descriptors back, takes its settings, adopts
+        (`_reload.adopt`) and serves. Not exercised: the `--check` child (a real
+        process, tested end to end), the exec and signals blocked across it.
+        """
+        old, reloader = self.daemon, self.reloader
+        await old.supervisor.launches_settled()
+        old.reloading = True
+        kept = await self.server.pause([])
+        await old.supervisor.freeze()
+        carried = Carried()  # never left: what it would give back, an exec keeps
+        checkpoint = reloader.checkpoint(carried, kept, [], stopped_by_reload=[])
+        carried.write(reloader.checkpoint_path, checkpoint)
+        await self._image.end()
+        self._close_on_exec(checkpoint)
+        handoff = read_checkpoint(reloader.checkpoint_path)
+        missing = take_back(handoff)
+        assert not missing, f"carried descriptors not open after the exec: {missing}"
+        assert handoff.settings is not None
+        settings = handoff.settings
+        state = StateDir(settings.state_dir)
+        state.acquire(lock_fd=handoff.lock_fd, lock_file_fd=handoff.lock_file_fd)
+        control = ControlSocket.inherited(
+            handoff.listen_fd, settings.socket, owned=handoff.listen_owned
+        )
+        daemon = _daemon(state, settings, self.wall, self.faults)
+        await adopt(daemon, handoff)
+        reloader.checkpoint_path.unlink()  # spent, as `_serve` removes it
+        await self._serve(daemon, settings, state, control)
+        return self
+
+    async def crash_and_restart(self) -> InProcess:
+        """Crash as a kill -9 would, then start again from the state dir alone; this,
+        with the new image's parts in place.
+
+        The old image's tasks are cancelled where they stand (no shutdown, no
+        checkpoint), every descriptor it held is closed (its workers' pipes, the lock,
+        the listening socket, whose file stays) and its store is left as its files
+        were (closing a connection writes the WAL back: undone). The workers are not
+        touched: a new `Daemon` on the same state dir recovers (`_recovery.recover`),
+        ending what is left of them, as `_serve.serve` does at a start.
+        """
+        old = self.daemon
+        pids = [live.process.pid for live in old.supervisor.workers() if live.process]
+        await self._image.end()
+        self._close_as_a_kill_would()
+        state = StateDir(self.settings.state_dir)
+        state.acquire()
+        control = bind_control_socket(self.settings.socket)
+        daemon = _daemon(state, self.settings, self.wall, self.faults)
+        await recover(daemon)
+        await daemon.launcher.sweep(daemon.supervisor)
+        for pid in pids:  # what init does for a dead daemon's children: recovery ended them
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)  # noqa: ASYNC222 - WNOHANG: no wait
+        await self._serve(daemon, self.settings, state, control)
+        return self
+
+    def _close_on_exec(self, checkpoint: Checkpoint) -> None:
+        """What the exec closes of the old image (its store, pidfds, journals), and its
+        objects' hold on the descriptors carried, which the new image owns now."""
+        daemon = self.daemon
+        daemon.store.close()
+        for live in daemon.supervisor.workers():
+            assert live.process is not None
+            os.close(live.process.pidfd)  # the new image opens its own; the pipes go on
+            live.journal.release()
+        for journal in daemon.journals.values():
+            journal.release()
+        assert self.control.sock.fileno() == checkpoint.listen_fd
+        self.control.sock.detach()
+
+    def _close_as_a_kill_would(self) -> None:
+        daemon = self.daemon
+        with _as_a_kill_leaves(self.state_dir):
+            daemon.store.close()
+        for live in daemon.supervisor.workers():
+            if live.process is not None:
+                os.close(live.process.pidfd)
+                live.process.close()  # its pipes: the workers write into the void
+            live.journal.release()
+        for journal in daemon.journals.values():
+            journal.release()
+        self.control.sock.close()  # the socket file stays, as after a kill
+        # The lock goes with the process; the file naming the holder stays.
+        for fd in (self.state.lock_fd, getattr(self.state, "_file_lock_fd", None)):
+            if fd is not None:
+                os.close(fd)
+
+    async def _serve(
+        self, daemon: Daemon, settings: Settings, state: StateDir, control: ControlSocket
+    ) -> None:
+        """Serve `daemon` as the image in place, from now on."""
+        served = await _serve(self._image.nursery, daemon, settings, control)
+        self.daemon, self.state, self.control, self.settings = daemon, state, control, settings
+        self.server, self.reloader, self.listener, self._image = served
+
+
+async def _serve(
+    nursery: trio.Nursery, daemon: Daemon, settings: Settings, control: ControlSocket
+) -> tuple[Server, Reloader, trio.SocketListener, _Image]:
+    """What `_serve.serve` builds around a daemon, serving in `nursery`."""
+    server = Server(daemon)
+    reloader = _NoExecReloader(
+        daemon,
+        server,
+        checkpoint_path=settings.state_dir / "checkpoint",
+        control=control,
+        settings=settings,
+    )
+    server.reloader = reloader
+    listener = trio.SocketListener(trio.socket.from_stdlib_socket(control.sock))
+    return (
+        server,
+        reloader,
+        listener,
+        await _Image.start(nursery, daemon, server, reloader, listener),
+    )
+
+
+@dataclass
+class _Image:
+    """One image's tasks (the daemon's and the server's), which end together."""
+
+    nursery: trio.Nursery  # where they run: the test's
+    scope: trio.CancelScope
+    done: trio.Event
+
+    @classmethod
+    async def start(
+        cls,
+        nursery: trio.Nursery,
+        daemon: Daemon,
+        server: Server,
+        reloader: Reloader,
+        listener: trio.SocketListener,
+    ) -> _Image:
+        done = trio.Event()
+
+        async def run(task_status: trio.TaskStatus[trio.CancelScope]) -> None:
+            try:
+                with trio.CancelScope() as scope:
+                    async with trio.open_nursery() as tasks:
+                        reloader.nursery = tasks
+                        await tasks.start(daemon.run)
+                        await tasks.start(server.serve, listener)
+                        task_status.started(scope)
+            finally:
+                done.set()
+
+        scope = await nursery.start(run)
+        # Every task of the daemon has begun (its timers count from now).
+        await trio.testing.wait_all_tasks_blocked()
+        return cls(nursery, scope, done)
+
+    async def end(self) -> None:
+        """Cancel its tasks where they stand (nothing shut down) and wait for them."""
+        self.scope.cancel()
+        await self.done.wait()
+
+
+@contextlib.contextmanager
+def _as_a_kill_leaves(state_dir: Path) -> Iterator[None]:
+    """The store's files as they were before the body (a connection closing writes its
+    WAL back into the database: a killed daemon leaves both as they stood)."""
+    files = {path: path.read_bytes() for path in state_dir.glob(f"{STORE_NAME}*")}
+    yield
+    for path in state_dir.glob(f"{STORE_NAME}*"):
+        if path not in files:
+            path.unlink()
+    for path, content in files.items():
+        path.write_bytes(content)
+
+
+def _daemon(
+    state: StateDir, settings: Settings, wall: FollowingWall, faults: frozenset[tuple[str, str]]
+) -> Daemon:
+    return Daemon(
+        state,
+        socket_path=settings.socket,
+        config_path=settings.config,
+        finished_ttl=settings.finished_ttl,
+        keep_archives_days=settings.keep_archives_days,
+        clock=wall,
+        faults=faults,
+        launcher=LocalLauncher(None, "/proc scan (in-process test)"),
+    )
+
 
 @contextlib.contextmanager
 def short_root() -> Iterator[Path]:
@@ -142,63 +358,56 @@ async def in_process(
 ) -> AsyncIterator[InProcess]:
     """Serve a daemon on `root`/s.sock with state in `root`/state until the body ends,
     then stop its workers as a SIGTERM would; TooSlowError after `real_bound` real s."""
-    state_dir = StateDir(root / "state")
-    state_dir.acquire()
+    settings = Settings(
+        socket=root / "s.sock",
+        state_dir=root / "state",
+        config=root / "agents.toml",
+        finished_ttl=finished_ttl,
+        keep_archives_days=keep_archives_days,
+        cgroups="off",
+    )
+    state = StateDir(settings.state_dir)
+    state.acquire()
     control: ControlSocket | None = None
-    listener: trio.SocketListener | None = None
-    daemon: Daemon | None = None
+    served: InProcess | None = None
     try:
-        control = bind_control_socket(root / "s.sock")
-        listener = trio.SocketListener(trio.socket.from_stdlib_socket(control.sock))
+        control = bind_control_socket(settings.socket)
         wall = FollowingWall()
-        daemon = Daemon(
-            state_dir,
-            socket_path=control.path,
-            config_path=root / "agents.toml",
-            finished_ttl=finished_ttl,
-            keep_archives_days=keep_archives_days,
-            clock=wall,
-            faults=faults,
-            launcher=LocalLauncher(None, "/proc scan (in-process test)"),
-        )
-        await recover(daemon)
-        server = Server(daemon)
-        reloader = _NoExecReloader(
-            daemon,
-            server,
-            checkpoint_path=root / "state" / "checkpoint",
-            control=control,
-            settings=Settings(
-                socket=control.path,
-                state_dir=root / "state",
-                config=root / "agents.toml",
-                finished_ttl=finished_ttl,
-                keep_archives_days=keep_archives_days,
-                cgroups="off",
-            ),
-        )
-        server.reloader = reloader
+        daemon = _daemon(state, settings, wall, faults)
         async with trio.open_nursery() as nursery:
-            reloader.nursery = nursery
-            await nursery.start(daemon.run)
-            await nursery.start(server.serve, listener)
-            # Every task of the daemon has begun (its timers count from now).
-            await trio.testing.wait_all_tasks_blocked()
+            try:
+                await recover(daemon)
+                served = InProcess(
+                    root,
+                    control.path,
+                    state.root,
+                    wall,
+                    settings,
+                    faults,
+                    daemon,
+                    state,
+                    control,
+                    *await _serve(nursery, daemon, settings, control),
+                )
+            except BaseException:
+                daemon.store.close()
+                raise
             with _real_bound(nursery, real_bound) as bound:
-                yield InProcess(root, control.path, state_dir.root, daemon, server, reloader, wall)
+                yield served
             with trio.CancelScope(shield=True):
-                await daemon.shutdown()
+                await served.daemon.shutdown()
             nursery.cancel_scope.cancel()
         if bound.cancelled_caught:
             raise trio.TooSlowError(f"the in-process test took over {real_bound} real seconds")
     finally:
-        if daemon is not None:
-            daemon.store.close()
+        if served is not None:  # the image in place: the last reload's or restart's
+            served.daemon.store.close()
+            control, state = served.control, served.state
+            await served.listener.aclose()
         if control is not None:
             control.remove()
-        if listener is not None:
-            await listener.aclose()
-        state_dir.release()
+            control.sock.close()
+        state.release()
 
 
 @contextlib.contextmanager
