@@ -226,8 +226,7 @@ class InProcess:
             daemon.store.close()
         for live in daemon.supervisor.workers():
             if live.process is not None:
-                os.close(live.process.pidfd)
-                live.process.close()  # its pipes: the workers write into the void
+                live.process.close()  # its pidfd and pipes: the workers write into the void
             live.journal.release()
         for journal in daemon.journals.values():
             journal.release()

@@ -1,0 +1,410 @@
+"""The whole lifecycle of the daemon, as a state machine: any sequence of spawns,
+endings, stops, run stops, collects, expiries, wake deliveries, reloads and crashes
+keeps the daemon's promises.
+
+The daemon runs in-process (tests/inprocess.py) with real workers, reloaded in place
+and crashed and started again from its state dir; the test sees it only through
+`AsyncClient`, as a user does, and keeps a model of what each worker and each
+parent is owed. hypothesis' `RuleBasedStateMachine` is synchronous, so the machine
+is a list of steps drawn by hypothesis and played in one trio run (on a MockClock)
+per example, the model checked after each step; shrinking works on the list.
+
+The promises checked:
+- every worker's state is the model's: running until it ends, then what ended it
+  (its exit, a stop, a crash: `interrupted`), never changing after;
+- no wake twice, none lost: each ending is delivered exactly once to its parent (the
+  parent worker, or its run), across reloads and crashes;
+- no result lost before collect: a collect answers the result the worker wrote;
+- every id answers after its release (collected, or past the TTL): status and
+  collect say what they said before, and the listing no longer holds it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import trio
+from hypothesis import HealthCheck, Phase, given, note, settings
+from hypothesis import strategies as st
+from trio.testing import MockClock
+
+from subagentd.protocol.errors import Busy, NotFound, RunStopped
+
+from .helpers import sh
+from .inprocess import InProcess, held, in_process, short_root
+
+#: The finished TTL: an expiry step lets the mock clock run past it.
+TTL = 60.0
+#: A worker that ends at once, with this exit code and result.
+QUICK = 'echo out; printf "R$1" > "$SUBAGENTD_RESULT"; exit $2'
+#: A worker that ends once its FIFO is written to (the `End` step).
+HELD = 'read x < "$3"; echo out; printf "R$1" > "$SUBAGENTD_RESULT"; exit $2'
+
+
+# -- the steps -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NewRun:
+    pass
+
+
+@dataclass(frozen=True)
+class Spawn:
+    held: bool  # runs until an End step (else ends at once)
+    code: int
+    parent: int | None  # among the running workers; None: top-level, in a run
+    run: int  # among the runs
+
+
+@dataclass(frozen=True)
+class End:
+    pick: int  # among the held workers still running
+
+
+@dataclass(frozen=True)
+class Stop:
+    pick: int  # among all workers
+
+
+@dataclass(frozen=True)
+class StopRun:
+    pick: int  # among the runs
+
+
+@dataclass(frozen=True)
+class Collect:
+    pick: int  # among all workers
+
+
+@dataclass(frozen=True)
+class Expire:
+    pass
+
+
+@dataclass(frozen=True)
+class Drain:
+    pass
+
+
+@dataclass(frozen=True)
+class Reload:
+    pass
+
+
+@dataclass(frozen=True)
+class Crash:
+    pass
+
+
+Step = NewRun | Spawn | End | Stop | StopRun | Collect | Expire | Drain | Reload | Crash
+
+_pick = st.integers(0, 7)
+_spawn = st.builds(
+    Spawn,
+    held=st.booleans(),
+    code=st.sampled_from([0, 3]),
+    parent=st.none() | st.integers(0, 3),
+    run=st.integers(0, 2),
+)
+STEPS = st.one_of(
+    _spawn,
+    _spawn,
+    _spawn,
+    st.builds(End, pick=_pick),
+    st.builds(Stop, pick=_pick),
+    st.builds(StopRun, pick=_pick),
+    st.builds(Collect, pick=_pick),
+    st.just(NewRun()),
+    st.just(Expire()),
+    st.just(Drain()),
+    st.just(Reload()),
+    st.just(Crash()),
+)
+
+
+# -- the model -----------------------------------------------------------------
+
+
+@dataclass
+class Worker:
+    n: int
+    id: str
+    run: str
+    parent: str | None
+    code: int
+    fifo: Path | None  # a held worker's
+    state: str = "running"  # what the daemon must say
+    collected: bool = False
+    expired: bool = False  # past its TTL uncollected
+    woken: bool = False  # its wake was delivered (and acknowledged)
+
+    @property
+    def ended(self) -> bool:
+        return self.state != "running"
+
+    @property
+    def result(self) -> str:
+        """What a collect answers: the result it wrote, or its stdout (none) if it did not."""
+        return f"R{self.n}" if self.state in ("finished", "failed") else ""
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """The parent its wake goes to."""
+        return ("worker", self.parent) if self.parent is not None else ("run", self.run)
+
+
+@dataclass
+class Model:
+    root: Path
+    workers: dict[str, Worker] = field(default_factory=dict)
+    runs: dict[str, bool] = field(default_factory=dict)  # run: stopped
+    spawns: int = 0  # asked for, refused or not
+
+    def running(self) -> list[Worker]:
+        return [w for w in self.workers.values() if not w.ended]
+
+    def subtree(self, worker_id: str) -> Iterator[Worker]:
+        yield self.workers[worker_id]
+        for child in self.workers.values():
+            if child.parent == worker_id:
+                yield from self.subtree(child.id)
+
+    def held(self, worker: Worker) -> bool:
+        """Whether the daemon still holds its handle: running, ended and neither
+        collected nor past its TTL, or the parent of a worker it holds."""
+        if not worker.ended or not (worker.collected or worker.expired):
+            return True
+        return any(self.held(c) for c in self.workers.values() if c.parent == worker.id)
+
+    def end(self, worker: Worker, state: str) -> None:
+        assert not worker.ended
+        worker.state = state
+
+
+# -- playing the steps ---------------------------------------------------------
+
+
+class Player:
+    def __init__(self, d: InProcess, clock: MockClock, model: Model) -> None:
+        self.d = d
+        self.clock = clock
+        self.model = model
+        self.log: list[str] = []
+
+    async def play(self, step: Step) -> None:
+        self.log.append(repr(step))
+        if isinstance(step, Expire):
+            await self.expire()
+        else:
+            with held(self.clock):  # real workers' waits must not let the clock jump
+                await self._play(step)
+        with held(self.clock):
+            await self.check()
+
+    async def _play(self, step: Step) -> None:
+        model = self.model
+        match step:
+            case NewRun():
+                async with self.d.client() as client:
+                    model.runs[await client.new_run()] = False
+            case Spawn():
+                await self.spawn(step)
+            case End(pick):
+                await self.end(pick)
+            case Stop(pick):
+                await self.stop(pick)
+            case StopRun(pick):
+                await self.stop_run(pick)
+            case Collect(pick):
+                await self.collect(pick)
+            case Drain():
+                await self.drain()
+            case Reload():
+                await self.d.reload_in_place()
+            case Crash():
+                await self.d.crash_and_restart()
+                for worker in model.running():
+                    model.end(worker, "interrupted")
+
+    async def spawn(self, step: Spawn) -> None:
+        model = self.model
+        running = model.running()
+        parent = (
+            running[step.parent % len(running)] if running and step.parent is not None else None
+        )
+        run = parent.run if parent is not None else list(model.runs)[step.run % len(model.runs)]
+        n = model.spawns = model.spawns + 1
+        fifo = None
+        if step.held:
+            fifo = model.root / f"go-{n}"
+            os.mkfifo(fifo)
+        argv = [*sh(HELD if step.held else QUICK), "sh", str(n), str(step.code), str(fifo)]
+        async with self.d.client() as client:
+            if parent is None and model.runs[run]:
+                with pytest.raises(RunStopped):
+                    await client.spawn(argv, run=run)
+                return
+            if parent is not None:
+                view = await client.spawn(argv, parent=parent.id)
+            else:
+                view = await client.spawn(argv, run=run)
+            assert (view.run, view.parent) == (run, parent.id if parent else None)
+            worker = Worker(n, view.id, run, view.parent, step.code, fifo)
+            model.workers[worker.id] = worker
+            self.log.append(f"  -> {worker.id} (R{n}) in {run}, parent {worker.parent}")
+            if not step.held:
+                await client.wait(worker.id)
+                model.end(worker, "finished" if step.code == 0 else "failed")
+
+    async def end(self, pick: int) -> None:
+        candidates = [w for w in self.model.running() if w.fifo is not None]
+        if not candidates:
+            return
+        worker = candidates[pick % len(candidates)]
+        assert worker.fifo is not None
+        fifo = worker.fifo
+
+        def go() -> None:
+            with open(fifo, "w") as f:  # noqa: PTH123 - blocks until the worker reads
+                f.write("go\n")
+
+        await trio.to_thread.run_sync(go)
+        async with self.d.client() as client:
+            await client.wait(worker.id)
+        self.model.end(worker, "finished" if worker.code == 0 else "failed")
+
+    async def stop(self, pick: int) -> None:
+        model = self.model
+        if not model.workers:
+            return
+        worker = list(model.workers.values())[pick % len(model.workers)]
+        async with self.d.client() as client:
+            assert await client.stop(worker.id)  # found, even released
+            for w in model.subtree(worker.id):
+                if not w.ended:
+                    await client.wait(w.id)
+                    model.end(w, "stopped")
+
+    async def stop_run(self, pick: int) -> None:
+        model = self.model
+        run = list(model.runs)[pick % len(model.runs)]
+        async with self.d.client() as client:
+            await client.stop_run(run)
+            model.runs[run] = True
+            for w in model.running():
+                if w.run == run:
+                    await client.wait(w.id)
+                    model.end(w, "stopped")
+
+    async def collect(self, pick: int) -> None:
+        model = self.model
+        if not model.workers:
+            return
+        worker = list(model.workers.values())[pick % len(model.workers)]
+        async with self.d.client() as client:
+            if not worker.ended:
+                with pytest.raises(Busy, match="still running"):
+                    await client.collect(worker.id)
+                return
+            got = await client.collect(worker.id)
+        assert (got.state, got.result) == (worker.state, worker.result), (worker, got)
+        worker.collected = True
+
+    async def expire(self) -> None:
+        """Let the mock clock run past the TTL: every handle left uncollected goes."""
+        await trio.sleep(TTL + 1)
+        for worker in self.model.workers.values():
+            if worker.ended and not worker.collected:
+                worker.expired = True
+
+    async def drain(self) -> None:
+        """Take every wake pending for every parent: each is owed, and new."""
+        model = self.model
+        keys = {("run", r) for r in model.runs} | {w.key for w in model.workers.values()}
+        async with self.d.client() as client:
+            for kind, parent in sorted(keys):
+                try:
+                    if kind == "run":
+                        wakes = [w async for w in client.events(run=parent)]
+                    else:
+                        wakes = [w async for w in client.events(worker=parent)]
+                except NotFound:
+                    owed = [w.id for w in model.workers.values() if w.key == (kind, parent)]
+                    assert not any(model.workers[i].ended for i in owed), (kind, parent)
+                    continue
+                for wake in wakes:
+                    worker = model.workers.get(wake.id)
+                    assert worker is not None, f"a wake for a worker never spawned: {wake}"
+                    assert worker.key == (kind, parent), (worker, wake)
+                    assert worker.ended, f"a wake before the ending: {wake}"
+                    assert not worker.woken, f"a wake delivered twice: {wake}"
+                    assert wake.state == worker.state, (worker, wake)
+                    worker.woken = True
+        lost = [w.id for w in model.workers.values() if w.ended and not w.woken]
+        assert not lost, f"endings whose wake was lost: {lost}"
+
+    async def check(self) -> None:
+        """What the daemon says of every worker is what the model says."""
+        model = self.model
+        async with self.d.client() as client:
+            for worker in model.workers.values():
+                view = await client.status(worker.id)
+                assert view.state == worker.state, (worker, view)
+                if worker.ended and (worker.collected or worker.expired):
+                    # Released (or about to be): a collect answers as it did, from the archive.
+                    got = await client.collect(worker.id)
+                    assert (got.state, got.result) == (worker.state, worker.result), (worker, got)
+                    worker.collected = True
+            listed = {w.id for w in await client.ls(all=True)}
+        for worker in model.workers.values():
+            assert (worker.id in listed) == model.held(worker), (worker, listed)
+
+    async def finish(self) -> None:
+        """At the end: every wake delivered once, every result there to collect."""
+        with held(self.clock):
+            await self.drain()
+            async with self.d.client() as client:
+                for worker in self.model.workers.values():
+                    if worker.ended:
+                        got = await client.collect(worker.id)
+                        assert (got.state, got.result) == (worker.state, worker.result), worker
+
+
+async def _play(root: Path, steps: list[Step]) -> None:
+    clock = trio.lowlevel.current_clock()
+    assert isinstance(clock, MockClock)
+    model = Model(root)
+    async with in_process(root, finished_ttl=TTL, real_bound=60) as d:
+        player = Player(d, clock, model)
+        with held(clock):
+            async with d.client() as client:
+                model.runs[await client.new_run()] = False
+        try:
+            for step in steps:
+                await player.play(step)
+            await player.finish()
+        finally:
+            note("\n".join(player.log))  # what was played, with the ids it made
+
+
+@settings(
+    max_examples=int(os.environ.get("LIFECYCLE_EXAMPLES", "25")),
+    deadline=None,
+    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink],  # no explain: slow
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(steps=st.lists(STEPS, min_size=1, max_size=14))
+def test_the_lifecycle_keeps_every_promise(steps: list[Step]) -> None:
+    with short_root() as root:
+        trio.run(_play, root, steps, clock=MockClock(autojump_threshold=0))
+
+
+def test_a_worker_carried_by_a_reload_then_crashed_is_interrupted_and_wakes_once() -> None:
+    steps: list[Step] = [Spawn(True, 0, None, 0), Reload(), Crash(), Drain(), Collect(0)]
+    with short_root() as root:
+        trio.run(_play, root, steps, clock=MockClock(autojump_threshold=0))
