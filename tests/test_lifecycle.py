@@ -270,7 +270,7 @@ class Player:
         fifo = worker.fifo
 
         def go() -> None:
-            with open(fifo, "w") as f:  # noqa: PTH123 - blocks until the worker reads
+            with open(fifo, "w") as f:  # blocks until the worker opens it to read
                 f.write("go\n")
 
         await trio.to_thread.run_sync(go)
