@@ -24,6 +24,7 @@ from subagentd.protocol.errors import RemoteError
 from ._cgroup import Cgroups, CgroupsUnavailable
 from ._checkpoint import Checkpoint, CheckpointUnreadable, read_checkpoint
 from ._daemon import FAULT_ENV, Daemon, read_faults
+from ._legacy import import_old_state
 from ._listener import ControlSocket, activated_socket, bind_control_socket
 from ._main import Settings
 from ._notify import notify
@@ -119,9 +120,11 @@ async def serve(settings: Settings) -> None:
         control.remove()
         state_dir.release()
         raise
+    # An older image's record.json and run files, taken into the store once.
+    unread = _import_old_state(daemon)
     adopted: list[Handover] = []
     if handoff is not None:
-        carried, stopped = await adopt(daemon, handoff)
+        carried, stopped = await adopt(daemon, handoff, unread)
         adopted = [
             Handover(
                 c.fd,
@@ -140,7 +143,7 @@ async def serve(settings: Settings) -> None:
             stopped_by_reload=stopped,
         )
     else:
-        await recover(daemon)
+        await recover(daemon, unread=unread)
         await daemon.sweep_cgroups()
     server = Server(daemon)
     reloader = Reloader(
@@ -203,6 +206,20 @@ async def serve(settings: Settings) -> None:
         daemon.store.close()
         state_dir.release()
         log.info("daemon.stopped")
+
+
+def _import_old_state(daemon: Daemon) -> list[str]:
+    """`import_old_state`; if it cannot be done, the daemon serves on and says why."""
+    try:
+        return import_old_state(daemon.store, daemon.state_dir.root, daemon.state_dir.archives)
+    except OSError as exc:
+        problem = (
+            f"the records of an earlier version in {daemon.state_dir.root} could not be "
+            f"imported ({exc.strerror or exc}): they are imported at the next start"
+        )
+        log.error("store.old_state_not_imported", problem=problem)
+        daemon.store.problems.append(problem)
+        return []
 
 
 def _tree_tracking(settings: Settings) -> tuple[Cgroups | None, str]:

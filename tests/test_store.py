@@ -272,10 +272,12 @@ def test_check_says_which_store_schema_versions_it_reads(tmp_path: Path) -> None
 
 
 def test_a_reload_into_an_image_that_cannot_read_the_schema_in_use_is_refused() -> None:
-    before_the_store = "subagentd 0.1\nreads checkpoint versions: 1\n"
+    before_the_store = "subagentd 0.1\nreads checkpoint versions: 1, 2\n"
     refusal = image_refusal(before_the_store, SCHEMA_VERSION)
     assert refusal is not None
     assert "store schema versions []" in refusal
     older = before_the_store + "reads store schema versions: 1\n"
     assert image_refusal(older, 2) is not None  # this image migrated the store past it
     assert image_refusal(older, 1) is None
+    # An image of checkpoint version 1 cannot take this one's (v2) checkpoint.
+    assert image_refusal("reads checkpoint versions: 1\nreads store schema versions: 1, 2\n", 2)
