@@ -198,7 +198,7 @@ async def test_kill_9_inside_an_endings_transaction_leaves_neither_half(
                 await client.wait(worker.id)
             ids.append((await client.spawn(sh("echo last"), run=run)).id)
         assert daemon_dirs.proc is not None
-        await trio.to_thread.run_sync(daemon_dirs.proc.wait)  # it killed itself
+        await trio.to_thread.run_sync(daemon_dirs.proc.wait, 30)  # it killed itself
         await trio.to_thread.run_sync(daemon_dirs.start)
         async with AsyncClient(daemon_dirs.socket) as client:
             states = [(await client.status(i)).state for i in ids]
