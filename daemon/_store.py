@@ -44,7 +44,8 @@ are queries:
             INDEX (cwd, spawned_at)  -- latest_resumable(cwd): the snapshots' index
             INDEX (run)              -- a run's workers, released or not
             INDEX (id) WHERE held    -- what recovery and a reload take back
-            INDEX (ended_at)         -- pruning
+            (no index on ended_at: pruning, once a day, scans; an ending writes one page
+            fewer, bench/store.py)
     runs(id TEXT PRIMARY KEY, record BLOB)           -- RunRecord, msgpack
     tombstones(id TEXT PRIMARY KEY, parent, stone BLOB)  -- Tombstone, msgpack
     launch(singleton INTEGER PRIMARY KEY CHECK (singleton = 1), turn, fence_epoch,
@@ -158,7 +159,6 @@ def _to_v2(db: sqlite3.Connection) -> None:
     db.execute("CREATE INDEX workers_by_cwd ON workers (cwd, spawned_at)")
     db.execute("CREATE INDEX workers_by_run ON workers (run)")
     db.execute("CREATE INDEX workers_held ON workers (id) WHERE held")
-    db.execute("CREATE INDEX workers_by_end ON workers (ended_at)")
     db.execute("CREATE TABLE runs (id TEXT PRIMARY KEY, record BLOB NOT NULL)")
     db.execute("CREATE TABLE tombstones (id TEXT PRIMARY KEY, parent TEXT, stone BLOB NOT NULL)")
     db.execute(

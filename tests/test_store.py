@@ -455,3 +455,37 @@ async def test_an_archive_holds_only_what_a_person_reads_and_the_store_answers_t
     for worker in (released, loud):
         assert sorted(os.listdir(worker.archive)) == ["journal", "snapshot.json"]
     assert not (daemon.state_dir / "runs").exists()
+
+
+def test_what_a_version_1_checkpoint_carried_is_taken_into_the_store(tmp_path: Path) -> None:
+    """An older image reloading into this one hands over a version 1 checkpoint, which
+    carried the whole registry: read, and taken into the store, nothing lost."""
+    ended = _record("w-old", state="finished", ended_at=2.0, exit_code=0)
+    live = _record("w-live", pid=123, pid_start=456)
+    v1 = {
+        "version": 1, "image_generation": 3, "reloads": 2, "listen_fd": 5, "lock_fd": 6,
+        "runs": [RunRecord(id="r-1", outer=None, created_at=1.0, stopped=True)],
+        "ended": [msgspec.msgpack.encode(ended)],
+        "tombstones": [],
+        "live": [{"id": "w-live", "pid": 123, "pid_start": 456, "stdout": 7, "stderr": 8,
+                  "archive": "/a/w-live", "record": msgspec.msgpack.encode(live)}],
+        "turn": 4, "fence": {"epoch": 2, "cancelled": True}, "fence_epochs": 2,
+    }  # fmt: skip
+    path = tmp_path / "checkpoint"
+    path.write_bytes(msgspec.msgpack.encode(v1))
+    checkpoint = read_checkpoint(path)
+    assert [(c.id, c.pid, c.stdout) for c in checkpoint.live] == [("w-live", 123, 7)]
+    assert checkpoint.v1_state is not None
+    store = Store.open(tmp_path / STORE_NAME)
+    try:
+        import_checkpoint_v1(store, checkpoint.v1_state, tmp_path / "archives")
+        old, carried = store.worker("w-old"), store.worker("w-live")
+        assert old is not None and (old.state, old.archive) == ("finished", str(tmp_path / "archives" / "w-old"))
+        assert carried is not None and (carried.pid, carried.pid_start) == (123, 456)
+        assert [(r.id, r.stopped) for r in store.runs()] == [("r-1", True)]
+        launch = store.launch()
+        assert (launch.turn, launch.fence, launch.fence_epochs) == (
+            4, LaunchFence(epoch=2, cancelled=True), 2,
+        )  # fmt: skip
+    finally:
+        store.close()
