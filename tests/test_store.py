@@ -19,8 +19,10 @@ import trio
 
 from subagentd import protocol as p
 from subagentd.client import AsyncClient
+from subagentd.daemon._checkpoint import read_checkpoint
 from subagentd.daemon._journal import Journal
-from subagentd.daemon._registry import WorkerRecord
+from subagentd.daemon._legacy import import_checkpoint_v1
+from subagentd.daemon._registry import LaunchFence, RunRecord, WorkerRecord
 from subagentd.daemon._reload import image_refusal
 from subagentd.daemon._store import READS_VERSIONS, SCHEMA_VERSION, STORE_NAME, Change, Store
 from subagentd.daemon._wakes import WakeQueue, open_wakes
@@ -480,8 +482,13 @@ def test_what_a_version_1_checkpoint_carried_is_taken_into_the_store(tmp_path: P
     try:
         import_checkpoint_v1(store, checkpoint.v1_state, tmp_path / "archives")
         old, carried = store.worker("w-old"), store.worker("w-live")
-        assert old is not None and (old.state, old.archive) == ("finished", str(tmp_path / "archives" / "w-old"))
-        assert carried is not None and (carried.pid, carried.pid_start) == (123, 456)
+        assert old is not None
+        assert (old.state, old.archive) == (
+            "finished",
+            str(tmp_path / "archives" / "w-old"),
+        )
+        assert carried is not None
+        assert (carried.pid, carried.pid_start) == (123, 456)
         assert [(r.id, r.stopped) for r in store.runs()] == [("r-1", True)]
         launch = store.launch()
         assert (launch.turn, launch.fence, launch.fence_epochs) == (
