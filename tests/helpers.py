@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Protocol
 
@@ -134,7 +134,7 @@ async def pending_wakes(daemon: _Served, run: str) -> list[p.Wake]:
         return reply.wakes
 
 
-def write_old_record(archive: Path, view: dict[str, object], **fields: object) -> None:
+def write_old_record(archive: Path, view: Mapping[str, object], **fields: object) -> None:
     """Write `archive`/record.json as an image before the store did, from a worker's
     status (`subagentctl --json status`), with `fields` over it."""
     record = {
