@@ -4,10 +4,11 @@
 
 Creating an inode costs 300-500 us of kernel time on this machine's ext4, so
 this counts exactly what each operation makes the daemon do in its state dir
-(archives, spare archives, run files, the wake log, records, stdout.tail,
-temp files): a private daemon is traced with `strace -f --seccomp-bpf -z -y`
-(attached once it is ready, so start-up is not counted; every thread and
-child followed), and each successful syscall under the state dir is counted:
+(archives, spare archives, the store's database and its WAL, temp files; before
+the store also run files, records and stdout.tail): a private daemon is traced
+with `strace -f --seccomp-bpf -z -y` (attached once it is ready, so start-up
+is not counted; every thread and child followed), and each successful syscall
+under the state dir is counted:
 
 - files created: open/openat/creat with O_CREAT (every create of the daemon's
   is O_EXCL, so each one made a new file), mknod, symlink;
@@ -61,6 +62,7 @@ from pathlib import Path
 from _harness import BenchDaemon, Figure, report, running_daemon
 
 from subagentd.client import Client
+from subagentd.daemon._archive import SpareArchives
 
 #: What is counted, in table order: (key, column heading).
 KINDS = [
@@ -282,11 +284,11 @@ def inodes(state_dir: Path) -> int:
 
 
 def spares_made(state_dir: Path) -> bool:
-    """Whether all the spare archives are made again (each with its three files)."""
+    """Whether all the spare archives are made again (each with its files)."""
     made = 0
     for spare in (state_dir / "archives").glob(".spare-*"):
         with contextlib.suppress(OSError):  # renamed into place meanwhile
-            made += len(os.listdir(spare)) == 3
+            made += len(os.listdir(spare)) == len(SpareArchives.FILES)
     return made >= SPARES
 
 

@@ -13,7 +13,8 @@ figure is the median and p99 of N single operations, in microseconds, the median
 over `--rounds` rounds that take turns (so a busy moment of the machine does not land on
 one variant alone), measured on
 `--dir` (default: a temporary directory beside the default state dir, so on the disk the
-daemon uses, not a tmpfs). An ending costs one post and, later, one ack.
+daemon uses, not a tmpfs). An ending costs one post and, later, one ack; since schema
+v2 its post is one transaction with its record (the variant "ending (record + wake)").
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from pathlib import Path
 import msgspec
 
 from subagentd.daemon._journal import ENTRY_HEADER
-from subagentd.daemon._store import STORE_NAME, Store
+from subagentd.daemon._registry import WorkerRecord
+from subagentd.daemon._store import STORE_NAME, Change, Store
 from subagentd.daemon._wakes import _Ack, _Post
 from subagentd.protocol import Wake, default_state_dir
 
@@ -81,6 +83,36 @@ def store(directory: Path, n: int, synchronous: str) -> tuple[list[float], list[
     return posts, acks
 
 
+def _record(seq: int, **fields: object) -> WorkerRecord:
+    record: dict[str, object] = {
+        "id": f"w-{seq:012x}", "run": "r-bench", "parent": None, "name": "", "state": "running",
+        "argv": ["agent", "--task", "x" * 200], "cwd": "/home/user/project", "agent": None,
+        "grace": 5.0, "timeout": None, "token": "t" * 43,
+        "archive": f"/state/archives/w-{seq:012x}", "started_at": 1.0,
+    }  # fmt: skip
+    return WorkerRecord(**(record | fields))  # type: ignore[arg-type]
+
+
+def endings(directory: Path, n: int) -> tuple[list[float], list[float]]:
+    """An ending as the daemon writes it since schema v2: the worker's row (registered
+    before, untimed) updated to its final state and its wake inserted, one transaction."""
+    db = Store.open(directory / STORE_NAME)
+    try:
+        for i in range(1, n + 1):
+            db.commit(Change(workers=[_record(i)]), "a spawn")
+        ended = {"state": "finished", "exit_code": 0, "ended_at": 2.0}
+        posts = _timed(
+            lambda i: db.commit(
+                Change(workers=[_record(i, **ended)], wakes=[_wake(i)]), "an ending"
+            ),
+            n,
+        )
+        acks = _timed(lambda i: db.ack_wakes([i]), n)
+    finally:
+        db.close()
+    return posts, acks
+
+
 def _p99(times: list[float]) -> float:
     return sorted(times)[int(len(times) * 0.99)]
 
@@ -97,6 +129,7 @@ def main() -> None:
         "wake log (before)": lambda d: wake_log(d, args.wakes),
         "store, synchronous=NORMAL (after)": lambda d: store(d, args.wakes, "NORMAL"),
         "store, synchronous=FULL": lambda d: store(d, args.wakes, "FULL"),
+        "ending (record + wake), NORMAL": lambda d: endings(d, args.wakes),
     }
     figures: dict[str, list[tuple[float, float, float, float]]] = {v: [] for v in variants}
     for _ in range(args.rounds):

@@ -1,9 +1,9 @@
 """A worker's archive directory: what is written there, and how, in one place.
 
-The archive holds the worker's snapshot (what it was asked to run), its input,
-its journal, the result file it may write, the tail of its stdout and its last
-record. Files are 0600 and written whole or not at all: created exclusively,
-renamed over, or (a record) rewritten in place within one page.
+The archive holds what a person reads: the worker's snapshot (what it was asked to
+run, written once, exclusively), its input, its journal, and the result file it may
+write. Its record, and where needed the tail of its stdout, are in the store
+(`_store.py`), out of the worker's reach. Files are 0600 and created exclusively.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import secrets
 import shutil
 import stat
 from collections.abc import Callable, Iterator
-from pathlib import Path, PurePath
+from pathlib import Path
 from typing import TypeVar
 
 import msgspec
@@ -27,11 +27,9 @@ from ._files import (
     open_dir,
     open_regular,
     read_regular,
-    replace_in,
-    short_write,
 )
 from ._journal import Journal, read_tail
-from ._registry import DEFAULT_GRACE, WorkerRecord
+from ._registry import DEFAULT_GRACE
 
 _Written = TypeVar("_Written", bound=msgspec.Struct)
 log = structlog.get_logger("subagentd")
@@ -42,8 +40,6 @@ SNAPSHOT_VERSION = 1
 STDOUT_TAIL_BYTES = 32 * 1024
 #: A result file larger than this is cut (the journal keeps the whole output).
 RESULT_LIMIT = 1024 * 1024
-#: A record up to this size is rewritten in place; one page, so never torn by a kill.
-RECORD_IN_PLACE_BYTES = 4096
 #: No record or snapshot the daemon writes comes near this; a larger file is not read.
 RECORD_READ_LIMIT = 64 * 1024 * 1024
 #: What collect says of a result file that is a symlink, FIFO or directory.
@@ -52,17 +48,10 @@ RESULT_REFUSED = "[result file is not a regular file: ignored; the end of stdout
 RESULT_UNREADABLE = "[result file could not be read ({}); the end of stdout follows]\n"
 
 
-def prune_archives(archives: Path, cutoff: float, keep: set[str]) -> int:
-    """Delete archives of workers that ended before `cutoff` (not in `keep`); how many."""
-    pruned = 0
-    for path in archives.iterdir():
-        if path.name in keep or is_spare(path):
-            continue
-        record = Archive(path).load_record()
-        if record is not None and record.ended_at is not None and record.ended_at < cutoff:
-            shutil.rmtree(path, ignore_errors=True)
-            pruned += 1
-    return pruned
+def prune_archives(archives: list[Path]) -> None:
+    """Delete these archives (of workers that ended before the keep period)."""
+    for path in archives:
+        shutil.rmtree(path, ignore_errors=True)  # never follows a symlink inside
 
 
 def decode_written(raw: bytes, kind: type[_Written]) -> _Written:
@@ -122,22 +111,14 @@ class Snapshot(msgspec.Struct, kw_only=True):
     branch: str | None = None
 
 
-#: Told of a record that is not its archive's own: (the archive's worker id, what is wrong).
-RecordDamage = Callable[[str, str], None]
-
-
 class Archive:
     JOURNAL = "journal"
     INPUT = "input"
     RESULT = "result"
-    STDOUT_TAIL = "stdout.tail"
     SNAPSHOT = "snapshot.json"
-    RECORD = "record.json"
 
-    def __init__(self, path: Path, damaged: RecordDamage | None = None) -> None:
+    def __init__(self, path: Path) -> None:
         self.path = path
-        #: Who hears of a record naming another worker or archive (it is logged regardless).
-        self.damaged = damaged
 
     def create(self) -> None:
         self.path.mkdir(mode=0o700)
@@ -160,10 +141,6 @@ class Archive:
         with self.opened() as dir_fd:
             return read_regular(name, limit, dir_fd=dir_fd, tail=tail)
 
-    def replace(self, name: str, data: bytes, *, what: str) -> None:
-        with self.opened() as dir_fd:
-            _replace_planted(dir_fd, name, data, what=what)
-
     def write_snapshot(self, snapshot: Snapshot) -> None:
         # Written once, never replaced: into the empty file made ahead, or created exclusively.
         fd = open_new(self.file(self.SNAPSHOT))
@@ -176,77 +153,6 @@ class Archive:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         return path
-
-    def write_record(self, record: WorkerRecord) -> None:
-        """Write the worker's record: created once, then rewritten in place.
-
-        Creating a file is the costly part of a write on some filesystems
-        (hundreds of microseconds for the inode), so a record that fits in one
-        page overwrites the old one with a single pwrite, padded with spaces
-        (JSON allows trailing whitespace). Killing the daemon cannot tear a
-        one-page write at offset 0: the kernel checks for a fatal signal only
-        between pages. A larger record is replaced by a rename, as before; so
-        is anything a worker may have put in its place (a symlink, a FIFO, a
-        hard link to a file elsewhere), which is never written through.
-        """
-        data = msgspec.json.encode(record)
-        with self.opened() as dir_fd:
-            if len(data) <= RECORD_IN_PLACE_BYTES and self._rewrite(dir_fd, data):
-                return
-            _replace_planted(dir_fd, self.RECORD, data, what="of a worker record")
-
-    def _rewrite(self, dir_fd: int, data: bytes) -> bool:
-        """Overwrite the record in place if it is the daemon's own one-page file."""
-        try:
-            fd = os.open(self.RECORD, os.O_WRONLY | SAFE_FLAGS, dir_fd=dir_fd)
-        except OSError:
-            return False  # missing, a symlink (ELOOP), a FIFO nobody reads (ENXIO)
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
-                return False
-            if st.st_size > RECORD_IN_PLACE_BYTES:
-                return False
-            padded = data.ljust(st.st_size, b" ")
-            if os.pwrite(fd, padded, 0) != len(padded):
-                raise short_write("to a worker record", str(self.file(self.RECORD)))
-            return True
-        finally:
-            os.close(fd)
-
-    def write_stdout_tail(self, data: bytes) -> None:
-        self.replace(self.STDOUT_TAIL, data[-STDOUT_TAIL_BYTES:], what="of a stdout tail")
-
-    def load_record(self) -> WorkerRecord | None:
-        """The worker's last record, or None if there is no archive (or it no longer reads).
-
-        Its worker may have rewritten it, so who it is and where it lives are
-        taken from this directory, never from what it says: a record naming
-        another worker is unreadable (recovery rebuilds it from the snapshot),
-        and one naming another archive is corrected. Either is reported.
-        """
-        try:
-            record = decode_written(self.read(self.RECORD, RECORD_READ_LIMIT), WorkerRecord)
-        except (OSError, msgspec.DecodeError):
-            return None
-        worker_id = self.path.name
-        if record.id != worker_id:
-            self._report(worker_id, f"its record.json names worker {record.id!r}; not read")
-            return None
-        if record.archive != str(self.path):
-            # The same archive under a state dir moved or spelled otherwise is no damage.
-            if PurePath(record.archive).parts[-2:] != ("archives", worker_id):
-                self._report(
-                    worker_id,
-                    f"its record.json names archive {record.archive!r}; {self.path} is used",
-                )
-            record.archive = str(self.path)
-        return record
-
-    def _report(self, worker_id: str, problem: str) -> None:
-        log.warning("archive.record_damaged", worker=worker_id, problem=problem)
-        if self.damaged is not None:
-            self.damaged(worker_id, problem)
 
     def result_text(self, stdout_tail: Callable[[], bytes]) -> str:
         """The worker's result file if it wrote one, else the tail of its stdout.
@@ -270,31 +176,18 @@ class Archive:
         return text
 
     def stdout_tail(self, journal: Journal | None = None) -> bytes:
-        """The end of the worker's stdout: stdout.tail, else from its journal.
+        """The end of the worker's stdout, from its journal (`journal`: if open).
 
-        The file is written at the end only where the journal would not
-        answer as well (see Daemon._finish); `journal`: the journal, if open.
-        Else only the journal's end is read, never all of it: as long as its
-        worker made it, this is on the event loop.
+        Only the journal's end is read, never all of it: as long as its worker
+        made it, this is on the event loop. Where the journal's end would not
+        give it as well, the store keeps it (see Daemon._stdout_tail).
         """
-        try:
-            return self.read(self.STDOUT_TAIL, STDOUT_TAIL_BYTES, tail=True)
-        except OSError:
-            pass  # not written, something a worker put there, or unreadable: the journal answers
         if journal is not None:
             return journal.tail_bytes("stdout", STDOUT_TAIL_BYTES)
         try:
             return read_tail(self.file(self.JOURNAL), "stdout", STDOUT_TAIL_BYTES)
         except OSError:
             return b""
-
-    def forget_stdout_tail(self) -> None:
-        """A new attempt begins: the last one's tail no longer ends its stdout."""
-        with contextlib.suppress(FileNotFoundError), self.opened() as dir_fd:
-            try:
-                os.unlink(self.STDOUT_TAIL, dir_fd=dir_fd)
-            except IsADirectoryError:
-                move_aside(dir_fd, self.STDOUT_TAIL)
 
 
 class SpareArchives:
@@ -304,11 +197,12 @@ class SpareArchives:
     kernel time (the inode), and a spawn needs a directory and three files.
     A background thread makes them ahead (`make`), named `.spare-*` so that
     nothing takes them for a worker's; a spawn renames one to its worker's id
-    and writes into its empty files. With none left, a spawn makes its own.
+    and writes into its empty files. A spare of an older image (it had a record.json
+    too) is not as made: removed, as any other. With none left, a spawn makes its own.
     """
 
     PREFIX = ".spare-"
-    FILES = (Archive.SNAPSHOT, Archive.JOURNAL, Archive.RECORD)
+    FILES = (Archive.SNAPSHOT, Archive.JOURNAL)
 
     def __init__(self, archives: Path, keep: int = 8) -> None:
         self.archives = archives
@@ -369,27 +263,6 @@ class SpareArchives:
                 self.ready.append(path)
             else:
                 shutil.rmtree(path, ignore_errors=True)
-
-
-def _replace_planted(dir_fd: int, name: str, data: bytes, *, what: str) -> None:
-    """`replace_in`, even over a directory a worker made at `name` (a rename cannot
-    replace one): that is moved aside first, and the file written."""
-    try:
-        replace_in(dir_fd, name, data, what=what)
-    except IsADirectoryError:
-        move_aside(dir_fd, name)
-        replace_in(dir_fd, name, data, what=what)
-
-
-def move_aside(dir_fd: int, name: str) -> None:
-    """Rename what is at `name` to an unused `.name.*.planted` in the same directory.
-
-    For something a worker put where the daemon writes: a rename moves a
-    symlink itself, never what it leads to, and nothing leaves the archive
-    (deleted with it when it is pruned); nothing is read or walked.
-    """
-    aside = f".{name}.{secrets.token_hex(8)}.planted"
-    os.rename(name, aside, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
 
 
 def is_spare(path: Path) -> bool:

@@ -1,11 +1,13 @@
-"""The checkpoint a reload hands to the next image: the whole registry, the
-daemon's settings and every descriptor that must survive the exec (each listed
-once: `Checkpoint.descriptors`), versioned and written atomically, 0600.
+"""The checkpoint a reload hands to the next image: what the store cannot hold (each
+live worker's pid, start time and pipe descriptors, the listening socket, the lock,
+the connections that asked: each listed once, `Checkpoint.descriptors`) and the
+daemon's settings, versioned and written atomically, 0600.
 
-Each carried worker is an envelope (its pid, start time and pipe descriptors,
-which any image can read) around its record, encoded on its own: a new image
-that cannot read one worker's record still knows enough to stop that worker
-and archive it, and keeps every other.
+Everything else the daemon knows (records, runs, wakes, tombstones, turn, fence) is in
+the store (`_store.py`), which the new image opens again; the old image writes its live
+workers' records there just before the checkpoint. Version 1, written by images before
+the store held them, carried the whole registry: still read, and what it carried taken
+into the store (`_legacy.import_checkpoint_v1`).
 """
 
 from __future__ import annotations
@@ -15,25 +17,25 @@ from pathlib import Path
 import msgspec
 
 from ._files import read_regular, replace_file
-from ._registry import LaunchFence, RunRecord, Tombstone
+from ._legacy import CheckpointV1State
 from ._settings import Settings, decode_path, encode_path
 
 #: The format written here. Bump on an incompatible change and keep reading the old.
-CHECKPOINT_VERSION = 1
+CHECKPOINT_VERSION = 2
 #: Every format this image reads (announced by `subagentd --check`).
-READS_VERSIONS = (1,)
+READS_VERSIONS = (1, 2)
 #: Far above any real checkpoint (about a kilobyte a worker); a larger file is no checkpoint.
 CHECKPOINT_READ_LIMIT = 1024 * 1024 * 1024
 
 
 class CarriedWorker(msgspec.Struct, kw_only=True):
+    """A live worker: its record is in the store, under its id."""
+
     id: str
     pid: int
     pid_start: int
     stdout: int | None  # descriptor numbers, valid across the exec
     stderr: int | None
-    archive: str
-    record: bytes  # a msgpack WorkerRecord, decoded on its own
 
 
 class CarriedConnection(msgspec.Struct, kw_only=True):
@@ -61,17 +63,14 @@ class Checkpoint(msgspec.Struct, kw_only=True):
     #: False when the service manager made the socket file (activation): never unlink it.
     listen_owned: bool = True
     lock_fd: int
-    runs: list[RunRecord]
-    ended: list[bytes]  # msgpack WorkerRecords of ended, still retained workers
-    tombstones: list[Tombstone]
     live: list[CarriedWorker]
-    turn: int
-    fence: LaunchFence | None
-    fence_epochs: int
     #: The connections that asked for this reload, each owed an answer.
     requesters: list[CarriedConnection] = []
     #: Workers the old image had to stop rather than carry.
     stopped_by_reload: list[str] = []
+    #: Read from a version 1 checkpoint: the registry it carried (None in what this image
+    #: writes: the store holds it).
+    v1_state: CheckpointV1State | None = None
     #: The daemon's settings, which the new image serves with (its own defaults do not
     #: apply). None: an image that passed them on the command line instead.
     settings: Settings | None = None
@@ -120,6 +119,9 @@ def read_checkpoint(path: Path) -> Checkpoint:
             f"checkpoint {path} has version {version}; this image reads {list(READS_VERSIONS)}"
         )
     try:
-        return _decoder.decode(raw)
+        checkpoint = _decoder.decode(raw)
+        if version == 1:
+            checkpoint.v1_state = msgspec.msgpack.decode(raw, type=CheckpointV1State)
     except msgspec.DecodeError as exc:
         raise CheckpointUnreadable(f"checkpoint {path} does not decode: {exc}") from exc
+    return checkpoint

@@ -10,11 +10,11 @@ unexpected exception in it ends that worker `failed`, never the daemon.
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
 import math
 import os
 import shutil
+import signal
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -57,8 +57,8 @@ from ._registry import (
     WorkerRecord,
 )
 from ._resume import git_branch
-from ._statedir import StateDir, save_run
-from ._store import STORE_NAME, Store
+from ._statedir import StateDir
+from ._store import STORE_NAME, Change, LaunchState, Store
 from ._supervisor import LiveWorker, Supervisor
 from ._wakes import WakeKey, open_wakes
 
@@ -75,18 +75,18 @@ INLINE_JOURNAL_BYTES = 64 * 1024
 OPEN_JOURNALS = 16
 #: Ended journals verified at once (each in a thread).
 JOURNAL_SCANS = 2
-#: A journal longer than this gets a stdout.tail file when its worker ends.
-TAIL_FILE_FROM_BYTES = 1024 * 1024
+#: A journal longer than this has its stdout tail kept in the store when its worker ends.
+TAIL_KEPT_FROM_BYTES = 1024 * 1024
 #: A wake carries this much of the result, so a parent rarely needs to collect.
 WAKE_PREVIEW_CHARS = 200
-#: Records naming another worker or archive listed in `info`, at most (each is logged).
-RECORD_PROBLEMS = 100
 #: A watch page never holds more entries than this, whatever the client asks.
 MAX_PAGE_ENTRIES = 10_000
 #: Fault injection for the tests of the fault boundaries, read once at start:
 #: SUBAGENTD_FAULT="point:target,...". `ending:N`, `pump:N` and `record:N` raise in the
 #: supervision of a worker named N (as its ending begins, once a chunk of its output is
-#: journaled, as its ending's record is written), `expire:N` as its handle expires,
+#: journaled, inside its ending's transaction: rolled back), `expire:N` as its handle expires,
+#: `die-in-ending:N` kills the daemon (SIGKILL) inside the ending's transaction of the
+#: Nth worker to end (counted from 1 in this daemon's life),
 #: `resume:N` as a resume of it has reopened its record;
 #: `reload:early` raises as the first reload begins.
 FAULT_ENV = "SUBAGENTD_FAULT"
@@ -171,15 +171,14 @@ class Daemon:
         self.descriptor_problem: str | None = None
         #: What crash recovery could not do for some worker (reported by `info`).
         self.recovery_problems: list[str] = []
-        #: Records found naming another worker or archive, by worker (reported by `info`).
-        self.record_problems: dict[str, str] = {}
         self.journals: collections.OrderedDict[str, Journal] = collections.OrderedDict()
         #: Threads verifying journals (see open_journal): their own, so a worker's huge
         #: journal read by many requests holds these and never those a spawn needs.
         self._journal_scans = trio.CapacityLimiter(JOURNAL_SCANS)
-        self.runs_dir = state_dir.root / "runs"
         self._saved_runs: set[str] = set()
-        #: What the daemon knows, transactionally (so far: the wakes).
+        #: Endings recorded in this daemon's life (for the `die-in-ending` fault).
+        self._endings = 0
+        #: What the daemon knows, transactionally: records, runs, wakes, tombstones, turn.
         self.store = Store.open(state_dir.root / STORE_NAME)
         self.wakes = open_wakes(self.store, state_dir.root / "wakes.log")
         self._wakes_posted = trio.Event()
@@ -267,10 +266,15 @@ class Daemon:
             timeout=launch.timeout,
         )
         try:
-            # A run's file changes only when the run does; an implicit run's is
-            # written only if it is stopped (recovery takes a run without one as implicit).
+            # In the store before its archive or process exists, so a crash at any point
+            # after leaves a record for recovery to find. A run's row changes only when
+            # the run does; an implicit run's is written only if it is stopped (recovery
+            # takes a run without one as implicit).
+            change = Change(workers=[record])
             if record.run not in self._saved_runs and not self.registry.runs[record.run].implicit:
-                self.save_run(record.run)
+                change.runs.append(self.registry.runs[record.run])
+            self.store.commit(change, "registering a worker")
+            self._saved_runs.update(r.id for r in change.runs)
             archive = self.spares.take(record.id)
             if archive is None:
                 archive = self.archive_of(record.id)
@@ -353,7 +357,8 @@ class Daemon:
         self.supervisor.supervise(live, process)
         try:
             live.journal.append("state", f"running pid={process.pid}".encode(), self.clock())
-            archive.write_record(record)
+            # Its pid, for recovery to end its tree by if the daemon dies.
+            self.store.commit(Change(workers=[record]), "a worker's start")
         except OSError as exc:
             self._disk_trouble(f"archive of {record.id}", exc)
         else:
@@ -422,9 +427,6 @@ class Daemon:
             self.fault("ending", record.name)
         now = self.clock()
         self.registry.ended(record.id, returncode, now)
-        archive = self.archive_of(record.id)
-        # Each write may meet a full disk; the ending stands in memory regardless
-        # (and its wake is delivered from memory) and is reported.
         if failure is not None:
             record.state = "failed"
             journal = self._note_failure(record, journal, failure, now)
@@ -435,33 +437,30 @@ class Daemon:
             self._disk_trouble(f"journal of {record.id}", exc)
         journal.close()
         self._keep_journal_open(record.id, journal)  # its tail serves the collect that follows
-        # stdout.tail costs a new file (hundreds of microseconds on some disks):
-        # written only where the journal would not answer as well, that is when
-        # it is long, or its newest entries (all a reader keeps) hold less stdout.
+        # Collect's tail is the journal's end; it is kept in the store, with the ending,
+        # only where the journal would not answer as well: when it is long, or its newest
+        # entries (all a reader keeps) hold less stdout.
+        keep = None
         if (
-            journal.size > TAIL_FILE_FROM_BYTES
+            journal.size > TAIL_KEPT_FROM_BYTES
             or journal.tail_bytes("stdout", STDOUT_TAIL_BYTES) != stdout_tail
         ):
-            try:
-                archive.write_stdout_tail(stdout_tail)
-            except OSError as exc:
-                self._disk_trouble(f"archive of {record.id}", exc)
-        try:
-            self.post_wake(record, archive, stdout_tail)
-            if failure is not None:
-                self._restate_wake(record)
-        except Exception:  # never seen; but whatever it was, the record below is written
-            log.exception("wake.not_posted", worker=record.id)
-        try:
-            if failure is None:
-                self.fault("record", record.name)
-            archive.write_record(record)
-        except OSError as exc:
-            self._disk_trouble(f"record of {record.id}", exc)
-        else:
-            self.disk_problem = None
+            keep = stdout_tail[-STDOUT_TAIL_BYTES:]
+        self.record_ending(
+            record,
+            stdout_tail,
+            keep_tail=keep,
+            before_commit=None if failure is not None else lambda: self._ending_faults(record),
+        )
         self._retention_changed.set()
         self.touch()
+
+    def _ending_faults(self, record: WorkerRecord) -> None:
+        """Inside an ending's transaction: the faults the tests inject there."""
+        self._endings += 1
+        if ("die-in-ending", str(self._endings)) in self.faults:
+            os.kill(os.getpid(), signal.SIGKILL)  # a crash mid-transaction, for the tests
+        self.fault("record", record.name)
 
     async def _make_spare_archives(self) -> None:
         """Keep archive directories made ahead for the next spawns, in a thread."""
@@ -484,7 +483,11 @@ class Daemon:
             self._spares_wanted = trio.Event()
 
     def _stdout_tail(self, found: WorkerRecord | Tombstone) -> bytes:
-        """The end of an ended worker's stdout; its journal is not read again if open."""
+        """The end of an ended worker's stdout: kept in the store where its journal would
+        not give it as well, else its journal's end (not read again if open)."""
+        kept = self.store.tail(found.id)
+        if kept is not None:
+            return kept
         return self.archive_of(found.id).stdout_tail(self.journals.get(found.id))
 
     def _out_of_descriptors(self, worker_id: str, exc: OutOfDescriptors) -> Busy:
@@ -508,13 +511,21 @@ class Daemon:
             log.error("disk.write_failed", problem=problem, errno=exc.errno)
         self.disk_problem = problem
 
-    def post_wake(
-        self, record: WorkerRecord, archive: Archive, stdout_tail: bytes | None = None
+    def record_ending(
+        self,
+        record: WorkerRecord,
+        stdout_tail: bytes | None = None,
+        *,
+        keep_tail: bytes | None = None,
+        before_commit: Callable[[], None] | None = None,
     ) -> None:
-        """One wake for this ending, for its parent; persisted before anyone sees it."""
+        """Write an ended worker down in one transaction: its record's final state (and
+        with it its retention) and one wake for its parent, so no crash leaves one without
+        the other. The wake is in the store before anyone sees it."""
+        archive = self.archive_of(record.id)
 
         def tail() -> bytes:
-            return archive.stdout_tail() if stdout_tail is None else stdout_tail
+            return self._stdout_tail(record) if stdout_tail is None else stdout_tail
 
         try:
             preview = archive.result_text(tail)[:WAKE_PREVIEW_CHARS]
@@ -530,15 +541,23 @@ class Daemon:
             preview=preview,
             attempt=record.attempt,
         )
-        if wake is None:
-            return
+        change = Change(workers=[record])
+        if keep_tail is not None:
+            change.tails[record.id] = keep_tail
+        if wake is not None:
+            change.wakes.append(wake)
+        else:  # posted before a fault: as it stands now, wherever the fault left it
+            change.restated = self._restated(record)
         try:
-            self.store.post_wake(wake)
+            self.store.commit(change, "an ending", before_commit=before_commit)
         except OSError as exc:
             # Still delivered from memory; only a crash before its ack could lose it.
-            self._disk_trouble("store (a wake)", exc)
-        posted, self._wakes_posted = self._wakes_posted, trio.Event()
-        posted.set()
+            self._disk_trouble("store (an ending)", exc)
+        else:
+            self.disk_problem = None
+        if wake is not None:
+            posted, self._wakes_posted = self._wakes_posted, trio.Event()
+            posted.set()
 
     def _note_failure(
         self, record: WorkerRecord, journal: Journal, failure: str, now: float
@@ -553,22 +572,19 @@ class Daemon:
             log.exception("journal.failure_not_noted", worker=record.id)
         return journal
 
-    def _restate_wake(self, record: WorkerRecord) -> None:
-        """Make a wake posted before a fault changed its worker's state say the new one.
+    def _restated(self, record: WorkerRecord) -> list[Wake]:
+        """The unacknowledged wake this attempt posted, made to say its worker's state now.
 
         Nobody has read it: the fault's handling reaches here without a checkpoint
-        after the post (a fault after the reap awaits nothing). Its row in the
-        store is changed in place.
+        after the post (a fault after the reap awaits nothing). Written again whole: the
+        transaction that first wrote it may have been rolled back by the fault.
         """
+        found = []
         for wake in self.wakes.pending.values():
-            if (wake.id, wake.attempt) != (record.id, record.attempt):
-                continue
-            if (wake.state, wake.exit_code) != (record.state, record.exit_code):
+            if (wake.id, wake.attempt) == (record.id, record.attempt):
                 wake.state, wake.exit_code = record.state, record.exit_code
-                try:
-                    self.store.restate_wake(wake)
-                except OSError as exc:
-                    self._disk_trouble("store (a wake)", exc)
+                found.append(wake)
+        return found
 
     # -- stopping ------------------------------------------------------------
 
@@ -597,15 +613,40 @@ class Daemon:
 
     def new_run(self, outer: str | None) -> str:
         run = self.registry.new_run(self.clock(), outer)
-        self.save_run(run.id)
-        if outer is not None:
-            self.save_run(outer)  # no longer implicit: a restart must keep it too
+        # The outer run is no longer implicit: a restart must keep it too.
+        self.save_runs([run.id] if outer is None else [run.id, outer])
         return run.id
 
-    def save_run(self, run_id: str) -> None:
-        """Write a run's file (its nesting and stop flag outlive a crash)."""
-        save_run(self.runs_dir, self.registry.runs[run_id])
-        self._saved_runs.add(run_id)
+    def save_runs(self, run_ids: list[str]) -> None:
+        """Write runs to the store (their nesting and stop flags outlive a crash)."""
+        runs = [self.registry.runs[r] for r in run_ids]
+        self.store.commit(Change(runs=runs), "a run")
+        self._saved_runs.update(run_ids)
+
+    def _save_launch(self) -> None:
+        """Write the launch turn and fence (a restart starts from them)."""
+        registry = self.registry
+        launch = LaunchState(
+            turn=registry.turn, fence=registry.fence, fence_epochs=registry.fence_epochs
+        )
+        try:
+            self.store.commit(Change(launch=launch), "the launch turn and fence")
+        except OSError as exc:
+            self._disk_trouble("store (the launch fence)", exc)
+
+    def begin_turn(self) -> int:
+        turn = self.registry.begin_turn()
+        self._save_launch()
+        return turn
+
+    def set_fence(self) -> int:
+        epoch = self.registry.set_fence()
+        self._save_launch()
+        return epoch
+
+    def clear_fence(self) -> None:
+        self.registry.clear_fence()
+        self._save_launch()
 
     def stop_run(self, run_id: str) -> tuple[bool, list[str]]:
         """Stop a run and the runs nested in it: workers in flight, and every later spawn;
@@ -613,8 +654,10 @@ class Daemon:
         if run_id not in self.registry.runs:
             return False, []
         stopped = self.registry.stop_run(run_id)
-        for run in self.registry.runs_within(run_id):
-            self.save_run(run)
+        try:
+            self.save_runs(list(self.registry.runs_within(run_id)))
+        except OSError as exc:  # stopped in memory regardless: a crash would forget it
+            self._disk_trouble("store (a run)", exc)
         self.supervisor.ask_stop(stopped)
         for run in self.registry.runs_within(run_id):
             if (event := self._run_stopped.pop(run, None)) is not None:
@@ -647,6 +690,7 @@ class Daemon:
 
     def cancel_fence(self, epoch: int) -> list[str]:
         cancelled = self.registry.cancel_fence(epoch)
+        self._save_launch()
         self.supervisor.ask_stop(cancelled)
         log.info("fence.cancelled", epoch=epoch, cancelled=cancelled)
         return cancelled
@@ -663,14 +707,15 @@ class Daemon:
     # -- reading -------------------------------------------------------------
 
     def lookup(self, worker_id: str) -> WorkerRecord | Tombstone:
-        """A worker by id: its handle, its tombstone, or else its record in the archive."""
+        """A worker by id: its handle, its tombstone, or else its record in the store."""
         found = self.registry.workers.get(worker_id) or self.registry.tombstones.get(worker_id)
         if found is not None:
             return found
-        archived = self.archive_of(worker_id).load_record()
-        if archived is None:
+        released = self.store.worker(worker_id)
+        if released is None:
             raise NotFound(f"no worker {worker_id!r}")
-        return archived
+        released.archive = str(self.archive_of(worker_id).path)  # as the state dir is now
+        return released
 
     def archive_of(self, worker_id: str) -> Archive:
         """The worker's archive: where the state dir keeps it for that id, never where a
@@ -678,12 +723,7 @@ class Daemon:
         path = self.state_dir.archive(worker_id)
         if path is None:
             raise NotFound(f"no worker {worker_id!r} (not a worker id)")
-        return Archive(path, damaged=self.record_damaged)
-
-    def record_damaged(self, worker_id: str, problem: str) -> None:
-        """Report a record that is not its archive's own, once per worker (see load_record)."""
-        if worker_id not in self.record_problems and len(self.record_problems) < RECORD_PROBLEMS:
-            self.record_problems[worker_id] = f"worker {worker_id}: {problem}"
+        return Archive(path)
 
     async def wait(self, worker_id: str) -> WorkerView:
         self.lookup(worker_id)
@@ -704,10 +744,10 @@ class Daemon:
         if isinstance(found, Tombstone):
             text = text or found.output.decode("utf-8", errors="replace")
             del self.registry.tombstones[worker_id]
+            self._commit_retention(Change(dropped_tombstones=[worker_id]))
         elif worker_id in self.registry.workers:
             collected = self.registry.collect(worker_id)
-            archive.write_record(collected)  # a restart must not hold it again
-            self._release(worker_id)
+            self._release(worker_id, changed=collected)  # a restart must not hold it again
         return WorkerResult(id=found.id, state=found.state, exit_code=found.exit_code, result=text)
 
     async def watch_page(self, worker_id: str, since: int, limit: int) -> Page:
@@ -836,21 +876,39 @@ class Daemon:
         except OSError as exc:
             log.error("wakes.write_failed", error=str(exc))
 
+    def _commit_retention(self, change: Change) -> None:
+        try:
+            self.store.commit(change, "a release")
+        except OSError as exc:  # released in memory regardless: a restart holds it again
+            self._disk_trouble("store (a release)", exc)
+
     # -- retention -----------------------------------------------------------
 
-    def _release(self, worker_id: str, tombstone: Tombstone | None = None) -> None:
-        run = self.registry.workers[worker_id].run  # a release cascades within one run
+    def _release(
+        self, worker_id: str, tombstone: Tombstone | None = None, *, changed: WorkerRecord
+    ) -> None:
+        """Let a handle go (and what it held up), with the record that changed (collected,
+        expired): one transaction with the tombstones and the run it takes along."""
+        run = changed.run  # a release cascades within one run
+        stones = dict(self.registry.tombstones)
         released = self.registry.release(worker_id, tombstone)
         if released:
             log.debug("worker.released", workers=released)
             self.touch()
+        now = self.registry.tombstones
+        change = Change(
+            workers=[changed],
+            tombstones=[stone for i, stone in now.items() if stones.get(i) is not stone],
+            dropped_tombstones=[i for i in stones if i not in now],
+        )
         if run not in self.registry.runs:  # an implicit run went with its last worker
             # Nobody can subscribe to it any more: its wakes would wait forever.
             if orphaned := self.wakes.of_run(run):
-                self.ack(orphaned)
+                self.wakes.ack(orphaned)
+                change.acked = orphaned
             self._saved_runs.discard(run)
-            with contextlib.suppress(FileNotFoundError):
-                (self.runs_dir / f"{run}.json").unlink()
+            change.dropped_runs.append(run)
+        self._commit_retention(change)
 
     async def _expire_handles(self) -> None:
         """Release handles left uncollected past the TTL, exactly when each expires."""
@@ -873,16 +931,21 @@ class Daemon:
         stone = None
         if self.registry.needs_tombstone(worker_id):
             stone = Tombstone.of(record, self._stdout_tail(record))
-        self._release(worker_id, stone)
+        self._release(worker_id, stone, changed=record)
 
     async def _prune_archives_once(self) -> None:
-        """Delete archives of workers that ended more than the keep period ago."""
+        """Delete archives (and rows) of workers that ended more than the keep period ago."""
         cutoff = self.clock() - self.keep_archives_days * 86400
-        pruned = await trio.to_thread.run_sync(
-            prune_archives, self.state_dir.archives, cutoff, set(self.registry.workers)
-        )
-        if pruned:
-            log.info("archives.pruned", count=pruned)
+        doomed = [w for w in self.store.ended_before(cutoff) if w not in self.registry.workers]
+        archives = [p for w in doomed if (p := self.state_dir.archive(w)) is not None]
+        if not doomed:
+            return
+        await trio.to_thread.run_sync(prune_archives, archives)
+        try:
+            self.store.forget(doomed)
+        except OSError as exc:
+            self._disk_trouble("store (pruning)", exc)
+        log.info("archives.pruned", count=len(doomed))
 
     async def _prune_archives_daily(self) -> None:
         # On trio's clock, each day from the start: the time a pruning takes (a thread
@@ -908,8 +971,7 @@ class Daemon:
             problems=[p for p in (self.disk_problem, self.descriptor_problem) if p]
             + self.store.problems
             + self.recovery_problems
-            + self.registry.damage
-            + list(self.record_problems.values()),
+            + self.registry.damage,
         )
 
 

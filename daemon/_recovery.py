@@ -1,20 +1,21 @@
-"""Crash recovery: rebuild the registry from the archives when no checkpoint was left.
+"""Crash recovery: rebuild the registry from the store.
 
-The last daemon died without handing over. Finished results stay collectable;
-workers that were running are `interrupted`, and whatever of their process
-trees survived (orphans now) is ended: by its cgroup, else from the leader
-its record names only if that pid is still the process started then and
-carries the worker's id (a record is in its worker's reach; see `_leader`),
-else by that id alone; wakes not yet acknowledged come back from
-the store, and an interrupted worker posts its own.
+The last daemon died without handing over (or handed over only its live pids: a
+reload's new image takes the rest from here too). The store says which workers it
+held: finished results stay collectable; workers not ended in the store were
+running, and are `interrupted`, and whatever of their process trees survived
+(orphans now) is ended: by its cgroup, else from the leader its record names only
+if that pid is still the process started then and carries the worker's id (see
+`_leader`), else by that id alone. Wakes not yet acknowledged come back from the
+store, and an interrupted worker's ending (record and wake) is one transaction.
 
-Each interrupted worker is recovered in its own fault boundary: its archive is
-in its reach, and whatever was planted there (a directory where a file is
-written, say) is logged and reported by `info`, never the end of recovery and
-so of every later start. A record that no longer reads (the worker may have
-replaced it) is rebuilt from the snapshot and the journal's last state: such a
-worker cannot escape recovery, and its leftovers are found by the worker id
-they inherited, there being no pid to go by (`_rebuild` says what is lost).
+Each interrupted worker is recovered in its own fault boundary: its archive is in
+its reach, and whatever was planted there is logged and reported by `info`, never
+the end of recovery and so of every later start. A row that no longer decodes (or
+an older image's record.json that did not) is rebuilt from the snapshot and the
+journal's last state: such a worker cannot escape recovery, and its leftovers are
+found by the worker id they inherited, there being no pid to go by (`_rebuild`
+says what is lost).
 """
 
 from __future__ import annotations
@@ -27,45 +28,51 @@ import structlog
 from subagentd.protocol import TERMINAL_STATES, WorkerState
 from subagentd.protocol.errors import Refused
 
-from ._archive import STDOUT_TAIL_BYTES, Archive, is_spare
+from ._archive import STDOUT_TAIL_BYTES, Archive
 from ._daemon import Daemon
 from ._journal import Journal, JournalCorrupt
 from ._process import reap
 from ._registry import WorkerRecord, new_token
 from ._resume import read_snapshot
-from ._statedir import load_runs
+from ._store import Change
 from ._tree import carries_worker_id, read_stat
 
 log = structlog.get_logger("subagentd")
 
 
-async def recover(daemon: Daemon) -> list[str]:
-    """Load every archived worker still worth holding; the ids found interrupted."""
-    records: list[WorkerRecord] = []
+async def recover(
+    daemon: Daemon, *, carried: frozenset[str] = frozenset(), unread: list[str] | None = None
+) -> list[str]:
+    """Take back every worker the store holds; the ids found interrupted.
+
+    `carried`: workers a reload carried live (adopted, not interrupted); `unread`: ids
+    whose record did not read elsewhere (an older image's record.json), rebuilt too.
+    """
+    records, damaged = daemon.store.held_workers()
     interrupted: list[str] = []
-    archives = daemon.state_dir.archives
-    for path in sorted(archives.iterdir()):
-        if is_spare(path):
-            continue
-        archive = Archive(path, damaged=daemon.record_damaged)
-        record = archive.load_record()
-        if record is None:
-            record = await _rebuild_alone(daemon, archive)
-        if record is None:
-            continue
-        if not record.ended:
-            await _interrupt_alone(daemon, record, archive)
+    for worker_id in dict.fromkeys([*damaged, *(unread or ())]):
+        path = daemon.state_dir.archive(worker_id)
+        rebuilt = await _rebuild_alone(daemon, Archive(path)) if path is not None else None
+        if rebuilt is not None:
+            records.append(rebuilt)
+    for record in records:
+        if not record.ended and record.id not in carried:
+            await _interrupt_alone(daemon, record, daemon.archive_of(record.id))
             interrupted.append(record.id)
-        if not record.collected:
-            records.append(record)
+    launch = daemon.store.launch()
     daemon.registry.restore(
-        runs=load_runs(daemon.state_dir.root / "runs"),
+        runs=daemon.store.runs(),
         records=records,
-        tombstones=[],
-        turn=0,
-        fence=None,
-        fence_epochs=0,
+        tombstones=daemon.store.tombstones(),
+        turn=launch.turn,
+        fence=launch.fence,
+        fence_epochs=launch.fence_epochs,
     )
+    # What clients see: an earlier image may have taken it from a rewritten record.
+    for record in daemon.registry.workers.values():
+        record.archive = str(daemon.archive_of(record.id).path)
+    for stone in daemon.registry.tombstones.values():
+        stone.archive = str(daemon.archive_of(stone.id).path)
     log.info("recovery.done", retained=len(records), interrupted=interrupted)
     return interrupted
 
@@ -84,7 +91,7 @@ async def _rebuild_alone(daemon: Daemon, archive: Archive) -> WorkerRecord | Non
 
 
 async def _rebuild(daemon: Daemon, archive: Archive) -> WorkerRecord | None:
-    """A record for an archive whose record.json does not read, from what does.
+    """A record for a worker whose row (or record.json) does not read, from what does.
 
     The snapshot gives what the worker ran and where it belongs; the journal's
     last state entry whether it had ended. Lost with the record: its pid (its
@@ -133,7 +140,7 @@ async def _rebuild(daemon: Daemon, archive: Archive) -> WorkerRecord | None:
     log.warning("recovery.record_rebuilt", worker=worker_id, state=record.state)
     daemon.recovery_problems.append(f"worker {worker_id}: {why}")
     if record.ended:
-        _alone(daemon, record, "record", lambda: archive.write_record(record))
+        _alone(daemon, record, "record", lambda: _commit(daemon, record))
     return record
 
 
@@ -179,7 +186,7 @@ async def _interrupt(daemon: Daemon, record: WorkerRecord, archive: Archive) -> 
         # It had ended, and its wake was written, just before the daemon died.
         record.state, record.exit_code = posted.state, posted.exit_code
         record.ended_at = daemon.clock()
-        archive.write_record(record)
+        _commit(daemon, record)
         return
     try:
         await _end_leftovers(daemon, record)
@@ -206,10 +213,18 @@ async def _interrupt(daemon: Daemon, record: WorkerRecord, archive: Archive) -> 
             journal.close()
     record.state = "interrupted"
     record.ended_at = daemon.clock()
-    # Each step stands alone: a tail that cannot be written costs no wake, nor the record.
-    _alone(daemon, record, "stdout tail", lambda: archive.write_stdout_tail(stdout_tail))
-    _alone(daemon, record, "wake", lambda: daemon.post_wake(record, archive))
-    _alone(daemon, record, "record", lambda: archive.write_record(record))
+    # Its record, its wake and its stdout's tail (read before the note above) in one
+    # transaction: a crash now leaves it to be recovered again, never half recovered.
+    _alone(
+        daemon,
+        record,
+        "ending",
+        lambda: daemon.record_ending(record, stdout_tail, keep_tail=stdout_tail),
+    )
+
+
+def _commit(daemon: Daemon, record: WorkerRecord) -> None:
+    daemon.store.commit(Change(workers=[record]), "a recovered record")
 
 
 async def _end_leftovers(daemon: Daemon, record: WorkerRecord) -> None:

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-import msgspec
 import structlog
 import trio
 
@@ -41,12 +40,14 @@ from ._checkpoint import (
     Checkpoint,
 )
 from ._daemon import Daemon
-from ._journal import JournalCorrupt
+from ._journal import Journal, JournalCorrupt
+from ._legacy import import_checkpoint_v1
 from ._listener import ControlSocket
 from ._notify import monotonic_usec, notify
 from ._process import WorkerProcess, reap
-from ._registry import WorkerRecord
+from ._recovery import recover
 from ._settings import Settings
+from ._store import Change
 from ._supervisor import LiveWorker
 
 log = structlog.get_logger("subagentd")
@@ -256,10 +257,16 @@ class Reloader:
         *,
         stopped_by_reload: list[str],
     ) -> Checkpoint:
-        """What the next image is handed, once frozen and paused: every descriptor it
-        needs handed in to `carried` by its owner, and listed. (The in-process tests build
-        a reload from this, as the exec does: tests/inprocess.py.)"""
+        """What the next image is handed, once frozen and paused: the live workers'
+        records in the store, every descriptor it needs handed in to `carried` by its
+        owner and listed. (The in-process tests build a reload from this, as the exec
+        does: tests/inprocess.py.)"""
         daemon = self.daemon
+        # The live workers' records as they stand now (a stop asked since their start is
+        # known in memory alone): the new image takes every record from the store.
+        daemon.store.commit(
+            Change(workers=[live.record for live in daemon.supervisor.workers()]), "a reload"
+        )
         lock_fd, lock_file_fd = daemon.state_dir.carry(carried)
         return Checkpoint(
             image_generation=daemon.image_generation,
@@ -268,13 +275,7 @@ class Reloader:
             listen_owned=self.control.owned,
             lock_fd=lock_fd,
             lock_file_fd=lock_file_fd,
-            runs=list(daemon.registry.runs.values()),
-            ended=[msgspec.msgpack.encode(r) for r in daemon.registry.workers.values() if r.ended],
-            tombstones=list(daemon.registry.tombstones.values()),
             live=[_carried(live, carried) for live in daemon.supervisor.workers()],
-            turn=daemon.registry.turn,
-            fence=daemon.registry.fence,
-            fence_epochs=daemon.registry.fence_epochs,
             requesters=[
                 CarriedConnection(
                     fd=carried.carry(conn.fd, "a connection that asked for the reload"),
@@ -346,8 +347,6 @@ def _carried(live: LiveWorker, carried: Carried) -> CarriedWorker:
         pid_start=process.starttime,
         stdout=stdout,
         stderr=stderr,
-        archive=live.record.archive,
-        record=msgspec.msgpack.encode(live.record),
     )
 
 
@@ -393,81 +392,70 @@ def _versions_read(check_output: str, what: str) -> set[int]:
 # -- the new image's side ------------------------------------------------------
 
 
-async def adopt(daemon: Daemon, checkpoint: Checkpoint) -> tuple[int, list[str]]:
-    """Take over everything the checkpoint carries; (workers carried live, ids stopped).
+async def adopt(
+    daemon: Daemon, checkpoint: Checkpoint, unread: list[str] | None = None
+) -> tuple[int, list[str]]:
+    """Take over every live worker the checkpoint carries, and the rest from the store;
+    (workers carried live, ids stopped). `unread`: as for `recover`.
 
-    A worker whose record does not decode, or whose pid is no longer it, is
-    stopped (if alive), archived as `stopped_by_reload`, and said loudly.
+    A worker with no readable record in the store, or whose pid is no longer it, is
+    stopped (if alive), ended `stopped_by_reload`, and said loudly.
     """
-    records = []
-    for blob in checkpoint.ended:
-        try:
-            records.append(msgspec.msgpack.decode(blob, type=WorkerRecord))
-        except msgspec.DecodeError as exc:
-            log.error("reload.unreadable_record", error=str(exc))
+    if checkpoint.v1_state is not None:  # an older image reloading into this one
+        import_checkpoint_v1(daemon.store, checkpoint.v1_state, daemon.state_dir.archives)
     stopped = list(checkpoint.stopped_by_reload)
-    unadoptable: list[WorkerRecord] = []
+    adopted: list[tuple[CarriedWorker, WorkerProcess, Journal]] = []
     for carried in checkpoint.live:
         process: WorkerProcess | None = None
         try:
-            record = msgspec.msgpack.decode(carried.record, type=WorkerRecord)
+            if daemon.store.worker(carried.id) is None:
+                raise _NoRecord(f"worker {carried.id} has no readable record in the store")
             process = daemon.launcher.adopt(
                 carried.id, carried.pid, carried.pid_start, carried.stdout, carried.stderr
             )
             # Verified whole while clients wait in the backlog: a million entries cost
             # seconds of this reload (carrying the verified index would spare that).
             journal = await daemon.open_journal(
-                daemon.archive_of(record.id).file(Archive.JOURNAL), writable=True
+                daemon.archive_of(carried.id).file(Archive.JOURNAL), writable=True
             )
-        except (msgspec.DecodeError, OSError, JournalCorrupt) as exc:  # OSError: pid gone too
+        except (_NoRecord, OSError, JournalCorrupt) as exc:  # OSError: pid gone too
             log.error("reload.cannot_adopt", worker=carried.id, pid=carried.pid, error=str(exc))
             if process is not None:
                 os.close(process.pidfd)  # its pipes are closed by _stop_unadoptable
-            ended = await _stop_unadoptable(daemon, carried)
+            await _stop_unadoptable(daemon, carried)
             stopped.append(carried.id)
-            if ended is not None:
-                records.append(ended)
-                unadoptable.append(ended)
             continue
-        live = LiveWorker(record=record, journal=journal, process=process)
+        adopted.append((carried, process, journal))
+    await recover(daemon, carried=frozenset(c.id for c, _, _ in adopted), unread=unread)
+    for carried, process, journal in adopted:
+        live = LiveWorker(
+            record=daemon.registry.worker(carried.id), journal=journal, process=process
+        )
         live.stdout_tail += journal.tail_bytes("stdout", STDOUT_TAIL_BYTES)
         daemon.supervisor.add(live)
-        records.append(record)
-    daemon.registry.restore(
-        runs=checkpoint.runs,
-        records=records,
-        tombstones=checkpoint.tombstones,
-        turn=checkpoint.turn,
-        fence=checkpoint.fence,
-        fence_epochs=checkpoint.fence_epochs,
-    )
-    # What clients see: an earlier image may have taken it from a rewritten record.
-    for record in daemon.registry.workers.values():
-        record.archive = str(daemon.archive_of(record.id).path)
-    for stone in daemon.registry.tombstones.values():
-        stone.archive = str(daemon.archive_of(stone.id).path)
     daemon.image_generation = checkpoint.image_generation + 1
     daemon.reloads = checkpoint.reloads + 1
-    for record in unadoptable:
-        daemon.post_wake(record, daemon.archive_of(record.id))
     return len(daemon.supervisor), stopped
 
 
-async def _stop_unadoptable(daemon: Daemon, carried: CarriedWorker) -> WorkerRecord | None:
-    """End a carried worker the new image cannot supervise; its record, archived so."""
+class _NoRecord(Exception):
+    pass
+
+
+async def _stop_unadoptable(daemon: Daemon, carried: CarriedWorker) -> None:
+    """End a carried worker the new image cannot supervise: its tree, then its ending
+    (record and wake, one transaction) as `stopped_by_reload`."""
     for fd in (carried.stdout, carried.stderr):
         if fd is not None:
             os.close(fd)
     await daemon.launcher.end_leftover_tree(carried.id, carried.pid, carried.pid_start, 0.5)
     await reap(carried.pid)
-    archive = daemon.archive_of(carried.id)
-    record = archive.load_record()
+    record = daemon.store.worker(carried.id)
     if record is None:
-        return None
+        return  # recovery rebuilds it from its snapshot, if its row is there to say so
     record.state = "stopped_by_reload"
     record.ended_at = daemon.clock()
-    archive.write_record(record)
-    return record
+    daemon.record_ending(record)
 
 
 def reload_reply(daemon: Daemon, request_id: int, carried: int, stopped: list[str]) -> Reply:

@@ -1,13 +1,12 @@
-"""Resuming: carrying an ended worker or run on from its archive.
+"""Resuming: carrying an ended worker or run on from its snapshot.
 
 The rules of what may be resumed live in `_resume`; this module does it, on
-the daemon: a worker comes back into memory as its next attempt and starts
-down the same launch path as a new spawn.
+the daemon: a worker comes back into memory (from the store, if its handle was
+released) as its next attempt and starts down the same launch path as a new
+spawn. Which runs were started where is a query on the store, not a scan.
 """
 
 from __future__ import annotations
-
-import math
 
 import structlog
 import trio
@@ -21,6 +20,7 @@ from ._files import NotRegularFile
 from ._journal import Journal
 from ._registry import WorkerRecord
 from ._resume import RESUMABLE, check_branch, read_snapshot
+from ._store import Change
 from ._supervisor import LiveWorker
 
 log = structlog.get_logger("subagentd")
@@ -55,7 +55,7 @@ class Resumer:
         archive = self.daemon.archive_of(found.id)
         snapshot = read_snapshot(archive, worker_id)
         check_branch(snapshot, worker_id)
-        record = self.daemon.registry.workers.get(worker_id) or archive.load_record()
+        record = self.daemon.registry.workers.get(worker_id) or self.daemon.store.worker(worker_id)
         if record is None:
             raise Refused(f"worker {worker_id} cannot be resumed: its record is unreadable")
         if worker_timeout is not None and worker_timeout < 0:
@@ -71,16 +71,7 @@ class Resumer:
     ) -> WorkerView:
         # The journal first: if it cannot be opened, nothing has changed yet.
         journal = await self._open_journal(record.id, archive)
-        # Every archive step that may fail comes before the reopen, too.
-        try:
-            archive.forget_stdout_tail()
-        except OSError as exc:
-            journal.close()
-            raise Refused(
-                f"worker {record.id} cannot be resumed: its archive cannot be written "
-                f"({exc.strerror or exc})"
-            ) from None
-        self.daemon.registry.tombstones.pop(record.id, None)
+        had_stone = self.daemon.registry.tombstones.pop(record.id, None) is not None
         record = self.daemon.registry.reopen(
             record,
             self.daemon.clock(),
@@ -90,7 +81,17 @@ class Resumer:
         self.daemon.supervisor.add(live)
         try:
             self.daemon.fault("resume", record.name)
-            self.daemon.save_run(record.run)
+            # The new attempt, its run live again, in one transaction; the last attempt's
+            # stdout tail no longer ends its stdout.
+            self.daemon.store.commit(
+                Change(
+                    workers=[record],
+                    tails={record.id: b""},
+                    runs=[self.daemon.registry.runs[record.run]],
+                    dropped_tombstones=[record.id] if had_stone else [],
+                ),
+                "a resume",
+            )
             self.daemon.journals.pop(record.id, None)  # its read-only view is about to go stale
             journal.append(
                 "note", f"attempt {record.attempt}: resumed".encode(), self.daemon.clock()
@@ -132,13 +133,9 @@ class Resumer:
             raise Refused(f"worker {worker_id} is {state}: only an ended worker can be resumed")
 
     def _run_records(self, run_id: str) -> list[WorkerRecord]:
-        """Every worker of a run, whether its handle is in memory or only its archive."""
-        records = {r.id: r for r in self.daemon.registry.workers.values() if r.run == run_id}
-        for path in self.daemon.state_dir.archives.iterdir():
-            if path.name not in records:
-                record = Archive(path).load_record()
-                if record is not None and record.run == run_id:
-                    records[record.id] = record
+        """Every worker of a run, whether its handle is in memory or only in the store."""
+        records = {r.id: r for r in self.daemon.store.workers_of_run(run_id)}
+        records |= {r.id: r for r in self.daemon.registry.workers.values() if r.run == run_id}
         return list(records.values())
 
     def _resumable_heads(self, run_id: str) -> list[WorkerRecord]:
@@ -176,15 +173,8 @@ class Resumer:
     def latest_resumable(self, cwd: str) -> tuple[str, bool, str]:
         """The newest run started in `cwd` that a resume would take: (run, True, "");
         else the newest run of `cwd` and why not: (run, False, reason)."""
-        started: dict[str, float] = {}  # run -> when its first worker was spawned
-        for path in self.daemon.state_dir.archives.iterdir():
-            record = Archive(path).load_record()
-            if record is not None and record.parent is None and record.cwd == cwd:
-                try:
-                    spawned = read_snapshot(Archive(path), record.id).created_at
-                except Refused:
-                    spawned = record.started_at  # a later attempt's start: the best left
-                started[record.run] = min(started.get(record.run, math.inf), spawned)
+        # run -> when its first worker was spawned: the index (cwd, spawned_at)
+        started = self.daemon.store.runs_started_in(cwd)
         if not started:
             raise NotFound(f"no run was started in {cwd}")
         newest_first = sorted(started, key=lambda run: started[run], reverse=True)

@@ -25,6 +25,7 @@ from ._cgroup import Cgroups, CgroupsUnavailable
 from ._checkpoint import Checkpoint
 from ._daemon import FAULT_ENV, Daemon, read_faults
 from ._launcher import LocalLauncher
+from ._legacy import import_old_state
 from ._listener import ControlSocket, activated_socket, bind_control_socket
 from ._notify import notify
 from ._recovery import recover
@@ -134,9 +135,11 @@ async def serve(
         control.remove()
         state_dir.release()
         raise
+    # An older image's record.json and run files, taken into the store once.
+    unread = _import_old_state(daemon)
     adopted: list[Handover] = []
     if handoff is not None:
-        carried, stopped = await adopt(daemon, handoff)
+        carried, stopped = await adopt(daemon, handoff, unread)
         adopted = [
             Handover(
                 c.fd,
@@ -155,7 +158,7 @@ async def serve(
             stopped_by_reload=stopped,
         )
     else:
-        await recover(daemon)
+        await recover(daemon, unread=unread)
         await daemon.launcher.sweep(daemon.supervisor)
     server = Server(daemon)
     reloader = Reloader(
@@ -223,6 +226,20 @@ def _remove_checkpoint(path: Path, *, keep: bool) -> None:
     if keep:
         path.replace(path.with_name(KEPT_CHECKPOINT))
     path.unlink(missing_ok=True)
+
+
+def _import_old_state(daemon: Daemon) -> list[str]:
+    """`import_old_state`; if it cannot be done, the daemon serves on and says why."""
+    try:
+        return import_old_state(daemon.store, daemon.state_dir.root, daemon.state_dir.archives)
+    except OSError as exc:
+        problem = (
+            f"the records of an earlier version in {daemon.state_dir.root} could not be "
+            f"imported ({exc.strerror or exc}): they are imported at the next start"
+        )
+        log.error("store.old_state_not_imported", problem=problem)
+        daemon.store.problems.append(problem)
+        return []
 
 
 def _tree_tracking(settings: Settings) -> tuple[Cgroups | None, str]:

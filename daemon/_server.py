@@ -630,9 +630,9 @@ class Server:
                 await daemon.wait_run_stopped(run)
                 return Done(id=rid)
             case BeginTurn():
-                return TurnReply(id=rid, turn=registry.begin_turn())
+                return TurnReply(id=rid, turn=daemon.begin_turn())
             case SetFence():
-                return FenceReply(id=rid, epoch=registry.set_fence())
+                return FenceReply(id=rid, epoch=daemon.set_fence())
             case Reload():
                 assert self.reloader is not None
                 return await self.reloader.reload(conn, rid)
@@ -644,7 +644,7 @@ class Server:
             case CancelFence(epoch=epoch):
                 return Cancelled(id=rid, cancelled=daemon.cancel_fence(epoch))
             case ClearFence():
-                registry.clear_fence()
+                daemon.clear_fence()
                 return Done(id=rid)
         raise Invalid(f"unknown request {op(request)}")
 

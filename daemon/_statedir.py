@@ -24,14 +24,11 @@ from typing import TYPE_CHECKING
 import msgspec
 import structlog
 
-from ._files import SAFE_FLAGS, open_dir, read_regular, replace_file, replace_in, short_write
-from ._registry import RunRecord
+from ._files import SAFE_FLAGS, open_dir, read_regular, replace_in, short_write
 
 if TYPE_CHECKING:
     from ._carried import Carried
 
-#: A run file is a few hundred bytes; a bigger one is not one of the daemon's.
-RUN_FILE_LIMIT = 1024 * 1024
 _WORKER_ID = re.compile(r"w-[A-Za-z0-9_-]{1,64}")
 log = structlog.get_logger("subagentd")
 
@@ -281,18 +278,3 @@ def _flock_holder(fd: int) -> LockHolder | None:
         if len(fields) >= 6 and fields[1] == "FLOCK" and "->" not in fields and fields[5] == device:
             return LockHolder(pid=int(fields[4]), host=socket.gethostname())
     return None
-
-
-def save_run(runs_dir: Path, run: RunRecord) -> None:
-    """Runs outlive a crash: nesting and stop flags are on disk, one small file each."""
-    runs_dir.mkdir(mode=0o700, exist_ok=True)
-    replace_file(runs_dir / f"{run.id}.json", msgspec.json.encode(run), what="of a run file")
-
-
-def load_runs(runs_dir: Path) -> list[RunRecord]:
-    runs = []
-    for path in runs_dir.glob("r-*.json") if runs_dir.exists() else ():
-        # A run file half written by a crash is skipped: its workers still name the run.
-        with contextlib.suppress(OSError, msgspec.DecodeError):
-            runs.append(msgspec.json.decode(read_regular(path, RUN_FILE_LIMIT), type=RunRecord))
-    return runs

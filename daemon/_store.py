@@ -21,7 +21,7 @@ in one transaction. An image reads every version up to `SCHEMA_VERSION` (it migr
 and refuses a newer one; `subagentd --check` lists them, and a reload refuses an image that
 cannot read the version in use.
 
-Version 1 (this image) holds the wakes:
+Version 1 held the wakes:
 
     schema_version(version INTEGER PRIMARY KEY, migrated_at REAL, by TEXT)
     counters(name TEXT PRIMARY KEY, value INTEGER)  -- 'wake_seq': the highest seq given
@@ -32,21 +32,32 @@ Version 1 (this image) holds the wakes:
 A post inserts the wake (and the trigger raises `wake_seq`) in one transaction; an ack
 deletes it. `wake_seq` outlives every row, so no seq is ever given twice.
 
-The versions to come (issue 12), each its own migration, hold the rest of what the daemon
-knows, so that an ending (record, wake, retention) is one transaction:
+Version 2 (this image) holds the rest of what the daemon knows, so that an ending (its
+record, its wake, its retention) is one transaction, and recovery and `latest_resumable`
+are queries:
 
-    workers(id PRIMARY KEY, attempt, run, parent, name, state, cwd, argv, agent, grace,
-            timeout, token, archive, turn, pid, pid_start, exit_code, started_at, ended_at,
-            stop_reason, collected, fence, expired)
-            INDEX (cwd, started_at)       -- crash recovery and latest_resumable(cwd)
-            INDEX (run), INDEX (state)    -- a run's workers; the live ones to recover
-    runs(id PRIMARY KEY, outer, created_at, stopped, implicit)
-    tombstones(id PRIMARY KEY, run, view BLOB, output BLOB, released_at)
-    snapshots(worker PRIMARY KEY REFERENCES workers, cwd, started_at, path)
-            INDEX (cwd, started_at)
-    launch(singleton PRIMARY KEY CHECK (singleton = 1), turn, fence_epoch,
-           fence_cancelled, fence_epochs)
-    wakes gains FOREIGN KEY (worker) REFERENCES workers; counters gains 'turn'.
+    workers(id TEXT PRIMARY KEY, run, parent, cwd, spawned_at, ended_at,
+            held INTEGER,   -- 1 while not ended, or ended and neither collected nor expired
+            record BLOB,    -- the whole WorkerRecord, msgpack
+            tail BLOB)      -- the end of its stdout, only where its journal's end would
+                            -- not give it as well (a long journal, stderr last)
+            INDEX (cwd, spawned_at)  -- latest_resumable(cwd): the snapshots' index
+            INDEX (run)              -- a run's workers, released or not
+            INDEX (id) WHERE held    -- what recovery and a reload take back
+            (no index on ended_at: pruning, once a day, scans; an ending writes one page
+            fewer, bench/store.py)
+    runs(id TEXT PRIMARY KEY, record BLOB)           -- RunRecord, msgpack
+    tombstones(id TEXT PRIMARY KEY, parent, stone BLOB)  -- Tombstone, msgpack
+    launch(singleton INTEGER PRIMARY KEY CHECK (singleton = 1), turn, fence_epoch,
+           fence_cancelled, fence_epochs)  -- fence_epoch NULL: no fence
+    counters gains 'old_state_imported' (1 once record.json and runs/ files were taken in)
+
+A row holds its columns for the queries and the whole record as one msgpack blob (not a
+column a field, as first planned): a field added to WorkerRecord needs no migration, and
+a row that does not decode is one thing, reported and costing only itself. The
+snapshots' index is the workers' (cwd, spawned_at): a worker's first start is its
+snapshot's time, so no table of its own is needed. Wakes keep no foreign key to workers:
+a wake imported from an old wake log may name a worker no record tells of.
 
 A damaged database (sqlite's own errors, or `PRAGMA quick_check` at open) is set aside with
 its WAL, reported, and replaced by a fresh one holding what could be read back from it; a
@@ -62,19 +73,23 @@ import sqlite3
 import stat
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import msgspec
 import structlog
 
 from subagentd.protocol import Wake
 
+from ._registry import LaunchFence, RunRecord, Tombstone, WorkerRecord
+
 log = structlog.get_logger("subagentd")
 
 #: The file's name in the state dir.
 STORE_NAME = "state.db"
 #: The schema this image writes.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 #: Every version this image reads (older ones are migrated forward); `--check` lists them.
 READS_VERSIONS = tuple(range(1, SCHEMA_VERSION + 1))
 #: How far seqs skip ahead when the store's record of the highest one given is lost: the
@@ -127,8 +142,90 @@ def _to_v1(db: sqlite3.Connection) -> None:
     )
 
 
+def _to_v2(db: sqlite3.Connection) -> None:
+    db.execute(
+        """CREATE TABLE workers (
+            id TEXT PRIMARY KEY,
+            run TEXT NOT NULL,
+            parent TEXT,
+            cwd TEXT NOT NULL,
+            spawned_at REAL NOT NULL,
+            ended_at REAL,
+            held INTEGER NOT NULL,
+            record BLOB NOT NULL,
+            tail BLOB
+        )"""
+    )
+    db.execute("CREATE INDEX workers_by_cwd ON workers (cwd, spawned_at)")
+    db.execute("CREATE INDEX workers_by_run ON workers (run)")
+    db.execute("CREATE INDEX workers_held ON workers (id) WHERE held")
+    db.execute("CREATE TABLE runs (id TEXT PRIMARY KEY, record BLOB NOT NULL)")
+    db.execute("CREATE TABLE tombstones (id TEXT PRIMARY KEY, parent TEXT, stone BLOB NOT NULL)")
+    db.execute(
+        """CREATE TABLE launch (
+            singleton INTEGER PRIMARY KEY CHECK (singleton = 1),
+            turn INTEGER NOT NULL,
+            fence_epoch INTEGER,
+            fence_cancelled INTEGER NOT NULL,
+            fence_epochs INTEGER NOT NULL
+        )"""
+    )
+    db.execute("INSERT INTO launch VALUES (1, 0, NULL, 0, 0)")
+
+
 #: MIGRATIONS[n] takes the schema from version n-1 to n (0: an empty database).
-MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {1: _to_v1}
+MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {1: _to_v1, 2: _to_v2}
+
+
+@dataclass(frozen=True)
+class LaunchState:
+    """The launch turn and fence, as the registry holds them."""
+
+    turn: int = 0
+    fence: LaunchFence | None = None
+    fence_epochs: int = 0
+
+
+@dataclass
+class Change:
+    """What one transaction writes: all of it, or (a crash, a full disk) none of it.
+
+    An ending is `Change(workers=[record], wakes=[wake])`: the record's final state, its
+    retention (held, collected, expired are the record's) and its parent's wake together.
+    """
+
+    workers: list[WorkerRecord] = field(default_factory=list)
+    #: The end of a worker's stdout, kept where its journal would not give it as well;
+    #: b"" clears it (a new attempt); a worker written without one keeps what it had.
+    tails: dict[str, bytes] = field(default_factory=dict)
+    wakes: list[Wake] = field(default_factory=list)
+    #: Posted wakes written again as they now stand (their worker's state changed before
+    #: anyone read them, or a fault rolled back the transaction that first wrote them).
+    restated: list[Wake] = field(default_factory=list)
+    acked: list[int] = field(default_factory=list)
+    runs: list[RunRecord] = field(default_factory=list)
+    dropped_runs: list[str] = field(default_factory=list)
+    tombstones: list[Tombstone] = field(default_factory=list)
+    dropped_tombstones: list[str] = field(default_factory=list)
+    launch: LaunchState | None = None
+    #: The state dir of an image before the store was taken in: never again.
+    old_state_imported: bool = False
+
+    def __bool__(self) -> bool:
+        return any(
+            (
+                self.workers,
+                self.wakes,
+                self.restated,
+                self.acked,
+                self.runs,
+                self.dropped_runs,
+                self.tombstones,
+                self.dropped_tombstones,
+                self.launch is not None,
+                self.old_state_imported,
+            )
+        )
 
 
 # -- the store ------------------------------------------------------------------
@@ -238,6 +335,110 @@ class Store:
             _raise_floor(db, floor)
         return fresh
 
+    # -- what the daemon knows --
+
+    def commit(
+        self, change: Change, what: str, *, before_commit: Callable[[], None] | None = None
+    ) -> None:
+        """Write `change` in one transaction; StoreWriteFailed if it did not go in.
+        `before_commit` runs inside it, its writes made: a fault injected there (see
+        SUBAGENTD_FAULT) rolls all of them back, as a crash there would."""
+        if not change:
+            return
+        with self.transaction(what) as db:
+            _write(db, change)
+            if before_commit is not None:
+                before_commit()
+
+    def held_workers(self) -> tuple[list[WorkerRecord], list[str]]:
+        """The workers the daemon holds handles for (not ended, or ended and neither
+        collected nor expired), and the ids of those whose row does not decode (each
+        reported; recovery rebuilds them from their snapshot)."""
+        return self._workers("SELECT id, record FROM workers WHERE held", ())
+
+    def worker(self, worker_id: str) -> WorkerRecord | None:
+        """A worker's record, released or not; None if unknown (or its row is damaged)."""
+        found, _ = self._workers("SELECT id, record FROM workers WHERE id = ?", (worker_id,))
+        return found[0] if found else None
+
+    def workers_of_run(self, run_id: str) -> list[WorkerRecord]:
+        return self._workers("SELECT id, record FROM workers WHERE run = ?", (run_id,))[0]
+
+    def runs_started_in(self, cwd: str) -> dict[str, float]:
+        """Each run a top-level worker was spawned into in `cwd`, with its first spawn."""
+        rows = self._db.execute(
+            "SELECT run, min(spawned_at) FROM workers WHERE cwd = ? AND parent IS NULL "
+            "GROUP BY run",
+            (cwd,),
+        )
+        return {str(run): float(at) for run, at in rows}
+
+    def tail(self, worker_id: str) -> bytes | None:
+        """The stdout tail kept for a worker, if one was (else its journal's end serves)."""
+        row = self._db.execute("SELECT tail FROM workers WHERE id = ?", (worker_id,)).fetchone()
+        return bytes(row[0]) if row is not None and row[0] else None
+
+    def ended_before(self, cutoff: float) -> list[str]:
+        """Workers that ended before `cutoff`: their archives may be pruned."""
+        rows = self._db.execute("SELECT id FROM workers WHERE ended_at < ?", (cutoff,))
+        return [str(row[0]) for row in rows]
+
+    def forget(self, worker_ids: list[str]) -> None:
+        """Drop the rows of workers whose archives were pruned."""
+        if worker_ids:
+            with self.transaction("forgetting pruned workers") as db:
+                db.executemany("DELETE FROM workers WHERE id = ?", [(i,) for i in worker_ids])
+
+    def runs(self) -> list[RunRecord]:
+        return self._decoded("SELECT id, record FROM runs", RunRecord, "run")
+
+    def tombstones(self) -> list[Tombstone]:
+        return self._decoded("SELECT id, stone FROM tombstones", Tombstone, "tombstone")
+
+    def launch(self) -> LaunchState:
+        row = self._db.execute(
+            "SELECT turn, fence_epoch, fence_cancelled, fence_epochs FROM launch"
+        ).fetchone()
+        if row is None:
+            return LaunchState()
+        turn, epoch, cancelled, epochs = row
+        fence = None if epoch is None else LaunchFence(epoch=epoch, cancelled=bool(cancelled))
+        return LaunchState(turn=int(turn), fence=fence, fence_epochs=int(epochs))
+
+    def old_state_imported(self) -> bool:
+        row = self._db.execute(
+            "SELECT value FROM counters WHERE name = 'old_state_imported'"
+        ).fetchone()
+        return row is not None and bool(row[0])
+
+    def _workers(self, sql: str, args: tuple[object, ...]) -> tuple[list[WorkerRecord], list[str]]:
+        records, damaged = [], []
+        for worker_id, blob in self._db.execute(sql, args):
+            try:
+                record = _worker_decoder.decode(blob)
+                if record.id != worker_id:
+                    raise msgspec.ValidationError(f"it names worker {record.id!r}")
+            except (msgspec.DecodeError, TypeError) as exc:
+                damaged.append(str(worker_id))
+                self._problem_once(f"worker {worker_id}'s row in {self.path} does not read ({exc})")
+                continue
+            records.append(record)
+        return records, damaged
+
+    def _decoded(self, sql: str, kind: type[_Row], what: str) -> list[_Row]:
+        decoder = msgspec.msgpack.Decoder(kind)
+        found = []
+        for key, blob in self._db.execute(sql):
+            try:
+                found.append(decoder.decode(blob))
+            except (msgspec.DecodeError, TypeError) as exc:
+                self._problem_once(f"{what} {key}'s row in {self.path} does not read ({exc})")
+        return found
+
+    def _problem_once(self, problem: str) -> None:
+        if problem not in self.problems:
+            self._problem(problem)
+
     def _wake_floor(self) -> int:
         return _read_floor(self._db)
 
@@ -280,6 +481,68 @@ def _insert_wake(db: sqlite3.Connection, wake: Wake, *, or_ignore: bool) -> None
             time.time(),
         ),
     )
+
+
+_worker_decoder = msgspec.msgpack.Decoder(WorkerRecord)
+_encoder = msgspec.msgpack.Encoder()
+_Row = TypeVar("_Row", RunRecord, Tombstone)
+
+
+def _held(record: WorkerRecord) -> bool:
+    return not record.ended or not (record.collected or record.expired)
+
+
+def _write(db: sqlite3.Connection, change: Change) -> None:
+    db.executemany(
+        "INSERT INTO workers (id, run, parent, cwd, spawned_at, ended_at, held, record, tail) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET "
+        "run = excluded.run, parent = excluded.parent, cwd = excluded.cwd, "
+        "spawned_at = excluded.spawned_at, ended_at = excluded.ended_at, held = excluded.held, "
+        "record = excluded.record, tail = coalesce(excluded.tail, workers.tail)",
+        [
+            (
+                r.id,
+                r.run,
+                r.parent,
+                r.cwd,
+                r.spawned_at,
+                r.ended_at,
+                _held(r),
+                _encoder.encode(r),
+                change.tails.get(r.id),
+            )
+            for r in change.workers
+        ],
+    )
+    for wake in change.wakes:
+        _insert_wake(db, wake, or_ignore=False)  # and the floor rises (a trigger)
+    for wake in change.restated:
+        db.execute("DELETE FROM wakes WHERE seq = ?", (wake.seq,))
+        _insert_wake(db, wake, or_ignore=False)
+    db.executemany("DELETE FROM wakes WHERE seq = ?", [(s,) for s in change.acked])
+    db.executemany(
+        "INSERT OR REPLACE INTO runs VALUES (?, ?)",
+        [(run.id, _encoder.encode(run)) for run in change.runs],
+    )
+    db.executemany("DELETE FROM runs WHERE id = ?", [(r,) for r in change.dropped_runs])
+    db.executemany(
+        "INSERT OR REPLACE INTO tombstones VALUES (?, ?, ?)",
+        [(t.id, t.parent, _encoder.encode(t)) for t in change.tombstones],
+    )
+    db.executemany("DELETE FROM tombstones WHERE id = ?", [(t,) for t in change.dropped_tombstones])
+    if change.old_state_imported:
+        db.execute("INSERT OR REPLACE INTO counters VALUES ('old_state_imported', 1)")
+    if (launch := change.launch) is not None:
+        fence = launch.fence
+        db.execute(
+            "UPDATE launch SET turn = ?, fence_epoch = ?, fence_cancelled = ?, fence_epochs = ?",
+            (
+                launch.turn,
+                None if fence is None else fence.epoch,
+                fence is not None and fence.cancelled,
+                launch.fence_epochs,
+            ),
+        )
 
 
 # -- opening ------------------------------------------------------------------
@@ -417,11 +680,14 @@ def _recover_from_damage(path: Path, error: str, problems: list[str]) -> sqlite3
     db = _connect(path)
     store = Store(path, db, problems)
     store.import_wakes(wakes, floor)
+    unread_rows = _carry_rows(aside, db)
     lost = (
         "every wake in it was read back"
         if unread is None
         else f"wakes in its damaged pages are lost ({unread}); {len(wakes)} were read back"
     )
+    if unread_rows is not None:
+        lost += f"; records in its damaged pages are lost ({unread_rows})"
     problem = (
         f"the store {path} was damaged ({error}): it is kept as {aside}; a fresh one "
         f"replaces it; {lost}"
@@ -463,3 +729,54 @@ def _salvage(path: Path) -> tuple[list[Wake], int, str | None]:
     highest = max(wakes, default=0)
     start = max(floor, highest) if floor is not None else highest + SEQ_SKIP_WITHOUT_FLOOR
     return sorted(wakes.values(), key=lambda w: w.seq), start, "; ".join(unread) or None
+
+
+#: The tables a damaged database's rows are carried from, by their key; `launch` and
+#: `counters` hold one row each of their kind, which replaces the fresh store's.
+_CARRIED_TABLES = {
+    "workers": ("id", "INSERT OR IGNORE"),
+    "runs": ("id", "INSERT OR IGNORE"),
+    "tombstones": ("id", "INSERT OR IGNORE"),
+    "launch": ("singleton", "INSERT OR REPLACE"),
+}
+
+
+def _carry_rows(path: Path, db: sqlite3.Connection) -> str | None:
+    """Copy into `db` every row of the damaged database at `path` that still reads (from
+    both ends of each table, so a damaged page costs only its rows); what could not be
+    read (None: nothing). A database of schema version 1 has none of these tables."""
+    unread: list[str] = []
+    try:
+        old = sqlite3.connect(f"file:{path}?mode=ro", uri=True, isolation_level=None)
+    except sqlite3.Error as exc:
+        return str(exc)
+    try:
+        tables = {row[0] for row in old.execute("SELECT name FROM sqlite_master")}
+    except sqlite3.Error as exc:
+        old.close()
+        return f"its list of tables: {exc}"
+    try:
+        db.execute("BEGIN IMMEDIATE")
+        for table, (key, verb) in _CARRIED_TABLES.items():
+            if table not in tables:
+                continue
+            for order in ("ASC", "DESC"):
+                try:
+                    for row in old.execute(f"SELECT * FROM {table} ORDER BY {key} {order}"):
+                        marks = ", ".join("?" * len(row))
+                        db.execute(f"{verb} INTO {table} VALUES ({marks})", row)
+                except sqlite3.Error as exc:
+                    unread.append(f"{table} {order.lower()}ending: {exc}")
+        with contextlib.suppress(sqlite3.Error):
+            for name, value in old.execute(
+                "SELECT name, value FROM counters WHERE name != 'wake_seq'"
+            ):
+                db.execute("INSERT OR REPLACE INTO counters VALUES (?, ?)", (name, value))
+        db.execute("COMMIT")
+    except BaseException:
+        with contextlib.suppress(sqlite3.Error):
+            db.execute("ROLLBACK")
+        raise
+    finally:
+        old.close()
+    return "; ".join(unread) or None

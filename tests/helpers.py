@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Protocol
 
+import msgspec
 import trio
 
 from subagentd import protocol as p
@@ -150,3 +151,19 @@ async def pending_wakes(daemon: _Served, run: str) -> list[p.Wake]:
         reply = await conn.receive()
         assert isinstance(reply, p.Wakes)
         return reply.wakes
+
+
+def write_old_record(archive: Path, view: Mapping[str, object], **fields: object) -> None:
+    """Write `archive`/record.json as an image before the store did, from a worker's
+    status (`subagentctl --json status`), with `fields` over it."""
+    record = {
+        key: view.get(key)
+        for key in (
+            "id", "run", "parent", "name", "state", "cwd", "agent", "archive",
+            "pid", "exit_code", "started_at", "ended_at",
+        )
+    } | {
+        "argv": view.get("argv") or ["true"], "attempt": view.get("attempt", 1),
+        "turn": view.get("turn", 0), "grace": 5.0, "timeout": None, "token": "an old token",
+    }  # fmt: skip
+    (archive / "record.json").write_bytes(msgspec.json.encode(record | fields))

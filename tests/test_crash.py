@@ -175,3 +175,40 @@ async def test_kill_9_amid_many_wake_posts_and_acks_loses_none_and_resurrects_no
                     f"the wake of {worker} was lost"
                 )
     assert len(wakes.acked) > 50, "too few wakes acknowledged to have tested much"
+
+
+# -- kill -9 inside an ending's transaction ------------------------------------
+
+
+async def test_kill_9_inside_an_endings_transaction_leaves_neither_half(
+    daemon_dirs: DaemonProcess,
+) -> None:
+    """The daemon dies (SIGKILL, from inside: `die-in-ending`) after an ending's record
+    and wake are written in its transaction but before the commit. Neither half is in
+    the store: the next start finds the worker not ended, recovers it `interrupted`
+    with one wake; the endings before it keep theirs, once each."""
+    daemon_dirs.start(env={"SUBAGENTD_FAULT": "die-in-ending:3"})
+    ids: list[str] = []
+    with trio.fail_after(60):
+        async with AsyncClient(daemon_dirs.socket) as client:
+            run = await client.new_run()
+            for _ in range(2):
+                worker = await client.spawn(sh("echo ok"), run=run)
+                ids.append(worker.id)
+                await client.wait(worker.id)
+            ids.append((await client.spawn(sh("echo last"), run=run)).id)
+        assert daemon_dirs.proc is not None
+        await trio.to_thread.run_sync(daemon_dirs.proc.wait, 30)  # it killed itself
+        await trio.to_thread.run_sync(daemon_dirs.start)
+        async with AsyncClient(daemon_dirs.socket) as client:
+            states = [(await client.status(i)).state for i in ids]
+            assert states == ["finished", "finished", "interrupted"]
+            for worker_id in ids:
+                archive = Path((await client.status(worker_id)).archive)
+                Journal.open(archive / "journal", writable=False)  # whole
+        woken = [(w.id, w.state) for w in await _pending_wakes(daemon_dirs, run)]
+        assert sorted(woken) == sorted(zip(ids, states, strict=True)), woken
+        await trio.to_thread.run_sync(daemon_dirs.kill)  # and again: nothing doubled
+        await trio.to_thread.run_sync(daemon_dirs.start)
+        again = [(w.id, w.state) for w in await _pending_wakes(daemon_dirs, run)]
+        assert again == woken

@@ -1,6 +1,6 @@
 """Endings, recovery and resume meet files a worker planted and errors nobody expects:
 nothing keeps the daemon from starting, no wake is lost, nothing is left `starting`,
-and no worker escapes recovery by damaging its record.
+and no worker escapes recovery by a damaged record.
 
 Workers run as the same user and are told their archive directory, so each test
 has a real worker do the planting, the way a hostile or broken one would.
@@ -8,24 +8,25 @@ has a real worker do the planting, the way a hostile or broken one would.
 
 from __future__ import annotations
 
-import json
 import os
 import resource
 import signal
+import sqlite3
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
 import pytest
 import trio
 
-from subagentd import protocol as p
 from subagentd.client import AsyncClient
+from subagentd.daemon._store import STORE_NAME
 from subagentd.protocol.errors import Internal
 
 from .conftest import DaemonProcess
-from .helpers import RawConnection, alive, sh, wait_output
+from .helpers import alive, sh, wait_output
 from .helpers import pending_wakes as _wakes
 
 PY = sys.executable
@@ -172,26 +173,39 @@ async def test_a_resume_that_fails_after_reopening_ends_the_attempt_and_says_why
             assert page.entries[-1].data == b"failed exit_code=None", page.entries[-1]
 
 
-#: What a worker puts in place of its record.json once the daemon has written it.
-_RECORD_REPLACEMENTS = {
-    "fifo": 'mkfifo "$SUBAGENTD_ARCHIVE/record.json"',
-    "directory": 'mkdir "$SUBAGENTD_ARCHIVE/record.json"',
-    "symlink": 'ln -s /nonexistent "$SUBAGENTD_ARCHIVE/record.json"',
-    # A regular file that JSON nests past any decoder's depth (RecursionError, not DecodeError).
-    "nested": 'head -c 100000 /dev/zero | tr "\\0" "[" > "$SUBAGENTD_ARCHIVE/record.json"',
-}
+def _edit_record(daemon: DaemonProcess, worker_id: str, **fields: object) -> None:
+    """Change a worker's record in the store while the daemon is down, as damage (or a
+    program of the user's) may: a row that still decodes, saying something else."""
+    db = sqlite3.connect(daemon.state_dir / STORE_NAME)
+    try:
+        (blob,) = db.execute("SELECT record FROM workers WHERE id = ?", (worker_id,)).fetchone()
+        record = msgspec.msgpack.decode(blob) | fields
+        db.execute(
+            "UPDATE workers SET record = ? WHERE id = ?",
+            (msgspec.msgpack.encode(record), worker_id),
+        )
+        db.commit()
+    finally:
+        db.close()
 
 
-@pytest.mark.parametrize("replacement", sorted(_RECORD_REPLACEMENTS))
-async def test_a_worker_that_replaces_its_record_is_still_ended_by_recovery(
-    daemon_dirs: DaemonProcess, replacement: str
+def _damage_record(daemon: DaemonProcess, worker_id: str) -> None:
+    """Make a worker's row in the store undecodable while the daemon is down."""
+    db = sqlite3.connect(daemon.state_dir / STORE_NAME)
+    try:
+        db.execute("UPDATE workers SET record = x'c1c1c1' WHERE id = ?", (worker_id,))
+        db.commit()
+    finally:
+        db.close()
+
+
+async def test_a_worker_whose_record_does_not_decode_is_still_ended_by_recovery(
+    daemon_dirs: DaemonProcess,
 ) -> None:
-    """Recovery found interrupted workers only through record.json, which is in the
-    worker's reach: one replaced by a FIFO, directory or symlink was skipped, and the
-    worker's tree ran on unsupervised after a daemon crash. With trees found by /proc
-    scans (no cgroups) there is no pid to go by either: its record is rebuilt from
-    its snapshot, it is `interrupted`, and its processes are found by the worker id
-    they inherited (a setsid'd stray too)."""
+    """A row that does not decode costs only itself: with trees found by /proc scans (no
+    cgroups) there is no pid to go by, so its record is rebuilt from its snapshot, it is
+    `interrupted`, and its processes are found by the worker id they inherited (a
+    setsid'd stray too); it is reported, and its sibling recovered as ever."""
     daemon = daemon_dirs
     daemon.extra_args = ["--cgroups", "off"]
     daemon.start()
@@ -200,17 +214,16 @@ async def test_a_worker_that_replaces_its_record_is_still_ended_by_recovery(
         async with AsyncClient(daemon.socket) as client:
             worker = await client.spawn(
                 sh(
-                    'until grep -q running "$SUBAGENTD_ARCHIVE/record.json"; do sleep 0.01; done; '
                     f'setsid sh -c "echo \\$\\$ > {stray_pid}; exec sleep 600" & '
-                    'rm "$SUBAGENTD_ARCHIVE/record.json"; '
-                    f"{_RECORD_REPLACEMENTS[replacement]}; "
                     f"until [ -s {stray_pid} ]; do sleep 0.01; done; echo planted; sleep 600"
                 )
             )
+            sibling = await client.spawn(["sleep", "600"], run=worker.run)
             await wait_output(client, worker.id, b"planted\n")
         assert worker.pid is not None
         stray = int(stray_pid.read_text())
         daemon.kill()
+        _damage_record(daemon, worker.id)
         await trio.to_thread.run_sync(daemon.start)
         try:
             assert not alive(worker.pid), "the worker runs on, unsupervised, after recovery"
@@ -218,6 +231,7 @@ async def test_a_worker_that_replaces_its_record_is_still_ended_by_recovery(
             async with AsyncClient(daemon.socket) as client:
                 ended = await client.status(worker.id)
                 assert (ended.state, ended.run) == ("interrupted", worker.run)
+                assert (await client.status(sibling.id)).state == "interrupted"
                 assert any(worker.id in problem for problem in (await client.info()).problems)
                 journal = await client.watch_page(worker.id, since=0, limit=100)
                 assert any(b"rebuilt" in e.data for e in journal.entries)
@@ -256,42 +270,10 @@ async def test_a_tampered_spare_archive_is_replaced_by_a_fresh_one(daemon: Daemo
             await client.stop(tamperer.id)
 
 
-def _reparent(daemon: DaemonProcess, worker_id: str, parent: str) -> None:
-    """Rewrite a worker's record.json as the worker itself may: a regular file of its archive."""
-    path = daemon.state_dir / "archives" / worker_id / "record.json"
-    record = json.loads(path.read_bytes())
-    record["parent"] = parent
-    path.write_text(json.dumps(record))
-
-
-async def test_a_parent_loop_planted_in_an_archived_record_does_not_hang_the_daemon(
-    daemon: DaemonProcess,
-) -> None:
-    """A released worker's record whose parent is itself sent the authority walk round
-    forever on the event loop: one `status` from a worker's connection hung the daemon."""
-    with trio.fail_after(60):
-        async with AsyncClient(daemon.socket) as client:
-            a = await client.spawn(["true"], name="a")
-            await client.collect(a.id, wait=True)  # released: a lookup reads its archive
-            b = await client.spawn(sh("echo $SUBAGENTD_TOKEN; sleep 600"), name="b")
-            token = (await wait_output(client, b.id, b"\n")).decode().strip()
-            _reparent(daemon, a.id, a.id)
-            conn = await RawConnection.open(daemon.socket, hello=False)
-            async with conn.stream:
-                await conn.send(p.Hello(id=1, token=token))
-                assert isinstance(await conn.receive(), p.Welcome)
-                await conn.send(p.Status(id=2, worker=a.id))
-                reply = await conn.receive()
-                assert isinstance(reply, p.Error), reply
-                assert reply.code == "forbidden", reply
-            assert (await client.info()).workers == {"running": 1}
-            await client.stop(b.id)
-
-
 async def test_a_parent_loop_planted_before_a_crash_is_cut_when_records_are_restored(
     daemon: DaemonProcess,
 ) -> None:
-    """After a crash the registry is rebuilt from records in workers' reach: two that
+    """After a crash the registry is rebuilt from the store: two records that (damaged)
     name each other as parent must not send a stop's walk of the subtree round forever."""
     with trio.fail_after(60):
         async with AsyncClient(daemon.socket) as client:
@@ -301,8 +283,8 @@ async def test_a_parent_loop_planted_before_a_crash_is_cut_when_records_are_rest
             for worker in (a, b):
                 await wait_output(client, worker.id, b"up\n")
         daemon.kill()
-        _reparent(daemon, a.id, b.id)
-        _reparent(daemon, b.id, a.id)
+        _edit_record(daemon, a.id, parent=b.id)
+        _edit_record(daemon, b.id, parent=a.id)
         await trio.to_thread.run_sync(daemon.start)
         async with AsyncClient(daemon.socket) as client:
             problems = (await client.info()).problems
@@ -310,74 +292,6 @@ async def test_a_parent_loop_planted_before_a_crash_is_cut_when_records_are_rest
             assert {w.id for w in await client.ls(all=True, run=run)} == {a.id, b.id}
             assert await client.stop(a.id)  # found, ended (interrupted): its walk ends
             assert await client.stop_run(run) == []
-
-
-def _point_record_elsewhere(daemon: DaemonProcess, worker_id: str) -> Path:
-    """Rewrite a worker's record.json (a regular file of its own archive, which README lets
-    a worker rewrite) so that its `archive` names a directory outside the state dir, holding
-    a copy of what the real archive holds and files of the user's; that directory."""
-    real = daemon.state_dir / "archives" / worker_id
-    elsewhere = daemon.root / "elsewhere"
-    elsewhere.mkdir()
-    for name in ("snapshot.json", "journal"):
-        (elsewhere / name).write_bytes((real / name).read_bytes())
-    (elsewhere / "result").write_text("read from outside the state dir")
-    (elsewhere / "stdout.tail").write_text("a file of the user's, outside the state dir")
-    record = json.loads((real / "record.json").read_bytes())
-    record["archive"] = str(elsewhere)
-    for archive in (real, elsewhere):
-        (archive / "record.json").write_text(json.dumps(record))
-    return elsewhere
-
-
-async def test_a_record_naming_another_archive_does_not_make_collect_read_there(
-    daemon: DaemonProcess,
-) -> None:
-    """collect (and watch, the wake's preview, the stdout fallback) took the archive from
-    the `archive` field of the record it read: a record rewritten by its worker sent
-    collect to read a `result` anywhere. The archive is the one the state dir holds for
-    that id; the record's claim is corrected, reported in `info`, and shown nowhere."""
-    with trio.fail_after(60):
-        async with AsyncClient(daemon.socket) as client:
-            worker = await client.spawn(sh("echo real output; exit 3"))
-            await client.wait(worker.id)
-            first = await client.collect(worker.id)  # the handle goes: lookups read the archive
-            assert first.state == "failed"
-            _point_record_elsewhere(daemon, worker.id)
-            again = await client.collect(worker.id)
-            shown = await client.status(worker.id)
-            problems = (await client.info()).problems
-    assert "outside the state dir" not in again.result, again.result
-    assert again.result == "real output\n"
-    assert shown.archive == str(daemon.state_dir / "archives" / worker.id)
-    assert any(worker.id in problem and "elsewhere" in problem for problem in problems), problems
-
-
-async def test_a_record_naming_another_archive_does_not_make_resume_write_there(
-    daemon: DaemonProcess,
-) -> None:
-    """resume took the archive from the record it read: it deleted `stdout.tail` there,
-    appended to the `journal` there, wrote `record.json` there and gave the worker
-    SUBAGENTD_ARCHIVE=there. It resumes the worker in its own archive instead."""
-    real = daemon.state_dir / "archives"
-    with trio.fail_after(60):
-        async with AsyncClient(daemon.socket) as client:
-            worker = await client.spawn(
-                sh('[ -n "$SUBAGENTD_RESUME" ] && echo "$SUBAGENTD_ARCHIVE" && exit 0; exit 3')
-            )
-            await client.wait(worker.id)
-            await client.collect(worker.id)
-            elsewhere = _point_record_elsewhere(daemon, worker.id)
-            journal_before = (elsewhere / "journal").read_bytes()
-            record_before = (elsewhere / "record.json").read_bytes()
-            resumed = await client.resume(worker.id)
-            ended = await client.wait(resumed.id)
-            told = await client.collect(worker.id)
-    assert (elsewhere / "stdout.tail").exists(), "the daemon deleted a file outside its state dir"
-    assert (elsewhere / "journal").read_bytes() == journal_before, "it appended to a journal there"
-    assert (elsewhere / "record.json").read_bytes() == record_before, "it wrote a record there"
-    assert ended.state == "finished"
-    assert told.result == f"{real / worker.id}\n", "the worker was told another archive"
 
 
 def _stranger() -> subprocess.Popen[bytes]:
@@ -394,12 +308,13 @@ def _start_time(pid: int) -> int:
 async def test_recovery_does_not_signal_a_process_a_planted_record_names(
     daemon_dirs: DaemonProcess,
 ) -> None:
-    """After a crash, recovery ended an interrupted worker's leftover tree from the pid
-    and start time its record.json names; that file is in its worker's reach, and both
-    are in /proc/PID/stat for any process of the user's: a worker that wrote another
-    process's there had recovery TERM that process, its group and its descendants.
-    The pid is believed only for a process carrying the worker's id in its environment;
-    else the worker's processes are found by that id alone (the real one still ends)."""
+    """After a crash, recovery ends an interrupted worker's leftover tree from the pid
+    and start time its record names; both are in /proc/PID/stat for any process of the
+    user's, so a record that names another process's (damaged, or written by an older
+    image's worker into its record.json) must not have recovery TERM that process, its
+    group and its descendants. The pid is believed only for a process carrying the
+    worker's id in its environment; else the worker's processes are found by that id
+    alone (the real one still ends)."""
     daemon = daemon_dirs
     daemon.start("--cgroups", "off")  # with cgroups, the worker's cgroup is used instead
     victim = _stranger()
@@ -410,11 +325,8 @@ async def test_recovery_does_not_signal_a_process_a_planted_record_names(
                 worker = await client.spawn(["sleep", "60"], grace=1)
                 worker_pid = (await client.status(worker.id)).pid
             assert worker_pid is not None
-            daemon.kill()  # a crash: no checkpoint, the next start recovers from archives
-            record_path = daemon.state_dir / "archives" / worker.id / "record.json"
-            record = json.loads(record_path.read_bytes())
-            record["pid"], record["pid_start"] = victim.pid, _start_time(victim.pid)
-            record_path.write_text(json.dumps(record))
+            daemon.kill()  # a crash: no checkpoint, the next start recovers from the store
+            _edit_record(daemon, worker.id, pid=victim.pid, pid_start=_start_time(victim.pid))
             await trio.to_thread.run_sync(daemon.start, "--cgroups", "off")
             assert victim.poll() is None, f"recovery signalled pid {victim.pid}"
             assert not alive(worker_pid), "the worker itself was not ended by recovery"
@@ -433,18 +345,15 @@ async def test_a_record_naming_another_worker_is_rebuilt_from_its_snapshot_by_re
 ) -> None:
     """A record whose `id` names another worker was taken for that worker's: after a
     crash, recovery held two records under one id, and `status` of the one rewritten
-    answered as the other. Who a record is comes from its directory: that one is
+    answered as the other. Who a record is comes from its row's key: that one is
     unreadable, rebuilt from its snapshot (interrupted like any other), and reported."""
     with trio.fail_after(60):
         async with AsyncClient(daemon.socket) as client:
             run = await client.new_run()
             liar = await client.spawn(["sleep", "60"], run=run, grace=1)
             other = await client.spawn(["sleep", "60"], run=run, grace=1)
-        daemon.kill()  # a crash: the next start recovers from the archives
-        record_path = daemon.state_dir / "archives" / liar.id / "record.json"
-        record = json.loads(record_path.read_bytes())
-        record["id"] = other.id
-        record_path.write_text(json.dumps(record))
+        daemon.kill()  # a crash: the next start recovers from the store
+        _edit_record(daemon, liar.id, id=other.id)
         await trio.to_thread.run_sync(daemon.start)
         async with AsyncClient(daemon.socket) as client:
             views = [await client.status(w) for w in (liar.id, other.id)]

@@ -26,9 +26,6 @@ from subagentd.client import AsyncClient
 from .conftest import BIN, DaemonProcess
 from .helpers import RawConnection, alive, sh, wait_output
 
-#: A worker plants its files once the daemon has written its first record, so that
-#: the daemon's next write is the one at its end, onto what was planted.
-AFTER_START = 'until grep -q running "$SUBAGENTD_ARCHIVE/record.json"; do sleep 0.01; done; '
 #: Far below the gigabyte a planted file would cost if read whole.
 RSS_BOUND_KB = 300 * 1024
 
@@ -62,22 +59,29 @@ def _assert_untouched(victim: Path, text: bytes = b"precious, outside the state 
 # -- reads -------------------------------------------------------------------
 
 
-async def test_record_json_replaced_by_a_fifo_does_not_freeze_the_daemon(
-    client: AsyncClient,
+async def test_a_record_json_planted_in_the_archive_is_neither_read_nor_written(
+    daemon: DaemonProcess,
 ) -> None:
-    with trio.fail_after(15):
-        worker = await client.spawn(
-            sh(
-                AFTER_START + 'rm "$SUBAGENTD_ARCHIVE/record.json"; '
-                'mkfifo "$SUBAGENTD_ARCHIVE/record.json"'
-            )
-        )
-        ended = await client.wait(worker.id)
-        assert ended.state == "finished"
-        assert (await client.info()).pid > 0
-        record = Path(ended.archive) / "record.json"
-        assert stat.S_ISREG(record.lstat().st_mode)  # replaced by the daemon's own file
-        assert (await client.collect(worker.id)).state == "finished"
+    """A worker's record is in the store, out of its reach: a FIFO or a symlink it puts
+    where older images kept record.json freezes nothing, is not written through, and
+    changes nothing a client sees, before a crash or after."""
+    victim = _victim(daemon)
+    async with AsyncClient(daemon.socket) as client:
+        with trio.fail_after(15):
+            fifo = await client.spawn(sh('mkfifo "$SUBAGENTD_ARCHIVE/record.json"; echo fifo'))
+            link = await client.spawn(sh(f'ln -s {victim} "$SUBAGENTD_ARCHIVE/record.json"'))
+            for worker in (fifo, link):
+                assert (await client.wait(worker.id)).state == "finished"
+            assert (await client.collect(fifo.id)).result == "fifo\n"
+    _assert_untouched(victim)
+    assert stat.S_ISFIFO((Path(fifo.archive) / "record.json").lstat().st_mode)  # left as put
+    daemon.kill()
+    with trio.fail_after(30):
+        await trio.to_thread.run_sync(daemon.start)
+        async with AsyncClient(daemon.socket) as client:
+            assert (await client.status(fifo.id)).state == "finished"
+            assert (await client.collect(link.id)).state == "finished"
+    _assert_untouched(victim)
 
 
 async def test_git_head_fifo_in_cwd_does_not_freeze_a_spawn(
@@ -125,58 +129,12 @@ async def test_result_symlink_does_not_make_collect_print_another_file(
 # -- writes ------------------------------------------------------------------
 
 
-async def test_record_json_symlink_is_replaced_not_written_through(
-    daemon: DaemonProcess, client: AsyncClient
-) -> None:
-    victim = _victim(daemon)
-    with trio.fail_after(15):
-        worker = await client.spawn(
-            sh(AFTER_START + f'ln -sf {victim} "$SUBAGENTD_ARCHIVE/record.json"')
-        )
-        ended = await client.wait(worker.id)
-        await client.collect(worker.id)
-    _assert_untouched(victim)
-    assert stat.S_ISREG((Path(ended.archive) / "record.json").lstat().st_mode)
-
-
-async def test_record_json_hard_link_is_replaced_not_written_through(
-    daemon: DaemonProcess, client: AsyncClient
-) -> None:
-    victim = _victim(daemon)
-    with trio.fail_after(15):
-        worker = await client.spawn(
-            sh(AFTER_START + f'ln -f {victim} "$SUBAGENTD_ARCHIVE/record.json"')
-        )
-        ended = await client.wait(worker.id)
-        await client.collect(worker.id)
-    _assert_untouched(victim)
-    assert (Path(ended.archive) / "record.json").stat().st_nlink == 1
-
-
-async def test_record_json_tmp_symlink_is_not_written_through(
-    daemon: DaemonProcess, client: AsyncClient
-) -> None:
-    victim = _victim(daemon)
-    with trio.fail_after(15):
-        # With no record.json the daemon writes a new one beside it, by rename.
-        worker = await client.spawn(
-            sh(
-                AFTER_START + 'rm "$SUBAGENTD_ARCHIVE/record.json"; '
-                f'ln -s {victim} "$SUBAGENTD_ARCHIVE/record.json.tmp"'
-            )
-        )
-        ended = await client.wait(worker.id)
-        await client.collect(worker.id)
-    _assert_untouched(victim)
-    assert stat.S_ISREG((Path(ended.archive) / "record.json").lstat().st_mode)
-
-
 async def test_stdout_tail_tmp_symlink_is_not_written_through(
     daemon: DaemonProcess, client: AsyncClient
 ) -> None:
     victim = _victim(daemon)
     with trio.fail_after(20):
-        # Over a megabyte of output: the daemon writes stdout.tail at the end.
+        # Over a megabyte of output: images before the store wrote stdout.tail at the end.
         worker = await client.spawn(
             sh(
                 f'ln -s {victim} "$SUBAGENTD_ARCHIVE/stdout.tail.tmp"; '

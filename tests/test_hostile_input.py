@@ -18,7 +18,7 @@ import trio
 from subagentd import protocol as p
 
 from .conftest import BIN, DaemonProcess
-from .helpers import Connect, RawConnection, alive
+from .helpers import Connect, RawConnection, alive, write_old_record
 
 
 async def _ask(
@@ -175,19 +175,22 @@ def test_a_symlinked_config_is_followed(daemon_dirs: DaemonProcess) -> None:
 def test_archive_written_with_null_grace_still_answers_after_restart(
     daemon: DaemonProcess,
 ) -> None:
-    # The old daemon wrote a grace of inf as null in record.json and snapshot.json:
-    # such an archive must still answer status, collect, watch and resume.
+    # An old daemon wrote a grace of inf as null in record.json and snapshot.json: such
+    # an archive (its record.json taken into the store by an upgrade) must still answer
+    # status, collect, watch and resume.
     made = daemon.ctl("--json", "spawn", "--", "sh", "-c", "echo kept; exit 3")
     assert made.returncode == 0, made
     worker_id = msgspec.json.decode(made.stdout)["id"]
-    daemon.ctl("wait", worker_id)
+    view = msgspec.json.decode(daemon.ctl("--json", "wait", worker_id).stdout)
     archive = daemon.state_dir / "archives" / worker_id
     daemon.terminate()
-    for name in ("record.json", "snapshot.json"):
-        written = msgspec.json.decode((archive / name).read_bytes())
-        assert written["grace"] == 5.0, written
-        written["grace"] = None
-        (archive / name).write_bytes(msgspec.json.encode(written))
+    for name in ("state.db", "state.db-wal"):  # a state dir as an image before the store left it
+        (daemon.state_dir / name).unlink(missing_ok=True)
+    snapshot = msgspec.json.decode((archive / "snapshot.json").read_bytes())
+    assert snapshot["grace"] == 5.0, snapshot
+    write_old_record(archive, view, grace=None, cwd=snapshot["cwd"], argv=snapshot["argv"])
+    snapshot["grace"] = None
+    (archive / "snapshot.json").write_bytes(msgspec.json.encode(snapshot))
     daemon.start()
     status = daemon.ctl("--json", "status", worker_id)
     assert status.returncode == 0, status
@@ -200,9 +203,8 @@ def test_archive_written_with_null_grace_still_answers_after_restart(
     again = daemon.ctl("--json", "wait", worker_id)
     assert again.returncode == 0, again
     assert msgspec.json.decode(again.stdout)["attempt"] == 2
-    # Rewritten by this daemon, the record carries a grace again.
-    record = msgspec.json.decode((archive / "record.json").read_bytes())
-    assert record["grace"] == 5.0
+    assert not (archive / "record.json").exists()  # taken into the store, and gone
+    assert "problem" not in daemon.ctl("info").stdout
 
 
 @pytest.mark.parametrize(

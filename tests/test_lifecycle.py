@@ -22,7 +22,7 @@ The promises checked:
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -375,7 +375,7 @@ class Player:
                         assert (got.state, got.result) == (worker.state, worker.result), worker
 
 
-async def _play(root: Path, steps: list[Step]) -> None:
+async def _play(root: Path, steps: list[Step], report: Callable[[str], None] = note) -> None:
     clock = trio.lowlevel.current_clock()
     assert isinstance(clock, MockClock)
     model = Model(root)
@@ -389,7 +389,7 @@ async def _play(root: Path, steps: list[Step]) -> None:
                 await player.play(step)
             await player.finish()
         finally:
-            note("\n".join(player.log))  # what was played, with the ids it made
+            report("\n".join(player.log))  # what was played, with the ids it made
 
 
 @settings(
@@ -407,4 +407,4 @@ def test_the_lifecycle_keeps_every_promise(steps: list[Step]) -> None:
 def test_a_worker_carried_by_a_reload_then_crashed_is_interrupted_and_wakes_once() -> None:
     steps: list[Step] = [Spawn(True, 0, None, 0), Reload(), Crash(), Drain(), Collect(0)]
     with short_root() as root:
-        trio.run(_play, root, steps, clock=MockClock(autojump_threshold=0))
+        trio.run(_play, root, steps, print, clock=MockClock(autojump_threshold=0))

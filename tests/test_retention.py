@@ -161,19 +161,24 @@ async def test_a_released_worker_is_ended_not_unknown(daemon: DaemonProcess) -> 
             assert not await client.stop("w-never-seen")
 
 
-async def test_a_lone_spawns_run_leaves_no_file_once_collected(daemon: DaemonProcess) -> None:
-    with trio.fail_after(20):
+async def test_a_lone_spawns_run_goes_once_collected_and_stopped_and_named_runs_outlive_a_crash(
+    daemon: DaemonProcess,
+) -> None:
+    with trio.fail_after(30):
         async with AsyncClient(daemon.socket) as client:
             worker = await client.spawn(["true"])
-            run_file = daemon.state_dir / "runs" / f"{worker.run}.json"
-            assert not run_file.exists()  # nothing to say about it that its worker does not
             await client.collect(worker.id, wait=True)
-            assert not run_file.exists()
-            # Stopped, it has something to say: that it refuses spawns, even after a crash.
+            # Stopped, a lone spawn's run has something to say: it refuses spawns.
             sleeper = await client.spawn(["sleep", "60"])
             await client.stop_run(sleeper.run)
-            assert (daemon.state_dir / "runs" / f"{sleeper.run}.json").exists()
             named = await client.new_run()
             kept = await client.spawn(["true"], run=named)
             await client.collect(kept.id, wait=True)
-            assert (daemon.state_dir / "runs" / f"{named}.json").exists()  # named runs stay
+        daemon.kill()
+        await trio.to_thread.run_sync(daemon.start)
+        async with AsyncClient(daemon.socket) as client:
+            with pytest.raises(NotFound):
+                await client.stop_run(worker.run)  # gone with its worker
+            with pytest.raises(RunStopped):
+                await client.spawn(["true"], run=sleeper.run)  # even after a crash
+            await client.collect((await client.spawn(["true"], run=named)).id, wait=True)

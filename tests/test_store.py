@@ -9,6 +9,7 @@ import sqlite3
 import stat
 import struct
 import subprocess
+import time
 import zlib
 from pathlib import Path
 
@@ -18,12 +19,17 @@ import trio
 
 from subagentd import protocol as p
 from subagentd.client import AsyncClient
+from subagentd.daemon._checkpoint import read_checkpoint
+from subagentd.daemon._journal import Journal
+from subagentd.daemon._legacy import import_checkpoint_v1
+from subagentd.daemon._registry import LaunchFence, RunRecord, WorkerRecord
 from subagentd.daemon._reload import image_refusal
-from subagentd.daemon._store import READS_VERSIONS, SCHEMA_VERSION, STORE_NAME, Store
+from subagentd.daemon._store import READS_VERSIONS, SCHEMA_VERSION, STORE_NAME, Change, Store
 from subagentd.daemon._wakes import WakeQueue, open_wakes
 
 from .conftest import BIN, DaemonProcess
 from .helpers import pending_wakes as _pending_wakes
+from .helpers import sh, write_old_record
 
 PREVIEW = "x" * 200  # as long as a wake's preview gets: a few wakes fill a page
 
@@ -272,10 +278,221 @@ def test_check_says_which_store_schema_versions_it_reads(tmp_path: Path) -> None
 
 
 def test_a_reload_into_an_image_that_cannot_read_the_schema_in_use_is_refused() -> None:
-    before_the_store = "subagentd 0.1\nreads checkpoint versions: 1\n"
+    before_the_store = "subagentd 0.1\nreads checkpoint versions: 1, 2\n"
     refusal = image_refusal(before_the_store, SCHEMA_VERSION)
     assert refusal is not None
     assert "store schema versions []" in refusal
     older = before_the_store + "reads store schema versions: 1\n"
     assert image_refusal(older, 2) is not None  # this image migrated the store past it
     assert image_refusal(older, 1) is None
+    # An image of checkpoint version 1 cannot take this one's (v2) checkpoint.
+    assert image_refusal("reads checkpoint versions: 1\nreads store schema versions: 1, 2\n", 2)
+
+
+# -- schema version 2: what the daemon knows ------------------------------------
+
+#: The schema as the image of schema version 1 wrote it, verbatim.
+_V1_SCHEMA = """
+CREATE TABLE schema_version
+    (version INTEGER PRIMARY KEY, migrated_at REAL NOT NULL, by TEXT NOT NULL);
+CREATE TABLE counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL) WITHOUT ROWID;
+INSERT INTO counters VALUES ('wake_seq', 0);
+CREATE TABLE wakes (
+    seq INTEGER PRIMARY KEY, worker TEXT NOT NULL, attempt INTEGER NOT NULL,
+    run TEXT NOT NULL, parent TEXT, state TEXT NOT NULL, exit_code INTEGER,
+    preview TEXT NOT NULL, posted_at REAL NOT NULL, UNIQUE (worker, attempt));
+CREATE TRIGGER wake_seq_rises AFTER INSERT ON wakes BEGIN
+    UPDATE counters SET value = max(value, NEW.seq) WHERE name = 'wake_seq';
+END;
+INSERT INTO schema_version VALUES (1, 0.0, 'subagentd pid 1');
+INSERT INTO wakes VALUES (5, 'w-5', 1, 'r-1', NULL, 'finished', 0, 'five', 0.0);
+UPDATE counters SET value = 9 WHERE name = 'wake_seq';
+"""
+
+
+def _record(worker_id: str, **fields: object) -> WorkerRecord:
+    defaults: dict[str, object] = {
+        "id": worker_id, "run": "r-1", "parent": None, "name": "", "state": "running",
+        "argv": ["true"], "cwd": "/", "agent": None, "grace": 1.0, "timeout": None,
+        "token": f"t-{worker_id}", "archive": f"/a/{worker_id}", "started_at": 1.0,
+    }  # fmt: skip
+    return WorkerRecord(**(defaults | fields))  # type: ignore[arg-type]
+
+
+def test_a_v1_store_is_migrated_to_v2_with_its_wakes_and_seq_floor(tmp_path: Path) -> None:
+    path = tmp_path / STORE_NAME
+    db = sqlite3.connect(path)
+    db.executescript(_V1_SCHEMA)
+    db.execute("PRAGMA journal_mode = WAL")
+    db.close()
+    store = Store.open(path)
+    try:
+        assert store.version == SCHEMA_VERSION == 2
+        wakes, floor = store.wakes()
+        assert [(w.seq, w.id, w.preview) for w in wakes] == [(5, "w-5", "five")]
+        assert floor == 9
+        store.commit(Change(workers=[_record("w-new")]), "a test")
+        assert store.worker("w-new") == _record("w-new")
+        assert store.launch().turn == 0
+    finally:
+        store.close()
+    versions = [row[0] for row in _query(path, "SELECT version FROM schema_version")]
+    assert versions == [1, 2]
+
+
+def test_an_ending_is_one_transaction_and_a_row_that_does_not_decode_costs_only_itself(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / STORE_NAME
+    store = Store.open(path)
+    ended = _record("w-a", state="finished", ended_at=2.0, exit_code=0)
+    store.commit(Change(workers=[ended], wakes=[_wake(1)]), "an ending")
+    store.commit(Change(workers=[_record("w-b", cwd="/src", spawned_at=3.0)]), "a spawn")
+
+    def crash() -> None:
+        raise RuntimeError("the daemon dies here")
+
+    with pytest.raises(RuntimeError):  # rolled back whole: neither the record nor the wake
+        store.commit(
+            Change(workers=[_record("w-b", state="failed", ended_at=4.0)], wakes=[_wake(2)]),
+            "an ending",
+            before_commit=crash,
+        )
+    assert store.worker("w-b") == _record("w-b", cwd="/src", spawned_at=3.0)
+    assert [w.seq for w in store.wakes()[0]] == [1]
+    store.close()
+    db = sqlite3.connect(path)
+    db.execute("UPDATE workers SET record = x'c1' WHERE id = 'w-a'")
+    db.commit()
+    db.close()
+    store = Store.open(path)
+    try:
+        held, damaged = store.held_workers()
+        assert ([r.id for r in held], damaged) == (["w-b"], ["w-a"])
+        assert any("w-a" in problem for problem in store.problems), store.problems
+        assert store.runs_started_in("/src") == {"r-1": 3.0}
+    finally:
+        store.close()
+
+
+def _old_journal(archive: Path, output: bytes) -> None:
+    journal = Journal.create(archive / "journal")
+    journal.append("stdout", output, 1.0)
+    journal.close()
+
+
+async def test_an_older_state_dir_is_imported_once_and_hostile_files_are_skipped(
+    daemon_dirs: DaemonProcess,
+) -> None:
+    """Upgraded over an image before schema v2, the daemon loses no record or run: each
+    record.json and run file is taken into the store once; a symlink, a FIFO or a huge
+    file in their place is skipped and reported, never followed nor waited on."""
+    state = daemon_dirs.state_dir
+    archives = state / "archives"
+    victim = daemon_dirs.root / "victim"
+    victim.write_bytes(b"precious, outside the state dir\n")
+    for name in ("w-good", "w-link", "w-fifo", "w-huge"):
+        (archives / name).mkdir(parents=True)
+    old_view = {
+        "id": "w-good", "run": "r-named", "parent": None, "name": "", "state": "finished",
+        "cwd": "/", "archive": "/elsewhere/archives/w-good", "exit_code": 0,
+        "started_at": time.time() - 2, "ended_at": time.time() - 1,  # not yet pruned
+    }  # fmt: skip
+    write_old_record(archives / "w-good", old_view)
+    (archives / "w-good" / "stdout.tail").write_bytes(b"the end of its stdout\n")
+    _old_journal(archives / "w-good", b"the start\n")
+    (archives / "w-link" / "record.json").symlink_to(victim)
+    os.mkfifo(archives / "w-fifo" / "record.json")
+    (archives / "w-huge" / "record.json").write_bytes(b"")
+    os.truncate(archives / "w-huge" / "record.json", 64 << 20)  # sparse: costs no disk
+    (state / "runs").mkdir()
+    (state / "runs" / "r-named.json").write_bytes(b'{"id":"r-named","outer":null,"created_at":1}')
+    (state / "runs" / "r-evil.json").symlink_to(victim)
+    with trio.fail_after(60):
+        await trio.to_thread.run_sync(daemon_dirs.start)
+        async with AsyncClient(daemon_dirs.socket) as client:
+            good = await client.status("w-good")
+            assert (good.state, good.archive) == ("finished", str(archives / "w-good"))
+            problems = (await client.info()).problems
+            for name in ("w-link", "w-fifo", "w-huge", "r-evil"):
+                assert any(name in p and "older image" in p for p in problems), (name, problems)
+            assert (await client.collect("w-good")).result == "the end of its stdout\n"
+            await client.collect((await client.spawn(["true"], run="r-named")).id, wait=True)
+        assert not (archives / "w-good" / "record.json").exists()
+        assert not (archives / "w-good" / "stdout.tail").exists()
+        assert (archives / "w-link" / "record.json").is_symlink()  # left as it was
+        await trio.to_thread.run_sync(daemon_dirs.kill)
+        await trio.to_thread.run_sync(daemon_dirs.start)  # imported once: nothing again
+        async with AsyncClient(daemon_dirs.socket) as client:
+            assert (await client.status("w-good")).state == "finished"
+            assert "w-good" not in {w.id for w in await client.ls(all=True)}  # collected
+            assert (await client.collect("w-good")).result == "the end of its stdout\n"
+    assert victim.read_bytes() == b"precious, outside the state dir\n"
+
+
+async def test_an_archive_holds_only_what_a_person_reads_and_the_store_answers_the_rest(
+    daemon: DaemonProcess,
+) -> None:
+    """No record.json, stdout.tail or run file: after a kill -9 a released worker's status,
+    collect's tail (its stdout ending before its stderr: kept in the store) and
+    latest_resumable still answer, from the store."""
+    cwd = daemon.root / "project"
+    cwd.mkdir()
+    with trio.fail_after(60):
+        async with AsyncClient(daemon.socket) as client:
+            run = await client.new_run()
+            released = await client.spawn(["sh", "-c", "echo first; exit 3"], run=run, cwd=cwd)
+            await client.collect(released.id, wait=True)
+            loud = await client.spawn(
+                sh("echo the stdout; head -c 70000 /dev/zero | tr '\\0' e >&2"), run=run
+            )
+            await client.wait(loud.id)
+        daemon.kill()
+        await trio.to_thread.run_sync(daemon.start)
+        async with AsyncClient(daemon.socket) as client:
+            assert (await client.status(released.id)).state == "failed"
+            assert (await client.collect(loud.id)).result == "the stdout\n"
+            latest = await client.latest_resumable(cwd)
+            assert (latest.run, latest.resumable) == (run, True)
+    for worker in (released, loud):
+        assert sorted(os.listdir(worker.archive)) == ["journal", "snapshot.json"]
+    assert not (daemon.state_dir / "runs").exists()
+
+
+def test_what_a_version_1_checkpoint_carried_is_taken_into_the_store(tmp_path: Path) -> None:
+    """An older image reloading into this one hands over a version 1 checkpoint, which
+    carried the whole registry: read, and taken into the store, nothing lost."""
+    ended = _record("w-old", state="finished", ended_at=2.0, exit_code=0)
+    live = _record("w-live", pid=123, pid_start=456)
+    v1 = {
+        "version": 1, "image_generation": 3, "reloads": 2, "listen_fd": 5, "lock_fd": 6,
+        "runs": [RunRecord(id="r-1", outer=None, created_at=1.0, stopped=True)],
+        "ended": [msgspec.msgpack.encode(ended)],
+        "tombstones": [],
+        "live": [{"id": "w-live", "pid": 123, "pid_start": 456, "stdout": 7, "stderr": 8,
+                  "archive": "/a/w-live", "record": msgspec.msgpack.encode(live)}],
+        "turn": 4, "fence": {"epoch": 2, "cancelled": True}, "fence_epochs": 2,
+    }  # fmt: skip
+    path = tmp_path / "checkpoint"
+    path.write_bytes(msgspec.msgpack.encode(v1))
+    checkpoint = read_checkpoint(path)
+    assert [(c.id, c.pid, c.stdout) for c in checkpoint.live] == [("w-live", 123, 7)]
+    assert checkpoint.v1_state is not None
+    store = Store.open(tmp_path / STORE_NAME)
+    try:
+        import_checkpoint_v1(store, checkpoint.v1_state, tmp_path / "archives")
+        old, carried = store.worker("w-old"), store.worker("w-live")
+        assert old is not None
+        assert (old.state, old.archive) == (
+            "finished",
+            str(tmp_path / "archives" / "w-old"),
+        )
+        assert carried is not None
+        assert (carried.pid, carried.pid_start) == (123, 456)
+        assert [(r.id, r.stopped) for r in store.runs()] == [("r-1", True)]
+        launch = store.launch()
+        assert (launch.turn, launch.fence, launch.fence_epochs) == (
+            4, LaunchFence(epoch=2, cancelled=True), 2,
+        )  # fmt: skip
+    finally:
+        store.close()
