@@ -352,9 +352,18 @@ class Store:
 
     def held_workers(self) -> tuple[list[WorkerRecord], list[str]]:
         """The workers the daemon holds handles for (not ended, or ended and neither
-        collected nor expired), and the ids of those whose row does not decode (each
-        reported; recovery rebuilds them from their snapshot)."""
-        return self._workers("SELECT id, record FROM workers WHERE held", ())
+        collected nor expired) and every worker above one (a handle goes only after the
+        workers it delegated: `Registry.release`), and the ids of those whose row does
+        not decode (each reported; recovery rebuilds them from their snapshot)."""
+        return self._workers(
+            # UNION, not UNION ALL: a parent link that loops (a damaged row) ends the walk.
+            "WITH RECURSIVE kept(id) AS ("
+            " SELECT id FROM workers WHERE held"
+            " UNION SELECT workers.parent FROM workers JOIN kept ON workers.id = kept.id"
+            " WHERE workers.parent IS NOT NULL"
+            ") SELECT id, record FROM workers WHERE id IN kept",
+            (),
+        )
 
     def worker(self, worker_id: str) -> WorkerRecord | None:
         """A worker's record, released or not; None if unknown (or its row is damaged)."""

@@ -375,6 +375,35 @@ def test_an_ending_is_one_transaction_and_a_row_that_does_not_decode_costs_only_
         store.close()
 
 
+def test_the_workers_taken_back_include_every_one_above_a_held_handle(tmp_path: Path) -> None:
+    # A collected parent stays while a worker it delegated is held (Registry.release):
+    # a reload or a restart takes it back too, or stopping it would miss its live child.
+    store = Store.open(tmp_path / STORE_NAME)
+    try:
+        done = {"state": "finished", "ended_at": 2.0, "exit_code": 0, "collected": True}
+        store.commit(
+            Change(
+                workers=[
+                    _record("w-top", **done),
+                    _record("w-mid", parent="w-top", **done),
+                    _record("w-live", parent="w-mid"),
+                    _record("w-gone", **done),  # collected, nothing below it: released
+                    # Parents that loop (damaged rows): the walk still ends.
+                    _record("w-x", parent="w-y", **done),
+                    _record("w-y", parent="w-x", state="failed", ended_at=2.0),
+                ]
+            ),
+            "a test",
+        )
+        held, damaged = store.held_workers()
+        assert (sorted(r.id for r in held), damaged) == (
+            ["w-live", "w-mid", "w-top", "w-x", "w-y"],
+            [],
+        )
+    finally:
+        store.close()
+
+
 def _old_journal(archive: Path, output: bytes) -> None:
     journal = Journal.create(archive / "journal")
     journal.append("stdout", output, 1.0)
