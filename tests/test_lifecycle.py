@@ -443,6 +443,10 @@ def test_a_worker_carried_by_a_reload_then_crashed_is_interrupted_and_wakes_once
     _play_steps([Spawn(True, 0, None, 0), Reload(), Crash(), Drain(), Collect(0)])
 
 
+def test_a_worker_carried_by_two_reloads_ends_there_wakes_once_with_its_result() -> None:
+    _play_steps([Spawn(True, 3, None, 0), Reload(), Reload(), End(0), Drain(), Collect(0)])
+
+
 def test_stopping_a_collected_parent_after_a_reload_still_stops_its_live_child() -> None:
     # Found by the machine: the store took back only the handles it held, not the
     # collected parent a live child keeps; after the reload, stopping it stopped nothing.
