@@ -221,6 +221,7 @@ class InProcess:
         self.control.sock.detach()
 
     def _close_as_a_kill_would(self) -> None:
+        """What the kernel closes of a killed image; its store's files left as they were."""
         daemon = self.daemon
         with _as_a_kill_leaves(self.state_dir):
             daemon.store.close()
@@ -231,10 +232,13 @@ class InProcess:
         for journal in daemon.journals.values():
             journal.release()
         self.control.sock.close()  # the socket file stays, as after a kill
-        # The lock goes with the process; the file naming the holder stays.
-        for fd in (self.state.lock_fd, getattr(self.state, "_file_lock_fd", None)):
+        # The lock goes with the process; the file naming the holder stays. (Forgotten by
+        # the old StateDir too, whose numbers the next image may be given.)
+        for name in ("lock_fd", "_file_lock_fd"):
+            fd = getattr(self.state, name, None)
             if fd is not None:
                 os.close(fd)
+                setattr(self.state, name, None)
 
     async def _serve(
         self, daemon: Daemon, settings: Settings, state: StateDir, control: ControlSocket
