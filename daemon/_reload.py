@@ -398,8 +398,8 @@ async def adopt(
             )
             # Verified whole while clients wait in the backlog: a million entries cost
             # seconds of this reload (carrying the verified index would spare that).
-            journal = await daemon.open_journal(
-                daemon.archive_of(carried.id).file(Archive.JOURNAL), writable=True
+            journal = await daemon.reader.open_journal(
+                daemon.reader.archive_of(carried.id).file(Archive.JOURNAL), writable=True
             )
         except (_NoRecord, OSError, JournalCorrupt) as exc:  # OSError: pid gone too
             log.error("reload.cannot_adopt", worker=carried.id, pid=carried.pid, error=str(exc))

@@ -90,13 +90,13 @@ class InProcess:
 
     def record(self, worker_id: str) -> WorkerRecord:
         """The daemon's record of a worker whose handle it holds (not a tombstone)."""
-        found = self.daemon.lookup(worker_id)
+        found = self.daemon.reader.lookup(worker_id)
         assert isinstance(found, WorkerRecord), found
         return found
 
     def ended(self, worker_id: str) -> float:
         """When a worker ended, on trio's clock (its record says when on the wall clock)."""
-        ended_at = self.daemon.lookup(worker_id).ended_at
+        ended_at = self.daemon.reader.lookup(worker_id).ended_at
         assert ended_at is not None
         return self.wall.trio_time(ended_at)
 
