@@ -10,11 +10,8 @@ unexpected exception in it ends that worker `failed`, never the daemon.
 from __future__ import annotations
 
 import os
-import shutil
-import signal
 import time
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import structlog
@@ -29,15 +26,16 @@ from subagentd.protocol import (
 )
 from subagentd.protocol.errors import (
     Busy,
-    Invalid,
     NotFound,
     Refused,
     Reloading,
     RunStopped,
 )
 
-from ._agents import AgentDef, ConfigError, command_problem, load_agents
-from ._archive import STDOUT_TAIL_BYTES, Archive, Snapshot, SpareArchives
+from ._agents import AgentDef, ConfigError, load_agents
+from ._archive import Archive, Snapshot, SpareArchives
+from ._command import Launch, inherited_env, resolve
+from ._endings import Endings
 from ._journal import Journal
 from ._launcher import Launcher
 from ._mailbox import Mailbox
@@ -62,10 +60,6 @@ log = structlog.get_logger("subagentd")
 RELOAD_RETRY = 0.2
 #: What a spawn refused for want of file descriptors is told to wait.
 DESCRIPTORS_RETRY = 1.0
-#: A journal longer than this has its stdout tail kept in the store when its worker ends.
-TAIL_KEPT_FROM_BYTES = 1024 * 1024
-#: A wake carries this much of the result, so a parent rarely needs to collect.
-WAKE_PREVIEW_CHARS = 200
 #: Fault injection for the tests of the fault boundaries, read once at start:
 #: SUBAGENTD_FAULT="point:target,...". `ending:N`, `pump:N` and `record:N` raise in the
 #: supervision of a worker named N (as its ending begins, once a chunk of its output is
@@ -75,9 +69,6 @@ WAKE_PREVIEW_CHARS = 200
 #: `resume:N` as a resume of it has reopened its record;
 #: `reload:early` raises as the first reload begins.
 FAULT_ENV = "SUBAGENTD_FAULT"
-#: Variables of the daemon's own environment that no worker inherits: they
-#: belong to the service manager's conversation with the daemon, not theirs.
-_PRIVATE_ENV_PREFIXES = ("NOTIFY_SOCKET", "LISTEN_", "WATCHDOG_", "SUBAGENTD_")
 
 
 class InjectedFault(Exception):
@@ -88,19 +79,6 @@ def read_faults(spec: str) -> frozenset[tuple[str, str]]:
     """The (point, target) pairs of a SUBAGENTD_FAULT value."""
     pairs = (item.partition(":") for item in spec.split(","))
     return frozenset((point, target) for point, _, target in pairs if point)
-
-
-@dataclass(frozen=True)
-class Launch:
-    """What a spawn request resolved to: the command, and where and how it runs."""
-
-    argv: list[str]
-    env: dict[str, str]  # what the spawn (and its agent) asked for
-    cwd: str
-    worker_env: dict[str, str]  # the daemon's environment, less its private variables, plus env
-    timeout: float | None
-    grace: float | None
-    model: str | None
 
 
 class Daemon:
@@ -151,8 +129,6 @@ class Daemon:
         self.shutting_down = False
         self._run_stopped: dict[str, trio.Event] = {}
         self._saved_runs: set[str] = set()
-        #: Endings recorded in this daemon's life (for the `die-in-ending` fault).
-        self._endings = 0
         #: What the daemon knows, transactionally: records, runs, wakes, tombstones, turn.
         self.store = Store.open(state_dir.root / STORE_NAME)
         #: Lookups, status, collect, journal pages and follows.
@@ -180,6 +156,18 @@ class Daemon:
             run_dropped=self._saved_runs.discard,
         )
         self.reader.releasing_through(self.retention)
+        #: Each ending written down whole: record, wake, retention.
+        self.endings = Endings(
+            self.registry,
+            self.store,
+            self.reader,
+            self.mailbox,
+            self.problems,
+            clock=clock,
+            fault=self.fault,
+            faults=lambda: self.faults,
+            ended=self._ended,
+        )
         self.spares = SpareArchives(state_dir.archives)
         self._spares_wanted = trio.Event()
         #: What every worker inherits of the daemon's environment (read once: it never changes).
@@ -194,6 +182,22 @@ class Daemon:
             if once:
                 self.faults -= {(point, target)}
             raise InjectedFault(f"injected fault at {point}:{target}")
+
+    def _finish(
+        self,
+        record: WorkerRecord,
+        journal: Journal,
+        returncode: int | None,
+        stdout_tail: bytes,
+        failure: str | None = None,
+    ) -> None:
+        """The supervisor's hand-over of an ending (made before the parts it needs)."""
+        self.endings.finish(record, journal, returncode, stdout_tail, failure)
+
+    def _ended(self) -> None:
+        """A worker ended: its handle's expiry is due, and idle exit may look again."""
+        self.retention.ended()
+        self.touch()
 
     def touch(self) -> None:
         """Something happened: wake whoever waits for activity."""
@@ -235,7 +239,13 @@ class Daemon:
             raise Refused("the daemon is shutting down: it starts no new workers")
         if self.reloading:
             raise Reloading("the daemon is reloading; spawn again", retry_after=RELOAD_RETRY)
-        launch = self._resolve_command(request)
+        launch = resolve(
+            request,
+            agents=self.agents,
+            config_path=self.config_path,
+            config_error=self.config_error,
+            inherited=self.inherited_env,
+        )
         if request.parent is not None and not self.registry.holds(request.parent):
             ended = self.reader.lookup(request.parent)  # released: it has ended
             raise RunStopped(
@@ -376,89 +386,11 @@ class Daemon:
         except OSError as exc:
             self.problems.disk_failed(f"journal of {live.record.id}", exc)
         self.supervisor.end_unstarted(live)
-        self._finish(live.record, live.journal, None, b"")
+        self.endings.finish(live.record, live.journal, None, b"")
         live.ended.set()
         live.grown.set()
 
-    def _resolve_command(self, request: Spawn) -> Launch:
-        """What a spawn request runs, with its agent's definition rendered in."""
-        if request.agent is None:
-            argv, env = request.argv, dict(request.env)
-            timeout, grace, model = request.timeout, request.grace, None
-        else:
-            if request.argv:
-                raise Invalid("give either a command or --agent, not both")
-            agent = self.agents.get(request.agent)
-            if agent is None:
-                known = ", ".join(sorted(self.agents)) or "none"
-                why = f" ({self.config_error})" if self.config_error else ""
-                raise Invalid(
-                    f"no agent {request.agent!r} in {self.config_path}{why}; "
-                    f"agents defined: {known}"
-                )
-            argv, env, model = agent.render(), agent.env | request.env, agent.model
-            timeout = request.timeout if request.timeout is not None else agent.timeout
-            grace = request.grace if request.grace is not None else agent.grace
-        cwd = request.cwd or os.getcwd()
-        if not os.path.isdir(cwd):
-            raise Invalid(f"working directory {cwd!r} does not exist")
-        worker_env = self.inherited_env | env
-        if problem := command_problem(argv, worker_env):
-            raise Invalid(problem)
-        _check_executable(argv[0], cwd, worker_env)
-        return Launch(argv, env, cwd, worker_env, timeout, grace, model)
-
     # -- supervising ---------------------------------------------------------
-
-    def _finish(
-        self,
-        record: WorkerRecord,
-        journal: Journal,
-        returncode: int | None,
-        stdout_tail: bytes,
-        failure: str | None = None,
-    ) -> None:
-        """Record a worker's ending; `failure`: its supervision failed (and says why), so
-        it ends `failed` whatever its exit, even if an ending had begun before the fault."""
-        if failure is None:
-            self.fault("ending", record.name)
-        now = self.clock()
-        self.registry.ended(record.id, returncode, now)
-        if failure is not None:
-            record.state = "failed"
-            journal = self._note_failure(record, journal, failure, now)
-        try:
-            if journal.writable:
-                journal.append("state", f"{record.state} exit_code={returncode}".encode(), now)
-        except OSError as exc:
-            self.problems.disk_failed(f"journal of {record.id}", exc)
-        journal.close()
-        # Its tail serves the collect that follows.
-        self.reader.keep_journal_open(record.id, journal)
-        # Collect's tail is the journal's end; it is kept in the store, with the ending,
-        # only where the journal would not answer as well: when it is long, or its newest
-        # entries (all a reader keeps) hold less stdout.
-        keep = None
-        if (
-            journal.size > TAIL_KEPT_FROM_BYTES
-            or journal.tail_bytes("stdout", STDOUT_TAIL_BYTES) != stdout_tail
-        ):
-            keep = stdout_tail[-STDOUT_TAIL_BYTES:]
-        self.record_ending(
-            record,
-            stdout_tail,
-            keep_tail=keep,
-            before_commit=None if failure is not None else lambda: self._ending_faults(record),
-        )
-        self.retention.ended()
-        self.touch()
-
-    def _ending_faults(self, record: WorkerRecord) -> None:
-        """Inside an ending's transaction: the faults the tests inject there."""
-        self._endings += 1
-        if ("die-in-ending", str(self._endings)) in self.faults:
-            os.kill(os.getpid(), signal.SIGKILL)  # a crash mid-transaction, for the tests
-        self.fault("record", record.name)
 
     async def _make_spare_archives(self) -> None:
         """Keep archive directories made ahead for the next spawns, in a thread."""
@@ -489,58 +421,6 @@ class Daemon:
             "daemon's descriptor limit (ulimit -n, LimitNOFILE=), then spawn again",
             retry_after=DESCRIPTORS_RETRY,
         )
-
-    def record_ending(
-        self,
-        record: WorkerRecord,
-        stdout_tail: bytes | None = None,
-        *,
-        keep_tail: bytes | None = None,
-        before_commit: Callable[[], None] | None = None,
-    ) -> None:
-        """Write an ended worker down in one transaction: its record's final state (and
-        with it its retention) and one wake for its parent, so no crash leaves one without
-        the other. The wake is in the store before anyone sees it."""
-        archive = self.reader.archive_of(record.id)
-
-        def tail() -> bytes:
-            return self.reader.stdout_tail(record) if stdout_tail is None else stdout_tail
-
-        try:
-            preview = archive.result_text(tail)[:WAKE_PREVIEW_CHARS]
-        except Exception as exc:  # result_text reads around OSError; the wake matters more
-            log.warning("wake.no_preview", worker=record.id, error=str(exc))
-            preview = ""
-        wake = self.mailbox.wake_for(record, preview)
-        change = Change(workers=[record])
-        if keep_tail is not None:
-            change.tails[record.id] = keep_tail
-        if wake is not None:
-            change.wakes.append(wake)
-        else:  # posted before a fault: as it stands now, wherever the fault left it
-            change.restated = self.mailbox.restated(record)
-        try:
-            self.store.commit(change, "an ending", before_commit=before_commit)
-        except OSError as exc:
-            # Still delivered from memory; only a crash before its ack could lose it.
-            self.problems.disk_failed("store (an ending)", exc)
-        else:
-            self.problems.disk_ok()
-        if wake is not None:
-            self.mailbox.announce()
-
-    def _note_failure(
-        self, record: WorkerRecord, journal: Journal, failure: str, now: float
-    ) -> Journal:
-        """Say in the journal why supervision failed; the journal, written again if the
-        ending had closed it before the fault."""
-        try:
-            if not journal.writable:
-                journal.write_again()  # never verified again here: on the event loop
-            journal.append("note", failure.encode(), now)
-        except Exception:
-            log.exception("journal.failure_not_noted", worker=record.id)
-        return journal
 
     # -- stopping ------------------------------------------------------------
 
@@ -692,19 +572,3 @@ async def _keep_running(task: Callable[[], Awaitable[None]]) -> None:
             log.exception("daemon.task_failed", task=task.__name__, retry_in=delay)
         await trio.sleep(delay)
         delay = min(delay * 2, TASK_RETRY_MAX)
-
-
-def inherited_env(environ: Mapping[str, str]) -> dict[str, str]:
-    return {k: v for k, v in environ.items() if not k.startswith(_PRIVATE_ENV_PREFIXES)}
-
-
-def _check_executable(program: str, cwd: str, env: Mapping[str, str]) -> None:
-    """Refuse a spawn whose program cannot be found, naming where it was looked for."""
-    if "/" in program:
-        path = os.path.join(cwd, program)
-        if not os.access(path, os.X_OK) or os.path.isdir(path):
-            raise Invalid(f"cannot execute {program!r}: {path} is not an executable file")
-        return
-    search = env.get("PATH", os.defpath)
-    if shutil.which(program, path=search) is None:
-        raise Invalid(f"cannot execute {program!r}: not found on PATH ({search})")

@@ -212,7 +212,7 @@ async def _interrupt(daemon: Daemon, record: WorkerRecord, archive: Archive) -> 
         daemon,
         record,
         "ending",
-        lambda: daemon.record_ending(record, stdout_tail, keep_tail=stdout_tail),
+        lambda: daemon.endings.record(record, stdout_tail, keep_tail=stdout_tail),
     )
 
 

@@ -438,7 +438,7 @@ async def _stop_unadoptable(daemon: Daemon, carried: CarriedWorker) -> None:
         return  # recovery rebuilds it from its snapshot, if its row is there to say so
     record.state = "stopped_by_reload"
     record.ended_at = daemon.clock()
-    daemon.record_ending(record)
+    daemon.endings.record(record)
 
 
 def reload_reply(daemon: Daemon, request_id: int, carried: int, stopped: list[str]) -> Reply:
