@@ -9,15 +9,9 @@ unexpected exception in it ends that worker `failed`, never the daemon.
 
 from __future__ import annotations
 
-import collections
-import functools
-import math
 import os
-import shutil
-import signal
 import time
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import structlog
@@ -25,42 +19,40 @@ import trio
 
 from subagentd.protocol import (
     PROTOCOL_VERSION,
-    TERMINAL_STATES,
     DaemonInfo,
-    Page,
     Spawn,
-    Wake,
-    WorkerResult,
     WorkerView,
     package_version,
 )
 from subagentd.protocol.errors import (
     Busy,
-    Invalid,
     NotFound,
     Refused,
     Reloading,
     RunStopped,
 )
 
-from ._agents import AgentDef, ConfigError, command_problem, load_agents
-from ._archive import STDOUT_TAIL_BYTES, Archive, Snapshot, SpareArchives, prune_archives
-from ._files import NotRegularFile
-from ._journal import Journal, JournalCorrupt, JournalTooLong
+from ._agents import AgentDef, ConfigError, load_agents
+from ._archive import Archive, Snapshot, SpareArchives
+from ._command import Launch, inherited_env, resolve
+from ._endings import Endings
+from ._journal import Journal
 from ._launcher import Launcher
+from ._mailbox import Mailbox
+from ._problems import Problems
 from ._process import DESCRIPTOR_ERRNOS, OutOfDescriptors, SpawnFailed
+from ._reader import Reader
 from ._registry import (
     DEFAULT_FINISHED_TTL,
     DEFAULT_KEEP_ARCHIVES_DAYS,
     Registry,
-    Tombstone,
     WorkerRecord,
 )
 from ._resume import git_branch
+from ._retention import Retention
 from ._statedir import StateDir
 from ._store import STORE_NAME, Change, LaunchState, Store
 from ._supervisor import LiveWorker, Supervisor
-from ._wakes import WakeKey, open_wakes
 
 log = structlog.get_logger("subagentd")
 
@@ -68,19 +60,6 @@ log = structlog.get_logger("subagentd")
 RELOAD_RETRY = 0.2
 #: What a spawn refused for want of file descriptors is told to wait.
 DESCRIPTORS_RETRY = 1.0
-#: A journal up to this long is verified on the event loop (a few ms at the worst:
-#: entries are at least ~20 bytes and cost ~5 us each); a longer one in a thread.
-INLINE_JOURNAL_BYTES = 64 * 1024
-#: Ended workers' journals kept open for paging, the most recently read first.
-OPEN_JOURNALS = 16
-#: Ended journals verified at once (each in a thread).
-JOURNAL_SCANS = 2
-#: A journal longer than this has its stdout tail kept in the store when its worker ends.
-TAIL_KEPT_FROM_BYTES = 1024 * 1024
-#: A wake carries this much of the result, so a parent rarely needs to collect.
-WAKE_PREVIEW_CHARS = 200
-#: A watch page never holds more entries than this, whatever the client asks.
-MAX_PAGE_ENTRIES = 10_000
 #: Fault injection for the tests of the fault boundaries, read once at start:
 #: SUBAGENTD_FAULT="point:target,...". `ending:N`, `pump:N` and `record:N` raise in the
 #: supervision of a worker named N (as its ending begins, once a chunk of its output is
@@ -90,9 +69,6 @@ MAX_PAGE_ENTRIES = 10_000
 #: `resume:N` as a resume of it has reopened its record;
 #: `reload:early` raises as the first reload begins.
 FAULT_ENV = "SUBAGENTD_FAULT"
-#: Variables of the daemon's own environment that no worker inherits: they
-#: belong to the service manager's conversation with the daemon, not theirs.
-_PRIVATE_ENV_PREFIXES = ("NOTIFY_SOCKET", "LISTEN_", "WATCHDOG_", "SUBAGENTD_")
 
 
 class InjectedFault(Exception):
@@ -103,19 +79,6 @@ def read_faults(spec: str) -> frozenset[tuple[str, str]]:
     """The (point, target) pairs of a SUBAGENTD_FAULT value."""
     pairs = (item.partition(":") for item in spec.split(","))
     return frozenset((point, target) for point, _, target in pairs if point)
-
-
-@dataclass(frozen=True)
-class Launch:
-    """What a spawn request resolved to: the command, and where and how it runs."""
-
-    argv: list[str]
-    env: dict[str, str]  # what the spawn (and its agent) asked for
-    cwd: str
-    worker_env: dict[str, str]  # the daemon's environment, less its private variables, plus env
-    timeout: float | None
-    grace: float | None
-    model: str | None
 
 
 class Daemon:
@@ -136,11 +99,11 @@ class Daemon:
         self.faults = faults
         #: How workers' processes are started and their trees ended (the port).
         self.launcher = launcher
-        self.finished_ttl = finished_ttl
-        self.keep_archives_days = keep_archives_days
         self.socket_path = socket_path
         self.config_path = config_path
         self.registry = Registry()
+        #: What is wrong right now (reported by `info`).
+        self.problems = Problems()
         #: The live workers and their supervision.
         self.supervisor = Supervisor(
             launcher,
@@ -148,8 +111,8 @@ class Daemon:
             ending=self._finish,
             clock=clock,
             fault=self.fault,
-            disk_trouble=self._disk_trouble,
-            disk_ok=self._disk_ok,
+            disk_trouble=self.problems.disk_failed,
+            disk_ok=self.problems.disk_ok,
         )
         self.image_generation = 1
         self.reloads = 0
@@ -165,24 +128,46 @@ class Daemon:
         #: Set once for good when the daemon begins to stop: no spawn, resume or reload.
         self.shutting_down = False
         self._run_stopped: dict[str, trio.Event] = {}
-        #: The last failed write, while writes fail (reported by `info`).
-        self.disk_problem: str | None = None
-        #: What ran out of file descriptors, until a descriptor is had again (reported by `info`).
-        self.descriptor_problem: str | None = None
-        #: What crash recovery could not do for some worker (reported by `info`).
-        self.recovery_problems: list[str] = []
-        self.journals: collections.OrderedDict[str, Journal] = collections.OrderedDict()
-        #: Threads verifying journals (see open_journal): their own, so a worker's huge
-        #: journal read by many requests holds these and never those a spawn needs.
-        self._journal_scans = trio.CapacityLimiter(JOURNAL_SCANS)
         self._saved_runs: set[str] = set()
-        #: Endings recorded in this daemon's life (for the `die-in-ending` fault).
-        self._endings = 0
         #: What the daemon knows, transactionally: records, runs, wakes, tombstones, turn.
         self.store = Store.open(state_dir.root / STORE_NAME)
-        self.wakes = open_wakes(self.store, state_dir.root / "wakes.log")
-        self._wakes_posted = trio.Event()
-        self._retention_changed = trio.Event()
+        #: Lookups, status, collect, journal pages and follows.
+        self.reader = Reader(state_dir, self.registry, self.store, self.supervisor)
+        #: Parents' wakes: posted with each ending, subscribed to, acknowledged.
+        self.mailbox = Mailbox(
+            self.store,
+            self.registry,
+            old_log=state_dir.root / "wakes.log",
+            lookup=self.reader.lookup,
+        )
+        #: Releasing what ended: collected, expired, pruned.
+        self.retention = Retention(
+            self.registry,
+            self.store,
+            self.mailbox,
+            state_dir,
+            self.problems,
+            clock=clock,
+            finished_ttl=finished_ttl,
+            keep_archives_days=keep_archives_days,
+            stdout_tail=self.reader.stdout_tail,
+            fault=self.fault,
+            released=self.touch,
+            run_dropped=self._saved_runs.discard,
+        )
+        self.reader.releasing_through(self.retention)
+        #: Each ending written down whole: record, wake, retention.
+        self.endings = Endings(
+            self.registry,
+            self.store,
+            self.reader,
+            self.mailbox,
+            self.problems,
+            clock=clock,
+            fault=self.fault,
+            faults=lambda: self.faults,
+            ended=self._ended,
+        )
         self.spares = SpareArchives(state_dir.archives)
         self._spares_wanted = trio.Event()
         #: What every worker inherits of the daemon's environment (read once: it never changes).
@@ -197,6 +182,22 @@ class Daemon:
             if once:
                 self.faults -= {(point, target)}
             raise InjectedFault(f"injected fault at {point}:{target}")
+
+    def _finish(
+        self,
+        record: WorkerRecord,
+        journal: Journal,
+        returncode: int | None,
+        stdout_tail: bytes,
+        failure: str | None = None,
+    ) -> None:
+        """The supervisor's hand-over of an ending (made before the parts it needs)."""
+        self.endings.finish(record, journal, returncode, stdout_tail, failure)
+
+    def _ended(self) -> None:
+        """A worker ended: its handle's expiry is due, and idle exit may look again."""
+        self.retention.ended()
+        self.touch()
 
     def touch(self) -> None:
         """Something happened: wake whoever waits for activity."""
@@ -215,11 +216,11 @@ class Daemon:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Host the workers' supervision and the housekeeping timers until cancelled."""
-        await self._prune_archives_once()  # before serving: nobody reads a doomed archive
+        await self.retention.prune_archives_once()  # before serving: nobody reads a doomed one
         async with trio.open_nursery() as timers:
             for task in (
-                self._expire_handles,
-                self._prune_archives_daily,
+                self.retention.expire_handles,
+                self.retention.prune_archives_daily,
                 self._make_spare_archives,
             ):
                 timers.start_soon(_keep_running, task)
@@ -238,9 +239,15 @@ class Daemon:
             raise Refused("the daemon is shutting down: it starts no new workers")
         if self.reloading:
             raise Reloading("the daemon is reloading; spawn again", retry_after=RELOAD_RETRY)
-        launch = self._resolve_command(request)
-        if request.parent is not None and request.parent not in self.registry.workers:
-            ended = self.lookup(request.parent)  # released: it has ended
+        launch = resolve(
+            request,
+            agents=self.agents,
+            config_path=self.config_path,
+            config_error=self.config_error,
+            inherited=self.inherited_env,
+        )
+        if request.parent is not None and not self.registry.holds(request.parent):
+            ended = self.reader.lookup(request.parent)  # released: it has ended
             raise RunStopped(
                 f"worker {request.parent} has ended ({ended.state}); it cannot delegate"
             )
@@ -271,13 +278,13 @@ class Daemon:
             # the run does; an implicit run's is written only if it is stopped (recovery
             # takes a run without one as implicit).
             change = Change(workers=[record])
-            if record.run not in self._saved_runs and not self.registry.runs[record.run].implicit:
-                change.runs.append(self.registry.runs[record.run])
+            if record.run not in self._saved_runs and not self.registry.run(record.run).implicit:
+                change.runs.append(self.registry.run(record.run))
             self.store.commit(change, "registering a worker")
             self._saved_runs.update(r.id for r in change.runs)
             archive = self.spares.take(record.id)
             if archive is None:
-                archive = self.archive_of(record.id)
+                archive = self.reader.archive_of(record.id)
                 archive.create()
             archive.write_snapshot(
                 Snapshot(
@@ -306,7 +313,7 @@ class Daemon:
                 raise self._out_of_descriptors(
                     record.id, OutOfDescriptors(exc, "its archive")
                 ) from exc
-            self._disk_trouble(f"archive of {record.id}", exc)
+            self.problems.disk_failed(f"archive of {record.id}", exc)
             raise Refused(
                 f"cannot create worker {record.id}'s archive in {self.state_dir.archives}: "
                 f"{exc.strerror or exc}; free some space and spawn again"
@@ -330,7 +337,7 @@ class Daemon:
     ) -> WorkerView:
         """Start the process of a registered worker (a new one, or a resumed attempt)."""
         record = live.record
-        archive = self.archive_of(record.id)
+        archive = self.reader.archive_of(record.id)
         worker_env = base_env | {
             "PWD": cwd,  # the daemon's own PWD would name the wrong directory
             "SUBAGENTD_SOCKET": str(self.socket_path),
@@ -352,7 +359,7 @@ class Daemon:
             if isinstance(exc, OutOfDescriptors):
                 raise self._out_of_descriptors(record.id, exc) from exc
             return record.view()
-        self.descriptor_problem = None
+        self.problems.descriptors = None
         self.registry.started(record.id, process.pid, process.starttime)
         self.supervisor.supervise(live, process)
         try:
@@ -360,9 +367,9 @@ class Daemon:
             # Its pid, for recovery to end its tree by if the daemon dies.
             self.store.commit(Change(workers=[record]), "a worker's start")
         except OSError as exc:
-            self._disk_trouble(f"archive of {record.id}", exc)
+            self.problems.disk_failed(f"archive of {record.id}", exc)
         else:
-            self._disk_ok()
+            self.problems.disk_ok()
         log.info(
             "worker.started",
             worker=record.id,
@@ -377,90 +384,13 @@ class Daemon:
         try:
             live.journal.append("note", why.encode(), self.clock())
         except OSError as exc:
-            self._disk_trouble(f"journal of {live.record.id}", exc)
+            self.problems.disk_failed(f"journal of {live.record.id}", exc)
         self.supervisor.end_unstarted(live)
-        self._finish(live.record, live.journal, None, b"")
+        self.endings.finish(live.record, live.journal, None, b"")
         live.ended.set()
         live.grown.set()
 
-    def _resolve_command(self, request: Spawn) -> Launch:
-        """What a spawn request runs, with its agent's definition rendered in."""
-        if request.agent is None:
-            argv, env = request.argv, dict(request.env)
-            timeout, grace, model = request.timeout, request.grace, None
-        else:
-            if request.argv:
-                raise Invalid("give either a command or --agent, not both")
-            agent = self.agents.get(request.agent)
-            if agent is None:
-                known = ", ".join(sorted(self.agents)) or "none"
-                why = f" ({self.config_error})" if self.config_error else ""
-                raise Invalid(
-                    f"no agent {request.agent!r} in {self.config_path}{why}; "
-                    f"agents defined: {known}"
-                )
-            argv, env, model = agent.render(), agent.env | request.env, agent.model
-            timeout = request.timeout if request.timeout is not None else agent.timeout
-            grace = request.grace if request.grace is not None else agent.grace
-        cwd = request.cwd or os.getcwd()
-        if not os.path.isdir(cwd):
-            raise Invalid(f"working directory {cwd!r} does not exist")
-        worker_env = self.inherited_env | env
-        if problem := command_problem(argv, worker_env):
-            raise Invalid(problem)
-        _check_executable(argv[0], cwd, worker_env)
-        return Launch(argv, env, cwd, worker_env, timeout, grace, model)
-
     # -- supervising ---------------------------------------------------------
-
-    def _finish(
-        self,
-        record: WorkerRecord,
-        journal: Journal,
-        returncode: int | None,
-        stdout_tail: bytes,
-        failure: str | None = None,
-    ) -> None:
-        """Record a worker's ending; `failure`: its supervision failed (and says why), so
-        it ends `failed` whatever its exit, even if an ending had begun before the fault."""
-        if failure is None:
-            self.fault("ending", record.name)
-        now = self.clock()
-        self.registry.ended(record.id, returncode, now)
-        if failure is not None:
-            record.state = "failed"
-            journal = self._note_failure(record, journal, failure, now)
-        try:
-            if journal.writable:
-                journal.append("state", f"{record.state} exit_code={returncode}".encode(), now)
-        except OSError as exc:
-            self._disk_trouble(f"journal of {record.id}", exc)
-        journal.close()
-        self._keep_journal_open(record.id, journal)  # its tail serves the collect that follows
-        # Collect's tail is the journal's end; it is kept in the store, with the ending,
-        # only where the journal would not answer as well: when it is long, or its newest
-        # entries (all a reader keeps) hold less stdout.
-        keep = None
-        if (
-            journal.size > TAIL_KEPT_FROM_BYTES
-            or journal.tail_bytes("stdout", STDOUT_TAIL_BYTES) != stdout_tail
-        ):
-            keep = stdout_tail[-STDOUT_TAIL_BYTES:]
-        self.record_ending(
-            record,
-            stdout_tail,
-            keep_tail=keep,
-            before_commit=None if failure is not None else lambda: self._ending_faults(record),
-        )
-        self._retention_changed.set()
-        self.touch()
-
-    def _ending_faults(self, record: WorkerRecord) -> None:
-        """Inside an ending's transaction: the faults the tests inject there."""
-        self._endings += 1
-        if ("die-in-ending", str(self._endings)) in self.faults:
-            os.kill(os.getpid(), signal.SIGKILL)  # a crash mid-transaction, for the tests
-        self.fault("record", record.name)
 
     async def _make_spare_archives(self) -> None:
         """Keep archive directories made ahead for the next spawns, in a thread."""
@@ -482,109 +412,15 @@ class Daemon:
             await self._spares_wanted.wait()
             self._spares_wanted = trio.Event()
 
-    def _stdout_tail(self, found: WorkerRecord | Tombstone) -> bytes:
-        """The end of an ended worker's stdout: kept in the store where its journal would
-        not give it as well, else its journal's end (not read again if open)."""
-        kept = self.store.tail(found.id)
-        if kept is not None:
-            return kept
-        return self.archive_of(found.id).stdout_tail(self.journals.get(found.id))
-
     def _out_of_descriptors(self, worker_id: str, exc: OutOfDescriptors) -> Busy:
         """Report a spawn that found no descriptor; the refusal its client gets."""
-        self.descriptor_problem = f"{exc}; spawns fail until connections or workers close"
+        self.problems.descriptors = f"{exc}; spawns fail until connections or workers close"
         log.error("daemon.out_of_descriptors", worker=worker_id, error=str(exc))
         return Busy(
             f"{exc}; worker {worker_id} ended failed. Close connections or raise the "
             "daemon's descriptor limit (ulimit -n, LimitNOFILE=), then spawn again",
             retry_after=DESCRIPTORS_RETRY,
         )
-
-    def _disk_ok(self) -> None:
-        """A write went through: the disk trouble, if any, has passed."""
-        self.disk_problem = None
-
-    def _disk_trouble(self, what: str, exc: OSError) -> None:
-        """Report a failed write (disk full, I/O error) once per kind of trouble."""
-        problem = f"cannot write the {what}: {exc.strerror or exc}"
-        if problem != self.disk_problem:
-            log.error("disk.write_failed", problem=problem, errno=exc.errno)
-        self.disk_problem = problem
-
-    def record_ending(
-        self,
-        record: WorkerRecord,
-        stdout_tail: bytes | None = None,
-        *,
-        keep_tail: bytes | None = None,
-        before_commit: Callable[[], None] | None = None,
-    ) -> None:
-        """Write an ended worker down in one transaction: its record's final state (and
-        with it its retention) and one wake for its parent, so no crash leaves one without
-        the other. The wake is in the store before anyone sees it."""
-        archive = self.archive_of(record.id)
-
-        def tail() -> bytes:
-            return self._stdout_tail(record) if stdout_tail is None else stdout_tail
-
-        try:
-            preview = archive.result_text(tail)[:WAKE_PREVIEW_CHARS]
-        except Exception as exc:  # result_text reads around OSError; the wake matters more
-            log.warning("wake.no_preview", worker=record.id, error=str(exc))
-            preview = ""
-        wake = self.wakes.post(
-            worker=record.id,
-            run=record.run,
-            parent=record.parent,
-            state=record.state,
-            exit_code=record.exit_code,
-            preview=preview,
-            attempt=record.attempt,
-        )
-        change = Change(workers=[record])
-        if keep_tail is not None:
-            change.tails[record.id] = keep_tail
-        if wake is not None:
-            change.wakes.append(wake)
-        else:  # posted before a fault: as it stands now, wherever the fault left it
-            change.restated = self._restated(record)
-        try:
-            self.store.commit(change, "an ending", before_commit=before_commit)
-        except OSError as exc:
-            # Still delivered from memory; only a crash before its ack could lose it.
-            self._disk_trouble("store (an ending)", exc)
-        else:
-            self.disk_problem = None
-        if wake is not None:
-            posted, self._wakes_posted = self._wakes_posted, trio.Event()
-            posted.set()
-
-    def _note_failure(
-        self, record: WorkerRecord, journal: Journal, failure: str, now: float
-    ) -> Journal:
-        """Say in the journal why supervision failed; the journal, written again if the
-        ending had closed it before the fault."""
-        try:
-            if not journal.writable:
-                journal.write_again()  # never verified again here: on the event loop
-            journal.append("note", failure.encode(), now)
-        except Exception:
-            log.exception("journal.failure_not_noted", worker=record.id)
-        return journal
-
-    def _restated(self, record: WorkerRecord) -> list[Wake]:
-        """The unacknowledged wake this attempt posted, made to say its worker's state now.
-
-        Nobody has read it: the fault's handling reaches here without a checkpoint
-        after the post (a fault after the reap awaits nothing). Written again whole: the
-        transaction that first wrote it may have been rolled back by the fault.
-        """
-        found = []
-        for wake in self.wakes.pending.values():
-            if (wake.id, wake.attempt) == (record.id, record.attempt):
-                wake.state, wake.exit_code = record.state, record.exit_code
-                found.append(wake)
-        return found
 
     # -- stopping ------------------------------------------------------------
 
@@ -595,9 +431,9 @@ class Daemon:
         An id whose handle was released (collected, expired) is found, ended,
         and so stops nothing; only an id never seen is not found.
         """
-        if worker_id not in self.registry.workers:
+        if not self.registry.holds(worker_id):
             try:
-                self.lookup(worker_id)
+                self.reader.lookup(worker_id)
             except NotFound:
                 return False, []
             return True, []
@@ -608,7 +444,7 @@ class Daemon:
 
     async def wait_stopped(self, worker_id: str) -> None:
         """Return once a worker and its subtree have ended (a stop's wait)."""
-        if worker_id in self.registry.workers:
+        if self.registry.holds(worker_id):
             await self.supervisor.wait_ended(list(self.registry.subtree(worker_id)))
 
     def new_run(self, outer: str | None) -> str:
@@ -619,7 +455,7 @@ class Daemon:
 
     def save_runs(self, run_ids: list[str]) -> None:
         """Write runs to the store (their nesting and stop flags outlive a crash)."""
-        runs = [self.registry.runs[r] for r in run_ids]
+        runs = [self.registry.run(r) for r in run_ids]
         self.store.commit(Change(runs=runs), "a run")
         self._saved_runs.update(run_ids)
 
@@ -632,7 +468,7 @@ class Daemon:
         try:
             self.store.commit(Change(launch=launch), "the launch turn and fence")
         except OSError as exc:
-            self._disk_trouble("store (the launch fence)", exc)
+            self.problems.disk_failed("store (the launch fence)", exc)
 
     def begin_turn(self) -> int:
         turn = self.registry.begin_turn()
@@ -651,13 +487,13 @@ class Daemon:
     def stop_run(self, run_id: str) -> tuple[bool, list[str]]:
         """Stop a run and the runs nested in it: workers in flight, and every later spawn;
         (found, ids newly stopped). `wait_run_ended` waits for them to end."""
-        if run_id not in self.registry.runs:
+        if not self.registry.has_run(run_id):
             return False, []
         stopped = self.registry.stop_run(run_id)
         try:
             self.save_runs(list(self.registry.runs_within(run_id)))
         except OSError as exc:  # stopped in memory regardless: a crash would forget it
-            self._disk_trouble("store (a run)", exc)
+            self.problems.disk_failed("store (a run)", exc)
         self.supervisor.ask_stop(stopped)
         for run in self.registry.runs_within(run_id):
             if (event := self._run_stopped.pop(run, None)) is not None:
@@ -668,7 +504,7 @@ class Daemon:
     async def wait_run_ended(self, run_id: str) -> None:
         """Return once every live worker of a run (and of the runs nested in it) has ended
         (a stop_run's wait)."""
-        if run_id in self.registry.runs:
+        if self.registry.has_run(run_id):
             members = [r.id for r in self.registry.listing(include_ended=False, run=run_id)]
             await self.supervisor.wait_ended(members)
 
@@ -680,8 +516,8 @@ class Daemon:
 
     def cancel(self, scope: str) -> list[str]:
         kind, _, target = scope.partition(":")
-        if kind == "worker" and target not in self.registry.workers:
-            self.lookup(target)  # not_found for an id never seen
+        if kind == "worker" and not self.registry.holds(target):
+            self.reader.lookup(target)  # not_found for an id never seen
             return []  # ended and released: nothing to cancel
         cancelled = self.registry.cancel(scope)
         self.supervisor.ask_stop(cancelled)
@@ -704,258 +540,6 @@ class Daemon:
             log.info("daemon.stopping_workers", count=len(ids))
             await self.supervisor.wait_ended(self.supervisor.ids())
 
-    # -- reading -------------------------------------------------------------
-
-    def lookup(self, worker_id: str) -> WorkerRecord | Tombstone:
-        """A worker by id: its handle, its tombstone, or else its record in the store."""
-        found = self.registry.workers.get(worker_id) or self.registry.tombstones.get(worker_id)
-        if found is not None:
-            return found
-        released = self.store.worker(worker_id)
-        if released is None:
-            raise NotFound(f"no worker {worker_id!r}")
-        released.archive = str(self.archive_of(worker_id).path)  # as the state dir is now
-        return released
-
-    def archive_of(self, worker_id: str) -> Archive:
-        """The worker's archive: where the state dir keeps it for that id, never where a
-        record says (its worker may rewrite its record); NotFound for no worker id."""
-        path = self.state_dir.archive(worker_id)
-        if path is None:
-            raise NotFound(f"no worker {worker_id!r} (not a worker id)")
-        return Archive(path)
-
-    async def wait(self, worker_id: str) -> WorkerView:
-        self.lookup(worker_id)
-        await self.supervisor.wait_ended([worker_id])
-        return self.lookup(worker_id).view()
-
-    async def collect(self, worker_id: str, *, wait: bool) -> WorkerResult:
-        found = self.lookup(worker_id)
-        if wait:
-            await self.supervisor.wait_ended([worker_id])
-            found = self.lookup(worker_id)
-        elif found.state not in TERMINAL_STATES:
-            raise Busy(f"worker {worker_id} is still {found.state}; collect --wait waits for it")
-        archive = self.archive_of(found.id)
-        text = ""
-        if archive.path.exists():
-            text = archive.result_text(lambda: self._stdout_tail(found))
-        if isinstance(found, Tombstone):
-            text = text or found.output.decode("utf-8", errors="replace")
-            del self.registry.tombstones[worker_id]
-            self._commit_retention(Change(dropped_tombstones=[worker_id]))
-        elif worker_id in self.registry.workers:
-            collected = self.registry.collect(worker_id)
-            self._release(worker_id, changed=collected)  # a restart must not hold it again
-        return WorkerResult(id=found.id, state=found.state, exit_code=found.exit_code, result=text)
-
-    async def watch_page(self, worker_id: str, since: int, limit: int) -> Page:
-        if since < 0 or limit < 1:
-            raise Invalid(f"watch needs since >= 0 and limit >= 1, not {since} and {limit}")
-        found = self.lookup(worker_id)
-        live = self.supervisor.get(worker_id)
-        journal = live.journal if live is not None else await self._ended_journal(found)
-        try:
-            entries = journal.read(since, min(limit, MAX_PAGE_ENTRIES))
-        except JournalCorrupt as exc:
-            raise _damaged(found.id, exc) from None
-        cursor = entries[-1].seq if entries else since
-        complete = live is None and cursor >= journal.last_seq
-        return Page(id=0, entries=entries, next=cursor, complete=complete)
-
-    async def _ended_journal(self, found: WorkerRecord | Tombstone) -> Journal:
-        """An ended worker's journal, opened (and verified) once for many pages.
-
-        Verifying reads the whole file, which its worker may have made huge:
-        in a thread, so the daemon serves everyone else meanwhile.
-        """
-        journal = self.journals.pop(found.id, None)
-        if journal is None:
-            path = self.archive_of(found.id).file(Archive.JOURNAL)
-            try:
-                journal = await self.open_journal(path, writable=False)
-            except FileNotFoundError:
-                raise NotFound(
-                    f"worker {found.id}'s journal is gone (its archive was pruned)"
-                ) from None
-            except NotRegularFile:
-                raise Refused(
-                    f"worker {found.id}'s journal is no longer a regular file (a symlink or "
-                    "FIFO put in its place); the daemon does not read it"
-                ) from None
-            except JournalCorrupt as exc:
-                raise _damaged(found.id, exc) from None
-        self._keep_journal_open(found.id, journal)
-        return journal
-
-    async def open_journal(self, path: Path, *, writable: bool) -> Journal:
-        """Journal.open, verifying every entry, in a thread: the one way a journal is
-        opened while the daemon serves, so a journal its worker made huge delays only
-        who asked for it. Few at once (JOURNAL_SCANS), so many such requests hold
-        those threads and never those a spawn needs. One opened for writing may cut
-        a torn tail: it is never abandoned half done.
-
-        A short journal (most are) is verified at once, here: a thread costs more
-        than its scan, and a reload adopting 1,000 workers opens 1,000 journals.
-        """
-        try:
-            return Journal.open(path, writable=writable, most=INLINE_JOURNAL_BYTES)
-        except JournalTooLong:
-            pass
-        return await trio.to_thread.run_sync(
-            functools.partial(Journal.open, path, writable=writable),
-            abandon_on_cancel=not writable,
-            limiter=self._journal_scans,
-        )
-
-    def _keep_journal_open(self, worker_id: str, journal: Journal) -> None:
-        self.journals.pop(worker_id, None)
-        self.journals[worker_id] = journal
-        while len(self.journals) > OPEN_JOURNALS:
-            self.journals.popitem(last=False)
-
-    async def follow(
-        self, worker_id: str, since: int, limit: int, send: Callable[[Page], Awaitable[None]]
-    ) -> None:
-        """Send pages from `since` as the journal grows, until it is complete.
-
-        Each page is read when the previous one has been sent, so a follower
-        that does not read holds back only itself: nothing is buffered for it.
-        """
-        cursor = since
-        while True:
-            live = self.supervisor.get(worker_id)
-            grown = live.grown if live is not None else None
-            page = await self.watch_page(worker_id, cursor, limit)
-            if page.entries or page.complete:
-                await send(page)
-            if page.complete:
-                return
-            cursor = page.next
-            if not page.entries and grown is not None:
-                await grown.wait()
-
-    # -- wakes ---------------------------------------------------------------
-
-    def wake_key(self, run: str | None, worker: str | None) -> WakeKey:
-        """The parent a subscription is for, checked: it exists."""
-        if (run is None) == (worker is None):
-            raise Invalid("subscribe to the wakes of one parent: give a run or a worker, not both")
-        key: WakeKey = ("run", run) if run is not None else ("worker", worker)  # type: ignore[assignment]
-        if not self.wakes.pending_for(key):
-            if run is not None:
-                self.registry.run(run)
-            else:
-                self.lookup(key[1])
-        return key
-
-    async def subscribe(
-        self, key: WakeKey, follow: bool, send: Callable[[list[Wake], bool], Awaitable[None]]
-    ) -> None:
-        """Send every unacknowledged wake for `key`; with `follow`, then each new one."""
-        sent = 0
-        first = True  # the first page always goes: it confirms the subscription
-        while True:
-            posted = self._wakes_posted
-            wakes = self.wakes.pending_for(key, after=sent)
-            if wakes or first:
-                await send(wakes, not follow)
-            first = False
-            if not follow:
-                return
-            if wakes:
-                sent = wakes[-1].seq
-            else:
-                await posted.wait()
-
-    def ack(self, seqs: list[int]) -> None:
-        self.wakes.ack(seqs)
-        try:
-            self.store.ack_wakes(seqs)
-        except OSError as exc:
-            log.error("wakes.write_failed", error=str(exc))
-
-    def _commit_retention(self, change: Change) -> None:
-        try:
-            self.store.commit(change, "a release")
-        except OSError as exc:  # released in memory regardless: a restart holds it again
-            self._disk_trouble("store (a release)", exc)
-
-    # -- retention -----------------------------------------------------------
-
-    def _release(
-        self, worker_id: str, tombstone: Tombstone | None = None, *, changed: WorkerRecord
-    ) -> None:
-        """Let a handle go (and what it held up), with the record that changed (collected,
-        expired): one transaction with the tombstones and the run it takes along."""
-        run = changed.run  # a release cascades within one run
-        stones = dict(self.registry.tombstones)
-        released = self.registry.release(worker_id, tombstone)
-        if released:
-            log.debug("worker.released", workers=released)
-            self.touch()
-        now = self.registry.tombstones
-        change = Change(
-            workers=[changed],
-            tombstones=[stone for i, stone in now.items() if stones.get(i) is not stone],
-            dropped_tombstones=[i for i in stones if i not in now],
-        )
-        if run not in self.registry.runs:  # an implicit run went with its last worker
-            # Nobody can subscribe to it any more: its wakes would wait forever.
-            if orphaned := self.wakes.of_run(run):
-                self.wakes.ack(orphaned)
-                change.acked = orphaned
-            self._saved_runs.discard(run)
-            change.dropped_runs.append(run)
-        self._commit_retention(change)
-
-    async def _expire_handles(self) -> None:
-        """Release handles left uncollected past the TTL, exactly when each expires."""
-        while True:
-            changed = self._retention_changed = trio.Event()
-            now = self.clock()
-            for worker_id in self.registry.expired(now, self.finished_ttl):
-                try:
-                    self._expire(worker_id)
-                except Exception:  # that handle stays; the others still go
-                    log.exception("worker.not_expired", worker=worker_id)
-            deadline = self.registry.next_expiry(self.finished_ttl)
-            with trio.move_on_after(math.inf if deadline is None else deadline - now):
-                await changed.wait()
-
-    def _expire(self, worker_id: str) -> None:
-        record = self.registry.workers[worker_id]
-        self.fault("expire", record.name)
-        record.expired = True
-        stone = None
-        if self.registry.needs_tombstone(worker_id):
-            stone = Tombstone.of(record, self._stdout_tail(record))
-        self._release(worker_id, stone, changed=record)
-
-    async def _prune_archives_once(self) -> None:
-        """Delete archives (and rows) of workers that ended more than the keep period ago."""
-        cutoff = self.clock() - self.keep_archives_days * 86400
-        doomed = [w for w in self.store.ended_before(cutoff) if w not in self.registry.workers]
-        archives = [p for w in doomed if (p := self.state_dir.archive(w)) is not None]
-        if not doomed:
-            return
-        await trio.to_thread.run_sync(prune_archives, archives)
-        try:
-            self.store.forget(doomed)
-        except OSError as exc:
-            self._disk_trouble("store (pruning)", exc)
-        log.info("archives.pruned", count=len(doomed))
-
-    async def _prune_archives_daily(self) -> None:
-        # On trio's clock, each day from the start: the time a pruning takes (a thread
-        # walking the archives) never pushes the next one later.
-        due = trio.current_time()
-        while True:
-            due += 86400
-            await trio.sleep_until(due)
-            await self._prune_archives_once()
-
     def info(self) -> DaemonInfo:
         return DaemonInfo(
             version=package_version(),
@@ -968,10 +552,7 @@ class Daemon:
             tree_tracking=self.launcher.tree_tracking,
             socket=str(self.socket_path),
             state_dir=str(self.state_dir.root),
-            problems=[p for p in (self.disk_problem, self.descriptor_problem) if p]
-            + self.store.problems
-            + self.recovery_problems
-            + self.registry.damage,
+            problems=self.problems.current() + self.store.problems + self.registry.damage,
         )
 
 
@@ -991,27 +572,3 @@ async def _keep_running(task: Callable[[], Awaitable[None]]) -> None:
             log.exception("daemon.task_failed", task=task.__name__, retry_in=delay)
         await trio.sleep(delay)
         delay = min(delay * 2, TASK_RETRY_MAX)
-
-
-def _damaged(worker_id: str, exc: JournalCorrupt) -> Refused:
-    """A journal damaged before its tail (its worker wrote into it): said, not served."""
-    return Refused(
-        f"worker {worker_id}'s journal is damaged at byte {exc.offset} ({exc.reason}); "
-        "the daemon serves no page from it"
-    )
-
-
-def inherited_env(environ: Mapping[str, str]) -> dict[str, str]:
-    return {k: v for k, v in environ.items() if not k.startswith(_PRIVATE_ENV_PREFIXES)}
-
-
-def _check_executable(program: str, cwd: str, env: Mapping[str, str]) -> None:
-    """Refuse a spawn whose program cannot be found, naming where it was looked for."""
-    if "/" in program:
-        path = os.path.join(cwd, program)
-        if not os.access(path, os.X_OK) or os.path.isdir(path):
-            raise Invalid(f"cannot execute {program!r}: {path} is not an executable file")
-        return
-    search = env.get("PATH", os.defpath)
-    if shutil.which(program, path=search) is None:
-        raise Invalid(f"cannot execute {program!r}: not found on PATH ({search})")

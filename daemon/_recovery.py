@@ -57,7 +57,7 @@ async def recover(
             records.append(rebuilt)
     for record in records:
         if not record.ended and record.id not in carried:
-            await _interrupt_alone(daemon, record, daemon.archive_of(record.id))
+            await _interrupt_alone(daemon, record, daemon.reader.archive_of(record.id))
             interrupted.append(record.id)
     launch = daemon.store.launch()
     daemon.registry.restore(
@@ -69,10 +69,10 @@ async def recover(
         fence_epochs=launch.fence_epochs,
     )
     # What clients see: an earlier image may have taken it from a rewritten record.
-    for record in daemon.registry.workers.values():
-        record.archive = str(daemon.archive_of(record.id).path)
-    for stone in daemon.registry.tombstones.values():
-        stone.archive = str(daemon.archive_of(stone.id).path)
+    for record in daemon.registry.handles():
+        record.archive = str(daemon.reader.archive_of(record.id).path)
+    for stone in daemon.registry.tombstones().values():
+        stone.archive = str(daemon.reader.archive_of(stone.id).path)
     log.info("recovery.done", retained=len(records), interrupted=interrupted)
     return interrupted
 
@@ -83,7 +83,7 @@ async def _rebuild_alone(daemon: Daemon, archive: Archive) -> WorkerRecord | Non
         return await _rebuild(daemon, archive)
     except Exception as exc:
         log.exception("recovery.rebuild_failed", archive=str(archive.path))
-        daemon.recovery_problems.append(
+        daemon.problems.recovery.append(
             f"archive {archive.path} has no readable record, and rebuilding one failed "
             f"({type(exc).__name__}: {exc}): see the daemon log"
         )
@@ -138,7 +138,7 @@ async def _rebuild(daemon: Daemon, archive: Archive) -> WorkerRecord | None:
         finally:
             journal.close()
     log.warning("recovery.record_rebuilt", worker=worker_id, state=record.state)
-    daemon.recovery_problems.append(f"worker {worker_id}: {why}")
+    daemon.problems.recovery.append(f"worker {worker_id}: {why}")
     if record.ended:
         _alone(daemon, record, "record", lambda: _commit(daemon, record))
     return record
@@ -164,7 +164,7 @@ async def _interrupt_alone(daemon: Daemon, record: WorkerRecord, archive: Archiv
         await _interrupt(daemon, record, archive)
     except Exception as exc:
         log.exception("recovery.worker_failed", worker=record.id)
-        daemon.recovery_problems.append(
+        daemon.problems.recovery.append(
             f"recovery of worker {record.id} failed partway ({type(exc).__name__}: {exc}); "
             f"it is held as {record.state if record.ended else 'interrupted'}: see the daemon log"
         )
@@ -174,14 +174,7 @@ async def _interrupt_alone(daemon: Daemon, record: WorkerRecord, archive: Archiv
 
 
 async def _interrupt(daemon: Daemon, record: WorkerRecord, archive: Archive) -> None:
-    posted = next(
-        (
-            w
-            for w in daemon.wakes.pending.values()
-            if (w.id, w.attempt) == (record.id, record.attempt)
-        ),
-        None,
-    )
+    posted = daemon.mailbox.posted(record)
     if posted is not None:
         # It had ended, and its wake was written, just before the daemon died.
         record.state, record.exit_code = posted.state, posted.exit_code
@@ -192,7 +185,7 @@ async def _interrupt(daemon: Daemon, record: WorkerRecord, archive: Archive) -> 
         await _end_leftovers(daemon, record)
     except Exception as exc:
         log.exception("recovery.tree_not_ended", worker=record.id)
-        daemon.recovery_problems.append(
+        daemon.problems.recovery.append(
             f"what is left of worker {record.id}'s process tree could not be ended "
             f"({type(exc).__name__}: {exc}): see the daemon log"
         )
@@ -219,7 +212,7 @@ async def _interrupt(daemon: Daemon, record: WorkerRecord, archive: Archive) -> 
         daemon,
         record,
         "ending",
-        lambda: daemon.record_ending(record, stdout_tail, keep_tail=stdout_tail),
+        lambda: daemon.endings.record(record, stdout_tail, keep_tail=stdout_tail),
     )
 
 
@@ -253,7 +246,7 @@ def _leader(daemon: Daemon, record: WorkerRecord) -> int | None:
         # Alive, and the very process named, yet not the worker's: planted, or a leader
         # that exec'd with a new environment (which then runs on: said here).
         log.warning("recovery.leader_not_the_workers", worker=record.id, pid=pid)
-        daemon.recovery_problems.append(
+        daemon.problems.recovery.append(
             f"worker {record.id}'s record names pid {pid}, which does not carry its worker id: "
             "not signalled (its processes were found by that id instead; if it is the worker's "
             "own, end it by hand)"
@@ -267,7 +260,7 @@ def _alone(daemon: Daemon, record: WorkerRecord, what: str, step: Callable[[], N
         step()
     except Exception as exc:
         log.exception("recovery.step_failed", worker=record.id, step=what)
-        daemon.recovery_problems.append(
+        daemon.problems.recovery.append(
             f"recovery of worker {record.id} could not write its {what} "
             f"({type(exc).__name__}: {exc})"
         )

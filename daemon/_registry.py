@@ -208,14 +208,14 @@ class Registry:
     """Workers and runs by id, and the rules that govern them."""
 
     def __init__(self, make_id: Callable[[str], str] = new_id) -> None:
-        self.workers: dict[str, WorkerRecord] = {}
-        self.runs: dict[str, RunRecord] = {}
+        self._workers: dict[str, WorkerRecord] = {}
+        self._runs: dict[str, RunRecord] = {}
         self._make_id = make_id
         self._children: dict[str, list[str]] = {}  # worker id -> ids it delegated to
         self._run_members: dict[str, list[str]] = {}  # run id -> worker ids
         self._inner_runs: dict[str, list[str]] = {}  # run id -> runs nested in it
         self._by_token: dict[str, str] = {}  # worker token -> worker id
-        self.tombstones: dict[str, Tombstone] = {}
+        self._tombstones: dict[str, Tombstone] = {}
         #: (ended_at, id) of ended handles, soonest to expire first. Stale
         #: entries (collected, released, resumed) are dropped when they surface.
         self._endings: list[tuple[float, str]] = []
@@ -235,7 +235,7 @@ class Registry:
             # Whoever nests a run in it holds its id now: it stays when its workers go.
             outer_run.implicit = False
         run = RunRecord(id=self._fresh_id("r"), outer=outer, created_at=now)
-        self.runs[run.id] = run
+        self._runs[run.id] = run
         self._run_members[run.id] = []
         self._inner_runs[run.id] = []
         if outer is not None:
@@ -244,7 +244,7 @@ class Registry:
 
     def run(self, run_id: str) -> RunRecord:
         try:
-            return self.runs[run_id]
+            return self._runs[run_id]
         except KeyError:
             raise NotFound(
                 f"no run {run_id!r} (`subagentctl ls --all` lists runs' workers)"
@@ -261,11 +261,36 @@ class Registry:
             yield current
             pending.extend(self._inner_runs.get(current, ()))
 
+    def has_run(self, run_id: str) -> bool:
+        return run_id in self._runs
+
     # -- workers -------------------------------------------------------------
+
+    def handle(self, worker_id: str) -> WorkerRecord | None:
+        """The worker's record while its handle is held (live, or ended and not released)."""
+        return self._workers.get(worker_id)
+
+    def holds(self, worker_id: str) -> bool:
+        return worker_id in self._workers
+
+    def handles(self) -> list[WorkerRecord]:
+        """Every held handle, in the order they were registered."""
+        return list(self._workers.values())
+
+    def tombstone(self, worker_id: str) -> Tombstone | None:
+        return self._tombstones.get(worker_id)
+
+    def tombstones(self) -> dict[str, Tombstone]:
+        """The tombstones by worker id (a copy: what changes is told by comparing two)."""
+        return dict(self._tombstones)
+
+    def drop_tombstone(self, worker_id: str) -> bool:
+        """Forget a tombstone (collected, or its worker resumed); whether there was one."""
+        return self._tombstones.pop(worker_id, None) is not None
 
     def worker(self, worker_id: str) -> WorkerRecord:
         try:
-            return self.workers[worker_id]
+            return self._workers[worker_id]
         except KeyError:
             raise NotFound(f"no worker {worker_id!r}") from None
 
@@ -334,7 +359,7 @@ class Registry:
             record.fence = self.fence.epoch
             if self.fence.cancelled:
                 record.stop_reason = "fence"
-        self.workers[worker_id] = record
+        self._workers[worker_id] = record
         self._by_token[record.token] = worker_id
         self._children[worker_id] = []
         self._run_members[run_record.id].append(worker_id)
@@ -351,14 +376,14 @@ class Registry:
         seen: set[str] = set()
         while current is not None and current not in seen:
             seen.add(current)
-            run = self.runs[current]
+            run = self._runs[current]
             if run.stopped:
                 return True
             current = run.outer
         return False
 
     def started(self, worker_id: str, pid: int, pid_start: int) -> None:
-        record = self.workers[worker_id]
+        record = self._workers[worker_id]
         record.pid = pid
         record.pid_start = pid_start
         if record.state == "starting":
@@ -371,7 +396,7 @@ class Registry:
         never started). A worker someone asked to stop ends `stopped` (or
         `timed_out`) whatever its code; otherwise 0 is `finished`, the rest `failed`.
         """
-        record = self.workers[worker_id]
+        record = self._workers[worker_id]
         if record.ended:
             return record
         if record.stop_reason == "timeout":
@@ -387,12 +412,12 @@ class Registry:
         record.exit_code = exit_code
         record.ended_at = now
         heapq.heappush(self._endings, (now, worker_id))
-        if len(self._endings) > 2 * len(self.workers) + 1024:
+        if len(self._endings) > 2 * len(self._workers) + 1024:
             # Collected handles leave stale entries that surface only at their
             # expiry, never with a huge TTL: start again from the retained ones.
             self._endings = [
                 (r.ended_at, r.id)
-                for r in self.workers.values()
+                for r in self._workers.values()
                 if r.ended_at is not None and self._retained(r)
             ]
             heapq.heapify(self._endings)
@@ -435,9 +460,9 @@ class Registry:
         kind, _, value = scope.partition(":")
         ids: list[str]
         if scope == "all":
-            ids = list(self.workers)
+            ids = list(self._workers)
         elif kind == "turn" and value.isdigit():
-            ids = [w for w, r in self.workers.items() if r.turn == int(value)]
+            ids = [w for w, r in self._workers.items() if r.turn == int(value)]
         elif kind == "run" and value:
             self.run(value)
             ids = [w for r in self.runs_within(value) for w in self._run_members[r]]
@@ -460,7 +485,7 @@ class Registry:
             return []
         self.fence.cancelled = True
         return self._mark_stopping(
-            [w for w, r in self.workers.items() if r.fence == epoch], "fence"
+            [w for w, r in self._workers.items() if r.fence == epoch], "fence"
         )
 
     def clear_fence(self) -> None:
@@ -468,21 +493,21 @@ class Registry:
 
     def stop_all(self, reason: str) -> list[str]:
         """Ask every worker not yet ended to stop (the daemon is shutting down)."""
-        return self._mark_stopping(list(self.workers), reason)
+        return self._mark_stopping(list(self._workers), reason)
 
     def stop_run(self, run_id: str) -> list[str]:
         """Stop a run and every run nested in it; they refuse spawns from now on."""
         self.run(run_id)
         ids: list[str] = []
         for current in self.runs_within(run_id):
-            self.runs[current].stopped = True
+            self._runs[current].stopped = True
             ids.extend(self._run_members[current])
         return self._mark_stopping(ids, "run")
 
     def _mark_stopping(self, ids: list[str], reason: str) -> list[str]:
         newly: list[str] = []
         for worker_id in ids:
-            record = self.workers[worker_id]
+            record = self._workers[worker_id]
             if record.ended or record.stop_reason is not None:
                 continue
             record.stop_reason = reason
@@ -490,7 +515,7 @@ class Registry:
         return sorted(newly)
 
     def stopping(self, worker_id: str) -> bool:
-        record = self.workers[worker_id]
+        record = self._workers[worker_id]
         return record.stop_reason is not None and not record.ended
 
     def collect(self, worker_id: str) -> WorkerRecord:
@@ -518,7 +543,7 @@ class Registry:
         """
         self.damage += _cut_loops(records, runs)
         for run in runs:
-            self.runs[run.id] = run
+            self._runs[run.id] = run
             self._run_members.setdefault(run.id, [])
             self._inner_runs.setdefault(run.id, [])
         # Runs no file describes: named runs are written when made, so one that
@@ -531,21 +556,21 @@ class Registry:
             if run.outer is not None:
                 self._inner_runs[run.outer].append(run.id)
         for record in sorted(records, key=lambda r: (r.started_at, r.id)):
-            self.workers[record.id] = record
+            self._workers[record.id] = record
             self._by_token[record.token] = record.id
             self._children.setdefault(record.id, [])
             self._run_members[record.run].append(record.id)
-        for record in self.workers.values():
+        for record in self._workers.values():
             if record.parent is not None and record.parent in self._children:
                 self._children[record.parent].append(record.id)
             if record.ended_at is not None:
                 heapq.heappush(self._endings, (record.ended_at, record.id))
-        self.tombstones = {t.id: t for t in tombstones}
+        self._tombstones = {t.id: t for t in tombstones}
         self.turn, self.fence, self.fence_epochs = turn, fence, fence_epochs
 
     def _describe_run(self, run_id: str, *, implicit: bool) -> None:
-        if run_id not in self.runs:
-            self.runs[run_id] = RunRecord(id=run_id, outer=None, created_at=0.0, implicit=implicit)
+        if run_id not in self._runs:
+            self._runs[run_id] = RunRecord(id=run_id, outer=None, created_at=0.0, implicit=implicit)
             self._run_members[run_id] = []
             self._inner_runs[run_id] = []
 
@@ -557,7 +582,7 @@ class Registry:
         `record` may come from the archive when its handle was released: it is
         taken back into memory. Its run is live again.
         """
-        if record.id not in self.workers:
+        if record.id not in self._workers:
             self.restore_worker(record)
         record.attempt += 1
         record.state = "starting"
@@ -574,16 +599,16 @@ class Registry:
 
     def reopen_run(self, run_id: str, now: float) -> None:
         """Make a stopped run live again (a resume is an explicit wish to carry on)."""
-        if run_id not in self.runs:
-            self.runs[run_id] = RunRecord(id=run_id, outer=None, created_at=now)
+        if run_id not in self._runs:
+            self._runs[run_id] = RunRecord(id=run_id, outer=None, created_at=now)
             self._run_members[run_id] = []
             self._inner_runs[run_id] = []
-        self.runs[run_id].stopped = False
+        self._runs[run_id].stopped = False
 
     def restore_worker(self, record: WorkerRecord) -> None:
         """Take a worker back into memory from its archived record."""
         self.reopen_run(record.run, record.started_at)
-        self.workers[record.id] = record
+        self._workers[record.id] = record
         self._by_token[record.token] = record.id
         self._children.setdefault(record.id, [])
         self._run_members[record.run].append(record.id)
@@ -614,7 +639,7 @@ class Registry:
 
     def _expires(self, ended_at: float, worker_id: str) -> bool:
         """Whether this entry still stands for a retained handle (not a stale one)."""
-        record = self.workers.get(worker_id)
+        record = self._workers.get(worker_id)
         return record is not None and self._retained(record) and record.ended_at == ended_at
 
     @staticmethod
@@ -624,8 +649,8 @@ class Registry:
 
     def needs_tombstone(self, worker_id: str) -> bool:
         """An expired handle whose parent is still live: the parent may yet collect it."""
-        parent = self.workers[worker_id].parent
-        return parent is not None and parent in self.workers and not self.workers[parent].ended
+        parent = self._workers[worker_id].parent
+        return parent is not None and parent in self._workers and not self._workers[parent].ended
 
     def release(self, worker_id: str, tombstone: Tombstone | None = None) -> list[str]:
         """Let go of ended handles no longer needed in memory; the ids released.
@@ -639,32 +664,32 @@ class Registry:
         released: list[str] = []
         current: str | None = worker_id
         while current is not None and current not in released and self._releasable(current):
-            record = self.workers.pop(current)
+            record = self._workers.pop(current)
             released.append(current)
             del self._by_token[record.token]
             del self._children[current]
             self._run_members[record.run].remove(current)
-            for child in [t for t, stone in self.tombstones.items() if stone.parent == current]:
-                del self.tombstones[child]
+            for child in [t for t, stone in self._tombstones.items() if stone.parent == current]:
+                del self._tombstones[child]
             if record.parent is not None and record.parent in self._children:
                 self._children[record.parent].remove(current)
             self._release_run(record.run)
             if current == worker_id and tombstone is not None:
-                self.tombstones[current] = tombstone
+                self._tombstones[current] = tombstone
             current = record.parent
         return released
 
     def _releasable(self, worker_id: str) -> bool:
-        record = self.workers.get(worker_id)
+        record = self._workers.get(worker_id)
         if record is None or not record.ended or self._children[worker_id]:
             return False
         return record.collected or record.expired
 
     def _release_run(self, run_id: str) -> None:
         """Forget an implicit run with nothing left in it (never nested, never named)."""
-        run = self.runs[run_id]
+        run = self._runs[run_id]
         if run.implicit and not self._run_members[run_id]:
-            del self.runs[run_id]
+            del self._runs[run_id]
             del self._run_members[run_id]
             del self._inner_runs[run_id]
 
@@ -673,28 +698,28 @@ class Registry:
     def listing(self, *, include_ended: bool, run: str | None = None) -> list[WorkerRecord]:
         if run is not None:
             ids = [w for r in self.runs_within(self.run(run).id) for w in self._run_members[r]]
-            records = [self.workers[w] for w in ids]
+            records = [self._workers[w] for w in ids]
         else:
-            records = list(self.workers.values())
+            records = list(self._workers.values())
         if not include_ended:
             records = [r for r in records if not r.ended]
         return sorted(records, key=lambda r: r.place)
 
     def counts(self) -> dict[str, int]:
         counts: dict[str, int] = {}
-        for record in self.workers.values():
+        for record in self._workers.values():
             counts[record.state] = counts.get(record.state, 0) + 1
         return counts
 
     def holds_park(self) -> bool:
         """Whether shutting down now would cost a worker: one live, or a result not yet
         collected within its TTL."""
-        return any(not r.ended or self._retained(r) for r in self.workers.values())
+        return any(not r.ended or self._retained(r) for r in self._workers.values())
 
     def _fresh_id(self, prefix: str) -> str:
         while True:
             candidate = self._make_id(prefix)
-            if candidate not in self.workers and candidate not in self.runs:
+            if candidate not in self._workers and candidate not in self._runs:
                 return candidate
 
 

@@ -415,8 +415,8 @@ async def adopt(
             )
             # Verified whole while clients wait in the backlog: a million entries cost
             # seconds of this reload (carrying the verified index would spare that).
-            journal = await daemon.open_journal(
-                daemon.archive_of(carried.id).file(Archive.JOURNAL), writable=True
+            journal = await daemon.reader.open_journal(
+                daemon.reader.archive_of(carried.id).file(Archive.JOURNAL), writable=True
             )
         except (_NoRecord, OSError, JournalCorrupt) as exc:  # OSError: pid gone too
             log.error("reload.cannot_adopt", worker=carried.id, pid=carried.pid, error=str(exc))
@@ -455,7 +455,7 @@ async def _stop_unadoptable(daemon: Daemon, carried: CarriedWorker) -> None:
         return  # recovery rebuilds it from its snapshot, if its row is there to say so
     record.state = "stopped_by_reload"
     record.ended_at = daemon.clock()
-    daemon.record_ending(record)
+    daemon.endings.record(record)
 
 
 def reload_reply(daemon: Daemon, request_id: int, carried: int, stopped: list[str]) -> Reply:

@@ -50,12 +50,12 @@ class Resumer:
 
     async def _resume_one(self, worker_id: str, worker_timeout: float | None) -> WorkerView:
         """`resume`, past the fence, its launch counted and shielded by the caller."""
-        found = self.daemon.lookup(worker_id)
+        found = self.daemon.reader.lookup(worker_id)
         self._check_resumable(found.id, found.state)
-        archive = self.daemon.archive_of(found.id)
+        archive = self.daemon.reader.archive_of(found.id)
         snapshot = read_snapshot(archive, worker_id)
         check_branch(snapshot, worker_id)
-        record = self.daemon.registry.workers.get(worker_id) or self.daemon.store.worker(worker_id)
+        record = self.daemon.registry.handle(worker_id) or self.daemon.store.worker(worker_id)
         if record is None:
             raise Refused(f"worker {worker_id} cannot be resumed: its record is unreadable")
         if worker_timeout is not None and worker_timeout < 0:
@@ -71,7 +71,7 @@ class Resumer:
     ) -> WorkerView:
         # The journal first: if it cannot be opened, nothing has changed yet.
         journal = await self._open_journal(record.id, archive)
-        had_stone = self.daemon.registry.tombstones.pop(record.id, None) is not None
+        had_stone = self.daemon.registry.drop_tombstone(record.id)
         record = self.daemon.registry.reopen(
             record,
             self.daemon.clock(),
@@ -87,12 +87,12 @@ class Resumer:
                 Change(
                     workers=[record],
                     tails={record.id: b""},
-                    runs=[self.daemon.registry.runs[record.run]],
+                    runs=[self.daemon.registry.run(record.run)],
                     dropped_tombstones=[record.id] if had_stone else [],
                 ),
                 "a resume",
             )
-            self.daemon.journals.pop(record.id, None)  # its read-only view is about to go stale
+            self.daemon.reader.forget_journal(record.id)  # its read-only view would go stale
             journal.append(
                 "note", f"attempt {record.attempt}: resumed".encode(), self.daemon.clock()
             )
@@ -116,7 +116,9 @@ class Resumer:
             raise Refused(f"worker {worker_id} is being resumed already")
         self._opening.add(worker_id)
         try:
-            return await self.daemon.open_journal(archive.file(Archive.JOURNAL), writable=True)
+            return await self.daemon.reader.open_journal(
+                archive.file(Archive.JOURNAL), writable=True
+            )
         except NotRegularFile:
             raise Refused(
                 f"worker {worker_id} cannot be resumed: its journal is not a regular file "
@@ -135,7 +137,7 @@ class Resumer:
     def _run_records(self, run_id: str) -> list[WorkerRecord]:
         """Every worker of a run, whether its handle is in memory or only in the store."""
         records = {r.id: r for r in self.daemon.store.workers_of_run(run_id)}
-        records |= {r.id: r for r in self.daemon.registry.workers.values() if r.run == run_id}
+        records |= {r.id: r for r in self.daemon.registry.handles() if r.run == run_id}
         return list(records.values())
 
     def _resumable_heads(self, run_id: str) -> list[WorkerRecord]:
@@ -153,7 +155,9 @@ class Resumer:
             raise Refused(f"run {run_id} ended well: every worker finished")
         heads = [r for r in unfinished.values() if r.parent not in unfinished]
         for record in heads:
-            check_branch(read_snapshot(self.daemon.archive_of(record.id), record.id), record.id)
+            check_branch(
+                read_snapshot(self.daemon.reader.archive_of(record.id), record.id), record.id
+            )
         return sorted(heads, key=lambda r: (r.started_at, r.id))
 
     async def resume_run(self, run_id: str) -> list[WorkerView]:

@@ -227,7 +227,7 @@ class Server:
         self.connections = 0  # open now
         self.reloader: Reloader | None = None
         self.resumer = Resumer(daemon)
-        self.authority = Authority(lambda worker_id: daemon.lookup(worker_id).parent)
+        self.authority = Authority(lambda worker_id: daemon.reader.lookup(worker_id).parent)
         self._open: set[Connection] = set()
         self._scope = trio.CancelScope()
         self._accepting = trio.CancelScope()
@@ -281,12 +281,12 @@ class Server:
                     f"cannot accept connections: {errno.errorcode[exc.errno]} "
                     f"({exc.strerror}); connects wait until connections or workers close"
                 )
-                if self.daemon.descriptor_problem != problem:
+                if self.daemon.problems.descriptors != problem:
                     log.error("conn.accept_failed", error=problem)
-                self.daemon.descriptor_problem = problem
+                self.daemon.problems.descriptors = problem
                 await trio.sleep(ACCEPT_RETRY_SECONDS)
                 continue
-            self.daemon.descriptor_problem = None
+            self.daemon.problems.descriptors = None
             return stream
 
     async def pause(self, requesters: list[tuple[object, int]]) -> dict[object, Handover]:
@@ -562,7 +562,7 @@ class Server:
                 views, cursor, complete = listing_page(records, after, limit)
                 return WorkerList(id=rid, workers=views, next=cursor, complete=complete)
             case Status(worker=worker):
-                return WorkerReply(id=rid, worker=daemon.lookup(worker).view())
+                return WorkerReply(id=rid, worker=daemon.reader.lookup(worker).view())
             case Stop(worker=worker, wait=wait):
                 found, stopped = daemon.stop(worker)
                 reply = Stopped(id=rid, found=found, stopped=stopped)
@@ -572,22 +572,22 @@ class Server:
                 return reply
             case Watch(worker=worker, since=since, limit=limit, follow=follow):
                 if follow:
-                    await daemon.follow(worker, since, limit, _sender(conn, rid))
+                    await daemon.reader.follow(worker, since, limit, _sender(conn, rid))
                     return None
-                page = await daemon.watch_page(worker, since, limit)
+                page = await daemon.reader.watch_page(worker, since, limit)
                 page.id = rid
                 return page
             case Collect(worker=worker, wait=wait):
-                return ResultReply(id=rid, result=await daemon.collect(worker, wait=wait))
+                return ResultReply(id=rid, result=await daemon.reader.collect(worker, wait=wait))
             case Wait(worker=worker):
-                return WorkerReply(id=rid, worker=await daemon.wait(worker))
+                return WorkerReply(id=rid, worker=await daemon.reader.wait(worker))
             case Subscribe(run=run, worker=worker, follow=follow):
-                key = daemon.wake_key(run, worker)
-                await daemon.subscribe(key, follow, _wake_sender(conn, rid))
+                key = daemon.mailbox.key(run, worker)
+                await daemon.mailbox.subscribe(key, follow, _wake_sender(conn, rid))
                 return None
             case Ack(wakes=seqs):
                 conn.session.check_ack(seqs)
-                daemon.ack(seqs)
+                daemon.mailbox.ack(seqs)
                 conn.session.acked(seqs)
                 return Done(id=rid)
             case Resume(worker=worker, timeout=timeout):

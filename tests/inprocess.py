@@ -108,13 +108,13 @@ class InProcess:
 
     def record(self, worker_id: str) -> WorkerRecord:
         """The daemon's record of a worker whose handle it holds (not a tombstone)."""
-        found = self.daemon.lookup(worker_id)
+        found = self.daemon.reader.lookup(worker_id)
         assert isinstance(found, WorkerRecord), found
         return found
 
     def ended(self, worker_id: str) -> float:
         """When a worker ended, on trio's clock (its record says when on the wall clock)."""
-        ended_at = self.daemon.lookup(worker_id).ended_at
+        ended_at = self.daemon.reader.lookup(worker_id).ended_at
         assert ended_at is not None
         return self.wall.trio_time(ended_at)
 
@@ -207,16 +207,15 @@ class InProcess:
         return self
 
     def _close_on_exec(self, checkpoint: Checkpoint) -> None:
-        """What the exec closes of the old image (its store, pidfds, journals), and its
-        objects' hold on the descriptors carried, which the new image owns now."""
+        """What the exec closes of the old image (its store, pidfds, live journals), and
+        its objects' hold on the descriptors carried, which the new image owns now."""
         daemon = self.daemon
         daemon.store.close()
         for live in daemon.supervisor.workers():
             assert live.process is not None
             os.close(live.process.pidfd)  # the new image opens its own; the pipes go on
             live.journal.release()
-        for journal in daemon.journals.values():
-            journal.release()
+        # (The ended journals its reader kept open close as the old image is collected.)
         assert self.control.sock.fileno() == checkpoint.listen_fd
         self.control.sock.detach()
 
@@ -229,8 +228,6 @@ class InProcess:
             if live.process is not None:
                 live.process.close()  # its pidfd and pipes: the workers write into the void
             live.journal.release()
-        for journal in daemon.journals.values():
-            journal.release()
         self.control.sock.close()  # the socket file stays, as after a kill
         # The lock goes with the process; the file naming the holder stays. (Forgotten by
         # the old StateDir too, whose numbers the next image may be given.)

@@ -32,7 +32,7 @@ def test_spawn_without_run_starts_a_run_and_children_join_the_parents() -> None:
     reg = _registry()
     parent = _spawn(reg)
     child = _spawn(reg, parent=parent.id)
-    assert parent.run in reg.runs
+    assert reg.has_run(parent.run)
     assert child.run == parent.run
     assert child.parent == parent.id
     assert parent.token != child.token
@@ -141,7 +141,7 @@ class RegistryMachine(RuleBasedStateMachine):
 
     @rule(target=workers, parent=workers)
     def delegate(self, parent: str) -> str:
-        record = self.reg.workers[parent]
+        record = self.reg.worker(parent)
         if record.ended or record.stop_reason is not None or self.reg.run_stopped(record.run):
             with pytest.raises(RunStopped):
                 _spawn(self.reg, parent=parent)
@@ -168,34 +168,34 @@ class RegistryMachine(RuleBasedStateMachine):
 
     @rule(worker=consumes(workers), code=st.sampled_from([0, 1, -9, -15]))
     def end(self, worker: str, code: int) -> None:
-        record = self.reg.workers[worker]
+        record = self.reg.worker(worker)
         was_ended, state = record.ended, record.state
         self.reg.ended(worker, code, 1.0)
         if was_ended:
             assert record.state == state  # terminal states are final
 
-    @precondition(lambda self: self.reg.workers)
+    @precondition(lambda self: self.reg.handles())
     @invariant()
     def nothing_in_a_stopped_scope_runs_on(self) -> None:
         for root in self.stopped_roots:
             for w in self.reg.subtree(root):
-                record = self.reg.workers[w]
+                record = self.reg.worker(w)
                 assert record.ended or record.stop_reason is not None
         for run in self.stopped_runs:
             for r in self.reg.runs_within(run):
                 assert self.reg.run_stopped(r)
                 for w in self.reg._run_members[r]:
-                    record = self.reg.workers[w]
+                    record = self.reg.worker(w)
                     assert record.ended or record.stop_reason is not None
 
     @invariant()
     def a_stopped_worker_never_ends_finished(self) -> None:
-        for record in self.reg.workers.values():
+        for record in self.reg.handles():
             if record.ended and record.stop_reason not in (None,):
                 assert record.state in ("stopped", "timed_out")
 
     def _stopping(self) -> set[str]:
-        return {w for w, r in self.reg.workers.items() if r.stop_reason is not None}
+        return {r.id for r in self.reg.handles() if r.stop_reason is not None}
 
 
 TestRegistryMachine = RegistryMachine.TestCase
@@ -210,8 +210,8 @@ def test_a_named_run_outlives_its_collected_workers_and_an_implicit_one_does_not
         reg.ended(record.id, 0, 1.0)
         reg.collect(record.id)
         assert reg.release(record.id) == [record.id]
-    assert named.id in reg.runs
-    assert lone.run not in reg.runs
+    assert reg.has_run(named.id)
+    assert not reg.has_run(lone.run)
     reg.stop_run(named.id)
     with pytest.raises(RunStopped):
         _spawn(reg, run=named.id)
@@ -270,7 +270,7 @@ def test_parents_and_outer_runs_that_loop_are_cut_when_restored() -> None:
     assert len(after.damage) == 2  # one link of each loop cut, no more
     assert any("loops back" in line for line in after.damage)
     # a's link was cut (the first found in a loop), b's stands: a is the top again.
-    assert (after.workers[a.id].parent, after.workers[b.id].parent) == (None, a.id)
+    assert (after.worker(a.id).parent, after.worker(b.id).parent) == (None, a.id)
     assert set(after.subtree(a.id)) == {a.id, b.id, c.id}
     assert not after.run_stopped(inner.id)
     assert set(after.runs_within(outer.id)) <= {outer.id, inner.id}

@@ -1,0 +1,156 @@
+"""A worker's ending, written down: one transaction holding its record's final state
+(and so its retention), the wake its parent is owed and, where the journal would not give
+it as well, its stdout's tail. So no crash leaves an ending without its wake, or a wake
+without its ending ("every ending wakes its parent exactly once", by construction).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable
+
+import structlog
+
+from ._archive import STDOUT_TAIL_BYTES
+from ._journal import Journal
+from ._mailbox import Mailbox
+from ._problems import Problems
+from ._reader import Reader
+from ._registry import Registry, WorkerRecord
+from ._store import Change, Store
+
+log = structlog.get_logger("subagentd")
+
+#: A journal longer than this has its stdout tail kept in the store when its worker ends.
+TAIL_KEPT_FROM_BYTES = 1024 * 1024
+#: A wake carries this much of the result, so a parent rarely needs to collect.
+WAKE_PREVIEW_CHARS = 200
+
+
+class Endings:
+    def __init__(
+        self,
+        registry: Registry,
+        store: Store,
+        reader: Reader,
+        mailbox: Mailbox,
+        problems: Problems,
+        *,
+        clock: Callable[[], float],
+        fault: Callable[[str, str], None],
+        faults: Callable[[], frozenset[tuple[str, str]]],
+        ended: Callable[[], None],
+    ) -> None:
+        self._registry = registry
+        self._store = store
+        self._reader = reader
+        self._mailbox = mailbox
+        self._problems = problems
+        self._clock = clock
+        self._fault = fault
+        self._faults = faults
+        self._ended = ended
+        #: Endings recorded in this daemon's life (for the `die-in-ending` fault).
+        self._count = 0
+
+    def finish(
+        self,
+        record: WorkerRecord,
+        journal: Journal,
+        returncode: int | None,
+        stdout_tail: bytes,
+        failure: str | None = None,
+    ) -> None:
+        """Record a worker's ending; `failure`: its supervision failed (and says why), so
+        it ends `failed` whatever its exit, even if an ending had begun before the fault."""
+        if failure is None:
+            self._fault("ending", record.name)
+        now = self._clock()
+        self._registry.ended(record.id, returncode, now)
+        if failure is not None:
+            record.state = "failed"
+            journal = self._note_failure(record, journal, failure, now)
+        try:
+            if journal.writable:
+                journal.append("state", f"{record.state} exit_code={returncode}".encode(), now)
+        except OSError as exc:
+            self._problems.disk_failed(f"journal of {record.id}", exc)
+        journal.close()
+        # Its tail serves the collect that follows.
+        self._reader.keep_journal_open(record.id, journal)
+        # Collect's tail is the journal's end; it is kept in the store, with the ending,
+        # only where the journal would not answer as well: when it is long, or its newest
+        # entries (all a reader keeps) hold less stdout.
+        keep = None
+        if (
+            journal.size > TAIL_KEPT_FROM_BYTES
+            or journal.tail_bytes("stdout", STDOUT_TAIL_BYTES) != stdout_tail
+        ):
+            keep = stdout_tail[-STDOUT_TAIL_BYTES:]
+        self.record(
+            record,
+            stdout_tail,
+            keep_tail=keep,
+            before_commit=None if failure is not None else lambda: self._ending_faults(record),
+        )
+        self._ended()
+
+    def _ending_faults(self, record: WorkerRecord) -> None:
+        """Inside an ending's transaction: the faults the tests inject there."""
+        self._count += 1
+        if ("die-in-ending", str(self._count)) in self._faults():
+            os.kill(os.getpid(), signal.SIGKILL)  # a crash mid-transaction, for the tests
+        self._fault("record", record.name)
+
+    def record(
+        self,
+        record: WorkerRecord,
+        stdout_tail: bytes | None = None,
+        *,
+        keep_tail: bytes | None = None,
+        before_commit: Callable[[], None] | None = None,
+    ) -> None:
+        """Write an ended worker down in one transaction: its record's final state (and
+        with it its retention) and one wake for its parent, so no crash leaves one without
+        the other. The wake is in the store before anyone sees it."""
+        archive = self._reader.archive_of(record.id)
+
+        def tail() -> bytes:
+            return self._reader.stdout_tail(record) if stdout_tail is None else stdout_tail
+
+        try:
+            preview = archive.result_text(tail)[:WAKE_PREVIEW_CHARS]
+        except Exception as exc:  # result_text reads around OSError; the wake matters more
+            log.warning("wake.no_preview", worker=record.id, error=str(exc))
+            preview = ""
+        wake = self._mailbox.wake_for(record, preview)
+        change = Change(workers=[record])
+        if keep_tail is not None:
+            change.tails[record.id] = keep_tail
+        if wake is not None:
+            change.wakes.append(wake)
+        else:  # posted before a fault: as it stands now, wherever the fault left it
+            change.restated = self._mailbox.restated(record)
+        try:
+            self._store.commit(change, "an ending", before_commit=before_commit)
+        except OSError as exc:
+            # Still delivered from memory; only a crash before its ack could lose it.
+            self._problems.disk_failed("store (an ending)", exc)
+        else:
+            self._problems.disk_ok()
+        if wake is not None:
+            self._mailbox.announce()
+
+    def _note_failure(
+        self, record: WorkerRecord, journal: Journal, failure: str, now: float
+    ) -> Journal:
+        """Say in the journal why supervision failed; the journal, written again if the
+        ending had closed it before the fault."""
+        try:
+            if not journal.writable:
+                journal.write_again()  # never verified again here: on the event loop
+            journal.append("note", failure.encode(), now)
+        except Exception:
+            log.exception("journal.failure_not_noted", worker=record.id)
+        return journal

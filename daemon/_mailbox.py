@@ -1,0 +1,128 @@
+"""Parents' wakes on trio: what each ending posts, who is subscribed, and acknowledgements.
+
+The queue itself (`_wakes.WakeQueue`) is the pure core: at most one wake per worker
+attempt, each held until acknowledged. The mailbox wraps it for the daemon: it makes an
+ending's wake (the caller commits it in the ending's own transaction), wakes the
+subscribers once it is committed, and writes acknowledgements through to the store.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import structlog
+import trio
+
+from subagentd.protocol import Wake
+from subagentd.protocol.errors import Invalid
+
+from ._registry import Registry, Tombstone, WorkerRecord
+from ._store import Store
+from ._wakes import WakeKey, open_wakes
+
+log = structlog.get_logger("subagentd")
+
+
+class Mailbox:
+    def __init__(
+        self,
+        store: Store,
+        registry: Registry,
+        *,
+        old_log: Path,
+        lookup: Callable[[str], WorkerRecord | Tombstone],
+    ) -> None:
+        self._store = store
+        self._registry = registry
+        self._lookup = lookup
+        self._queue = open_wakes(store, old_log)
+        self._posted = trio.Event()
+
+    def wake_for(self, record: WorkerRecord, preview: str) -> Wake | None:
+        """The wake this ending owes its parent, or None if this attempt posted one
+        already. Held in memory at once; the caller commits it with the ending."""
+        return self._queue.post(
+            worker=record.id,
+            run=record.run,
+            parent=record.parent,
+            state=record.state,
+            exit_code=record.exit_code,
+            preview=preview,
+            attempt=record.attempt,
+        )
+
+    def restated(self, record: WorkerRecord) -> list[Wake]:
+        """The unacknowledged wake this attempt posted, made to say its worker's state now.
+
+        Nobody has read it: a fault's handling reaches here without a checkpoint after
+        the post (a fault after the reap awaits nothing). The caller writes it again
+        whole: the transaction that first wrote it may have been rolled back by the fault.
+        """
+        found = []
+        for wake in self._queue.pending.values():
+            if (wake.id, wake.attempt) == (record.id, record.attempt):
+                wake.state, wake.exit_code = record.state, record.exit_code
+                found.append(wake)
+        return found
+
+    def posted(self, record: WorkerRecord) -> Wake | None:
+        """The unacknowledged wake of the worker's current attempt, if it posted one."""
+        return next(
+            (
+                w
+                for w in self._queue.pending.values()
+                if (w.id, w.attempt) == (record.id, record.attempt)
+            ),
+            None,
+        )
+
+    def announce(self) -> None:
+        """A wake was committed: subscribers that follow see it now."""
+        posted, self._posted = self._posted, trio.Event()
+        posted.set()
+
+    def key(self, run: str | None, worker: str | None) -> WakeKey:
+        """The parent a subscription is for, checked: it exists."""
+        if (run is None) == (worker is None):
+            raise Invalid("subscribe to the wakes of one parent: give a run or a worker, not both")
+        key: WakeKey = ("run", run) if run is not None else ("worker", worker)  # type: ignore[assignment]
+        if not self._queue.pending_for(key):
+            if run is not None:
+                self._registry.run(run)
+            else:
+                self._lookup(key[1])
+        return key
+
+    async def subscribe(
+        self, key: WakeKey, follow: bool, send: Callable[[list[Wake], bool], Awaitable[None]]
+    ) -> None:
+        """Send every unacknowledged wake for `key`; with `follow`, then each new one."""
+        sent = 0
+        first = True  # the first page always goes: it confirms the subscription
+        while True:
+            posted = self._posted
+            wakes = self._queue.pending_for(key, after=sent)
+            if wakes or first:
+                await send(wakes, not follow)
+            first = False
+            if not follow:
+                return
+            if wakes:
+                sent = wakes[-1].seq
+            else:
+                await posted.wait()
+
+    def ack(self, seqs: list[int]) -> None:
+        self._queue.ack(seqs)
+        try:
+            self._store.ack_wakes(seqs)
+        except OSError as exc:
+            log.error("wakes.write_failed", error=str(exc))
+
+    def orphans_of(self, run: str) -> list[int]:
+        """Acknowledge, in memory, the wakes of a run nobody can subscribe to any more (it
+        went with its last worker); their seqs, for the caller's transaction to delete."""
+        orphaned = self._queue.of_run(run)
+        self._queue.ack(orphaned)
+        return orphaned

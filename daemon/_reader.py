@@ -1,0 +1,218 @@
+"""Reading what workers did: lookups by id, status, collect, journal pages and follows.
+
+The reader answers from what is live (the supervisor's journals), from the registry's
+handles and tombstones, and for a released worker from the store and its archive. An
+ended worker's journal is verified once and kept open for the pages that follow (a few
+at once, the most recently read); verifying a long one runs in a thread of its own.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Protocol
+
+import trio
+
+from subagentd.protocol import TERMINAL_STATES, Page, WorkerResult, WorkerView
+from subagentd.protocol.errors import Busy, Invalid, NotFound, Refused
+
+from ._archive import Archive
+from ._files import NotRegularFile
+from ._journal import Journal, JournalCorrupt, JournalTooLong
+from ._registry import Registry, Tombstone, WorkerRecord
+from ._statedir import StateDir
+from ._store import Store
+from ._supervisor import Supervisor
+
+#: A journal up to this long is verified on the event loop (a few ms at the worst:
+#: entries are at least ~20 bytes and cost ~5 us each); a longer one in a thread.
+INLINE_JOURNAL_BYTES = 64 * 1024
+#: Ended workers' journals kept open for paging, the most recently read first.
+OPEN_JOURNALS = 16
+#: Ended journals verified at once (each in a thread).
+JOURNAL_SCANS = 2
+#: A watch page never holds more entries than this, whatever the client asks.
+MAX_PAGE_ENTRIES = 10_000
+
+
+class Releases(Protocol):
+    """What a collect asks of retention (see `_retention.Retention`)."""
+
+    def collected(self, worker_id: str) -> None: ...
+
+    def drop_tombstone(self, worker_id: str) -> None: ...
+
+
+class Reader:
+    def __init__(
+        self, state_dir: StateDir, registry: Registry, store: Store, supervisor: Supervisor
+    ) -> None:
+        self._state_dir = state_dir
+        self._registry = registry
+        self._store = store
+        self._supervisor = supervisor
+        self._retention: Releases | None = None
+        self._journals: collections.OrderedDict[str, Journal] = collections.OrderedDict()
+        #: Threads verifying journals (see open_journal): their own, so a worker's huge
+        #: journal read by many requests holds these and never those a spawn needs.
+        self._journal_scans = trio.CapacityLimiter(JOURNAL_SCANS)
+
+    def releasing_through(self, retention: Releases) -> None:
+        """Who lets a handle go once it is collected (made after the reader)."""
+        self._retention = retention
+
+    def stdout_tail(self, found: WorkerRecord | Tombstone) -> bytes:
+        """The end of an ended worker's stdout: kept in the store where its journal would
+        not give it as well, else its journal's end (not read again if open)."""
+        kept = self._store.tail(found.id)
+        if kept is not None:
+            return kept
+        return self.archive_of(found.id).stdout_tail(self._journals.get(found.id))
+
+    def lookup(self, worker_id: str) -> WorkerRecord | Tombstone:
+        """A worker by id: its handle, its tombstone, or else its record in the store."""
+        found = self._registry.handle(worker_id) or self._registry.tombstone(worker_id)
+        if found is not None:
+            return found
+        released = self._store.worker(worker_id)
+        if released is None:
+            raise NotFound(f"no worker {worker_id!r}")
+        released.archive = str(self.archive_of(worker_id).path)  # as the state dir is now
+        return released
+
+    def archive_of(self, worker_id: str) -> Archive:
+        """The worker's archive: where the state dir keeps it for that id, never where a
+        record says (its worker may rewrite its record); NotFound for no worker id."""
+        path = self._state_dir.archive(worker_id)
+        if path is None:
+            raise NotFound(f"no worker {worker_id!r} (not a worker id)")
+        return Archive(path)
+
+    async def wait(self, worker_id: str) -> WorkerView:
+        self.lookup(worker_id)
+        await self._supervisor.wait_ended([worker_id])
+        return self.lookup(worker_id).view()
+
+    async def collect(self, worker_id: str, *, wait: bool) -> WorkerResult:
+        found = self.lookup(worker_id)
+        if wait:
+            await self._supervisor.wait_ended([worker_id])
+            found = self.lookup(worker_id)
+        elif found.state not in TERMINAL_STATES:
+            raise Busy(f"worker {worker_id} is still {found.state}; collect --wait waits for it")
+        archive = self.archive_of(found.id)
+        text = ""
+        if archive.path.exists():
+            text = archive.result_text(lambda: self.stdout_tail(found))
+        if isinstance(found, Tombstone):
+            text = text or found.output.decode("utf-8", errors="replace")
+            self._releases().drop_tombstone(worker_id)
+        elif self._registry.holds(worker_id):
+            self._releases().collected(worker_id)
+        return WorkerResult(id=found.id, state=found.state, exit_code=found.exit_code, result=text)
+
+    async def watch_page(self, worker_id: str, since: int, limit: int) -> Page:
+        if since < 0 or limit < 1:
+            raise Invalid(f"watch needs since >= 0 and limit >= 1, not {since} and {limit}")
+        found = self.lookup(worker_id)
+        live = self._supervisor.get(worker_id)
+        journal = live.journal if live is not None else await self._ended_journal(found)
+        try:
+            entries = journal.read(since, min(limit, MAX_PAGE_ENTRIES))
+        except JournalCorrupt as exc:
+            raise _damaged(found.id, exc) from None
+        cursor = entries[-1].seq if entries else since
+        complete = live is None and cursor >= journal.last_seq
+        return Page(id=0, entries=entries, next=cursor, complete=complete)
+
+    async def _ended_journal(self, found: WorkerRecord | Tombstone) -> Journal:
+        """An ended worker's journal, opened (and verified) once for many pages.
+
+        Verifying reads the whole file, which its worker may have made huge:
+        in a thread, so the daemon serves everyone else meanwhile.
+        """
+        journal = self._journals.pop(found.id, None)
+        if journal is None:
+            path = self.archive_of(found.id).file(Archive.JOURNAL)
+            try:
+                journal = await self.open_journal(path, writable=False)
+            except FileNotFoundError:
+                raise NotFound(
+                    f"worker {found.id}'s journal is gone (its archive was pruned)"
+                ) from None
+            except NotRegularFile:
+                raise Refused(
+                    f"worker {found.id}'s journal is no longer a regular file (a symlink or "
+                    "FIFO put in its place); the daemon does not read it"
+                ) from None
+            except JournalCorrupt as exc:
+                raise _damaged(found.id, exc) from None
+        self.keep_journal_open(found.id, journal)
+        return journal
+
+    async def open_journal(self, path: Path, *, writable: bool) -> Journal:
+        """Journal.open, verifying every entry, in a thread: the one way a journal is
+        opened while the daemon serves, so a journal its worker made huge delays only
+        who asked for it. Few at once (JOURNAL_SCANS), so many such requests hold
+        those threads and never those a spawn needs. One opened for writing may cut
+        a torn tail: it is never abandoned half done.
+
+        A short journal (most are) is verified at once, here: a thread costs more
+        than its scan, and a reload adopting 1,000 workers opens 1,000 journals.
+        """
+        try:
+            return Journal.open(path, writable=writable, most=INLINE_JOURNAL_BYTES)
+        except JournalTooLong:
+            pass
+        return await trio.to_thread.run_sync(
+            functools.partial(Journal.open, path, writable=writable),
+            abandon_on_cancel=not writable,
+            limiter=self._journal_scans,
+        )
+
+    def keep_journal_open(self, worker_id: str, journal: Journal) -> None:
+        """Keep an ended worker's journal open for the pages and the collect that follow."""
+        self._journals.pop(worker_id, None)
+        self._journals[worker_id] = journal
+        while len(self._journals) > OPEN_JOURNALS:
+            self._journals.popitem(last=False)
+
+    def forget_journal(self, worker_id: str) -> None:
+        """Its worker runs again (a resume): the read-only view would go stale."""
+        self._journals.pop(worker_id, None)
+
+    async def follow(
+        self, worker_id: str, since: int, limit: int, send: Callable[[Page], Awaitable[None]]
+    ) -> None:
+        """Send pages from `since` as the journal grows, until it is complete.
+
+        Each page is read when the previous one has been sent, so a follower
+        that does not read holds back only itself: nothing is buffered for it.
+        """
+        cursor = since
+        while True:
+            live = self._supervisor.get(worker_id)
+            grown = live.grown if live is not None else None
+            page = await self.watch_page(worker_id, cursor, limit)
+            if page.entries or page.complete:
+                await send(page)
+            if page.complete:
+                return
+            cursor = page.next
+            if not page.entries and grown is not None:
+                await grown.wait()
+
+    def _releases(self) -> Releases:
+        assert self._retention is not None, "Reader.releasing_through was not called"
+        return self._retention
+
+
+def _damaged(worker_id: str, exc: JournalCorrupt) -> Refused:
+    """A journal damaged before its tail (its worker wrote into it): said, not served."""
+    return Refused(
+        f"worker {worker_id}'s journal is damaged at byte {exc.offset} ({exc.reason}); "
+        "the daemon serves no page from it"
+    )

@@ -1,0 +1,147 @@
+"""Retention: how long what ended is kept, and letting it go.
+
+A handle is released at once when collected, or after the finished TTL when not (a
+tombstone is left where a live parent may still ask for its child); each release is one
+transaction with the tombstones it makes or drops and the implicit run it takes along.
+Archives (and their rows) go after `--keep-archives` days, pruned daily. Deadlines wait
+on trio's clock, each for a span worked out from the wall-clock times written down.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import structlog
+import trio
+
+from ._archive import prune_archives
+from ._mailbox import Mailbox
+from ._problems import Problems
+from ._registry import Registry, Tombstone, WorkerRecord
+from ._statedir import StateDir
+from ._store import Change, Store
+
+log = structlog.get_logger("subagentd")
+
+
+class Retention:
+    def __init__(
+        self,
+        registry: Registry,
+        store: Store,
+        mailbox: Mailbox,
+        state_dir: StateDir,
+        problems: Problems,
+        *,
+        clock: Callable[[], float],
+        finished_ttl: float,
+        keep_archives_days: float,
+        stdout_tail: Callable[[WorkerRecord], bytes],
+        fault: Callable[[str, str], None],
+        released: Callable[[], None],
+        run_dropped: Callable[[str], None],
+    ) -> None:
+        self._registry = registry
+        self._store = store
+        self._mailbox = mailbox
+        self._state_dir = state_dir
+        self._problems = problems
+        self._clock = clock
+        self.finished_ttl = finished_ttl
+        self.keep_archives_days = keep_archives_days
+        self._stdout_tail = stdout_tail
+        self._fault = fault
+        self._released = released
+        self._run_dropped = run_dropped
+        self._changed = trio.Event()
+
+    def ended(self) -> None:
+        """A handle ended: its expiry is due some time from now."""
+        self._changed.set()
+
+    def collected(self, worker_id: str) -> None:
+        """Its result was collected: the handle goes now (a restart must not hold it)."""
+        record = self._registry.collect(worker_id)
+        self._release(worker_id, changed=record)
+
+    def drop_tombstone(self, worker_id: str) -> None:
+        """A tombstone's output was collected: nobody asks again."""
+        self._registry.drop_tombstone(worker_id)
+        self._commit(Change(dropped_tombstones=[worker_id]))
+
+    def _release(
+        self, worker_id: str, tombstone: Tombstone | None = None, *, changed: WorkerRecord
+    ) -> None:
+        """Let a handle go (and what it held up), with the record that changed (collected,
+        expired): one transaction with the tombstones and the run it takes along."""
+        run = changed.run  # a release cascades within one run
+        before = self._registry.tombstones()
+        released = self._registry.release(worker_id, tombstone)
+        if released:
+            log.debug("worker.released", workers=released)
+            self._released()
+        after = self._registry.tombstones()
+        change = Change(
+            workers=[changed],
+            tombstones=[stone for i, stone in after.items() if before.get(i) is not stone],
+            dropped_tombstones=[i for i in before if i not in after],
+        )
+        if not self._registry.has_run(run):  # an implicit run went with its last worker
+            # Nobody can subscribe to it any more: its wakes would wait forever.
+            change.acked = self._mailbox.orphans_of(run)
+            self._run_dropped(run)
+            change.dropped_runs.append(run)
+        self._commit(change)
+
+    def _commit(self, change: Change) -> None:
+        try:
+            self._store.commit(change, "a release")
+        except OSError as exc:  # released in memory regardless: a restart holds it again
+            self._problems.disk_failed("store (a release)", exc)
+
+    async def expire_handles(self) -> None:
+        """Release handles left uncollected past the TTL, exactly when each expires."""
+        while True:
+            changed = self._changed = trio.Event()
+            now = self._clock()
+            for worker_id in self._registry.expired(now, self.finished_ttl):
+                try:
+                    self._expire(worker_id)
+                except Exception:  # that handle stays; the others still go
+                    log.exception("worker.not_expired", worker=worker_id)
+            deadline = self._registry.next_expiry(self.finished_ttl)
+            with trio.move_on_after(math.inf if deadline is None else deadline - now):
+                await changed.wait()
+
+    def _expire(self, worker_id: str) -> None:
+        record = self._registry.worker(worker_id)
+        self._fault("expire", record.name)
+        record.expired = True
+        stone = None
+        if self._registry.needs_tombstone(worker_id):
+            stone = Tombstone.of(record, self._stdout_tail(record))
+        self._release(worker_id, stone, changed=record)
+
+    async def prune_archives_once(self) -> None:
+        """Delete archives (and rows) of workers that ended more than the keep period ago."""
+        cutoff = self._clock() - self.keep_archives_days * 86400
+        doomed = [w for w in self._store.ended_before(cutoff) if not self._registry.holds(w)]
+        archives = [p for w in doomed if (p := self._state_dir.archive(w)) is not None]
+        if not doomed:
+            return
+        await trio.to_thread.run_sync(prune_archives, archives)
+        try:
+            self._store.forget(doomed)
+        except OSError as exc:
+            self._problems.disk_failed("store (pruning)", exc)
+        log.info("archives.pruned", count=len(doomed))
+
+    async def prune_archives_daily(self) -> None:
+        # On trio's clock, each day from the start: the time a pruning takes (a thread
+        # walking the archives) never pushes the next one later.
+        due = trio.current_time()
+        while True:
+            due += 86400
+            await trio.sleep_until(due)
+            await self.prune_archives_once()
