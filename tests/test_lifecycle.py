@@ -447,6 +447,22 @@ def test_a_worker_carried_by_two_reloads_ends_there_wakes_once_with_its_result()
     _play_steps([Spawn(True, 3, None, 0), Reload(), Reload(), End(0), Drain(), Collect(0)])
 
 
+def test_an_expired_child_of_a_live_parent_answers_across_a_reload_and_a_crash() -> None:
+    # Its handle becomes a tombstone while its parent runs; then the parent is interrupted.
+    _play_steps(
+        [
+            Spawn(held=True, code=0, parent=None, run=0),
+            Spawn(held=False, code=3, parent=0, run=0),
+            Expire(),
+            Reload(),
+            Drain(),
+            Crash(),
+            Collect(pick=1),
+            Stop(pick=0),
+        ]
+    )
+
+
 def test_stopping_a_collected_parent_after_a_reload_still_stops_its_live_child() -> None:
     # Found by the machine: the store took back only the handles it held, not the
     # collected parent a live child keeps; after the reload, stopping it stopped nothing.
