@@ -32,27 +32,27 @@ from subagentd.protocol.errors import (
     RunStopped,
 )
 
-from ._agents import AgentDef, ConfigError, load_agents
-from ._archive import Archive, Snapshot, SpareArchives
-from ._command import Launch, inherited_env, resolve
-from ._endings import Endings
-from ._journal import Journal
-from ._launcher import Launcher
-from ._mailbox import Mailbox
 from ._problems import Problems
-from ._process import DESCRIPTOR_ERRNOS, OutOfDescriptors, SpawnFailed
-from ._reader import Reader
-from ._registry import (
+from .core._registry import (
     DEFAULT_FINISHED_TTL,
     DEFAULT_KEEP_ARCHIVES_DAYS,
     Registry,
     WorkerRecord,
 )
-from ._resume import git_branch
-from ._retention import Retention
-from ._statedir import StateDir
-from ._store import STORE_NAME, Change, LaunchState, Store
-from ._supervisor import LiveWorker, Supervisor
+from .lifecycle._resumable import git_branch
+from .processes._launcher import Launcher
+from .processes._process import DESCRIPTOR_ERRNOS, OutOfDescriptors, SpawnFailed
+from .store._archive import Archive, Snapshot, SpareArchives
+from .store._journal import Journal
+from .store._statedir import StateDir
+from .store._store import STORE_NAME, Change, LaunchState, Store
+from .workers._agents import AgentDef, ConfigError, load_agents
+from .workers._command import Launch, inherited_env, resolve
+from .workers._endings import Endings
+from .workers._mailbox import Mailbox
+from .workers._reader import Reader
+from .workers._retention import Retention
+from .workers._supervisor import LiveWorker, Supervisor
 
 log = structlog.get_logger("subagentd")
 

@@ -33,18 +33,18 @@ import trio.testing
 
 from subagentd.client import AsyncClient
 from subagentd.daemon._daemon import Daemon
-from subagentd.daemon._launcher import LocalLauncher
-from subagentd.daemon._listener import ControlSocket, bind_control_socket
-from subagentd.daemon._recovery import recover
-from subagentd.daemon._registry import (
+from subagentd.daemon._settings import Settings
+from subagentd.daemon.core._registry import (
     DEFAULT_FINISHED_TTL,
     DEFAULT_KEEP_ARCHIVES_DAYS,
     WorkerRecord,
 )
-from subagentd.daemon._reload import Reloader
-from subagentd.daemon._server import Server
-from subagentd.daemon._settings import Settings
-from subagentd.daemon._statedir import StateDir
+from subagentd.daemon.lifecycle._recovery import recover
+from subagentd.daemon.lifecycle._reload import Reloader
+from subagentd.daemon.processes._launcher import LocalLauncher
+from subagentd.daemon.serving._listener import ControlSocket, bind_control_socket
+from subagentd.daemon.serving._server import Server
+from subagentd.daemon.store._statedir import StateDir
 
 #: What an in-process test may take, in real seconds, whatever its mock clock says.
 REAL_BOUND = 20.0
