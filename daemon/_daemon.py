@@ -1,10 +1,10 @@
-"""The daemon's trio shell around the registry: it starts and supervises worker
-processes, journals their output and answers what the server asks.
+"""The composition root: the daemon's parts built and wired together, and the verbs that
+span them (spawn, stop, runs, turns and fences, shutdown, info).
 
-The registry decides; this module carries decisions out against real
-processes and files. One supervise task per worker owns that worker's pipes,
-pidfd and journal until the worker has ended; it is a fault boundary, so an
-unexpected exception in it ends that worker `failed`, never the daemon.
+The registry decides; the parts in workers/ carry decisions out against real processes
+and files, each owning its state (the supervisor what is live, the reader the open
+journals, the mailbox the wakes, retention the releases, endings the ending's
+transaction). Other modules reach a part through its methods, never its dicts.
 """
 
 from __future__ import annotations
