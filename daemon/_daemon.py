@@ -321,9 +321,7 @@ class Daemon:
         live = LiveWorker(record=record, journal=journal)
         self.supervisor.add(live)
         if record.stop_reason is not None:
-            self._end_unstarted(
-                live, f"stopped at birth: launch fence {record.fence} was cancelled"
-            )
+            self.end_unstarted(live, f"stopped at birth: launch fence {record.fence} was cancelled")
             return record.view()
         return await self.launch(live, argv, cwd, launch.worker_env, stdin)
 
@@ -355,7 +353,7 @@ class Daemon:
             )
         except SpawnFailed as exc:
             log.warning("worker.spawn_failed", worker=record.id, error=str(exc))
-            self._end_unstarted(live, str(exc))
+            self.end_unstarted(live, str(exc))
             if isinstance(exc, OutOfDescriptors):
                 raise self._out_of_descriptors(record.id, exc) from exc
             return record.view()
@@ -380,7 +378,8 @@ class Daemon:
         )
         return record.view()
 
-    def _end_unstarted(self, live: LiveWorker, why: str) -> None:
+    def end_unstarted(self, live: LiveWorker, why: str) -> None:
+        """End a registered worker whose process never started (saying why in its journal)."""
         try:
             live.journal.append("note", why.encode(), self.clock())
         except OSError as exc:

@@ -105,7 +105,7 @@ class Resumer:
                 # Nothing started: the attempt ends here (its journal closed), never `starting`.
                 log.exception("worker.resume_failed", worker=record.id)
                 why = f"attempt {record.attempt} failed to start ({type(exc).__name__}: {exc})"
-                self.daemon._end_unstarted(live, why)
+                self.daemon.end_unstarted(live, why)
             raise
 
     async def _open_journal(self, worker_id: str, archive: Archive) -> Journal:
