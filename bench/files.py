@@ -62,7 +62,7 @@ from pathlib import Path
 from _harness import BenchDaemon, Figure, report, running_daemon
 
 from subagentd.client import Client
-from subagentd.daemon._archive import SpareArchives
+from subagentd.daemon.store._archive import SpareArchives
 
 #: What is counted, in table order: (key, column heading).
 KINDS = [

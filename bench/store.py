@@ -32,10 +32,10 @@ from pathlib import Path
 
 import msgspec
 
-from subagentd.daemon._journal import ENTRY_HEADER
-from subagentd.daemon._registry import WorkerRecord
-from subagentd.daemon._store import STORE_NAME, Change, Store
-from subagentd.daemon._wakes import _Ack, _Post
+from subagentd.daemon.core._registry import WorkerRecord
+from subagentd.daemon.store._journal import ENTRY_HEADER
+from subagentd.daemon.store._store import STORE_NAME, Change, Store
+from subagentd.daemon.store._wake_log import _Ack, _Post
 from subagentd.protocol import Wake, default_state_dir
 
 PREVIEW = "x" * 200  # a wake's preview at its longest

@@ -1,10 +1,10 @@
-"""The daemon's trio shell around the registry: it starts and supervises worker
-processes, journals their output and answers what the server asks.
+"""The composition root: the daemon's parts built and wired together, and the verbs that
+span them (spawn, stop, runs, turns and fences, shutdown, info).
 
-The registry decides; this module carries decisions out against real
-processes and files. One supervise task per worker owns that worker's pipes,
-pidfd and journal until the worker has ended; it is a fault boundary, so an
-unexpected exception in it ends that worker `failed`, never the daemon.
+The registry decides; the parts in workers/ carry decisions out against real processes
+and files, each owning its state (the supervisor what is live, the reader the open
+journals, the mailbox the wakes, retention the releases, endings the ending's
+transaction). Other modules reach a part through its methods, never its dicts.
 """
 
 from __future__ import annotations
@@ -32,27 +32,27 @@ from subagentd.protocol.errors import (
     RunStopped,
 )
 
-from ._agents import AgentDef, ConfigError, load_agents
-from ._archive import Archive, Snapshot, SpareArchives
-from ._command import Launch, inherited_env, resolve
-from ._endings import Endings
-from ._journal import Journal
-from ._launcher import Launcher
-from ._mailbox import Mailbox
 from ._problems import Problems
-from ._process import DESCRIPTOR_ERRNOS, OutOfDescriptors, SpawnFailed
-from ._reader import Reader
-from ._registry import (
+from .core._registry import (
     DEFAULT_FINISHED_TTL,
     DEFAULT_KEEP_ARCHIVES_DAYS,
     Registry,
     WorkerRecord,
 )
-from ._resume import git_branch
-from ._retention import Retention
-from ._statedir import StateDir
-from ._store import STORE_NAME, Change, LaunchState, Store
-from ._supervisor import LiveWorker, Supervisor
+from .lifecycle._resumable import git_branch
+from .processes._launcher import Launcher
+from .processes._process import DESCRIPTOR_ERRNOS, OutOfDescriptors, SpawnFailed
+from .store._archive import Archive, Snapshot, SpareArchives
+from .store._journal import Journal
+from .store._statedir import StateDir
+from .store._store import STORE_NAME, Change, LaunchState, Store
+from .workers._agents import AgentDef, ConfigError, load_agents
+from .workers._command import Launch, inherited_env, resolve
+from .workers._endings import Endings
+from .workers._mailbox import Mailbox
+from .workers._reader import Reader
+from .workers._retention import Retention
+from .workers._supervisor import LiveWorker, Supervisor
 
 log = structlog.get_logger("subagentd")
 
@@ -321,9 +321,7 @@ class Daemon:
         live = LiveWorker(record=record, journal=journal)
         self.supervisor.add(live)
         if record.stop_reason is not None:
-            self._end_unstarted(
-                live, f"stopped at birth: launch fence {record.fence} was cancelled"
-            )
+            self.end_unstarted(live, f"stopped at birth: launch fence {record.fence} was cancelled")
             return record.view()
         return await self.launch(live, argv, cwd, launch.worker_env, stdin)
 
@@ -355,7 +353,7 @@ class Daemon:
             )
         except SpawnFailed as exc:
             log.warning("worker.spawn_failed", worker=record.id, error=str(exc))
-            self._end_unstarted(live, str(exc))
+            self.end_unstarted(live, str(exc))
             if isinstance(exc, OutOfDescriptors):
                 raise self._out_of_descriptors(record.id, exc) from exc
             return record.view()
@@ -380,7 +378,8 @@ class Daemon:
         )
         return record.view()
 
-    def _end_unstarted(self, live: LiveWorker, why: str) -> None:
+    def end_unstarted(self, live: LiveWorker, why: str) -> None:
+        """End a registered worker whose process never started (saying why in its journal)."""
         try:
             live.journal.append("note", why.encode(), self.clock())
         except OSError as exc:

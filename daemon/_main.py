@@ -22,14 +22,14 @@ from subagentd.protocol import (
     package_version,
 )
 
-from ._agents import ConfigError, load_agents
-from ._checkpoint import READS_VERSIONS, Checkpoint, CheckpointUnreadable, read_checkpoint
 from ._logging import configure_logging
-from ._registry import DEFAULT_FINISHED_TTL, DEFAULT_KEEP_ARCHIVES_DAYS
 from ._settings import Settings
-from ._statedir import StateDirLocked, ensure_private_dir
-from ._store import READS_VERSIONS as STORE_READS_VERSIONS
-from ._store import StoreUnusable
+from .core._registry import DEFAULT_FINISHED_TTL, DEFAULT_KEEP_ARCHIVES_DAYS
+from .lifecycle._checkpoint import READS_VERSIONS, Checkpoint, CheckpointUnreadable, read_checkpoint
+from .store._statedir import StateDirLocked, ensure_private_dir
+from .store._store import READS_VERSIONS as STORE_READS_VERSIONS
+from .store._store import StoreUnusable
+from .workers._agents import ConfigError, load_agents
 
 log = structlog.get_logger("subagentd")
 
@@ -134,8 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         return check(settings)
     import trio  # only a serving daemon needs it: --check stays quick for reloads
 
-    from ._listener import SocketInUse
-    from ._serve import serve
+    from .lifecycle._serve import serve
+    from .serving._listener import SocketInUse
 
     try:
         trio.run(serve, settings, args.handoff, handoff)
@@ -165,7 +165,7 @@ def check(settings: Settings) -> int:
     try:
         # Everything the serving image imports, so a broken install fails here,
         # before a reload execs into it, not after.
-        importlib.import_module("subagentd.daemon._serve")
+        importlib.import_module("subagentd.daemon.lifecycle._serve")
     except Exception as exc:
         problems.append(f"the install does not import: {exc!r}")
     try:

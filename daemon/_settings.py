@@ -10,7 +10,7 @@ from typing import Any, Literal
 import msgspec
 
 from ._logging import LogFormat
-from ._registry import DEFAULT_FINISHED_TTL, DEFAULT_KEEP_ARCHIVES_DAYS
+from .core._registry import DEFAULT_FINISHED_TTL, DEFAULT_KEEP_ARCHIVES_DAYS
 
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True):

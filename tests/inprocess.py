@@ -39,22 +39,22 @@ import trio
 import trio.testing
 
 from subagentd.client import AsyncClient
-from subagentd.daemon._carried import Carried, take_back
-from subagentd.daemon._checkpoint import Checkpoint, read_checkpoint
 from subagentd.daemon._daemon import Daemon
-from subagentd.daemon._launcher import LocalLauncher
-from subagentd.daemon._listener import ControlSocket, bind_control_socket
-from subagentd.daemon._recovery import recover
-from subagentd.daemon._registry import (
+from subagentd.daemon._settings import Settings
+from subagentd.daemon.core._registry import (
     DEFAULT_FINISHED_TTL,
     DEFAULT_KEEP_ARCHIVES_DAYS,
     WorkerRecord,
 )
-from subagentd.daemon._reload import Reloader, adopt
-from subagentd.daemon._server import Server
-from subagentd.daemon._settings import Settings
-from subagentd.daemon._statedir import StateDir
-from subagentd.daemon._store import STORE_NAME
+from subagentd.daemon.lifecycle._carried import Carried, take_back
+from subagentd.daemon.lifecycle._checkpoint import Checkpoint, read_checkpoint
+from subagentd.daemon.lifecycle._recovery import recover
+from subagentd.daemon.lifecycle._reload import Reloader, adopt
+from subagentd.daemon.processes._launcher import LocalLauncher
+from subagentd.daemon.serving._listener import ControlSocket, bind_control_socket
+from subagentd.daemon.serving._server import Server
+from subagentd.daemon.store._statedir import StateDir
+from subagentd.daemon.store._store import STORE_NAME
 
 #: What an in-process test may take, in real seconds, whatever its mock clock says.
 REAL_BOUND = 20.0

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from subagentd.daemon._archive import STDOUT_TAIL_BYTES, Archive
-from subagentd.daemon._journal import Journal
-from subagentd.daemon._registry import Registry, WorkerRecord
+from subagentd.daemon.core._registry import Registry, WorkerRecord
+from subagentd.daemon.store._archive import STDOUT_TAIL_BYTES, Archive
+from subagentd.daemon.store._journal import Journal
 
 
 def _record(tmp_path: Path, argv: list[str]) -> tuple[Archive, WorkerRecord]:

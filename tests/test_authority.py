@@ -14,7 +14,7 @@ import trio
 
 from subagentd import protocol as p
 from subagentd.client import AsyncClient
-from subagentd.daemon._authority import Authority
+from subagentd.daemon.core._authority import Authority
 from subagentd.protocol.errors import Forbidden, NotFound
 
 from .conftest import DaemonProcess

@@ -14,8 +14,8 @@ import trio
 
 from subagentd import protocol as p
 from subagentd.client import AsyncClient
-from subagentd.daemon._journal import Journal
-from subagentd.daemon._tree import scan
+from subagentd.daemon.processes._tree import scan
+from subagentd.daemon.store._journal import Journal
 
 from .conftest import DaemonProcess
 from .helpers import RawConnection, sh

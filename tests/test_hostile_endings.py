@@ -22,7 +22,7 @@ import pytest
 import trio
 
 from subagentd.client import AsyncClient
-from subagentd.daemon._store import STORE_NAME
+from subagentd.daemon.store._store import STORE_NAME
 from subagentd.protocol.errors import Internal
 
 from .conftest import DaemonProcess

@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from subagentd.daemon._journal import (
+from subagentd.daemon.processes._process import ENTRY_BYTES, READ_CHUNK
+from subagentd.daemon.store._journal import (
     INDEX_STRIDE,
     MAX_ENTRY_BODY,
     MAX_ENTRY_DATA,
@@ -22,7 +23,6 @@ from subagentd.daemon._journal import (
     JournalCorrupt,
     read_tail,
 )
-from subagentd.daemon._process import ENTRY_BYTES, READ_CHUNK
 
 
 def _fill(path: Path, count: int, size: int = 20) -> Journal:

@@ -15,7 +15,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from subagentd.daemon._registry import Registry, WorkerRecord
+from subagentd.daemon.core._registry import Registry, WorkerRecord
 from subagentd.protocol.errors import Invalid, NotFound, RunStopped
 
 

@@ -18,7 +18,7 @@ from trio.testing import MockClock
 
 from subagentd import protocol as p
 from subagentd.client import AsyncClient
-from subagentd.daemon._reload import MIN_INTERVAL
+from subagentd.daemon.lifecycle._reload import MIN_INTERVAL
 
 from .conftest import DaemonProcess
 from .helpers import RawConnection, alive, reload_on_own_connection, sh, wait_output

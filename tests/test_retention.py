@@ -15,7 +15,7 @@ import trio
 from trio.testing import MockClock
 
 from subagentd.client import AsyncClient
-from subagentd.daemon._serve import _until_idle
+from subagentd.daemon.lifecycle._serve import _until_idle
 from subagentd.protocol.errors import NotFound, RunStopped
 
 from .conftest import DaemonProcess

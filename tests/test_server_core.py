@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from subagentd import protocol as p
-from subagentd.daemon._session import (
+from subagentd.daemon.core._session import (
     BUDGETED_FROM,
     FRAME_MIN_RATE,
     FRAME_SECONDS,

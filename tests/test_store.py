@@ -19,13 +19,14 @@ import trio
 
 from subagentd import protocol as p
 from subagentd.client import AsyncClient
-from subagentd.daemon._checkpoint import read_checkpoint
-from subagentd.daemon._journal import Journal
-from subagentd.daemon._legacy import import_checkpoint_v1
-from subagentd.daemon._registry import LaunchFence, RunRecord, WorkerRecord
-from subagentd.daemon._reload import image_refusal
-from subagentd.daemon._store import READS_VERSIONS, SCHEMA_VERSION, STORE_NAME, Change, Store
-from subagentd.daemon._wakes import WakeQueue, open_wakes
+from subagentd.daemon.core._registry import LaunchFence, RunRecord, WorkerRecord
+from subagentd.daemon.core._wakes import WakeQueue
+from subagentd.daemon.lifecycle._checkpoint import read_checkpoint
+from subagentd.daemon.lifecycle._reload import image_refusal
+from subagentd.daemon.store._journal import Journal
+from subagentd.daemon.store._legacy import import_checkpoint_v1
+from subagentd.daemon.store._store import READS_VERSIONS, SCHEMA_VERSION, STORE_NAME, Change, Store
+from subagentd.daemon.store._wake_log import open_wakes
 
 from .conftest import BIN, DaemonProcess
 from .helpers import pending_wakes as _pending_wakes

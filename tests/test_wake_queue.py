@@ -16,8 +16,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from subagentd.daemon._store import STORE_NAME, Store
-from subagentd.daemon._wakes import WakeQueue, key_of, open_wakes
+from subagentd.daemon.core._wakes import WakeQueue, key_of
+from subagentd.daemon.store._store import STORE_NAME, Store
+from subagentd.daemon.store._wake_log import open_wakes
 from subagentd.protocol import Wake
 
 PARENTS = [("run", "r-1"), ("run", "r-2"), ("worker", "w-p")]

@@ -21,6 +21,7 @@ from typing import TypeVar
 import msgspec
 import structlog
 
+from ..core._registry import DEFAULT_GRACE
 from ._files import (
     SAFE_FLAGS,
     NotRegularFile,
@@ -29,7 +30,6 @@ from ._files import (
     read_regular,
 )
 from ._journal import Journal, read_tail
-from ._registry import DEFAULT_GRACE
 
 _Written = TypeVar("_Written", bound=msgspec.Struct)
 log = structlog.get_logger("subagentd")

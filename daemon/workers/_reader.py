@@ -19,12 +19,12 @@ import trio
 from subagentd.protocol import TERMINAL_STATES, Page, WorkerResult, WorkerView
 from subagentd.protocol.errors import Busy, Invalid, NotFound, Refused
 
-from ._archive import Archive
-from ._files import NotRegularFile
-from ._journal import Journal, JournalCorrupt, JournalTooLong
-from ._registry import Registry, Tombstone, WorkerRecord
-from ._statedir import StateDir
-from ._store import Store
+from ..core._registry import Registry, Tombstone, WorkerRecord
+from ..store._archive import Archive
+from ..store._files import NotRegularFile
+from ..store._journal import Journal, JournalCorrupt, JournalTooLong
+from ..store._statedir import StateDir
+from ..store._store import Store
 from ._supervisor import Supervisor
 
 #: A journal up to this long is verified on the event loop (a few ms at the worst:

@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from ..store._files import open_regular
 from ._cgroup import WorkerCgroup
-from ._files import open_regular
 from ._tree import read_stat
 
 if TYPE_CHECKING:
-    from ._carried import Carried
+    from ..lifecycle._carried import Carried
 
 READ_CHUNK = 64 * 1024
 #: One journal entry gathers at most this much of what a pipe has ready.

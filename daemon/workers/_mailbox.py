@@ -17,9 +17,10 @@ import trio
 from subagentd.protocol import Wake
 from subagentd.protocol.errors import Invalid
 
-from ._registry import Registry, Tombstone, WorkerRecord
-from ._store import Store
-from ._wakes import WakeKey, open_wakes
+from ..core._registry import Registry, Tombstone, WorkerRecord
+from ..core._wakes import WakeKey
+from ..store._store import Store
+from ..store._wake_log import open_wakes
 
 log = structlog.get_logger("subagentd")
 

@@ -82,7 +82,7 @@ import structlog
 
 from subagentd.protocol import Wake
 
-from ._registry import LaunchFence, RunRecord, Tombstone, WorkerRecord
+from ..core._registry import LaunchFence, RunRecord, Tombstone, WorkerRecord
 
 log = structlog.get_logger("subagentd")
 

@@ -28,14 +28,14 @@ import structlog
 from subagentd.protocol import TERMINAL_STATES, WorkerState
 from subagentd.protocol.errors import Refused
 
-from ._archive import STDOUT_TAIL_BYTES, Archive
-from ._daemon import Daemon
-from ._journal import Journal, JournalCorrupt
-from ._process import reap
-from ._registry import WorkerRecord, new_token
-from ._resume import read_snapshot
-from ._store import Change
-from ._tree import carries_worker_id, read_stat
+from .._daemon import Daemon
+from ..core._registry import WorkerRecord, new_token
+from ..processes._process import reap
+from ..processes._tree import carries_worker_id, read_stat
+from ..store._archive import STDOUT_TAIL_BYTES, Archive
+from ..store._journal import Journal, JournalCorrupt
+from ..store._store import Change
+from ._resumable import read_snapshot
 
 log = structlog.get_logger("subagentd")
 

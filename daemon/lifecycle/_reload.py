@@ -31,7 +31,16 @@ import trio
 from subagentd.protocol import Error, ReloadReply, Reply
 from subagentd.protocol.errors import Busy, ErrorCode, Refused
 
-from ._archive import STDOUT_TAIL_BYTES, Archive
+from .._daemon import Daemon
+from .._settings import Settings
+from ..processes._process import WorkerProcess, reap
+from ..serving._listener import ControlSocket
+from ..serving._notify import monotonic_usec, notify
+from ..store._archive import STDOUT_TAIL_BYTES, Archive
+from ..store._journal import Journal, JournalCorrupt
+from ..store._legacy import import_checkpoint_v1
+from ..store._store import Change
+from ..workers._supervisor import LiveWorker
 from ._carried import Carried
 from ._checkpoint import (
     CHECKPOINT_VERSION,
@@ -39,16 +48,7 @@ from ._checkpoint import (
     CarriedWorker,
     Checkpoint,
 )
-from ._daemon import Daemon
-from ._journal import Journal, JournalCorrupt
-from ._legacy import import_checkpoint_v1
-from ._listener import ControlSocket
-from ._notify import monotonic_usec, notify
-from ._process import WorkerProcess, reap
 from ._recovery import recover
-from ._settings import Settings
-from ._store import Change
-from ._supervisor import LiveWorker
 
 log = structlog.get_logger("subagentd")
 

@@ -21,9 +21,9 @@ from pathlib import Path, PurePath
 import msgspec
 import structlog
 
+from ..core._registry import LaunchFence, RunRecord, Tombstone, WorkerRecord
 from ._archive import STDOUT_TAIL_BYTES, Archive, decode_written, is_spare
 from ._files import read_regular
-from ._registry import LaunchFence, RunRecord, Tombstone, WorkerRecord
 from ._store import Change, LaunchState, Store
 
 log = structlog.get_logger("subagentd")

@@ -21,11 +21,11 @@ import trio
 from subagentd.protocol import EntryKind
 from subagentd.protocol.errors import Refused
 
-from ._archive import STDOUT_TAIL_BYTES
-from ._journal import Journal
-from ._launcher import Launcher
-from ._process import WorkerProcess, pump
-from ._registry import Registry, WorkerRecord
+from ..core._registry import Registry, WorkerRecord
+from ..processes._launcher import Launcher
+from ..processes._process import WorkerProcess, pump
+from ..store._archive import STDOUT_TAIL_BYTES
+from ..store._journal import Journal
 
 log = structlog.get_logger("subagentd")
 

@@ -12,13 +12,13 @@ from collections.abc import Callable
 
 import structlog
 
-from ._archive import STDOUT_TAIL_BYTES
-from ._journal import Journal
+from .._problems import Problems
+from ..core._registry import Registry, WorkerRecord
+from ..store._archive import STDOUT_TAIL_BYTES
+from ..store._journal import Journal
+from ..store._store import Change, Store
 from ._mailbox import Mailbox
-from ._problems import Problems
 from ._reader import Reader
-from ._registry import Registry, WorkerRecord
-from ._store import Change, Store
 
 log = structlog.get_logger("subagentd")
 

@@ -79,12 +79,12 @@ from subagentd.protocol.errors import (
     RemoteError,
 )
 
-from ._authority import Authority
-from ._daemon import RELOAD_RETRY, Daemon
-from ._registry import listing_page
-from ._reload import Handover, Reloader, owed_by_connection
-from ._resumer import Resumer
-from ._session import Close, Release, Session
+from .._daemon import RELOAD_RETRY, Daemon
+from ..core._authority import Authority
+from ..core._registry import listing_page
+from ..core._session import Close, Release, Session
+from ..lifecycle._reload import Handover, Reloader, owed_by_connection
+from ..lifecycle._resume import Resumer
 
 log = structlog.get_logger("subagentd")
 

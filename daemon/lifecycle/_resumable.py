@@ -16,8 +16,8 @@ import msgspec
 
 from subagentd.protocol.errors import Refused
 
-from ._archive import RECORD_READ_LIMIT, SNAPSHOT_VERSION, Archive, Snapshot, decode_written
-from ._files import NotRegularFile, read_regular
+from ..store._archive import RECORD_READ_LIMIT, SNAPSHOT_VERSION, Archive, Snapshot, decode_written
+from ..store._files import NotRegularFile, read_regular
 
 #: Bigger than any HEAD, .git file or commondir; a bigger one is no git file.
 GIT_FILE_LIMIT = 4096

@@ -27,7 +27,7 @@ import structlog
 from ._files import SAFE_FLAGS, open_dir, read_regular, replace_in, short_write
 
 if TYPE_CHECKING:
-    from ._carried import Carried
+    from ..lifecycle._carried import Carried
 
 _WORKER_ID = re.compile(r"w-[A-Za-z0-9_-]{1,64}")
 log = structlog.get_logger("subagentd")

@@ -1,11 +1,7 @@
-"""Wakes: one completion event per worker ending, kept until its parent acknowledges it.
-
-`WakeQueue` is the sans-I/O core: it posts at most one wake per worker attempt
-and holds each until acknowledged. The store (`_store.py`) makes it survive a
-crash: each post and each ack is a transaction there, and `open_wakes` loads the
-queue from it at start. The wake log of an image before the store is read once,
-with its damage handling (a damaged entry costs only itself, and seqs skip past
-any it may hide, so none is given twice), imported, and renamed aside.
+"""The wake log of images before the store: read once at start, its wakes imported into
+the store, and renamed aside so it is never read again; and `open_wakes`, which loads the
+queue from the store. A damaged entry costs only itself, and seqs skip past any it may
+hide, so none is given twice.
 """
 
 from __future__ import annotations
@@ -17,84 +13,20 @@ from pathlib import Path
 import msgspec
 import structlog
 
-from subagentd.protocol import Wake, WorkerState
+from subagentd.protocol import Wake
 
+from ..core._wakes import WakeQueue
 from ._files import NotRegularFile, read_regular
 from ._journal import ENTRY_HEADER
 from ._store import SEQ_SKIP_WITHOUT_FLOOR, Store
 
 #: Far above any old wake log (compaction kept it near what was pending).
 WAKE_LOG_READ_LIMIT = 1024 * 1024 * 1024
-log = structlog.get_logger("subagentd")
-
 #: Past damage, replay looks for the next entry no longer than this (a post or an ack is far
 #: smaller), so that garbage claiming a huge length is not checksummed at every offset.
 RESYNC_ENTRY_LIMIT = 1024 * 1024
-#: A parent that wakes are for: ("run", run id) or ("worker", worker id).
-WakeKey = tuple[str, str]
 
-
-def key_of(wake: Wake) -> WakeKey:
-    return ("worker", wake.parent) if wake.parent is not None else ("run", wake.run)
-
-
-class WakeQueue:
-    def __init__(self) -> None:
-        self.pending: dict[int, Wake] = {}
-        self.last_seq = 0
-        self._posted: set[tuple[str, int]] = set()  # (worker id, attempt)
-
-    def post(
-        self,
-        *,
-        worker: str,
-        run: str,
-        parent: str | None,
-        state: WorkerState,
-        exit_code: int | None,
-        preview: str,
-        attempt: int,
-    ) -> Wake | None:
-        """The wake for this ending, or None if this attempt already posted one."""
-        if (worker, attempt) in self._posted:
-            return None
-        self.last_seq += 1
-        wake = Wake(
-            seq=self.last_seq,
-            id=worker,
-            run=run,
-            parent=parent,
-            state=state,
-            exit_code=exit_code,
-            preview=preview,
-            attempt=attempt,
-        )
-        self.restore(wake)
-        return wake
-
-    def restore(self, wake: Wake) -> None:
-        """Take back a wake read from the store."""
-        self._posted.add((wake.id, wake.attempt))
-        self.pending[wake.seq] = wake
-        self.last_seq = max(self.last_seq, wake.seq)
-
-    def was_posted(self, worker: str, attempt: int) -> bool:
-        return (worker, attempt) in self._posted
-
-    def pending_for(self, key: WakeKey, after: int = 0) -> list[Wake]:
-        """Unacknowledged wakes for `key` with seq > after, oldest first."""
-        return sorted(
-            (w for w in self.pending.values() if w.seq > after and key_of(w) == key),
-            key=lambda w: w.seq,
-        )
-
-    def ack(self, seqs: list[int]) -> None:
-        for seq in seqs:
-            self.pending.pop(seq, None)
-
-    def of_run(self, run: str) -> list[int]:
-        """The seqs of the unacknowledged wakes of `run`'s workers, whoever they are for."""
-        return [seq for seq, wake in self.pending.items() if wake.run == run]
+log = structlog.get_logger("subagentd")
 
 
 class _Post(msgspec.Struct, tag="post"):

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import msgspec
 
-from ._files import read_regular, replace_file
-from ._legacy import CheckpointV1State
-from ._settings import Settings, decode_path, encode_path
+from .._settings import Settings, decode_path, encode_path
+from ..store._files import read_regular, replace_file
+from ..store._legacy import CheckpointV1State
 
 #: The format written here. Bump on an incompatible change and keep reading the old.
 CHECKPOINT_VERSION = 2

@@ -14,10 +14,10 @@ import stat
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ._statedir import ensure_private_dir
+from ..store._statedir import ensure_private_dir
 
 if TYPE_CHECKING:
-    from ._carried import Carried
+    from ..lifecycle._carried import Carried
 
 BACKLOG = 4096
 #: The first descriptor systemd passes to a socket-activated service.

@@ -14,14 +14,14 @@ import trio
 from subagentd.protocol import WorkerView
 from subagentd.protocol.errors import Invalid, NotFound, Refused, Reloading
 
-from ._archive import STDOUT_TAIL_BYTES, Archive, Snapshot
-from ._daemon import RELOAD_RETRY, Daemon
-from ._files import NotRegularFile
-from ._journal import Journal
-from ._registry import WorkerRecord
-from ._resume import RESUMABLE, check_branch, read_snapshot
-from ._store import Change
-from ._supervisor import LiveWorker
+from .._daemon import RELOAD_RETRY, Daemon
+from ..core._registry import WorkerRecord
+from ..store._archive import STDOUT_TAIL_BYTES, Archive, Snapshot
+from ..store._files import NotRegularFile
+from ..store._journal import Journal
+from ..store._store import Change
+from ..workers._supervisor import LiveWorker
+from ._resumable import RESUMABLE, check_branch, read_snapshot
 
 log = structlog.get_logger("subagentd")
 
@@ -105,7 +105,7 @@ class Resumer:
                 # Nothing started: the attempt ends here (its journal closed), never `starting`.
                 log.exception("worker.resume_failed", worker=record.id)
                 why = f"attempt {record.attempt} failed to start ({type(exc).__name__}: {exc})"
-                self.daemon._end_unstarted(live, why)
+                self.daemon.end_unstarted(live, why)
             raise
 
     async def _open_journal(self, worker_id: str, archive: Archive) -> Journal:

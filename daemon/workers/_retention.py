@@ -15,12 +15,12 @@ from collections.abc import Callable
 import structlog
 import trio
 
-from ._archive import prune_archives
+from .._problems import Problems
+from ..core._registry import Registry, Tombstone, WorkerRecord
+from ..store._archive import prune_archives
+from ..store._statedir import StateDir
+from ..store._store import Change, Store
 from ._mailbox import Mailbox
-from ._problems import Problems
-from ._registry import Registry, Tombstone, WorkerRecord
-from ._statedir import StateDir
-from ._store import Change, Store
 
 log = structlog.get_logger("subagentd")
 

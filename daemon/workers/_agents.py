@@ -25,7 +25,7 @@ from subagentd.protocol import (
     Timeout,
 )
 
-from ._files import NotRegularFile, read_regular
+from ..store._files import NotRegularFile, read_regular
 
 #: Bytes of a pointer in exec's argv and envp arrays, which count towards its limit.
 _POINTER = 8

@@ -20,19 +20,19 @@ import trio
 from subagentd.protocol import package_version
 from subagentd.protocol.errors import RemoteError
 
+from .._daemon import FAULT_ENV, Daemon, read_faults
+from .._settings import Settings
+from ..processes._cgroup import Cgroups, CgroupsUnavailable
+from ..processes._launcher import LocalLauncher
+from ..serving._listener import ControlSocket, activated_socket, bind_control_socket
+from ..serving._notify import notify
+from ..serving._server import Server
+from ..store._legacy import import_old_state
+from ..store._statedir import StateDir
 from ._carried import take_back
-from ._cgroup import Cgroups, CgroupsUnavailable
 from ._checkpoint import Checkpoint
-from ._daemon import FAULT_ENV, Daemon, read_faults
-from ._launcher import LocalLauncher
-from ._legacy import import_old_state
-from ._listener import ControlSocket, activated_socket, bind_control_socket
-from ._notify import notify
 from ._recovery import recover
 from ._reload import NO_CARRY_ENV, RELOAD_SIGNALS, Handover, Reloader, adopt, reload_reply
-from ._server import Server
-from ._settings import Settings
-from ._statedir import StateDir
 
 log = structlog.get_logger("subagentd")
 

@@ -1,0 +1,1 @@
+"""The daemon's life across images: serve, reload in place, recover, resume."""

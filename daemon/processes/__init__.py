@@ -1,0 +1,1 @@
+"""The OS side of a worker: the launcher port, processes, trees, cgroups."""

@@ -1,0 +1,1 @@
+"""The daemon's parts on trio: supervise, read, wake, end and retain workers."""
