@@ -1,0 +1,67 @@
+"""Attacks on the store from a review of issue 12: what a full disk, a kill -9 or a
+hostile old state dir does to what the daemon knows."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import trio
+
+from subagentd.client import AsyncClient
+
+from .conftest import DaemonProcess
+from .helpers import pending_wakes, sh
+
+
+@pytest.fixture
+def small_disk(daemon_dirs: DaemonProcess) -> Iterator[Path]:
+    """Mount a 2 MiB tmpfs over the daemon's state dir."""
+    assert os.geteuid() == 0, "the full-disk tests mount a tmpfs: run them as root"
+    daemon_dirs.state_dir.mkdir(mode=0o700)
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m,mode=0700", "tmpfs", str(daemon_dirs.state_dir)],
+        check=True, timeout=30,
+    )  # fmt: skip
+    try:
+        yield daemon_dirs.state_dir
+    finally:
+        if daemon_dirs.proc is not None and daemon_dirs.proc.poll() is None:
+            daemon_dirs.terminate()
+        subprocess.run(["umount", "-l", str(daemon_dirs.state_dir)], check=False, timeout=30)
+
+
+def _fill(path: Path) -> None:
+    with open(path, "wb") as f, contextlib.suppress(OSError):
+        while True:
+            f.write(b"\0" * 65536)
+            f.flush()
+
+
+async def test_an_ending_on_a_full_disk_is_written_once_the_disk_is_back(
+    daemon_dirs: DaemonProcess, small_disk: Path
+) -> None:
+    """A worker that ends while the store cannot be written is still known to have ended,
+    as what it ended, once the disk has room again: a kill -9 after its wake was acked
+    neither turns it `interrupted` nor wakes its parent a second time."""
+    daemon_dirs.start()
+    ballast = small_disk / "ballast"
+    with trio.fail_after(60):
+        async with AsyncClient(daemon_dirs.socket) as client:
+            run = await client.new_run()
+            worker = await client.spawn(sh("exec sleep 600"), run=run)
+            _fill(ballast)
+            await client.stop(worker.id)  # its ending finds the disk full
+            assert any("No space left" in p for p in (await client.info()).problems)
+            ballast.unlink()
+            wakes = [w async for w in client.events(run=run)]  # handed over and acked
+            assert [(w.id, w.state) for w in wakes] == [(worker.id, "stopped")]
+        daemon_dirs.kill()
+        await trio.to_thread.run_sync(daemon_dirs.start)
+        async with AsyncClient(daemon_dirs.socket) as client:
+            assert (await client.status(worker.id)).state == "stopped"
+        assert await pending_wakes(daemon_dirs, run) == []
