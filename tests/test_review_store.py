@@ -13,6 +13,7 @@ import pytest
 import trio
 
 from subagentd.client import AsyncClient
+from subagentd.protocol.errors import Refused
 
 from .conftest import DaemonProcess
 from .helpers import pending_wakes, sh
@@ -65,3 +66,20 @@ async def test_an_ending_on_a_full_disk_is_written_once_the_disk_is_back(
         async with AsyncClient(daemon_dirs.socket) as client:
             assert (await client.status(worker.id)).state == "stopped"
         assert await pending_wakes(daemon_dirs, run) == []
+
+
+async def test_a_request_the_store_cannot_take_is_refused_saying_so(
+    daemon_dirs: DaemonProcess, small_disk: Path
+) -> None:
+    """A request whose change the store cannot take (a full disk) is refused with what to
+    do, not answered "internal error", and `info` says why; with room again it goes."""
+    daemon_dirs.start()
+    ballast = small_disk / "ballast"
+    with trio.fail_after(60):
+        async with AsyncClient(daemon_dirs.socket) as client:
+            _fill(ballast)
+            with pytest.raises(Refused, match="free some space"):
+                await client.new_run()
+            assert any("No space left" in p for p in (await client.info()).problems)
+            ballast.unlink()
+            assert (await client.new_run()).startswith("r-")
