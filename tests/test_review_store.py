@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -83,3 +85,54 @@ async def test_a_request_the_store_cannot_take_is_refused_saying_so(
             assert any("No space left" in p for p in (await client.info()).problems)
             ballast.unlink()
             assert (await client.new_run()).startswith("r-")
+
+
+@pytest.fixture
+def few_inodes(daemon_dirs: DaemonProcess) -> Iterator[Path]:
+    """Mount over the daemon's state dir a tmpfs with room for bytes but few files."""
+    assert os.geteuid() == 0, "the full-disk tests mount a tmpfs: run them as root"
+    daemon_dirs.state_dir.mkdir(mode=0o700)
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=16m,nr_inodes=400,mode=0700", "tmpfs",
+         str(daemon_dirs.state_dir)],
+        check=True, timeout=30,
+    )  # fmt: skip
+    try:
+        yield daemon_dirs.state_dir
+    finally:
+        if daemon_dirs.proc is not None and daemon_dirs.proc.poll() is None:
+            daemon_dirs.terminate()
+        subprocess.run(["umount", "-l", str(daemon_dirs.state_dir)], check=False, timeout=30)
+
+
+async def test_a_spawn_refused_after_its_registration_is_not_resurrected_by_recovery(
+    daemon_dirs: DaemonProcess, few_inodes: Path
+) -> None:
+    """A spawn is written to the store before its archive is made. If the archive then
+    cannot be made (no inode left, while the store still has room), the client is told
+    the spawn was refused: a kill -9 after must not bring that worker back `interrupted`,
+    nor wake its parent for it."""
+    daemon_dirs.start()
+    ballast = few_inodes / "ballast"
+    with trio.fail_after(60):
+        async with AsyncClient(daemon_dirs.socket) as client:
+            run = await client.new_run()
+            ballast.mkdir()
+            with contextlib.suppress(OSError):  # every inode taken; bytes to spare
+                for n in range(100_000):
+                    (ballast / str(n)).touch()
+            refused = None
+            for _ in range(20):  # the spare archives made ahead go first
+                try:
+                    await client.spawn(["true"], run=run)
+                except Refused as exc:
+                    refused = re.search(r"worker (w-[0-9a-f]+)", str(exc))
+                    break
+            assert refused is not None, "no spawn was refused"
+            worker_id = refused[1]
+        daemon_dirs.kill()
+        shutil.rmtree(ballast)
+        await trio.to_thread.run_sync(daemon_dirs.start)
+        async with AsyncClient(daemon_dirs.socket) as client:
+            assert (await client.status(worker_id)).state != "interrupted"
+        assert worker_id not in {w.id for w in await pending_wakes(daemon_dirs, run)}
