@@ -8,17 +8,20 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 import trio
 
 from subagentd.client import AsyncClient
+from subagentd.daemon.store._store import STORE_NAME
 from subagentd.protocol.errors import Refused
 
-from .conftest import DaemonProcess
-from .helpers import pending_wakes, sh
+from .conftest import BIN, DaemonProcess
+from .helpers import alive, pending_wakes, sh, wait_output, write_old_record
 
 
 @pytest.fixture
@@ -136,3 +139,64 @@ async def test_a_spawn_refused_after_its_registration_is_not_resurrected_by_reco
         async with AsyncClient(daemon_dirs.socket) as client:
             assert (await client.status(worker_id)).state != "interrupted"
         assert worker_id not in {w.id for w in await pending_wakes(daemon_dirs, run)}
+
+
+#: A worker that says when it is asked to stop, and does not stop.
+_TERMED = """
+import signal
+def termed(*_):
+    with open({!r}, "w") as fifo:
+        fifo.write("termed")
+signal.signal(signal.SIGTERM, termed)
+print("ready", flush=True)
+while True:
+    signal.pause()
+"""
+
+
+async def test_a_crash_before_recovery_rebuilds_an_unread_old_record_loses_no_worker(
+    daemon_dirs: DaemonProcess,
+) -> None:
+    """An older image's record.json that does not read is rebuilt by recovery from the
+    snapshot. A kill -9 while recovery is still busy with another worker (a grace to
+    wait out) must not make that worker unknown for good: the next start rebuilds it,
+    says it was interrupted, and ends what was left of its tree."""
+    state, archives = daemon_dirs.state_dir, daemon_dirs.state_dir / "archives"
+    signals = daemon_dirs.root / "signals"
+    os.mkfifo(signals)
+    reader = os.open(signals, os.O_RDWR)  # held open: a writer never blocks
+    try:
+        daemon_dirs.start()
+        with trio.fail_after(60):
+            async with AsyncClient(daemon_dirs.socket) as client:
+                slow = await client.spawn([sys.executable, "-c", _TERMED.format(str(signals))])
+                await wait_output(client, slow.id, b"ready")
+                unread = await client.spawn(sh("exec sleep 600"))
+                slow_view = msgspec.to_builtins(await client.status(slow.id))
+            daemon_dirs.kill()
+            # As an image before the store left it: record.json files, no state.db.
+            for suffix in ("", "-wal", "-shm"):
+                (state / f"{STORE_NAME}{suffix}").unlink(missing_ok=True)
+            write_old_record(archives / slow.id, slow_view)
+            (archives / unread.id / "record.json").write_bytes(b"{ not a record")
+            # Killed while recovery waits out the slow worker's grace: by then the
+            # unread one was imported as done, and rebuilt in memory only.
+            recovering = await trio.lowlevel.open_process(
+                [str(BIN / "subagentd"), "--socket", str(daemon_dirs.socket),
+                 "--state-dir", str(state), "--config", str(daemon_dirs.config)],
+                env=daemon_dirs.env, stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+            try:
+                said = await trio.to_thread.run_sync(os.read, reader, 64, abandon_on_cancel=True)
+                assert said == b"termed"
+            finally:
+                recovering.kill()
+                await recovering.wait()
+            await trio.to_thread.run_sync(daemon_dirs.start)
+            async with AsyncClient(daemon_dirs.socket) as client:
+                assert (await client.status(unread.id)).state == "interrupted"
+        assert unread.pid is not None
+        assert not alive(unread.pid)
+    finally:
+        os.close(reader)
