@@ -9,6 +9,7 @@ transaction). Other modules reach a part through its methods, never its dicts.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Awaitable, Callable
@@ -309,6 +310,10 @@ class Daemon:
         except OSError as exc:
             # A full disk: the worker never starts, and says why.
             self.registry.ended(record.id, None, now)
+            # Its row says it ended, or a restart would bring it back `interrupted` and
+            # wake its parent for a spawn its client was told was refused.
+            with contextlib.suppress(OSError):
+                self.store.commit(Change(workers=[record]), "a refused spawn", redo=True)
             if exc.errno in DESCRIPTOR_ERRNOS:
                 raise self._out_of_descriptors(
                     record.id, OutOfDescriptors(exc, "its archive")

@@ -27,7 +27,7 @@ from ..processes._launcher import LocalLauncher
 from ..serving._listener import ControlSocket, activated_socket, bind_control_socket
 from ..serving._notify import notify
 from ..serving._server import Server
-from ..store._legacy import import_old_state
+from ..store._legacy import import_old_state, mark_old_state_imported
 from ..store._statedir import StateDir
 from ._carried import take_back
 from ._checkpoint import Checkpoint
@@ -160,6 +160,11 @@ async def serve(
     else:
         await recover(daemon, unread=unread)
         await daemon.launcher.sweep(daemon.supervisor)
+    if unread:  # rebuilt by recovery into the store: not to be looked for again
+        try:
+            mark_old_state_imported(daemon.store)
+        except OSError as exc:  # looked for, and rebuilt, again at the next start
+            daemon.problems.disk_failed("store (an older state dir)", exc)
     server = Server(daemon)
     reloader = Reloader(
         daemon,

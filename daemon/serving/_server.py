@@ -85,6 +85,7 @@ from ..core._registry import listing_page
 from ..core._session import Close, Release, Session
 from ..lifecycle._reload import Handover, Reloader, owed_by_connection
 from ..lifecycle._resume import Resumer
+from ..store._store import StoreWriteFailed
 
 log = structlog.get_logger("subagentd")
 
@@ -539,6 +540,14 @@ class Server:
         except RemoteError as exc:
             return Error(
                 id=request.id, code=exc.code, message=exc.message, retry_after=exc.retry_after
+            )
+        except StoreWriteFailed as exc:
+            # A full disk is the user's to fix, not a bug: say so, in the reply and in info.
+            self.daemon.problems.disk_failed(f"store ({op(request)})", exc)
+            return Error(
+                id=request.id,
+                code=ErrorCode.REFUSED,
+                message=f"{exc.strerror}; free some space and try again",
             )
         except Exception as exc:
             log.exception("request.failed", op=op(request))

@@ -63,6 +63,8 @@ def import_old_state(store: Store, root: Path, archives: Path) -> list[str]:
 
     Done in one transaction with its mark, so a crash midway leaves it to be done again
     whole; the files taken in are removed after (the runs directory is renamed aside).
+    If some record did not read, the mark waits for recovery to have rebuilt those
+    workers into the store (`mark_old_state_imported`): a crash before would lose them.
     """
     if store.old_state_imported():
         return []
@@ -81,7 +83,7 @@ def import_old_state(store: Store, root: Path, archives: Path) -> list[str]:
         if tail is not None:
             change.tails[record.id] = tail
     change.runs = _read_runs(root / "runs", store.problems.append)
-    change.old_state_imported = True
+    change.old_state_imported = not unread
     store.commit(change, "importing an older state dir")
     for record in change.workers:
         _remove(archives / record.id, (RECORD, STDOUT_TAIL))
@@ -90,6 +92,11 @@ def import_old_state(store: Store, root: Path, archives: Path) -> list[str]:
     if change.workers or change.runs:
         log.info("store.old_state_imported", workers=len(change.workers), runs=len(change.runs))
     return unread
+
+
+def mark_old_state_imported(store: Store) -> None:
+    """The records that did not read were rebuilt into the store: the import is done."""
+    store.commit(Change(old_state_imported=True), "an older state dir, rebuilt")
 
 
 def import_checkpoint_v1(store: Store, state: CheckpointV1State, archives: Path) -> None:

@@ -237,6 +237,8 @@ class Store:
         self._db = db
         #: What opening found wrong, for a person to see (`info.problems`).
         self.problems = problems
+        #: Changes the daemon went on without, that a full disk kept out (`commit`'s redo).
+        self._unwritten: list[Change] = []
 
     @classmethod
     def open(cls, path: Path) -> Store:
@@ -319,8 +321,8 @@ class Store:
     def ack_wakes(self, seqs: list[int]) -> None:
         if not seqs:
             return
-        with self.transaction("acknowledging wakes") as db:
-            db.executemany("DELETE FROM wakes WHERE seq = ?", [(s,) for s in seqs])
+        # After any ending still to be written: else its wake would come back acked.
+        self.commit(Change(acked=seqs), "acknowledging wakes", redo=True)
 
     def import_wakes(self, wakes: list[Wake], floor: int) -> list[Wake]:
         """Take in wakes from elsewhere (an old wake log, a damaged store) with their
@@ -338,17 +340,36 @@ class Store:
     # -- what the daemon knows --
 
     def commit(
-        self, change: Change, what: str, *, before_commit: Callable[[], None] | None = None
+        self,
+        change: Change,
+        what: str,
+        *,
+        before_commit: Callable[[], None] | None = None,
+        redo: bool = False,
     ) -> None:
         """Write `change` in one transaction; StoreWriteFailed if it did not go in.
         `before_commit` runs inside it, its writes made: a fault injected there (see
-        SUBAGENTD_FAULT) rolls all of them back, as a crash there would."""
+        SUBAGENTD_FAULT) rolls all of them back, as a crash there would.
+
+        `redo`: the caller goes on as if it were written (an ending, an ack), so a change
+        that fails to go in (a full disk) is kept and written, in order, in the
+        transaction of the next change that does: else the disk's return would leave the
+        store saying a worker that ended still runs (a restart would end it again as
+        `interrupted`, and wake its parent twice)."""
         if not change:
             return
-        with self.transaction(what) as db:
-            _write(db, change)
-            if before_commit is not None:
-                before_commit()
+        try:
+            with self.transaction(what) as db:
+                for earlier in self._unwritten:
+                    _write(db, earlier)
+                _write(db, change)
+                if before_commit is not None:
+                    before_commit()
+        except StoreWriteFailed:
+            if redo:
+                self._unwritten.append(change)
+            raise
+        self._unwritten.clear()
 
     def held_workers(self) -> tuple[list[WorkerRecord], list[str]]:
         """The workers the daemon holds handles for (not ended, or ended and neither

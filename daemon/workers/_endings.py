@@ -133,9 +133,9 @@ class Endings:
         else:  # posted before a fault: as it stands now, wherever the fault left it
             change.restated = self._mailbox.restated(record)
         try:
-            self._store.commit(change, "an ending", before_commit=before_commit)
+            self._store.commit(change, "an ending", before_commit=before_commit, redo=True)
         except OSError as exc:
-            # Still delivered from memory; only a crash before its ack could lose it.
+            # Still delivered from memory; written with the next change that goes in.
             self._problems.disk_failed("store (an ending)", exc)
         else:
             self._problems.disk_ok()
