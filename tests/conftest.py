@@ -177,3 +177,20 @@ def short_tmp() -> Iterator[Path]:
     """A temp dir short enough for a Unix socket path (an in-process daemon's)."""
     with short_root() as root:
         yield root
+
+
+@pytest.fixture
+def small_disk(daemon_dirs: DaemonProcess) -> Iterator[Path]:
+    """Mount a 2 MiB tmpfs over the daemon's state dir."""
+    assert os.geteuid() == 0, "the full-disk tests mount a tmpfs: run them as root"
+    daemon_dirs.state_dir.mkdir(mode=0o700)
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m,mode=0700", "tmpfs", str(daemon_dirs.state_dir)],
+        check=True, timeout=30,
+    )  # fmt: skip
+    try:
+        yield daemon_dirs.state_dir
+    finally:
+        if daemon_dirs.proc is not None and daemon_dirs.proc.poll() is None:
+            daemon_dirs.terminate()
+        subprocess.run(["umount", "-l", str(daemon_dirs.state_dir)], check=False, timeout=30)

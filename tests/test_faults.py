@@ -7,9 +7,6 @@ The full disk is real: the state dir lives on a small tmpfs the test mounts
 from __future__ import annotations
 
 import contextlib
-import os
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,23 +17,6 @@ from subagentd.protocol.errors import Refused
 
 from .conftest import DaemonProcess
 from .helpers import alive, paged_stdout, sh, wait_output
-
-
-@pytest.fixture
-def small_disk(daemon_dirs: DaemonProcess) -> Iterator[Path]:
-    """Mount a 2 MiB tmpfs over the daemon's state dir."""
-    assert os.geteuid() == 0, "the full-disk tests mount a tmpfs: run them as root"
-    daemon_dirs.state_dir.mkdir(mode=0o700)
-    subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=2m,mode=0700", "tmpfs", str(daemon_dirs.state_dir)],
-        check=True, timeout=30,
-    )  # fmt: skip
-    try:
-        yield daemon_dirs.state_dir
-    finally:
-        if daemon_dirs.proc is not None and daemon_dirs.proc.poll() is None:
-            daemon_dirs.terminate()
-        subprocess.run(["umount", "-l", str(daemon_dirs.state_dir)], check=False, timeout=30)
 
 
 async def test_a_full_disk_is_reported_holds_the_writer_and_loses_nothing(
