@@ -5,12 +5,16 @@ every image of one daemon serves with the settings it was started with."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
 from ._logging import LogFormat
 from .core._registry import DEFAULT_FINISHED_TTL, DEFAULT_KEEP_ARCHIVES_DAYS
+
+#: Seconds or days: zero or more, as the command line takes them (nan refused, inf
+#: meaning never); the same rule where a checkpoint carries them.
+NonNegative = Annotated[float, msgspec.Meta(ge=0)]
 
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True):
@@ -23,9 +27,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     socket: Path
     state_dir: Path
     config: Path
-    finished_ttl: float = DEFAULT_FINISHED_TTL
-    idle_exit: float | None = None
-    keep_archives_days: float = DEFAULT_KEEP_ARCHIVES_DAYS
+    finished_ttl: NonNegative = DEFAULT_FINISHED_TTL
+    idle_exit: NonNegative | None = None
+    keep_archives_days: NonNegative = DEFAULT_KEEP_ARCHIVES_DAYS
     log_format: LogFormat | None = None
     cgroups: Literal["auto", "off"] = "auto"
 
@@ -34,6 +38,8 @@ def encode_path(obj: Any) -> Any:
     """msgspec's enc_hook for the paths in `Settings` (msgpack has no path type)."""
     if isinstance(obj, Path):
         return str(obj)
+    # msgspec's protocol for a hook: NotImplementedError means "not a type of mine",
+    # and msgspec reports the value as one it cannot encode.
     raise NotImplementedError(f"cannot encode {type(obj).__name__}")
 
 
@@ -41,4 +47,4 @@ def decode_path(kind: type, obj: Any) -> Any:
     """msgspec's dec_hook: a path back from its text."""
     if kind is Path and isinstance(obj, str):
         return Path(obj)
-    raise NotImplementedError(f"cannot decode {kind.__name__}")
+    raise NotImplementedError(f"cannot decode {kind.__name__}")  # msgspec's protocol, as above

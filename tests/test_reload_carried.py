@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -14,6 +15,7 @@ import trio
 
 from subagentd import protocol as p
 from subagentd.client import AsyncClient
+from subagentd.daemon.lifecycle._checkpoint import CheckpointUnreadable, read_checkpoint
 from subagentd.protocol.errors import Refused
 
 from .conftest import BIN, DaemonProcess
@@ -161,3 +163,22 @@ def test_an_image_handed_an_unreadable_checkpoint_exits_as_if_it_had_crashed(
     assert "does not decode" in ran.stderr
     assert not daemon_dirs.state_dir.exists()  # nothing taken, nothing written
     assert not daemon_dirs.socket.exists()
+
+
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [("finished_ttl", float("nan")), ("keep_archives_days", -1.0), ("idle_exit", float("nan"))],
+)
+def test_a_checkpoint_carrying_an_unusable_setting_is_unreadable(
+    tmp_path: Path, setting: str, value: float
+) -> None:
+    # The checkpoint sits in the state dir, in a worker's reach between its write and the
+    # exec: a setting in it is held to the command line's rule (zero or more, no nan).
+    settings = {"socket": "/s", "state_dir": "/d", "config": "/c", setting: value}
+    raw = msgspec.msgpack.encode(
+        {"version": 2, "image_generation": 1, "reloads": 0, "listen_fd": 3, "lock_fd": 4,
+         "live": [], "settings": settings}
+    )  # fmt: skip
+    (tmp_path / "checkpoint").write_bytes(raw)
+    with pytest.raises(CheckpointUnreadable, match=f"does not decode.*{setting}"):
+        read_checkpoint(tmp_path / "checkpoint")
