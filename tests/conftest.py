@@ -179,13 +179,15 @@ def short_tmp() -> Iterator[Path]:
         yield root
 
 
-@pytest.fixture
-def small_disk(daemon_dirs: DaemonProcess) -> Iterator[Path]:
-    """Mount a 2 MiB tmpfs over the daemon's state dir."""
+@contextlib.contextmanager
+def tmpfs_state_dir(daemon_dirs: DaemonProcess, options: str) -> Iterator[Path]:
+    """Mount a tmpfs (`options`, e.g. "size=2m") over the daemon's state dir; on the
+    way out the daemon is stopped and the tmpfs unmounted."""
     assert os.geteuid() == 0, "the full-disk tests mount a tmpfs: run them as root"
     daemon_dirs.state_dir.mkdir(mode=0o700)
     subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=2m,mode=0700", "tmpfs", str(daemon_dirs.state_dir)],
+        ["mount", "-t", "tmpfs", "-o", f"{options},mode=0700", "tmpfs",
+         str(daemon_dirs.state_dir)],
         check=True, timeout=30,
     )  # fmt: skip
     try:
@@ -194,3 +196,10 @@ def small_disk(daemon_dirs: DaemonProcess) -> Iterator[Path]:
         if daemon_dirs.proc is not None and daemon_dirs.proc.poll() is None:
             daemon_dirs.terminate()
         subprocess.run(["umount", "-l", str(daemon_dirs.state_dir)], check=False, timeout=30)
+
+
+@pytest.fixture
+def small_disk(daemon_dirs: DaemonProcess) -> Iterator[Path]:
+    """A 2 MiB tmpfs over the daemon's state dir."""
+    with tmpfs_state_dir(daemon_dirs, "size=2m") as state_dir:
+        yield state_dir

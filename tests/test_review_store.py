@@ -20,7 +20,7 @@ from subagentd.client import AsyncClient
 from subagentd.daemon.store._store import STORE_NAME
 from subagentd.protocol.errors import Refused
 
-from .conftest import BIN, DaemonProcess
+from .conftest import BIN, DaemonProcess, tmpfs_state_dir
 from .helpers import alive, pending_wakes, sh, wait_output, write_old_record
 
 
@@ -75,20 +75,9 @@ async def test_a_request_the_store_cannot_take_is_refused_saying_so(
 
 @pytest.fixture
 def few_inodes(daemon_dirs: DaemonProcess) -> Iterator[Path]:
-    """Mount over the daemon's state dir a tmpfs with room for bytes but few files."""
-    assert os.geteuid() == 0, "the full-disk tests mount a tmpfs: run them as root"
-    daemon_dirs.state_dir.mkdir(mode=0o700)
-    subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=16m,nr_inodes=400,mode=0700", "tmpfs",
-         str(daemon_dirs.state_dir)],
-        check=True, timeout=30,
-    )  # fmt: skip
-    try:
-        yield daemon_dirs.state_dir
-    finally:
-        if daemon_dirs.proc is not None and daemon_dirs.proc.poll() is None:
-            daemon_dirs.terminate()
-        subprocess.run(["umount", "-l", str(daemon_dirs.state_dir)], check=False, timeout=30)
+    """A tmpfs over the daemon's state dir with room for bytes but few files."""
+    with tmpfs_state_dir(daemon_dirs, "size=16m,nr_inodes=400") as state_dir:
+        yield state_dir
 
 
 async def test_a_spawn_refused_after_its_registration_is_not_resurrected_by_recovery(

@@ -252,14 +252,7 @@ class Registry:
 
     def runs_within(self, run_id: str) -> Iterator[str]:
         """`run_id` and every run nested in it, at any depth (each once, loops or not)."""
-        pending, seen = [run_id], set()
-        while pending:
-            current = pending.pop()
-            if current in seen:
-                continue
-            seen.add(current)
-            yield current
-            pending.extend(self._inner_runs.get(current, ()))
+        return _reachable(run_id, self._inner_runs)
 
     def has_run(self, run_id: str) -> bool:
         return run_id in self._runs
@@ -425,14 +418,7 @@ class Registry:
 
     def subtree(self, worker_id: str) -> Iterator[str]:
         """`worker_id` and every worker it delegated to, at any depth (each once)."""
-        pending, seen = [worker_id], set()
-        while pending:
-            current = pending.pop()
-            if current in seen:
-                continue
-            seen.add(current)
-            yield current
-            pending.extend(self._children.get(current, ()))
+        return _reachable(worker_id, self._children)
 
     def stop(self, worker_id: str, reason: str = "user") -> list[str]:
         """Ask a worker and its subtree to stop; answers the ids newly asked, sorted.
@@ -753,3 +739,16 @@ def _loops(start: str, up: dict[str, str | None]) -> bool:
         seen.add(current)
         current = up.get(current)
     return False
+
+
+def _reachable(start: str, edges: dict[str, list[str]]) -> Iterator[str]:
+    """`start` and everything reachable from it through `edges`, each once (a loop, as a
+    restored record may make, ends the walk rather than running it forever)."""
+    pending, seen = [start], set()
+    while pending:
+        current = pending.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        yield current
+        pending.extend(edges.get(current, ()))
