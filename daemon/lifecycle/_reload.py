@@ -39,7 +39,6 @@ from ..serving._notify import monotonic_usec, notify
 from ..store._archive import STDOUT_TAIL_BYTES, Archive
 from ..store._journal import Journal, JournalCorrupt
 from ..store._legacy import import_checkpoint_v1
-from ..store._store import Change
 from ..workers._supervisor import LiveWorker
 from ._carried import Carried
 from ._checkpoint import (
@@ -263,9 +262,10 @@ class Reloader:
         does: tests/inprocess.py.)"""
         daemon = self.daemon
         # The live workers' records as they stand now (a stop asked since their start is
-        # known in memory alone): the new image takes every record from the store.
-        daemon.store.commit(
-            Change(workers=[live.record for live in daemon.supervisor.workers()]), "a reload"
+        # known in memory alone, and a start whose commit failed on a full disk): the new
+        # image takes every record from the store.
+        daemon.store.commit_changed(
+            [live.record for live in daemon.supervisor.workers()], "a reload"
         )
         lock_fd, lock_file_fd = daemon.state_dir.carry(carried)
         return Checkpoint(

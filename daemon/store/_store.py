@@ -371,6 +371,17 @@ class Store:
             raise
         self._unwritten.clear()
 
+    def commit_changed(self, records: list[WorkerRecord], what: str) -> None:
+        """Write those of `records` (workers held: not ended, or not yet released) whose
+        rows say otherwise than their record in memory, in one transaction: what a
+        reload's checkpoint needs, at the cost of the few that changed, not of all."""
+        try:
+            rows = dict(self._db.execute("SELECT id, record FROM workers WHERE held"))
+        except sqlite3.Error:  # rows that do not read: every record is written anew
+            rows = {}
+        changed = [r for r in records if rows.get(r.id) != _encoder.encode(r)]
+        self.commit(Change(workers=changed), what)
+
     def held_workers(self) -> tuple[list[WorkerRecord], list[str]]:
         """The workers the daemon holds handles for (not ended, or ended and neither
         collected nor expired) and every worker above one (a handle goes only after the

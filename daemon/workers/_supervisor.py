@@ -31,6 +31,8 @@ log = structlog.get_logger("subagentd")
 
 #: After the tree is gone, how long the pipes may take to give up what they hold.
 PIPE_DRAIN_SECONDS = 1.0
+#: The pipes a worker's output comes on, each pumped into its journal by a task of its own.
+_PIPES: tuple[EntryKind, ...] = ("stdout", "stderr")
 #: A write that failed (disk full, EIO) is tried again after this, doubling up to the max.
 DISK_RETRY_FIRST = 0.1
 DISK_RETRY_MAX = 5.0
@@ -46,8 +48,9 @@ class LiveWorker:
     record: WorkerRecord
     journal: Journal
     process: WorkerProcess | None = None
-    stop_asked: trio.Event = field(default_factory=trio.Event)
-    exited: trio.Event = field(default_factory=trio.Event)
+    stop_asked: bool = False
+    #: The nursery of its supervision while one runs: where a stop asked is carried out.
+    watch: trio.Nursery | None = None
     ended: trio.Event = field(default_factory=trio.Event)
     grown: trio.Event = field(default_factory=trio.Event)
     terminated: trio.Event = field(default_factory=trio.Event)
@@ -57,11 +60,11 @@ class LiveWorker:
 
     def reset_supervision(self) -> None:
         """Fresh per-supervision state for a (re)adopted worker; a stop asked before stands."""
-        self.exited = trio.Event()
         self.terminated = trio.Event()
         self.terminating = False
+        self.watch = None
         if self.record.stop_reason is not None:
-            self.stop_asked.set()
+            self.stop_asked = True
 
 
 class Ending(Protocol):
@@ -231,21 +234,31 @@ class Supervisor:
                 await self._fail(live, _first(faults))
 
     async def _watch(self, live: LiveWorker) -> None:
+        """Pump its pipes, end its tree once it exits (or is asked to stop, or times
+        out), then write its ending. Three tasks a worker (this one and a pump per
+        pipe) and one nursery: a reload freezes and adopts a thousand of them, so
+        each task saved here is saved a thousand times on its critical path."""
         record, process = live.record, live.process
         assert process is not None
+        pipes = {kind: fd for kind in _PIPES if (fd := getattr(process, kind)) is not None}
         pipes_closed = trio.Event()
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._pump_pipes, live, pipes_closed)
-            nursery.start_soon(self._stop_when_asked, live)
-            if record.timeout:
-                nursery.start_soon(self._enforce_timeout, live)
-            await process.wait_exited()
-            live.exited.set()
-            # Whatever is left of its tree goes with it: TERM, grace, KILL.
-            await self._terminate(live)
-            with trio.move_on_after(PIPE_DRAIN_SECONDS):
-                await pipes_closed.wait()
-            nursery.cancel_scope.cancel()
+        try:
+            async with trio.open_nursery() as nursery:
+                live.watch = nursery
+                for kind, fd in pipes.items():
+                    nursery.start_soon(self._pump, live, fd, kind, pipes, pipes_closed)
+                if not pipes:
+                    pipes_closed.set()
+                if live.stop_asked:  # asked before this supervision began (or a reload)
+                    nursery.start_soon(self._terminate, live)
+                await self._wait_exited(live, process)
+                # Whatever is left of its tree goes with it: TERM, grace, KILL.
+                await self._terminate(live)
+                with trio.move_on_after(PIPE_DRAIN_SECONDS):
+                    await pipes_closed.wait()
+                nursery.cancel_scope.cancel()
+        finally:
+            live.watch = None  # a stop asked from here on waits for the next supervision
         live.returncode = returncode = process.reap()
         process.close()
         self._launcher.released(process)
@@ -254,6 +267,20 @@ class Supervisor:
         live.ended.set()
         live.grown.set()
         log.info("worker.ended", worker=record.id, state=record.state, exit_code=record.exit_code)
+
+    async def _wait_exited(self, live: LiveWorker, process: WorkerProcess) -> None:
+        """Until the process exits; past its timeout, first stop it (and what it
+        delegated), counted from its start, not from this supervision's: a reload does
+        not reset it."""
+        timeout = live.record.timeout
+        if timeout is not None:
+            remaining = live.record.started_at + timeout - self._clock()
+            with trio.move_on_after(max(0.0, remaining)):
+                await process.wait_exited()
+                return
+            log.info("worker.timed_out", worker=live.record.id, timeout=timeout)
+            self.ask_stop(self._registry.stop(live.record.id, reason="timeout"))
+        await process.wait_exited()
 
     async def _fail(self, live: LiveWorker, error: Exception) -> None:
         """End a worker whose supervision raised: its tree, its process, then its ending,
@@ -308,13 +335,19 @@ class Supervisor:
         finally:
             live.terminated.set()
 
-    async def _pump_pipes(self, live: LiveWorker, closed: trio.Event) -> None:
-        async with trio.open_nursery() as nursery:
-            for kind in ("stdout", "stderr"):
-                fd = getattr(live.process, kind, None)
-                if fd is not None:
-                    nursery.start_soon(pump, fd, self._deliverer(live, kind))
-        closed.set()
+    async def _pump(
+        self,
+        live: LiveWorker,
+        fd: int,
+        kind: EntryKind,
+        pipes: dict[EntryKind, int],
+        closed: trio.Event,
+    ) -> None:
+        """Journal one pipe until its end of file; the last pipe to end sets `closed`."""
+        await pump(fd, self._deliverer(live, kind))
+        del pipes[kind]
+        if not pipes:
+            closed.set()
 
     def _deliverer(self, live: LiveWorker, kind: EntryKind) -> Callable[[bytes], Awaitable[None]]:
         async def deliver(chunk: bytes) -> None:
@@ -340,27 +373,13 @@ class Supervisor:
 
         return deliver
 
-    async def _stop_when_asked(self, live: LiveWorker) -> None:
-        await live.stop_asked.wait()
-        await self._terminate(live)
-
-    async def _enforce_timeout(self, live: LiveWorker) -> None:
-        """Stop the worker (and what it delegated) once its timeout has passed."""
-        timeout = live.record.timeout
-        assert timeout is not None
-        # From its start, not from this supervision's: a reload does not reset it.
-        remaining = live.record.started_at + timeout - self._clock()
-        with trio.move_on_after(max(0.0, remaining)) as deadline:
-            await live.exited.wait()
-        if deadline.cancelled_caught:
-            log.info("worker.timed_out", worker=live.record.id, timeout=timeout)
-            self.ask_stop(self._registry.stop(live.record.id, reason="timeout"))
-
     def ask_stop(self, ids: list[str]) -> None:
         for worker_id in ids:
             live = self._live.get(worker_id)
-            if live is not None:
-                live.stop_asked.set()
+            if live is not None and not live.stop_asked:
+                live.stop_asked = True
+                if live.watch is not None:  # else its supervision, when it starts, stops it
+                    live.watch.start_soon(self._terminate, live)
 
     async def wait_ended(self, ids: list[str]) -> None:
         for worker_id in ids:
