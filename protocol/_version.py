@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import functools
-from importlib import metadata
+#: This package's version: the one place it is written (pyproject.toml reads it from
+#: here), so no image pays for importlib.metadata at start, nor a client at each connect.
+__version__ = "0.1.0"
 
 #: Bumped when a message changes incompatibly; fields added with defaults do not bump it.
 PROTOCOL_VERSION = 1
@@ -12,10 +13,6 @@ PROTOCOL_VERSION = 1
 DEFAULT_FRAME_LIMIT = 16 * 1024 * 1024
 
 
-@functools.cache
 def package_version() -> str:
-    """This installation's version (read once: importlib.metadata parses files each call)."""
-    try:
-        return metadata.version("subagentd")
-    except metadata.PackageNotFoundError:  # running from a tree that was never installed
-        return "0+unknown"
+    """This installation's version."""
+    return __version__

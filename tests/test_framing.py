@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import itertools
 import typing
 
@@ -66,6 +67,7 @@ from subagentd.protocol import (
     daemon_decoder,
     encode,
     frame,
+    package_version,
 )
 from subagentd.protocol.errors import FrameTooLarge
 
@@ -286,3 +288,9 @@ def test_raw_bytes_and_text_survive_the_wire(data: bytes, text: str) -> None:
     assert daemon_decoder.decode(encode(page)[HEADER.size :]) == page
     spawn = Spawn(id=2, argv=[text], input=data, env={text: text})
     assert client_decoder.decode(encode(spawn)[HEADER.size :]) == spawn
+
+
+def test_the_version_spoken_is_the_version_installed() -> None:
+    """One place holds the version (protocol/_version.py, which pyproject.toml reads):
+    what the hello and --version say is what the installed distribution says."""
+    assert package_version() == importlib.metadata.version("subagentd")
