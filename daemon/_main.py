@@ -23,7 +23,7 @@ from subagentd.protocol import (
 )
 
 from ._logging import configure_logging
-from ._settings import Settings
+from ._settings import DEFAULT_RELOAD_INTERVAL, Settings
 from .core._registry import DEFAULT_FINISHED_TTL, DEFAULT_KEEP_ARCHIVES_DAYS
 from .lifecycle._checkpoint import READS_VERSIONS, Checkpoint, CheckpointUnreadable, read_checkpoint
 from .store._statedir import StateDirLocked, ensure_private_dir
@@ -77,6 +77,15 @@ def _parser() -> argparse.ArgumentParser:
         default=DEFAULT_KEEP_ARCHIVES_DAYS,
         metavar="DAYS",
         help="delete an ended worker's archive after this many days (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--reload-interval",
+        type=_non_negative,
+        default=DEFAULT_RELOAD_INTERVAL,
+        metavar="S",
+        help="refuse a reload (busy, saying when to retry) until S seconds after the last "
+        "one ended: a loop of reloads cannot keep the daemon from serving (default: "
+        "%(default)s s; 0 for none)",
     )
     parser.add_argument(
         "--cgroups",
@@ -156,6 +165,7 @@ def _settings(args: argparse.Namespace) -> Settings:
         keep_archives_days=args.keep_archives,
         log_format=args.log_format,
         cgroups=args.cgroups,
+        reload_interval=args.reload_interval,
     )
 
 

@@ -15,6 +15,8 @@ from .core._registry import DEFAULT_FINISHED_TTL, DEFAULT_KEEP_ARCHIVES_DAYS
 #: Seconds or days: zero or more, as the command line takes them (nan refused, inf
 #: meaning never); the same rule where a checkpoint carries them.
 NonNegative = Annotated[float, msgspec.Meta(ge=0)]
+#: A reload this soon after the last one ended is refused `busy`, with the time left.
+DEFAULT_RELOAD_INTERVAL = 1.0
 
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True):
@@ -32,6 +34,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     keep_archives_days: NonNegative = DEFAULT_KEEP_ARCHIVES_DAYS
     log_format: LogFormat | None = None
     cgroups: Literal["auto", "off"] = "auto"
+    reload_interval: NonNegative = DEFAULT_RELOAD_INTERVAL
 
 
 def encode_path(obj: Any) -> Any:

@@ -34,7 +34,9 @@ class DaemonProcess:
     state_dir: Path
     config: Path
     notify_path: Path
-    extra_args: list[str] = field(default_factory=list)
+    #: No rate limit on reloads: a test reloads as often as it needs without waiting
+    #: on the real clock (the limit itself is tested in-process, on the mock clock).
+    extra_args: list[str] = field(default_factory=lambda: ["--reload-interval", "0"])
     proc: subprocess.Popen[bytes] | None = None
     _notify: _Socket | None = None
     log_path: Path | None = None

@@ -24,7 +24,7 @@ from subagentd import protocol as p
 from subagentd.client import AsyncClient
 
 from .conftest import BIN, DaemonProcess
-from .helpers import RawConnection, alive, sh, wait_output
+from .helpers import RawConnection, alive, reload_on_own_connection, sh, wait_output
 
 #: Far below the gigabyte a planted file would cost if read whole.
 RSS_BOUND_KB = 300 * 1024
@@ -244,19 +244,6 @@ async def test_a_daemon_of_the_previous_image_holding_the_lock_file_keeps_a_new_
         os.close(old)
 
 
-async def _reload(daemon: DaemonProcess) -> p.Reply:
-    """Reload on a connection of its own, waiting out the rate limit as its refusal says."""
-    while True:
-        conn = await RawConnection.open(daemon.socket)
-        async with conn.stream:
-            await conn.send(p.Reload(id=2))
-            reply = await conn.receive()
-        if not (isinstance(reply, p.Error) and reply.code == "busy"):
-            assert reply is not None
-            return reply
-        await trio.sleep(reply.retry_after or 0.1)
-
-
 async def test_a_daemon_of_the_previous_image_is_kept_out_while_one_serves_and_reloads(
     daemon: DaemonProcess,
 ) -> None:
@@ -266,7 +253,7 @@ async def test_a_daemon_of_the_previous_image_is_kept_out_while_one_serves_and_r
     with trio.fail_after(60):
         assert _lock_file_held(daemon)
         for _ in range(2):  # the image a reload starts carries it on again
-            assert isinstance(await _reload(daemon), p.ReloadReply)
+            assert isinstance(await reload_on_own_connection(daemon), p.ReloadReply)
             assert _lock_file_held(daemon)
         holder = msgspec.json.decode((daemon.state_dir / "lock").read_bytes())
         assert holder["pid"] == daemon.proc.pid

@@ -366,3 +366,20 @@ async def _read(conn: RawConnection) -> p.DaemonMessage:
     reply = await conn.receive()
     assert reply is not None, "the daemon closed the connection"
     return reply
+
+
+@pytest.mark.parametrize(
+    "flag", ["--finished-ttl", "--idle-exit", "--keep-archives", "--reload-interval"]
+)
+@pytest.mark.parametrize("value", ["nan", "-1", "soon"])
+def test_a_daemon_number_that_is_not_zero_or_more_is_refused_naming_it(
+    daemon_dirs: DaemonProcess, flag: str, value: str
+) -> None:
+    ran = subprocess.run(
+        [str(BIN / "subagentd"), "--check", "--state-dir", str(daemon_dirs.state_dir),
+         "--socket", str(daemon_dirs.socket), flag, value],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert ran.returncode == 2, ran
+    assert flag in ran.stderr, ran.stderr
+    assert not daemon_dirs.state_dir.exists()  # refused before anything was written

@@ -25,14 +25,6 @@ from .helpers import reload_on_own_connection as reload
 TICKING = "echo up; while :; do echo tick; sleep 0.05; done"
 
 
-async def reload_until_not_busy(daemon: DaemonProcess) -> p.Reply:
-    reply = await reload(daemon)
-    while isinstance(reply, p.Error) and reply.code == "busy":
-        await trio.sleep(reply.retry_after or 0.1)  # the refusal says when to try again
-        reply = await reload(daemon)
-    return reply
-
-
 async def test_a_failed_exec_gives_back_exactly_the_descriptors_it_took(
     daemon_dirs: DaemonProcess,
 ) -> None:
@@ -60,7 +52,7 @@ async def test_a_failed_exec_gives_back_exactly_the_descriptors_it_took(
             for worker in workers:
                 seen = await wait_output(client, worker.id, b"tick\n" * 3)  # still journaled
                 assert seen.startswith(b"up\ntick\n")
-        reloaded = await reload_until_not_busy(daemon_dirs)  # the fault was for once
+        reloaded = await reload(daemon_dirs)  # the fault was for once
         assert isinstance(reloaded, p.ReloadReply), reloaded
         assert (reloaded.image_generation, reloaded.carried_live) == (2, 3)
 
@@ -130,7 +122,7 @@ async def test_a_setting_given_at_start_survives_two_reloads(daemon_dirs: Daemon
         async with AsyncClient(daemon_dirs.socket) as client:
             worker = await client.spawn(["sleep", "60"])  # running: the daemon is not idle
         for generation in (2, 3):
-            reply = await reload_until_not_busy(daemon_dirs)
+            reply = await reload(daemon_dirs)
             assert isinstance(reply, p.ReloadReply), reply
             assert reply.image_generation == generation
             # Carried in the checkpoint, not rebuilt into argv.
@@ -167,7 +159,13 @@ def test_an_image_handed_an_unreadable_checkpoint_exits_as_if_it_had_crashed(
 
 @pytest.mark.parametrize(
     ("setting", "value"),
-    [("finished_ttl", float("nan")), ("keep_archives_days", -1.0), ("idle_exit", float("nan"))],
+    [
+        ("finished_ttl", float("nan")),
+        ("keep_archives_days", -1.0),
+        ("idle_exit", float("nan")),
+        ("reload_interval", float("nan")),
+        ("reload_interval", -1.0),
+    ],
 )
 def test_a_checkpoint_carrying_an_unusable_setting_is_unreadable(
     tmp_path: Path, setting: str, value: float

@@ -53,8 +53,6 @@ log = structlog.get_logger("subagentd")
 
 #: Blocked from just before the exec until the new image can handle them.
 RELOAD_SIGNALS = {signal.SIGHUP, signal.SIGTERM, signal.SIGINT}
-#: A reload this soon after the last one is refused `busy`, with the time left.
-MIN_INTERVAL = 1.0
 #: The new image must pass `subagentd --check` within this.
 CHECK_TIMEOUT = 60.0
 #: Environment variable naming workers (by name, comma-separated) a reload must
@@ -127,10 +125,11 @@ class Reloader:
             raise Refused("the daemon is shutting down; it will not reload")
         attempt = self._attempt
         if attempt is None:
-            wait = self._last + MIN_INTERVAL - trio.current_time()
+            interval = self.settings.reload_interval
+            wait = self._last + interval - trio.current_time()
             if wait > 0:
                 raise Busy(
-                    f"the last reload ended {MIN_INTERVAL - wait:.1f} s ago; "
+                    f"the last reload ended {interval - wait:.1f} s ago; "
                     f"reload again in {wait:.1f} s",
                     retry_after=wait,
                 )
