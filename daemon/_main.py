@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from pathlib import Path
 
@@ -128,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.handoff is not None:
         try:
             handoff = read_checkpoint(args.handoff)
+            _check_its_place(handoff, args.handoff)
         except CheckpointUnreadable as exc:
             configure_logging(settings.log_format)
             # Without it this image knows neither its settings nor its descriptors: it
@@ -152,6 +154,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"subagentd: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _check_its_place(handoff: Checkpoint, path: Path) -> None:
+    """A reload writes its checkpoint into the state dir it names: one that names
+    another lies (a worker can write there between the write and the exec), and
+    following it would take and write a state dir that is not this daemon's."""
+    if handoff.settings is None:
+        return
+    named = handoff.settings.state_dir
+    try:
+        same = os.path.samefile(named, path.parent)
+    except OSError:
+        same = False
+    if not same:
+        raise CheckpointUnreadable(
+            f"{path} names the state dir {named}, not the one it lies in ({path.parent})"
+        )
 
 
 def _settings(args: argparse.Namespace) -> Settings:

@@ -180,3 +180,31 @@ def test_a_checkpoint_carrying_an_unusable_setting_is_unreadable(
     (tmp_path / "checkpoint").write_bytes(raw)
     with pytest.raises(CheckpointUnreadable, match=f"does not decode.*{setting}"):
         read_checkpoint(tmp_path / "checkpoint")
+
+
+def test_a_checkpoint_naming_a_state_dir_it_does_not_lie_in_is_not_followed(
+    daemon_dirs: DaemonProcess, tmp_path: Path
+) -> None:
+    # Written into the state dir by a worker between a reload's write and its exec: it
+    # would have the next image take, and write, a state dir that is not the daemon's.
+    elsewhere = tmp_path / "elsewhere"
+    settings = {"socket": str(daemon_dirs.socket), "state_dir": str(elsewhere), "config": "/c"}
+    daemon_dirs.state_dir.mkdir(parents=True)
+    checkpoint = daemon_dirs.state_dir / "checkpoint"
+    raw = msgspec.msgpack.encode(
+        {"version": 2, "image_generation": 1, "reloads": 0, "listen_fd": 3, "lock_fd": 4,
+         "live": [], "settings": settings}
+    )  # fmt: skip
+    checkpoint.write_bytes(raw)
+    ran = subprocess.run(
+        [str(BIN / "subagentd"), "--handoff", str(checkpoint)],
+        env=daemon_dirs.env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert ran.returncode == 1, ran.stderr
+    assert "reload.handoff_unreadable" in ran.stderr
+    assert f"names the state dir {elsewhere}" in ran.stderr
+    assert not elsewhere.exists()
+    assert not daemon_dirs.socket.exists()

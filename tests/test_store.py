@@ -25,7 +25,14 @@ from subagentd.daemon.lifecycle._checkpoint import read_checkpoint
 from subagentd.daemon.lifecycle._reload import image_refusal
 from subagentd.daemon.store._journal import Journal
 from subagentd.daemon.store._legacy import import_checkpoint_v1
-from subagentd.daemon.store._store import READS_VERSIONS, SCHEMA_VERSION, STORE_NAME, Change, Store
+from subagentd.daemon.store._store import (
+    READS_VERSIONS,
+    SCHEMA_VERSION,
+    STORE_NAME,
+    WAL_SIZE_LIMIT,
+    Change,
+    Store,
+)
 from subagentd.daemon.store._wake_log import open_wakes
 
 from .conftest import BIN, DaemonProcess
@@ -524,5 +531,18 @@ def test_what_a_version_1_checkpoint_carried_is_taken_into_the_store(tmp_path: P
         assert (launch.turn, launch.fence, launch.fence_epochs) == (
             4, LaunchFence(epoch=2, cancelled=True), 2,
         )  # fmt: skip
+    finally:
+        store.close()
+
+
+def test_the_wal_is_cut_back_after_a_transaction_larger_than_its_limit(tmp_path: Path) -> None:
+    store = Store.open(tmp_path / STORE_NAME)
+    try:
+        big = [_record(f"w-{i}", argv=["x" * 4096]) for i in range(3000)]  # ~12 MiB at once
+        store.commit(Change(workers=big), "a test")
+        for i in range(3):  # the WAL is reset, and cut, by the writes after a checkpoint
+            store.commit(Change(workers=[_record(f"w-small-{i}")]), "a test")
+        wal = tmp_path / f"{STORE_NAME}-wal"
+        assert wal.stat().st_size <= WAL_SIZE_LIMIT, wal.stat().st_size
     finally:
         store.close()

@@ -100,6 +100,10 @@ _COMPANIONS = ("", "-wal", "-shm")
 _WAKE_COLUMNS = ("seq", "id", "run", "parent", "state", "exit_code", "preview", "attempt")
 
 
+#: The WAL is cut back to this after each checkpoint (see _connect).
+WAL_SIZE_LIMIT = 4 * 1024 * 1024
+
+
 class StoreUnusable(Exception):
     """No store can be had: the daemon cannot start (the message says why and what to do)."""
 
@@ -599,6 +603,9 @@ def _connect(path: Path) -> sqlite3.Connection:
         db.execute("PRAGMA locking_mode = EXCLUSIVE")
         db.execute("PRAGMA journal_mode = WAL")
         db.execute("PRAGMA synchronous = NORMAL")
+        # Else the WAL keeps the size of the largest transaction it ever held (a reload
+        # of thousands, an import of an old state dir) for as long as the daemon runs.
+        db.execute(f"PRAGMA journal_size_limit = {WAL_SIZE_LIMIT}")
         verdict = [row[0] for row in db.execute("PRAGMA quick_check")]
         if verdict != ["ok"]:
             raise sqlite3.DatabaseError(f"quick_check: {'; '.join(map(str, verdict[:5]))}")
