@@ -223,6 +223,7 @@ class Daemon:
                 self.retention.expire_handles,
                 self.retention.prune_archives_daily,
                 self._make_spare_archives,
+                self._write_what_the_store_kept_out,
             ):
                 timers.start_soon(_keep_running, task)
             # In this task, handing it our task_status: serving starts one scheduling
@@ -398,6 +399,23 @@ class Daemon:
 
     # -- supervising ---------------------------------------------------------
 
+    async def _write_what_the_store_kept_out(self) -> None:
+        """Retry, backing off, the changes a failing disk kept out of the store (an
+        ending, an ack) until they go in: a daemon with nothing else to write must not
+        leave them to a crash, which would end those workers again and wake twice."""
+        while True:
+            wanted = trio.Event()
+            self.store.on_unwritten = wanted.set
+            delay = STORE_RETRY_FIRST
+            while self.store.unwritten:  # kept out before this task began, too
+                await trio.sleep(delay)
+                delay = min(delay * 2, STORE_RETRY_MAX)
+                try:
+                    self.store.flush()
+                except OSError as exc:
+                    self.problems.disk_failed("store", exc)
+            await wanted.wait()
+
     async def _make_spare_archives(self) -> None:
         """Keep archive directories made ahead for the next spawns, in a thread."""
         await trio.to_thread.run_sync(self.spares.reuse_left)
@@ -558,10 +576,25 @@ class Daemon:
             tree_tracking=self.launcher.tree_tracking,
             socket=str(self.socket_path),
             state_dir=str(self.state_dir.root),
-            problems=self.problems.current() + self.store.problems + self.registry.damage,
+            problems=self.problems.current()
+            + self._unwritten_problem()
+            + self.store.problems
+            + self.registry.damage,
         )
 
+    def _unwritten_problem(self) -> list[str]:
+        count = self.store.unwritten
+        if not count:
+            return []
+        return [
+            f"{count} change(s) (endings, acknowledgements) are not yet in the store "
+            f"{self.store.path}: a failing disk kept them out; retried until they go in"
+        ]
 
+
+#: A change the store's disk kept out is tried again after this, doubling up to the max.
+STORE_RETRY_FIRST = 0.1
+STORE_RETRY_MAX = 5.0
 #: A housekeeping task that raised starts again after this, doubling up to the max.
 TASK_RETRY_FIRST = 1.0
 TASK_RETRY_MAX = 60.0

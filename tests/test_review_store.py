@@ -172,3 +172,30 @@ async def test_a_crash_before_recovery_rebuilds_an_unread_old_record_loses_no_wo
         assert not alive(unread.pid)
     finally:
         os.close(reader)
+
+
+async def test_an_ending_the_disk_kept_out_goes_in_with_nothing_else_written(
+    daemon_dirs: DaemonProcess, small_disk: Path
+) -> None:
+    """With room again, the daemon writes a kept-out ending by itself (no other change
+    comes to carry it), and says meanwhile that it is not yet in the store: a kill -9
+    then finds it written, and the parent's wake is pending once, not lost, not twice."""
+    daemon_dirs.start()
+    ballast = small_disk / "ballast"
+    with trio.fail_after(60):
+        async with AsyncClient(daemon_dirs.socket) as client:
+            run = await client.new_run()
+            worker = await client.spawn(sh("exec sleep 600"), run=run)
+            _fill(ballast)
+            await client.stop(worker.id)  # its ending finds the disk full
+            problems = (await client.info()).problems
+            assert any("not yet in the store" in p for p in problems), problems
+            ballast.unlink()
+            # Nothing announces the daemon's retry (backing off from 0.1 s) but info.
+            while any("not yet in the store" in p for p in (await client.info()).problems):  # noqa: ASYNC110
+                await trio.sleep(0.05)
+        daemon_dirs.kill()
+        await trio.to_thread.run_sync(daemon_dirs.start)
+        async with AsyncClient(daemon_dirs.socket) as client:
+            assert (await client.status(worker.id)).state == "stopped"
+        assert [w.id for w in await pending_wakes(daemon_dirs, run)] == [worker.id]

@@ -243,6 +243,9 @@ class Store:
         self.problems = problems
         #: Changes the daemon went on without, that a full disk kept out (`commit`'s redo).
         self._unwritten: list[Change] = []
+        #: Called when a change is kept to be redone: the daemon then retries `flush`
+        #: until it goes in, not waiting for some other change to carry it.
+        self.on_unwritten: Callable[[], None] = lambda: None
 
     @classmethod
     def open(cls, path: Path) -> Store:
@@ -372,7 +375,23 @@ class Store:
         except StoreWriteFailed:
             if redo:
                 self._unwritten.append(change)
+                self.on_unwritten()
             raise
+        self._unwritten.clear()
+
+    @property
+    def unwritten(self) -> int:
+        """How many changes the daemon went on without are still kept out of the store."""
+        return len(self._unwritten)
+
+    def flush(self) -> None:
+        """Write the changes a full disk kept out, in order, in one transaction;
+        StoreWriteFailed (and they stay kept) if they still do not go in."""
+        if not self._unwritten:
+            return
+        with self.transaction("changes kept out by a failing disk") as db:
+            for earlier in self._unwritten:
+                _write(db, earlier)
         self._unwritten.clear()
 
     def commit_changed(self, records: list[WorkerRecord], what: str) -> None:
