@@ -1,5 +1,12 @@
 """`python -m subagentd.daemon`: how a reload runs the image installed now."""
 
-from ._main import main
+import gc
+
+# A reload's new image (and its --check child) imports, adopts and starts supervising
+# thousands of objects that all live on: a collection on the way finds no garbage and
+# costs the reload time while clients wait. `serve` turns collection on once serving.
+gc.disable()
+
+from ._main import main  # noqa: E402  after the collector is off: imports allocate most
 
 raise SystemExit(main())

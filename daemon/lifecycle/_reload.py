@@ -15,6 +15,7 @@ withheld nothing, and holding exactly the descriptors it held before.
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import os
 import signal
@@ -171,7 +172,7 @@ class Reloader:
             if self.no_carry:
                 attempt.stopped_by_reload = await self._stop_uncarriable()
             log.info("reload.checked")
-            with _reloading_told():
+            with _reloading_told(), _collection_paused():
                 async with (
                     self.server.paused(attempt.requesters, _failure) as kept,
                     daemon.supervisor.frozen(),
@@ -311,6 +312,21 @@ def _signals_blocked() -> Iterator[None]:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, RELOAD_SIGNALS)
+
+
+@contextlib.contextmanager
+def _collection_paused() -> Iterator[None]:
+    """No garbage collection from the pause to the exec, which frees everything anyway:
+    cancelling a thousand workers' tasks allocates tens of thousands of objects, and a
+    collection among them cost about as much as the cancelling (see bench/README.md).
+    On again if the reload fails."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
 
 
 @contextlib.contextmanager

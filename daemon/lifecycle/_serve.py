@@ -8,6 +8,7 @@ child on the critical path, imports none of it.
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import signal
@@ -195,6 +196,7 @@ async def serve(
                     version=package_version(),
                     image_generation=daemon.image_generation,
                 )
+                gc.enable()  # off from the start until here: see __main__.py
                 async with trio.open_nursery() as until_stop:
                     until_stop.start_soon(
                         _until_signal, signals, reloader, nursery, until_stop.cancel_scope
