@@ -318,8 +318,8 @@ def _signals_blocked() -> Iterator[None]:
 def _collection_paused() -> Iterator[None]:
     """No garbage collection from the pause to the exec, which frees everything anyway:
     cancelling a thousand workers' tasks allocates tens of thousands of objects, and a
-    collection among them cost about as much as the cancelling (see bench/README.md).
-    On again if the reload fails."""
+    collection among them cost about as much as the cancelling (in-process, 1,000
+    workers: freeze 536 -> 234 ms, thaw 311 -> 127 ms). On again if the reload fails."""
     was_on = gc.isenabled()
     gc.disable()
     try:
