@@ -213,6 +213,8 @@ class Resumer:
             here = real_dir(cwd)
         except ValueError:
             raise Invalid("cwd holds a NUL byte: no directory is named so") from None
+        except RecursionError:  # a chain of symlinks deeper than realpath recurses
+            raise Invalid(f"cwd {cwd!r} leads through too many symlinks") from None
         # run -> when its first worker was spawned: the index (cwd, spawned_at)
         started = self.daemon.store.runs_started_in(here)
         newest_first = sorted(started, key=lambda run: started[run], reverse=True)
