@@ -33,7 +33,7 @@ log = structlog.get_logger("subagentd")
 
 
 @dataclass(frozen=True)
-class Resumed:
+class Resumption:
     """A worker resumed, and what changed on disk since its spawn ("" for nothing)."""
 
     view: WorkerView
@@ -46,7 +46,7 @@ class Resumer:
         #: Workers whose journal a resume is verifying (in a thread): one resume at a time.
         self._opening: set[str] = set()
 
-    async def resume(self, worker_id: str, worker_timeout: float | None) -> Resumed:
+    async def resume(self, worker_id: str, worker_timeout: float | None) -> Resumption:
         """Carry a stopped, failed, timed-out or interrupted worker on from its snapshot:
         same id, next attempt, same journal; only the timeout may be given anew."""
         self._check_fence()
@@ -62,7 +62,7 @@ class Resumer:
         if self.daemon.reloading:
             raise Reloading("the daemon is reloading; resume again", retry_after=RELOAD_RETRY)
 
-    async def _resume_one(self, worker_id: str, worker_timeout: float | None) -> Resumed:
+    async def _resume_one(self, worker_id: str, worker_timeout: float | None) -> Resumption:
         """`resume`, past the fence, its launch counted and shielded by the caller."""
         found = self.daemon.reader.lookup(worker_id)
         self._check_resumable(found.id, found.state)
@@ -76,7 +76,7 @@ class Resumer:
             raise Invalid(f"timeout must be zero or more seconds, not {worker_timeout}")
         changed = changes_since_spawn(snapshot, *self._agents_on_disk(snapshot))
         view = await self._reopen(record, snapshot, archive, worker_timeout, changed)
-        return Resumed(view, changed)
+        return Resumption(view, changed)
 
     def _agents_on_disk(self, snapshot: Snapshot) -> tuple[dict[str, AgentDef] | None, str | None]:
         """agents.toml as it reads now (not as the daemon loaded it at its start or last
@@ -190,7 +190,7 @@ class Resumer:
             )
         return sorted(heads, key=lambda r: (r.started_at, r.id))
 
-    async def resume_run(self, run_id: str) -> list[Resumed]:
+    async def resume_run(self, run_id: str) -> list[Resumption]:
         """A new live attempt of a run: its highest unfinished workers carry on.
 
         All of them or none as far as a reload goes: the fence is checked once, and the
@@ -201,8 +201,8 @@ class Resumer:
         heads = self._resumable_heads(run_id)
         self.daemon.registry.reopen_run(run_id, self.daemon.clock())
         with self.daemon.supervisor.launching(), trio.CancelScope(shield=True):
-            views = [await self._resume_one(record.id, None) for record in heads]
-        return views
+            resumed = [await self._resume_one(record.id, None) for record in heads]
+        return resumed
 
     def latest_resumable(self, cwd: str) -> ResumableRun:
         """The newest run started in `cwd` (by its real path, as a spawn keeps it) that a
