@@ -11,6 +11,8 @@ from subagentd.protocol import DaemonInfo as DaemonInfo
 from subagentd.protocol import Entry as Entry
 from subagentd.protocol import EntryKind as EntryKind
 from subagentd.protocol import Page as Page
+from subagentd.protocol import ResumableRun as ResumableRun
+from subagentd.protocol import Resumed as Resumed
 from subagentd.protocol import Wake as Wake
 from subagentd.protocol import WorkerResult as WorkerResult
 from subagentd.protocol import WorkerState as WorkerState

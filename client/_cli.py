@@ -24,7 +24,9 @@ from subagentd.protocol import (
     DaemonInfo,
     Entry,
     ReloadReply,
+    ResumableRun,
     Resume,
+    Resumed,
     Stop,
     Wake,
     WorkerResult,
@@ -81,6 +83,8 @@ INFO_FIELDS = (
 class Output(Protocol):
     def worker(self, view: WorkerView) -> None: ...
     def spawned(self, view: WorkerView) -> None: ...
+    def resumed(self, view: Resumed) -> None: ...
+    def latest(self, answer: ResumableRun) -> None: ...
     def ended(self, view: WorkerView) -> None: ...
     def workers(self, views: list[WorkerView]) -> None: ...
     def run(self, run_id: str) -> None: ...
@@ -130,6 +134,21 @@ class Human:
                 f"`subagentctl watch {view.id}` says why",
                 file=sys.stderr,
             )
+
+    def resumed(self, view: Resumed) -> None:
+        self.spawned(view)
+        if view.changed:  # it runs its snapshot all the same
+            print(f"  changed since its spawn: {view.changed}")
+
+    def latest(self, answer: ResumableRun) -> None:
+        _print_fields(
+            [
+                ("run", answer.run),
+                ("resumable", answer.resumable),
+                ("reason", answer.reason),
+                ("from", ", ".join(answer.from_)),
+            ]
+        )
 
     def ended(self, view: WorkerView) -> None:
         exit_code = "" if view.exit_code is None else f", exit code {view.exit_code}"
@@ -228,6 +247,12 @@ class Json:
 
     spawned = ended = worker
 
+    def resumed(self, view: Resumed) -> None:
+        _dump({**{field: getattr(view, field) for field in WORKER_FIELDS}, "changed": view.changed})
+
+    def latest(self, answer: ResumableRun) -> None:
+        _dump(msgspec.to_builtins(answer))  # run, resumable, reason, from
+
     def workers(self, views: list[WorkerView]) -> None:
         for view in views:
             self.worker(view)
@@ -269,7 +294,10 @@ class Json:
     def error(self, exc: RemoteError | ProtocolError) -> None:
         code = exc.code if isinstance(exc, RemoteError) else "protocol"
         message = exc.message if isinstance(exc, RemoteError) else str(exc)
-        _dump({"error": {"code": code, "message": message}})
+        error: dict[str, object] = {"code": code, "message": message}
+        if isinstance(exc, RemoteError) and exc.stopped_by_reload:  # a reload that failed
+            error["stopped_by_reload"] = exc.stopped_by_reload
+        _dump({"error": error})
 
 
 def _dump(document: dict[str, Any]) -> None:
@@ -401,22 +429,13 @@ def reload(daemon: Client, args: argparse.Namespace, out: Output) -> None:
     out.reloaded(daemon.reload())
 
 
-def resume(daemon: Client, args: argparse.Namespace, out: Output) -> None:
+def resume(daemon: Client, args: argparse.Namespace, out: Output) -> int | None:
+    if args.latest:
+        return _resume_latest(daemon, args, out)
     if args.run is not None:
         _resumed(daemon.resume_run(args.run), out)
-    elif args.latest:
-        here = os.getcwd()
-        try:
-            latest = daemon.latest_resumable(here)
-        except NotFound:
-            raise NotFound(f"no run was started in {here}") from None
-        if not latest.resumable:
-            raise Refused(
-                f"the newest run started in {here}, {latest.run}, would not resume: {latest.reason}"
-            )
-        _resumed(daemon.resume_run(latest.run), out)
     elif args.input is None and not args.argv and args.model is None:
-        out.spawned(daemon.resume(args.worker, timeout=args.timeout))
+        out.resumed(daemon.resume(args.worker, timeout=args.timeout))
     else:
         # Sent all the same, for the daemon to say why it will not (frozen): one refusal,
         # one message, whichever client asks.
@@ -429,16 +448,36 @@ def resume(daemon: Client, args: argparse.Namespace, out: Output) -> None:
             model=args.model,
         )
         out.spawned(_core.answer(given, daemon.request(given)).worker)
+    return None
 
 
-def _resumed(workers: list[WorkerView], out: Output) -> None:
+def _resume_latest(daemon: Client, args: argparse.Namespace, out: Output) -> int:
+    """`resume --latest`: the newest resumable run started here; `--dry-run`: only say it."""
+    here = os.getcwd()
+    try:
+        latest = daemon.latest_resumable(here)
+    except NotFound:
+        raise NotFound(f"no run with a snapshot to resume from was started in {here}") from None
+    if args.dry_run:
+        out.latest(latest)
+        return EXIT_OK if latest.resumable else EXIT_REFUSED
+    if not latest.resumable:
+        raise Refused(
+            f"the newest run started in {here}, {latest.run}, would not resume: {latest.reason}"
+        )
+    _resumed(daemon.resume_run(latest.run), out)
+    return EXIT_OK
+
+
+def _resumed(workers: list[Resumed], out: Output) -> None:
     if not workers:
         print("nothing in that run was left to resume", file=sys.stderr)
     for worker in workers:
-        out.spawned(worker)
+        out.resumed(worker)
 
 
-Command = Callable[[Client, argparse.Namespace, Output], None]
+#: A command; what it returns, if anything, is its exit status.
+Command = Callable[[Client, argparse.Namespace, Output], int | None]
 
 
 def _env_pair(text: str) -> tuple[str, str]:
@@ -635,7 +674,9 @@ def parser() -> argparse.ArgumentParser:
         "$SUBAGENTD_RESUME. Only --timeout may be given again; a new input, command or "
         "model is refused (frozen). A worker that finished well, one still running, a "
         "missing snapshot, or a git work tree now on another branch refuses the resume "
-        "with the reason (exit 1).",
+        "with the reason (exit 1). What changed on disk since its spawn (its agent's "
+        "definition in agents.toml, its work tree's HEAD) is printed under it, `changed "
+        "since its spawn: ...`, and written in its journal's resume note.",
     )
     which = sub.add_mutually_exclusive_group(required=True)
     which.add_argument("worker", metavar="ID", nargs="?", help="the worker to resume")
@@ -649,6 +690,12 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="resume the newest resumable run started in this directory; if none would "
         "resume, print the newest and why not (exit 1)",
+    )
+    sub.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="with --latest: resume nothing, print what it would take (run, resumable, reason, "
+        "from: the workers it would carry on); exit 1 if it would not resume",
     )
     sub.add_argument(
         "--timeout",
@@ -668,6 +715,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.command is spawn and not args.argv and args.agent is None:
         args.parser.error("give a command after -- or an --agent")
+    if args.command is resume and args.dry_run and not args.latest:
+        args.parser.error("--dry-run: only with --latest")
     if args.command is resume and args.worker is None:
         given = [
             flag
@@ -684,7 +733,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out: Output = Json() if args.json else Human()
     try:
         with Client(args.socket) as daemon:
-            args.command(daemon, args, out)
+            status = args.command(daemon, args, out)
     except TransportError as exc:
         print(f"subagentctl: {exc}", file=sys.stderr)
         return EXIT_NO_DAEMON
@@ -698,4 +747,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         # interpreter's final flush does not fail a second time.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_BROKEN_PIPE
-    return EXIT_OK
+    return EXIT_OK if status is None else status

@@ -42,7 +42,9 @@ from subagentd.protocol import (
     ReloadReply,
     Reply,
     Request,
+    ResumableRun,
     Resume,
+    Resumed,
     ResumeRun,
     SetFence,
     Spawn,
@@ -135,7 +137,9 @@ def unknown_run(run_id: str) -> NotFound:
 def checked(reply: Reply) -> Reply:
     """`reply` itself, unless it is an Error: then the `RemoteError` subclass for its code."""
     if isinstance(reply, Error):
-        raise remote_error(reply.code, reply.message, reply.retry_after)
+        raise remote_error(
+            reply.code, reply.message, reply.retry_after, stopped_by_reload=reply.stopped_by_reload
+        )
     return reply
 
 
@@ -289,18 +293,36 @@ def reload() -> Call[ReloadReply]:
     return _call(Reload(id=0), _itself)
 
 
-def resume(worker_id: str, timeout: float | None = None) -> Call[WorkerView]:
-    return _call(Resume(id=0, worker=worker_id, timeout=timeout), lambda reply: reply.worker)
+def resume(worker_id: str, timeout: float | None = None) -> Call[Resumed]:
+    return _call(
+        Resume(id=0, worker=worker_id, timeout=timeout),
+        lambda reply: _resumed(reply.worker, reply.changed),
+    )
 
 
-def resume_run(run_id: str) -> Call[list[WorkerView]]:
-    return _call(ResumeRun(id=0, run=run_id), lambda reply: reply.workers)
+def resume_run(run_id: str) -> Call[list[Resumed]]:
+    return _call(
+        ResumeRun(id=0, run=run_id),
+        lambda reply: [_resumed(view, reply.changed.get(view.id, "")) for view in reply.workers],
+    )
 
 
-def latest_resumable(cwd: str | os.PathLike[str] | None = None) -> Call[Latest]:
+def _resumed(view: WorkerView, changed: str) -> Resumed:
+    return Resumed(**msgspec.structs.asdict(view), changed=changed)
+
+
+def latest_resumable(cwd: str | os.PathLike[str] | None = None) -> Call[ResumableRun]:
     # As for spawn: "here" is where the caller stands, not where the daemon runs.
     return _call(
-        LatestResumable(id=0, cwd=os.fspath(cwd) if cwd is not None else os.getcwd()), _itself
+        LatestResumable(id=0, cwd=os.fspath(cwd) if cwd is not None else os.getcwd()),
+        _resumable_run,
+    )
+
+
+def _resumable_run(reply: Latest) -> ResumableRun:
+    """The answer without the protocol's request id: what a caller keeps."""
+    return ResumableRun(
+        run=reply.run, resumable=reply.resumable, reason=reply.reason, from_=reply.from_
     )
 
 

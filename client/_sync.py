@@ -19,11 +19,12 @@ from typing import Self, TypeVar
 from subagentd.protocol import (
     DaemonInfo,
     Entry,
-    Latest,
     Page,
     ReloadReply,
     Reply,
     Request,
+    ResumableRun,
+    Resumed,
     Wake,
     WorkerResult,
     WorkerView,
@@ -173,18 +174,22 @@ class Client:
         `Busy` right after another reload)."""
         return self._call(_core.reload())
 
-    def resume(self, worker_id: str, timeout: float | None = None) -> WorkerView:
+    def resume(self, worker_id: str, timeout: float | None = None) -> Resumed:
         """Carry an ended (not finished) worker on from its snapshot: same id, next attempt.
-        It runs what it was spawned with; only its ``timeout`` may be given again."""
+        It runs what it was spawned with; only its ``timeout`` may be given again. The
+        answer's ``changed`` says what changed on disk since its spawn (empty: nothing)."""
         return self._call(_core.resume(worker_id, timeout))
 
-    def resume_run(self, run_id: str) -> list[WorkerView]:
-        """A new live attempt of a run: its highest unfinished workers carry on; answers them."""
+    def resume_run(self, run_id: str) -> list[Resumed]:
+        """A new live attempt of a run: its highest unfinished workers carry on; answers them
+        (each with ``changed``, as `resume`)."""
         return self._call(_core.resume_run(run_id))
 
-    def latest_resumable(self, cwd: str | os.PathLike[str] | None = None) -> Latest:
-        """The newest run started in ``cwd`` (default: this process's) that a resume would
-        take, or else the newest and why not (`NotFound`: none was started there)."""
+    def latest_resumable(self, cwd: str | os.PathLike[str] | None = None) -> ResumableRun:
+        """The newest run started in ``cwd`` (default: this process's; however named: it is
+        taken as its real path) that a resume would take, and ``from_`` the workers it would
+        carry on; or else the newest and why not (`NotFound`: no run with a snapshot was
+        started there)."""
         return self._call(_core.latest_resumable(cwd))
 
     def collect(self, worker_id: str, wait: bool = False) -> WorkerResult:

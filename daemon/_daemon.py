@@ -40,7 +40,7 @@ from .core._registry import (
     Registry,
     WorkerRecord,
 )
-from .lifecycle._resumable import git_branch
+from .lifecycle._resumable import frozen_agent, git_state
 from .processes._launcher import Launcher
 from .processes._process import DESCRIPTOR_ERRNOS, OutOfDescriptors, SpawnFailed
 from .store._archive import Archive, Snapshot, SpareArchives
@@ -290,6 +290,7 @@ class Daemon:
             if archive is None:
                 archive = self.reader.archive_of(record.id)
                 archive.create()
+            branch, head = git_state(cwd)
             archive.write_snapshot(
                 Snapshot(
                     id=record.id,
@@ -305,7 +306,9 @@ class Daemon:
                     grace=record.grace,
                     has_input=request.input is not None,
                     created_at=now,
-                    branch=git_branch(cwd),
+                    branch=branch,
+                    head=head,
+                    agent_def=frozen_agent(launch.agent) if launch.agent else None,
                 )
             )
             stdin = None if request.input is None else str(archive.write_input(request.input))

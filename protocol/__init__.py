@@ -51,7 +51,9 @@ from ._messages import ReloadReply as ReloadReply
 from ._messages import Reply as Reply
 from ._messages import Request as Request
 from ._messages import ResultReply as ResultReply
+from ._messages import ResumableRun as ResumableRun
 from ._messages import Resume as Resume
+from ._messages import Resumed as Resumed
 from ._messages import ResumeRun as ResumeRun
 from ._messages import RunReply as RunReply
 from ._messages import SetFence as SetFence

@@ -110,6 +110,28 @@ class WorkerView(msgspec.Struct, kw_only=True):
     argv_cut: bool = False
 
 
+class Resumed(WorkerView, kw_only=True):
+    """A worker as a resume answers it (the clients' `resume` and `resume_run`): its view,
+    and ``changed``, what changed on disk since it was spawned (its agent's definition in
+    agents.toml, its work tree's HEAD), in one line; empty when nothing did. The resume
+    ran the frozen snapshot all the same."""
+
+    changed: str = ""
+
+
+class ResumableRun(msgspec.Struct, kw_only=True):
+    """What the clients' `latest_resumable` answers: the newest run started in a directory
+    that a resume would take (``resumable``), or else the newest there and ``reason``, why
+    not. ``from_`` (``from`` on the wire and in JSON; a Python keyword): the workers a
+    resume of ``run`` would carry on, each from the end of its own journal; empty when
+    it would not resume."""
+
+    run: str
+    resumable: bool
+    reason: str = ""
+    from_: list[str] = msgspec.field(default_factory=list, name="from")
+
+
 class Entry(msgspec.Struct, kw_only=True):
     """One journal entry. ``data`` is raw output for stdout/stderr, UTF-8 text otherwise."""
 
@@ -174,6 +196,9 @@ class Welcome(Reply, tag="welcome"):
 
 class WorkerReply(Reply, tag="worker"):
     worker: WorkerView
+    #: A `resume`'s answer only: what changed on disk since the worker was spawned (see
+    #: `Resumed`); empty when nothing did, and in every other answer.
+    changed: str = ""
 
 
 class WorkerList(Reply, tag="worker_list"):
@@ -183,6 +208,9 @@ class WorkerList(Reply, tag="worker_list"):
     workers: list[WorkerView]
     next: str | None = None
     complete: bool = True
+    #: A `resume_run`'s answer only: for each worker resumed whose spawn's world changed on
+    #: disk since, what changed (see `Resumed`).
+    changed: dict[str, str] = {}
 
 
 class RunReply(Reply, tag="run"):
@@ -247,6 +275,8 @@ class Latest(Reply, tag="latest"):
     run: str
     resumable: bool
     reason: str = ""
+    #: ``from`` on the wire: the workers a resume of ``run`` would carry on (see `ResumableRun`).
+    from_: list[str] = msgspec.field(default_factory=list, name="from")
 
 
 class Done(Reply, tag="done"):
@@ -257,6 +287,9 @@ class Error(Reply, tag="error"):
     code: str
     message: str
     retry_after: float | None = None
+    #: A failed `reload`'s refusal only: the workers it had stopped, as it could not carry
+    #: them, before it failed (ended `stopped_by_reload`, resumable by id).
+    stopped_by_reload: list[str] = []
 
 
 DaemonMessage = (

@@ -26,6 +26,7 @@ a daemon refusal arrives as an ``Error`` message and becomes the subclass for it
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 
 
 class ErrorCode(enum.StrEnum):
@@ -70,14 +71,22 @@ class FrameTooLarge(ProtocolError):
 
 
 class RemoteError(SubagentdError):
-    """The daemon refused a request. ``code`` is one of `ErrorCode`."""
+    """The daemon refused a request. ``code`` is one of `ErrorCode`. ``stopped_by_reload``:
+    for a reload that failed, the workers it had stopped before failing (else empty)."""
 
     code: ErrorCode = ErrorCode.INTERNAL
 
-    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        retry_after: float | None = None,
+        stopped_by_reload: Sequence[str] = (),
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.retry_after = retry_after
+        self.stopped_by_reload = list(stopped_by_reload)
 
     def __str__(self) -> str:
         return f"{self.code}: {self.message}"
@@ -145,11 +154,17 @@ _BY_CODE: dict[str, type[RemoteError]] = {
 }
 
 
-def remote_error(code: str, message: str, retry_after: float | None = None) -> RemoteError:
+def remote_error(
+    code: str,
+    message: str,
+    retry_after: float | None = None,
+    *,
+    stopped_by_reload: Sequence[str] = (),
+) -> RemoteError:
     """The exception for an error that arrived on the wire; unknown codes stay `RemoteError`."""
     cls = _BY_CODE.get(code)
     if cls is None:
-        err = RemoteError(message, retry_after=retry_after)
+        err = RemoteError(message, retry_after=retry_after, stopped_by_reload=stopped_by_reload)
         err.code = code  # type: ignore[assignment]  # a newer daemon's code, kept verbatim
         return err
-    return cls(message, retry_after=retry_after)
+    return cls(message, retry_after=retry_after, stopped_by_reload=stopped_by_reload)

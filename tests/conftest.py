@@ -114,12 +114,17 @@ class DaemonProcess:
         self.proc.wait(10)
 
     def ctl(
-        self, *args: str, input: str | None = None, timeout: float = 30.0
+        self,
+        *args: str,
+        input: str | None = None,
+        timeout: float = 30.0,
+        cwd: Path | None = None,
     ) -> subprocess.CompletedProcess[str]:
-        """Run subagentctl against this daemon, as a person at a shell would."""
+        """Run subagentctl against this daemon, as a person at a shell would (in `cwd`)."""
         return subprocess.run(
             [str(BIN / "subagentctl"), *args],
             env=self.env,
+            cwd=cwd,
             input=input,
             capture_output=True,
             text=True,

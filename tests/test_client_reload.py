@@ -201,7 +201,7 @@ def test_subagentctl_resume_latest_picks_the_newest_resumable_run_here(
     elsewhere.mkdir()
     nothing = ctl_in(daemon, here, "resume", "--latest")
     assert (nothing.returncode, nothing.stdout) == (1, "")
-    assert f"no run was started in {here}" in nothing.stderr
+    assert f"no run with a snapshot to resume from was started in {here}" in nothing.stderr
 
     older = json.loads(ctl_in(daemon, here, "--json", "spawn", "--", "sleep", "60").stdout)
     ctl_in(daemon, here, "stop", older["id"])

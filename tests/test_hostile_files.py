@@ -322,6 +322,47 @@ async def test_a_planted_git_commondir_refuses_resume_and_latest_with_the_reason
             assert (await client.status(worker.id)).state == "stopped"
 
 
+def _detached_repo(repo: Path) -> str:
+    """A git work tree at `repo` with one commit, HEAD detached at it; the commit."""
+    repo.mkdir()
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    for args in (["init", "-q"], ["commit", "-q", "--allow-empty", "-m", "x"],
+                 ["checkout", "-q", "--detach"]):  # fmt: skip
+        subprocess.run([*git, *args], check=True, capture_output=True, timeout=30)
+    return (repo / ".git" / "HEAD").read_text().strip()
+
+
+@pytest.mark.parametrize(
+    "plant",
+    ["rm .git/HEAD && mkfifo .git/HEAD", 'rm .git/HEAD && ln -s "$ELSEWHERE" .git/HEAD'],
+    ids=["fifo", "symlink"],
+)
+async def test_a_fifo_or_symlink_at_git_head_freezes_no_resume_and_is_never_followed(
+    daemon: DaemonProcess, tmp_path: Path, plant: str
+) -> None:
+    """A worker spawned on a detached HEAD (no branch for the resume to check) puts a FIFO,
+    or a symlink to a file elsewhere naming another commit, at .git/HEAD. Its resume
+    goes ahead, says HEAD cannot be read now, waits on no writer and reads nothing
+    through the symlink."""
+    repo, elsewhere = tmp_path / "repo", tmp_path / "elsewhere"
+    head = _detached_repo(repo)
+    elsewhere.write_text("ab" * 20 + "\n")
+    with trio.fail_after(30):
+        async with AsyncClient(daemon.socket) as client:
+            worker = await client.spawn(
+                sh(f"{plant}; echo planted; sleep 60"), cwd=repo, env={"ELSEWHERE": str(elsewhere)}
+            )
+            await wait_output(client, worker.id, b"planted")
+            await client.stop(worker.id)
+            resumed = await client.resume(worker.id)
+            assert resumed.changed == (
+                f"HEAD in {repo} cannot be read now (not a regular file); it was {head}"
+            )
+            assert (await client.status(worker.id)).state == "running"
+            await client.stop(worker.id)
+            assert (await client.info()).pid > 0
+
+
 async def test_a_snapshot_nested_too_deep_refuses_resume_and_latest_with_the_reason(
     daemon: DaemonProcess, tmp_path: Path
 ) -> None:

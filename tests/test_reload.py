@@ -10,11 +10,12 @@ import threading
 import time
 from collections.abc import AsyncIterator
 
+import msgspec
 import pytest
 import trio
 
 from subagentd import protocol as p
-from subagentd.client import AsyncClient
+from subagentd.client import AsyncClient, Refused
 
 from .conftest import DaemonProcess
 from .helpers import RawConnection, alive, sh, wait_output
@@ -154,6 +155,52 @@ async def test_a_worker_that_cannot_be_carried_is_stopped_by_reload(
             assert (await client.status(fragile.id)).state == "stopped_by_reload"
             assert (await client.status(sturdy.id)).state == "running"
             await client.stop(sturdy.id)
+
+
+#: A worker named `fragile` cannot be carried, and the exec fails (once): a reload that
+#: fails after it stopped what it could not carry.
+FAILING_AFTER_A_STOP = {
+    "SUBAGENTD_FAULT_NO_CARRY": "fragile",
+    "SUBAGENTD_FAULT": "reload:unexecutable",
+}
+
+
+async def test_a_reload_failing_after_it_stopped_a_worker_says_which(
+    daemon_dirs: DaemonProcess,
+) -> None:
+    daemon_dirs.start(env=FAILING_AFTER_A_STOP)
+    with trio.fail_after(30):
+        async with AsyncClient(daemon_dirs.socket) as client:
+            fragile = await client.spawn(["sleep", "60"], name="fragile")
+            sturdy = await client.spawn(["sleep", "60"], name="sturdy")
+            with pytest.raises(Refused) as refused:
+                await client.reload()
+            assert refused.value.stopped_by_reload == [fragile.id]
+            assert "exec failed" in refused.value.message
+            assert f"before failing it stopped {fragile.id}" in refused.value.message
+            assert (await client.info()).image_generation == 1  # the old image serves on
+            assert (await client.status(fragile.id)).state == "stopped_by_reload"
+            assert (await client.status(sturdy.id)).state == "running"
+            await client.stop(sturdy.id)
+
+
+async def test_subagentctl_reload_shows_the_workers_a_failed_reload_stopped(
+    daemon_dirs: DaemonProcess,
+) -> None:
+    for as_json in (False, True):
+        daemon_dirs.start(env=FAILING_AFTER_A_STOP)
+        with trio.fail_after(30):
+            async with AsyncClient(daemon_dirs.socket) as client:
+                fragile = await client.spawn(["sleep", "60"], name="fragile")
+            args = ("--json", "reload") if as_json else ("reload",)
+            proc = await trio.to_thread.run_sync(functools.partial(daemon_dirs.ctl, *args))
+            assert proc.returncode == 1, proc
+            if as_json:
+                error = msgspec.json.decode(proc.stdout)["error"]
+                assert (error["code"], error["stopped_by_reload"]) == ("refused", [fragile.id])
+            else:
+                assert f"before failing it stopped {fragile.id}" in proc.stderr
+        await trio.to_thread.run_sync(daemon_dirs.terminate)
 
 
 async def test_connects_during_reloads_are_never_refused(daemon: DaemonProcess) -> None:

@@ -7,10 +7,11 @@ import subprocess
 from pathlib import Path
 
 import msgspec
+import pytest
 import trio
 
 from subagentd import protocol as p
-from subagentd.client import AsyncClient, _core
+from subagentd.client import AsyncClient, NotFound, _core
 
 from .conftest import BIN, DaemonProcess
 from .helpers import RawConnection, sh, wait_output
@@ -277,3 +278,165 @@ async def test_a_worker_resumed_between_two_pages_of_a_listing_is_listed_once(
                     await client.resume(first.id)  # it starts again, after the others
             await client.stop_run(run, wait=False)
     assert [w.id for w in cursor.workers] == [first.id, *later]
+
+
+# -- issue 13, item 7: latest_resumable by the directory, however named; runs with a snapshot
+
+
+async def test_latest_resumable_finds_a_directory_however_it_is_named_and_says_from_what(
+    daemon: DaemonProcess, tmp_path: Path
+) -> None:
+    """Spawned by a symlink's name, asked by the real one with a trailing slash, `.` and
+    `..`, or by the symlink: one directory, one answer. It says which workers a resume
+    would carry on (`from`) and holds nothing else (no request id), in the client and in
+    `subagentctl --json resume --latest --dry-run` alike."""
+    here = tmp_path / "here"
+    (here / "sub").mkdir(parents=True)
+    link = tmp_path / "link"
+    link.symlink_to(here)
+    with trio.fail_after(30):
+        async with AsyncClient(daemon.socket) as client:
+            worker = await client.spawn(["sleep", "60"], cwd=link)
+            assert worker.cwd == str(here)  # kept by its real path
+            await client.stop(worker.id)
+            expected = {"run": worker.run, "resumable": True, "reason": "", "from": [worker.id]}
+            for name in (f"{here}/", f"{here}/./sub/..", str(link), f"{link}/"):
+                latest = await client.latest_resumable(name)
+                assert msgspec.to_builtins(latest) == expected, name
+        proc = await trio.to_thread.run_sync(
+            lambda: daemon.ctl("--json", "resume", "--latest", "--dry-run", cwd=link)
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert msgspec.json.decode(proc.stdout) == expected
+        proc = await trio.to_thread.run_sync(
+            lambda: daemon.ctl("resume", "--latest", "--dry-run", cwd=here / "sub" / "..")
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert f"run: {worker.run}\nresumable: True\nreason: -\nfrom: {worker.id}\n" == proc.stdout
+        async with AsyncClient(daemon.socket) as client:
+            assert (await client.status(worker.id)).state == "stopped"  # a dry run resumes nothing
+
+
+async def test_latest_resumable_takes_no_worker_without_a_snapshot_for_a_run(
+    daemon: DaemonProcess, tmp_path: Path
+) -> None:
+    """A run whose workers left no snapshot (removed, or the empty one of a spawn refused
+    before writing it) is no run to resume from: the newest run that has one is answered,
+    and a directory with none is `not_found`."""
+    here, bare = tmp_path / "here", tmp_path / "bare"
+    here.mkdir()
+    bare.mkdir()
+    with trio.fail_after(30):
+        async with AsyncClient(daemon.socket) as client:
+            done = await client.spawn(["true"], cwd=here)
+            await client.wait(done.id)
+            gone = await client.spawn(["sleep", "60"], cwd=here)
+            await client.stop(gone.id)
+            empty = await client.spawn(["sleep", "60"], cwd=bare)
+            await client.stop(empty.id)
+        (Path(gone.archive) / "snapshot.json").unlink()
+        (Path(empty.archive) / "snapshot.json").write_bytes(b"")
+        async with AsyncClient(daemon.socket) as client:
+            latest = await client.latest_resumable(here)
+            assert (latest.run, latest.resumable, latest.from_) == (done.run, False, [])
+            assert "ended well" in latest.reason
+            with pytest.raises(NotFound, match="no run with a snapshot"):
+                await client.latest_resumable(bare)
+        proc = await trio.to_thread.run_sync(lambda: daemon.ctl("resume", "--latest", cwd=bare))
+        assert proc.returncode == 1
+        assert f"no run with a snapshot to resume from was started in {bare}" in proc.stderr
+
+
+# -- issue 13, item 8: a resume says what changed on disk since its spawn
+
+AGENT = """[agents.echoer]
+command = ["sh", "-c", "echo model={model} $GREETING; sleep 60"]
+model = "%s"
+timeout = %d
+env = {GREETING = "%s"}
+"""
+
+
+async def test_a_resume_names_the_agent_fields_edited_since_its_spawn_and_runs_the_frozen_one(
+    daemon_dirs: DaemonProcess,
+) -> None:
+    daemon_dirs.config.write_text(AGENT % ("small", 600, "hi"))
+    daemon_dirs.start()
+    with trio.fail_after(30):
+        async with AsyncClient(daemon_dirs.socket) as client:
+            worker = await client.spawn([], agent="echoer")
+            await wait_output(client, worker.id, b"model=small hi\n")
+            await client.stop(worker.id)
+            same = await client.resume(worker.id)  # nothing changed: nothing said
+            assert (same.attempt, same.changed) == (2, "")
+            await client.stop(worker.id)
+            daemon_dirs.config.write_text(AGENT % ("large", 900, "hello"))
+            resumed = await client.resume(worker.id)
+            assert (
+                resumed.changed
+                == "agent 'echoer' in agents.toml now differs in model, env, timeout"
+            )
+            out = await wait_output(client, worker.id, b"model=small hi\n" * 3)
+            assert (b"large" in out, b"hello" in out) == (False, False)  # the frozen one ran
+            notes = [e.data.decode() for e in (await client.watch_page(worker.id)).entries
+                     if e.kind == "note"]  # fmt: skip
+            assert notes[-2:] == [
+                "attempt 2: resumed",
+                f"attempt 3: resumed; changed since its spawn: {resumed.changed}",
+            ]
+            await client.stop(worker.id)
+        daemon_dirs.config.write_text(
+            (AGENT % ("small", 600, "hi")).replace("sleep 60", "sleep 61")
+        )
+        proc = await trio.to_thread.run_sync(lambda: daemon_dirs.ctl("resume", worker.id))
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout == (
+            f"{worker.id} (run {worker.run})\n"
+            "  changed since its spawn: agent 'echoer' in agents.toml now differs in command\n"
+        )
+        daemon_dirs.config.write_text("[agents.other]\ncommand = ['true']\n")
+        async with AsyncClient(daemon_dirs.socket) as client:
+            await client.stop(worker.id)
+            gone = await client.resume(worker.id)
+            assert gone.changed == "agent 'echoer' is no longer in agents.toml"
+            await client.stop(worker.id)
+
+
+def _commit(repo: Path) -> str:
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--allow-empty",
+         "-m", "x")  # fmt: skip
+    head = subprocess.run(
+        ["git", "-C", str(repo), "rev-parse", "HEAD"], check=True, capture_output=True, text=True
+    )
+    return head.stdout.strip()
+
+
+async def test_a_resume_says_head_moved_since_its_spawn_and_the_journal_note_too(
+    daemon: DaemonProcess, tmp_path: Path
+) -> None:
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _git(repo, "init", "-q", "-b", "main")
+    first = _commit(repo)
+    with trio.fail_after(30):
+        async with AsyncClient(daemon.socket) as client:
+            worker = await client.spawn(["sleep", "60"], cwd=repo)
+            await client.stop(worker.id)
+            assert (await client.resume(worker.id)).changed == ""  # HEAD where it was
+            await client.stop(worker.id)
+            second = _commit(repo)
+            _git(repo, "pack-refs", "--all")  # the branch now only in packed-refs
+            resumed = await client.resume(worker.id)
+            assert resumed.changed == f"HEAD moved: {first} -> {second}"
+            page = await client.watch_page(worker.id)
+            assert page.entries[-2].data.decode() == (  # the last is its `running` state
+                f"attempt 3: resumed; changed since its spawn: HEAD moved: {first} -> {second}"
+            )
+            await client.stop(worker.id)
+        proc = await trio.to_thread.run_sync(lambda: daemon.ctl("--json", "resume", worker.id))
+        assert proc.returncode == 0, proc.stderr
+        document = msgspec.json.decode(proc.stdout)
+        assert (document["id"], document["attempt"]) == (worker.id, 4)
+        assert document["changed"] == f"HEAD moved: {first} -> {second}"
+        async with AsyncClient(daemon.socket) as client:
+            await client.stop(worker.id)

@@ -20,12 +20,13 @@ import math
 import os
 import signal
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+import msgspec
 import structlog
 import trio
 
@@ -146,8 +147,9 @@ class Reloader:
         try:
             await self._reload(attempt)
         except Exception as exc:
-            # Whatever was done has been undone on the way out (see _reload): serve on.
-            attempt.failure = _failure(exc)
+            # Whatever was done has been undone on the way out (see _reload): serve on. What
+            # cannot be undone is said: the workers it stopped, as it could not carry them.
+            attempt.failure = _failure(exc, attempt.stopped_by_reload)
             if isinstance(exc, Refused | OSError):
                 log.error("reload.failed", error=attempt.failure.message)
             else:
@@ -174,7 +176,9 @@ class Reloader:
             log.info("reload.checked")
             with _reloading_told(), _collection_paused():
                 async with (
-                    self.server.paused(attempt.requesters, _failure) as kept,
+                    self.server.paused(
+                        attempt.requesters, lambda exc: _failure(exc, attempt.stopped_by_reload)
+                    ) as kept,
                     daemon.supervisor.frozen(),
                 ):
                     log.info("reload.frozen")
@@ -341,15 +345,21 @@ def _reloading_told() -> Iterator[None]:
         raise
 
 
-def _failure(exc: BaseException) -> Error:
-    """What the requesters of a reload that failed with `exc` are told (with id 0)."""
+def _failure(exc: BaseException, stopped: Sequence[str] = ()) -> Error:
+    """What the requesters of a reload that failed with `exc` are told (with id 0), having
+    stopped the workers `stopped` (which it could not carry) before it failed."""
     if isinstance(exc, Refused):
-        return Error(id=0, code=ErrorCode.REFUSED, message=exc.message)
-    if isinstance(exc, OSError):
-        return Error(
-            id=0, code=ErrorCode.REFUSED, message=f"exec failed: {exc}; the old image serves on"
+        code, message = ErrorCode.REFUSED, exc.message
+    elif isinstance(exc, OSError):
+        code, message = ErrorCode.REFUSED, f"exec failed: {exc}; the old image serves on"
+    else:
+        code, message = ErrorCode.INTERNAL, f"reload failed: {exc!r}; serving on"
+    if stopped:
+        message += (
+            f"; before failing it stopped {', '.join(sorted(stopped))}, which it could not "
+            "carry (stopped_by_reload: resume each by its id)"
         )
-    return Error(id=0, code=ErrorCode.INTERNAL, message=f"reload failed: {exc!r}; serving on")
+    return Error(id=0, code=code, message=message, stopped_by_reload=sorted(stopped))
 
 
 def _carried(live: LiveWorker, carried: Carried) -> CarriedWorker:
@@ -375,7 +385,7 @@ def owed_by_connection(
 def _answer(failure: Error | None, request_id: int) -> Reply | None:
     if failure is None:
         return None
-    return Error(id=request_id, code=failure.code, message=failure.message)
+    return msgspec.structs.replace(failure, id=request_id)
 
 
 def image_refusal(check_output: str, schema_in_use: int) -> str | None:

@@ -1,23 +1,37 @@
-"""What a resume may take: resumable states, the frozen snapshot, the git branch.
+"""What a resume may take: resumable states, the frozen snapshot, the git branch; and
+what changed on disk since the spawn, which a resume says but does not follow.
 
 A resume runs what the snapshot froze at spawn, never today's agents.toml. It
 checks, and never changes, the git branch the worker started on: HEAD
 elsewhere, or the branch gone, refuses the resume with what to do instead.
+An agent's definition edited since, or HEAD moved on the same branch, does not
+refuse it: the resume's answer names them (`changes_since_spawn`).
 A worker can plant anything in its work tree's git files and its archive (a
-symlink loop, a name too long, a NUL byte, a file it may not read): that
-refuses the resume, saying why, and is never an internal error.
+symlink loop, a name too long, a NUL byte, a file it may not read, a FIFO):
+that refuses the resume, or is said in what changed, and never freezes the
+daemon nor is an internal error.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from pathlib import Path
 
 import msgspec
 
 from subagentd.protocol.errors import Refused
 
-from ..store._archive import RECORD_READ_LIMIT, SNAPSHOT_VERSION, Archive, Snapshot, decode_written
+from ..store._archive import (
+    RECORD_READ_LIMIT,
+    SNAPSHOT_VERSION,
+    Archive,
+    FrozenAgent,
+    Snapshot,
+    decode_written,
+)
 from ..store._files import NotRegularFile, read_regular
+from ..workers._agents import AgentDef
 
 #: Bigger than any HEAD, .git file or commondir; a bigger one is no git file.
 GIT_FILE_LIMIT = 4096
@@ -30,6 +44,11 @@ UNREADABLE = (OSError, ValueError)
 
 #: The states a resume carries on from; `finished` ended well and is left alone.
 RESUMABLE = frozenset({"stopped", "failed", "timed_out", "interrupted", "stopped_by_reload"})
+
+#: What a commit id looks like (SHA-1 or SHA-256): nothing else read from git files is said.
+COMMIT = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
+#: The fields of an agent's definition a resume compares with the frozen one.
+AGENT_FIELDS = ("command", "model", "env", "timeout", "grace")
 
 
 def read_snapshot(archive: Archive, worker_id: str) -> Snapshot:
@@ -101,13 +120,20 @@ def _git_branch(cwd: str) -> str | None:
     return head.removeprefix(prefix) if head.startswith(prefix) else None
 
 
-def git_branch(cwd: str) -> str | None:
-    """The branch HEAD is on in `cwd`'s work tree; None outside one, when detached, or
-    when its git files cannot be read."""
+def _common_dir(gitdir: Path) -> Path:
+    """Where a work tree's refs live. Raises what a planted path may (UNREADABLE)."""
+    if (gitdir / "commondir").is_file():  # a worktree's refs live in the main repository
+        # Not resolved: the kernel follows its symlinks and `..` as git does, and a symlink
+        # loop there is ELOOP (Path.resolve would raise RuntimeError).
+        return gitdir / _read_git_file(gitdir / "commondir").strip()
+    return gitdir
+
+
+def _packed_refs(common: Path) -> list[str]:
     try:
-        return _git_branch(cwd)
-    except UNREADABLE:
-        return None
+        return _read_git_file(common / "packed-refs", PACKED_REFS_LIMIT).splitlines()
+    except FileNotFoundError:
+        return []
 
 
 def _branch_exists(cwd: str, branch: str) -> bool:
@@ -115,18 +141,56 @@ def _branch_exists(cwd: str, branch: str) -> bool:
     gitdir = _git_dir(cwd)
     if gitdir is None:
         return False
-    common = gitdir
-    if (gitdir / "commondir").is_file():  # a worktree's refs live in the main repository
-        # Not resolved: the kernel follows its symlinks and `..` as git does, and a symlink
-        # loop there is ELOOP (Path.resolve would raise RuntimeError).
-        common = gitdir / _read_git_file(gitdir / "commondir").strip()
+    common = _common_dir(gitdir)
     if (common / "refs" / "heads" / branch).is_file():
         return True
+    return any(line.endswith(f" refs/heads/{branch}") for line in _packed_refs(common))
+
+
+def _git_head(cwd: str) -> str | None:
+    """The commit HEAD is at in `cwd`'s work tree: None outside one, or before the first
+    commit. Only a commit id is taken from what is read (HEAD may name anything).
+    Raises what a planted path may (UNREADABLE)."""
+    gitdir = _git_dir(cwd)
+    if gitdir is None:
+        return None
+    head = _read_git_file(gitdir / "HEAD").strip()
+    if not head.startswith("ref:"):
+        return head if COMMIT.fullmatch(head) else None  # detached
+    ref = head.removeprefix("ref:").strip()
+    if not ref.startswith("refs/") or ".." in ref.split("/"):
+        return None  # no ref git would follow; and nothing outside the git dir is read
+    common = _common_dir(gitdir)
     try:
-        packed = _read_git_file(common / "packed-refs", PACKED_REFS_LIMIT)
-    except FileNotFoundError:
-        return False
-    return any(line.endswith(f" refs/heads/{branch}") for line in packed.splitlines())
+        commit = _read_git_file(common / ref).strip()
+    except FileNotFoundError:  # packed, or a branch yet to get its first commit
+        packed = (line.split(" ", 1) for line in _packed_refs(common))
+        commit = next((line[0] for line in packed if line[1:] == [ref]), "")
+    return commit if COMMIT.fullmatch(commit) else None
+
+
+def git_state(cwd: str) -> tuple[str | None, str | None]:
+    """The branch HEAD is on and the commit it is at in `cwd`'s work tree, frozen in a
+    spawn's snapshot; None for what cannot be told (outside one, detached, unreadable)."""
+    try:
+        branch = _git_branch(cwd)
+    except UNREADABLE:
+        branch = None
+    try:
+        head = _git_head(cwd)
+    except UNREADABLE:
+        head = None
+    return branch, head
+
+
+def frozen_agent(agent: AgentDef) -> FrozenAgent:
+    return FrozenAgent(
+        command=list(agent.command),
+        model=agent.model,
+        timeout=agent.timeout,
+        grace=agent.grace,
+        env=dict(agent.env),
+    )
 
 
 def check_branch(snapshot: Snapshot, worker_id: str) -> None:
@@ -153,3 +217,59 @@ def check_branch(snapshot: Snapshot, worker_id: str) -> None:
             f"{snapshot.cwd} is on {now or 'a detached commit'!r}; check out "
             f"{snapshot.branch!r} to resume (a resume never switches branches)"
         )
+
+
+def changes_since_spawn(
+    snapshot: Snapshot, agents: Mapping[str, AgentDef] | None, config_error: str | None
+) -> str:
+    """What changed on disk since the worker's spawn, in one line ("" for nothing): its
+    agent's definition in agents.toml as it reads now (`agents`; None with `config_error`
+    when it does not load), and its work tree's HEAD. The resume runs the snapshot anyway."""
+    changes = []
+    if snapshot.agent is not None:
+        changes += _agent_changes(snapshot, snapshot.agent, agents, config_error)
+    if (moved := _head_change(snapshot)) is not None:
+        changes.append(moved)
+    return "; ".join(changes)
+
+
+def _agent_changes(
+    snapshot: Snapshot,
+    name: str,
+    agents: Mapping[str, AgentDef] | None,
+    config_error: str | None,
+) -> list[str]:
+    if agents is None:
+        return [f"agents.toml no longer loads ({config_error}): agent {name!r} not compared"]
+    now = agents.get(name)
+    if now is None:
+        return [f"agent {name!r} is no longer in agents.toml"]
+    frozen = snapshot.agent_def
+    if frozen is None:
+        # A snapshot from before the definition was frozen whole: only its rendered command
+        # and its model tell the definition from the spawn's own env, timeout and grace.
+        differ = [
+            field
+            for field, same in (("command", now.render() == snapshot.argv),
+                                ("model", now.model == (snapshot.model or "")))
+            if not same
+        ]  # fmt: skip
+    else:
+        differ = [f for f in AGENT_FIELDS if getattr(now, f) != getattr(frozen, f)]
+    if not differ:
+        return []
+    return [f"agent {name!r} in agents.toml now differs in {', '.join(differ)}"]
+
+
+def _head_change(snapshot: Snapshot) -> str | None:
+    """HEAD moved since the spawn (on the same branch: another one refuses the resume), or
+    can no longer be read; None when it is where it was, or was not known at the spawn."""
+    if snapshot.head is None:
+        return None
+    try:
+        now = _git_head(snapshot.cwd)
+    except UNREADABLE as exc:
+        return f"HEAD in {snapshot.cwd} cannot be read now ({_why(exc)}); it was {snapshot.head}"
+    if now == snapshot.head:
+        return None
+    return f"HEAD moved: {snapshot.head} -> {now or 'no commit'}"

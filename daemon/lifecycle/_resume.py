@@ -1,17 +1,21 @@
 """Resuming: carrying an ended worker or run on from its snapshot.
 
-The rules of what may be resumed live in `_resume`; this module does it, on
+The rules of what may be resumed live in `_resumable`; this module does it, on
 the daemon: a worker comes back into memory (from the store, if its handle was
 released) as its next attempt and starts down the same launch path as a new
-spawn. Which runs were started where is a query on the store, not a scan.
+spawn, and what changed on disk since its spawn is said in its answer and its
+journal's resume note. Which runs were started where is a query on the store,
+not a scan.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import structlog
 import trio
 
-from subagentd.protocol import WorkerView
+from subagentd.protocol import ResumableRun, WorkerView
 from subagentd.protocol.errors import Invalid, NotFound, Refused, Reloading
 
 from .._daemon import RELOAD_RETRY, Daemon
@@ -20,10 +24,20 @@ from ..store._archive import STDOUT_TAIL_BYTES, Archive, Snapshot
 from ..store._files import NotRegularFile
 from ..store._journal import Journal
 from ..store._store import Change
+from ..workers._agents import AgentDef, ConfigError, load_agents
+from ..workers._command import real_dir
 from ..workers._supervisor import LiveWorker
-from ._resumable import RESUMABLE, check_branch, read_snapshot
+from ._resumable import RESUMABLE, changes_since_spawn, check_branch, read_snapshot
 
 log = structlog.get_logger("subagentd")
+
+
+@dataclass(frozen=True)
+class Resumption:
+    """A worker resumed, and what changed on disk since its spawn ("" for nothing)."""
+
+    view: WorkerView
+    changed: str
 
 
 class Resumer:
@@ -32,7 +46,7 @@ class Resumer:
         #: Workers whose journal a resume is verifying (in a thread): one resume at a time.
         self._opening: set[str] = set()
 
-    async def resume(self, worker_id: str, worker_timeout: float | None) -> WorkerView:
+    async def resume(self, worker_id: str, worker_timeout: float | None) -> Resumption:
         """Carry a stopped, failed, timed-out or interrupted worker on from its snapshot:
         same id, next attempt, same journal; only the timeout may be given anew."""
         self._check_fence()
@@ -48,7 +62,7 @@ class Resumer:
         if self.daemon.reloading:
             raise Reloading("the daemon is reloading; resume again", retry_after=RELOAD_RETRY)
 
-    async def _resume_one(self, worker_id: str, worker_timeout: float | None) -> WorkerView:
+    async def _resume_one(self, worker_id: str, worker_timeout: float | None) -> Resumption:
         """`resume`, past the fence, its launch counted and shielded by the caller."""
         found = self.daemon.reader.lookup(worker_id)
         self._check_resumable(found.id, found.state)
@@ -60,7 +74,20 @@ class Resumer:
             raise Refused(f"worker {worker_id} cannot be resumed: its record is unreadable")
         if worker_timeout is not None and worker_timeout < 0:
             raise Invalid(f"timeout must be zero or more seconds, not {worker_timeout}")
-        return await self._reopen(record, snapshot, archive, worker_timeout)
+        changed = changes_since_spawn(snapshot, *self._agents_on_disk(snapshot))
+        view = await self._reopen(record, snapshot, archive, worker_timeout, changed)
+        return Resumption(view, changed)
+
+    def _agents_on_disk(self, snapshot: Snapshot) -> tuple[dict[str, AgentDef] | None, str | None]:
+        """agents.toml as it reads now (not as the daemon loaded it at its start or last
+        reload): what the frozen definition is compared with; (None, why) if it does not
+        load. Read only for an agent's worker."""
+        if snapshot.agent is None:
+            return {}, None
+        try:
+            return load_agents(self.daemon.config_path), None
+        except ConfigError as exc:
+            return None, str(exc)
 
     async def _reopen(
         self,
@@ -68,6 +95,7 @@ class Resumer:
         snapshot: Snapshot,
         archive: Archive,
         worker_timeout: float | None,
+        changed: str,
     ) -> WorkerView:
         # The journal first: if it cannot be opened, nothing has changed yet.
         journal = await self._open_journal(record.id, archive)
@@ -93,9 +121,11 @@ class Resumer:
                 "a resume",
             )
             self.daemon.reader.forget_journal(record.id)  # its read-only view would go stale
-            journal.append(
-                "note", f"attempt {record.attempt}: resumed".encode(), self.daemon.clock()
-            )
+            # The note is `attempt N: resumed` alone when nothing changed.
+            note = f"attempt {record.attempt}: resumed"
+            if changed:
+                note += f"; changed since its spawn: {changed}"
+            journal.append("note", note.encode(), self.daemon.clock())
             live.stdout_tail += journal.tail_bytes("stdout", STDOUT_TAIL_BYTES)
             stdin = str(archive.file(Archive.INPUT)) if snapshot.has_input else None
             base_env = self.daemon.inherited_env | snapshot.env
@@ -160,7 +190,7 @@ class Resumer:
             )
         return sorted(heads, key=lambda r: (r.started_at, r.id))
 
-    async def resume_run(self, run_id: str) -> list[WorkerView]:
+    async def resume_run(self, run_id: str) -> list[Resumption]:
         """A new live attempt of a run: its highest unfinished workers carry on.
 
         All of them or none as far as a reload goes: the fence is checked once, and the
@@ -171,25 +201,38 @@ class Resumer:
         heads = self._resumable_heads(run_id)
         self.daemon.registry.reopen_run(run_id, self.daemon.clock())
         with self.daemon.supervisor.launching(), trio.CancelScope(shield=True):
-            views = [await self._resume_one(record.id, None) for record in heads]
-        return views
+            resumed = [await self._resume_one(record.id, None) for record in heads]
+        return resumed
 
-    def latest_resumable(self, cwd: str) -> tuple[str, bool, str]:
-        """The newest run started in `cwd` that a resume would take: (run, True, "");
-        else the newest run of `cwd` and why not: (run, False, reason)."""
-        # run -> when its first worker was spawned: the index (cwd, spawned_at)
-        started = self.daemon.store.runs_started_in(cwd)
-        if not started:
-            raise NotFound(f"no run was started in {cwd}")
-        newest_first = sorted(started, key=lambda run: started[run], reverse=True)
-        for run in newest_first:
-            try:
-                self._resumable_heads(run)
-            except (Refused, NotFound):
-                continue
-            return run, True, ""
+    def latest_resumable(self, cwd: str) -> ResumableRun:
+        """The newest run started in `cwd` (by its real path, as a spawn keeps it) that a
+        resume would take, with the workers it would carry on; else the newest run of `cwd`
+        and why not. A run none of whose workers had a snapshot (spawns refused for want of
+        disk or descriptors, or a snapshot removed) is no run a resume could start from."""
         try:
-            self._resumable_heads(newest_first[0])
-        except (Refused, NotFound) as exc:
-            return newest_first[0], False, exc.message
-        raise AssertionError("unreachable: the newest run was just found not resumable")
+            here = real_dir(cwd)
+        except ValueError:
+            raise Invalid("cwd holds a NUL byte: no directory is named so") from None
+        except RecursionError:  # a chain of symlinks deeper than realpath recurses
+            raise Invalid(f"cwd {cwd!r} leads through too many symlinks") from None
+        # run -> when its first worker was spawned: the index (cwd, spawned_at)
+        started = self.daemon.store.runs_started_in(here)
+        newest_first = sorted(started, key=lambda run: started[run], reverse=True)
+        runs = [run for run in newest_first if self._has_snapshot(run)]
+        if not runs:
+            raise NotFound(f"no run with a snapshot to resume from was started in {here}")
+        why_not = ""
+        for run in runs:
+            try:
+                heads = self._resumable_heads(run)
+            except (Refused, NotFound) as exc:
+                why_not = why_not or exc.message  # the newest run's
+                continue
+            return ResumableRun(run=run, resumable=True, from_=[head.id for head in heads])
+        return ResumableRun(run=runs[0], resumable=False, reason=why_not)
+
+    def _has_snapshot(self, run_id: str) -> bool:
+        return any(
+            self.daemon.reader.archive_of(record.id).has_snapshot()
+            for record in self._run_records(run_id)
+        )

@@ -21,6 +21,7 @@ import struct
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
+import msgspec
 import structlog
 import trio
 
@@ -368,9 +369,7 @@ class Server:
                 [
                     dataclasses.replace(
                         held,
-                        owed=[
-                            Error(id=rid, code=error.code, message=error.message) for rid in rids
-                        ],
+                        owed=[msgspec.structs.replace(error, id=rid) for rid in rids],
                     )
                     for held, rids in owed_by_connection(requesters, kept)
                 ]
@@ -614,7 +613,8 @@ class Server:
                         f"a resume runs what worker {worker}'s snapshot froze at spawn: "
                         f"{', '.join(given)} cannot be given again (only --timeout can)"
                     )
-                return WorkerReply(id=rid, worker=await self.resumer.resume(worker, timeout))
+                resumed = await self.resumer.resume(worker, timeout)
+                return WorkerReply(id=rid, worker=resumed.view, changed=resumed.changed)
             case Cancel(scope=scope):
                 return Cancelled(id=rid, cancelled=daemon.cancel(scope))
             case Info():
@@ -646,10 +646,21 @@ class Server:
                 assert self.reloader is not None
                 return await self.reloader.reload(conn, rid)
             case ResumeRun(run=run):
-                return WorkerList(id=rid, workers=await self.resumer.resume_run(run))
+                every = await self.resumer.resume_run(run)
+                return WorkerList(
+                    id=rid,
+                    workers=[r.view for r in every],
+                    changed={r.view.id: r.changed for r in every if r.changed},
+                )
             case LatestResumable(cwd=cwd):
-                run, resumable, reason = self.resumer.latest_resumable(cwd)
-                return Latest(id=rid, run=run, resumable=resumable, reason=reason)
+                latest = self.resumer.latest_resumable(cwd)
+                return Latest(
+                    id=rid,
+                    run=latest.run,
+                    resumable=latest.resumable,
+                    reason=latest.reason,
+                    from_=latest.from_,
+                )
             case CancelFence(epoch=epoch):
                 return Cancelled(id=rid, cancelled=daemon.cancel_fence(epoch))
             case ClearFence():

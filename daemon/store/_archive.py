@@ -90,6 +90,17 @@ def open_new(path: Path, flags: int = 0) -> int:
     return fd
 
 
+class FrozenAgent(msgspec.Struct, kw_only=True):
+    """An agent's definition in agents.toml as it stood at the spawn (before the spawn's own
+    timeout, grace or env were laid over it): what a resume compares today's with."""
+
+    command: list[str]
+    model: str = ""
+    timeout: float = 0
+    grace: float | None = None
+    env: dict[str, str] = {}
+
+
 class Snapshot(msgspec.Struct, kw_only=True):
     """What a worker was asked to run, frozen at spawn."""
 
@@ -109,6 +120,12 @@ class Snapshot(msgspec.Struct, kw_only=True):
     created_at: float
     #: The git branch HEAD was on in cwd at spawn (None outside a work tree, or detached).
     branch: str | None = None
+    #: The commit HEAD was at in cwd at spawn (None outside a work tree, before the first
+    #: commit, where it could not be read, and in snapshots written before it was kept).
+    head: str | None = None
+    #: The agent's definition at spawn, for `agent` (None otherwise, and in snapshots
+    #: written before it was kept).
+    agent_def: FrozenAgent | None = None
 
 
 class Archive:
@@ -140,6 +157,19 @@ class Archive:
         """At most `limit` bytes of one of its files; NotRegularFile if it is no regular file."""
         with self.opened() as dir_fd:
             return read_regular(name, limit, dir_fd=dir_fd, tail=tail)
+
+    def has_snapshot(self) -> bool:
+        """Whether a snapshot was written here: anything under its name but nothing or an
+        empty file (a spare archive's, never written: its spawn was refused). Not read, nor
+        followed: what is wrong with one that is there, a resume says."""
+        try:
+            with self.opened() as dir_fd:
+                st = os.stat(self.SNAPSHOT, dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        except OSError:
+            return True  # the directory is not the daemon's any more: reading it says so
+        return not (stat.S_ISREG(st.st_mode) and st.st_size == 0)
 
     def write_snapshot(self, snapshot: Snapshot) -> None:
         # Written once, never replaced: into the empty file made ahead, or created exclusively.

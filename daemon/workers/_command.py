@@ -1,6 +1,7 @@
 """What a spawn request runs: its command (an agent's rendered from agents.toml), its
-working directory and environment, checked for what exec would refuse before anything
-is registered. Pure but for looking at the file system (the cwd, the program)."""
+working directory (by its real path) and environment, checked for what exec would refuse
+before anything is registered. Pure but for looking at the file system (the cwd, the
+program)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ class Launch:
     timeout: float | None
     grace: float | None
     model: str | None
+    agent: AgentDef | None = None  # its definition, as agents.toml had it
 
 
 def resolve(
@@ -42,6 +44,7 @@ def resolve(
     inherited: Mapping[str, str],
 ) -> Launch:
     """What a spawn request runs, with its agent's definition rendered in."""
+    agent: AgentDef | None = None
     if request.agent is None:
         argv, env = request.argv, dict(request.env)
         timeout, grace, model = request.timeout, request.grace, None
@@ -61,11 +64,19 @@ def resolve(
     cwd = request.cwd or os.getcwd()
     if not os.path.isdir(cwd):
         raise Invalid(f"working directory {cwd!r} does not exist")
+    cwd = real_dir(cwd)
     worker_env = dict(inherited) | env
     if problem := command_problem(argv, worker_env):
         raise Invalid(problem)
     _check_executable(argv[0], cwd, worker_env)
-    return Launch(argv, env, cwd, worker_env, timeout, grace, model)
+    return Launch(argv, env, cwd, worker_env, timeout, grace, model, agent)
+
+
+def real_dir(path: str) -> str:
+    """A directory by its one real name (symlinks resolved; `.`, `..` and trailing slashes
+    gone), as a spawn's cwd is kept and `latest_resumable` looks it up, so the two compare
+    however each was spelled. Raises ValueError for a NUL byte."""
+    return os.path.realpath(path)
 
 
 def inherited_env(environ: Mapping[str, str]) -> dict[str, str]:
