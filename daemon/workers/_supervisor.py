@@ -54,6 +54,12 @@ class LiveWorker:
     terminating: bool = False
     stdout_tail: bytearray = field(default_factory=bytearray)
     returncode: int | None = None  # once reaped
+    #: Its journal says a stop is in flight. A stop asked before this was made (an
+    #: image before a reload) was said there by the image that was asked.
+    stop_journaled: bool = False
+
+    def __post_init__(self) -> None:
+        self.stop_journaled = self.record.stop_reason is not None
 
     def reset_supervision(self) -> None:
         """Fresh per-supervision state for a (re)adopted worker; a stop asked before stands."""
@@ -342,7 +348,22 @@ class Supervisor:
 
     async def _stop_when_asked(self, live: LiveWorker) -> None:
         await live.stop_asked.wait()
+        self._journal_stopping(live)
         await self._terminate(live)
+
+    def _journal_stopping(self, live: LiveWorker) -> None:
+        """Say in its journal, once, that its stop is in flight: a watch shows it."""
+        if live.stop_journaled:
+            return
+        live.stop_journaled = True
+        said = f"stopping reason={live.record.stop_reason}".encode()
+        try:
+            live.journal.append("state", said, self._clock())
+        except OSError as exc:  # the stop goes ahead unsaid: it matters more
+            self._disk_trouble(f"journal of {live.record.id}", exc)
+            return
+        grown, live.grown = live.grown, trio.Event()
+        grown.set()
 
     async def _enforce_timeout(self, live: LiveWorker) -> None:
         """Stop the worker (and what it delegated) once its timeout has passed."""
