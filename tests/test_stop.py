@@ -271,3 +271,27 @@ async def test_a_stop_in_flight_shows_as_stopping_and_a_second_stop_or_cancel_sa
             ended = await client.wait(worker.id)
             assert (ended.state, ended.stopping) == ("stopped", False)
             assert not (await client.status(worker.id)).stopping
+
+
+async def test_a_stop_in_flight_is_still_shown_after_a_reload_and_journaled_once(
+    autojump_clock: MockClock, short_tmp: Path
+) -> None:
+    release = short_tmp / "release"
+    async with in_process(short_tmp) as d:
+        with held(autojump_clock):  # real processes; no grace may run out meanwhile
+            async with d.client() as client:
+                worker = await client.spawn([*sh(LINGERING), "sh", str(release)], grace=600)
+                await wait_output(client, worker.id, b"up\n")
+                assert await client.stop(worker.id, wait=False)
+                await wait_output(client, worker.id, b"TERM\n")
+            await d.reload_in_place()
+            async with d.client() as client:
+                assert (await client.status(worker.id)).stopping  # carried, still in flight
+                again = await client.request(Stop(id=0, worker=worker.id, wait=False))
+                assert isinstance(again, Stopped)
+                assert again.already_stopping == [worker.id]
+                release.touch()
+                assert (await client.wait(worker.id)).state == "stopped"
+                entries = (await client.watch_page(worker.id)).entries
+        states = [e.data.split()[0] for e in entries if e.kind == "state"]
+        assert states == [b"running", b"stopping", b"stopped"]
