@@ -21,6 +21,8 @@ from subagentd.protocol import (
     MAX_GRACE,
     MAX_TIMEOUT,
     TERMINAL_STATES,
+    Cancel,
+    CancelFence,
     DaemonInfo,
     Entry,
     ReloadReply,
@@ -28,6 +30,7 @@ from subagentd.protocol import (
     Resume,
     Resumed,
     Stop,
+    StopRun,
     Wake,
     WorkerResult,
     WorkerView,
@@ -62,6 +65,7 @@ WORKER_FIELDS = (
     "started_at",
     "ended_at",
     "archive",
+    "stopping",
 )
 WAKE_FIELDS = ("id", "run", "parent", "state", "exit_code", "preview")
 RELOAD_FIELDS = ("image_generation", "carried_live", "stopped_by_reload")
@@ -88,8 +92,8 @@ class Output(Protocol):
     def ended(self, view: WorkerView) -> None: ...
     def workers(self, views: list[WorkerView]) -> None: ...
     def run(self, run_id: str) -> None: ...
-    def stopped(self, ids: list[str]) -> None: ...
-    def cancelled(self, ids: list[str]) -> None: ...
+    def stopped(self, ids: list[str], already_stopping: list[str]) -> None: ...
+    def cancelled(self, ids: list[str], already_stopping: list[str]) -> None: ...
     def turn(self, turn: int) -> None: ...
     def fence(self, epoch: int | None) -> None: ...
     def entry(self, entry: Entry) -> None: ...
@@ -111,7 +115,7 @@ class Human:
                 ("run", view.run),
                 ("parent", view.parent),
                 ("name", view.name),
-                ("state", view.state),
+                ("state", _state(view)),
                 ("pid", view.pid),
                 ("exit_code", view.exit_code),
                 ("attempt", view.attempt),
@@ -157,7 +161,7 @@ class Human:
     def workers(self, views: list[WorkerView]) -> None:
         rows = [("ID", "RUN", "STATE", "PID", "EXIT", "NAME")]
         rows += [
-            (w.id, w.run, w.state, _or_dash(w.pid), _or_dash(w.exit_code), w.name) for w in views
+            (w.id, w.run, _state(w), _or_dash(w.pid), _or_dash(w.exit_code), w.name) for w in views
         ]
         # Every column but the last, the free-form name, is padded to its widest cell.
         widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]) - 1)]
@@ -168,14 +172,16 @@ class Human:
     def run(self, run_id: str) -> None:
         print(run_id)
 
-    def stopped(self, ids: list[str]) -> None:
-        if not ids:
+    def stopped(self, ids: list[str], already_stopping: list[str]) -> None:
+        _said_stopping(already_stopping)
+        if not ids and not already_stopping:
             print("nothing was left running to stop", file=sys.stderr)
         for worker_id in ids:
             print(worker_id)
 
-    def cancelled(self, ids: list[str]) -> None:
-        if not ids:
+    def cancelled(self, ids: list[str], already_stopping: list[str]) -> None:
+        _said_stopping(already_stopping)
+        if not ids and not already_stopping:
             print("nothing was left running to cancel", file=sys.stderr)
         for worker_id in ids:
             print(worker_id)
@@ -260,11 +266,11 @@ class Json:
     def run(self, run_id: str) -> None:
         _dump({"run": run_id})
 
-    def stopped(self, ids: list[str]) -> None:
-        _dump({"stopped": ids})
+    def stopped(self, ids: list[str], already_stopping: list[str]) -> None:
+        _dump({"stopped": ids, "already_stopping": already_stopping})
 
-    def cancelled(self, ids: list[str]) -> None:
-        _dump({"cancelled": ids})
+    def cancelled(self, ids: list[str], already_stopping: list[str]) -> None:
+        _dump({"cancelled": ids, "already_stopping": already_stopping})
 
     def turn(self, turn: int) -> None:
         _dump({"turn": turn})
@@ -317,6 +323,18 @@ def _one_line(text: str) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
+def _state(view: WorkerView) -> str:
+    """Its state as a person reads it: `stopping` while a stop is in flight."""
+    return "stopping" if view.stopping else view.state
+
+
+def _said_stopping(ids: list[str]) -> None:
+    """Workers a stop or cancel reached whose stop was already in flight: on stderr, so
+    stdout still lists only the ids this one stopped."""
+    for worker_id in ids:
+        print(f"{worker_id} already stopping", file=sys.stderr)
+
+
 def _print_fields(fields: Iterable[tuple[str, object]]) -> None:
     for key, value in fields:
         print(f"{key}: {_or_dash(value)}")
@@ -366,16 +384,20 @@ def status(daemon: Client, args: argparse.Namespace, out: Output) -> None:
 
 
 def stop(daemon: Client, args: argparse.Namespace, out: Output) -> None:
+    # Not Client.stop or stop_run: they answer only whether the worker was found, or the ids
+    # stopped, and we print what stopped and what was already stopping.
     wait = not args.no_wait
     if args.run is not None:
-        out.stopped(daemon.stop_run(args.run, wait=wait))
-        return
-    # Not Client.stop: it answers only whether the worker was found, and we print what stopped.
-    asked = Stop(id=0, worker=args.worker, wait=wait)
-    answer = _core.answer(asked, daemon.request(asked))
-    if not answer.found:
-        raise _core.unknown_worker(args.worker)
-    out.stopped(answer.stopped)
+        asked_run = StopRun(id=0, run=args.run, wait=wait)
+        answer = _core.answer(asked_run, daemon.request(asked_run))
+        if not answer.found:
+            raise _core.unknown_run(args.run)
+    else:
+        asked = Stop(id=0, worker=args.worker, wait=wait)
+        answer = _core.answer(asked, daemon.request(asked))
+        if not answer.found:
+            raise _core.unknown_worker(args.worker)
+    out.stopped(answer.stopped, answer.already_stopping)
 
 
 def watch(daemon: Client, args: argparse.Namespace, out: Output) -> None:
@@ -412,12 +434,18 @@ def turn(daemon: Client, args: argparse.Namespace, out: Output) -> None:
 
 
 def cancel(daemon: Client, args: argparse.Namespace, out: Output) -> None:
-    out.cancelled(daemon.cancel(args.scope))
+    _cancelled(daemon, Cancel(id=0, scope=args.scope), out)
+
+
+def _cancelled(daemon: Client, asked: Cancel | CancelFence, out: Output) -> None:
+    """Not Client.cancel: we print what was already stopping too."""
+    answer = _core.answer(asked, daemon.request(asked))
+    out.cancelled(answer.cancelled, answer.already_stopping)
 
 
 def fence(daemon: Client, args: argparse.Namespace, out: Output) -> None:
     if args.cancel is not None:
-        out.cancelled(daemon.cancel_fence(args.cancel))
+        _cancelled(daemon, CancelFence(id=0, epoch=args.cancel), out)
     elif args.clear:
         daemon.clear_fence()
         out.fence(None)

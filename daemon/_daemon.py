@@ -13,6 +13,7 @@ import contextlib
 import os
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
@@ -70,6 +71,17 @@ DESCRIPTORS_RETRY = 1.0
 #: `resume:N` as a resume of it has reopened its record;
 #: `reload:early` raises as the first reload begins.
 FAULT_ENV = "SUBAGENTD_FAULT"
+
+
+@dataclass(frozen=True)
+class Stopping:
+    """What a stop or cancel did: ``stopped``, the ids newly asked to stop; ``already``,
+    those it reached whose stop was already in flight (left as they are); ``found``,
+    false for an id or run the daemon never saw."""
+
+    stopped: list[str] = field(default_factory=list)
+    already: list[str] = field(default_factory=list)
+    found: bool = True
 
 
 class InjectedFault(Exception):
@@ -451,9 +463,8 @@ class Daemon:
 
     # -- stopping ------------------------------------------------------------
 
-    def stop(self, worker_id: str) -> tuple[bool, list[str]]:
-        """Stop a worker and its subtree; (found, ids newly stopped). `wait_stopped` waits
-        for them to end.
+    def stop(self, worker_id: str) -> Stopping:
+        """Stop a worker and its subtree. `wait_stopped` waits for them to end.
 
         An id whose handle was released (collected, expired) is found, ended,
         and so stops nothing; only an id never seen is not found.
@@ -462,12 +473,13 @@ class Daemon:
             try:
                 self.reader.lookup(worker_id)
             except NotFound:
-                return False, []
-            return True, []
+                return Stopping(found=False)
+            return Stopping()
+        already = self.registry.stopping_among(self.registry.subtree(worker_id))
         stopped = self.registry.stop(worker_id)
         self.supervisor.ask_stop(stopped)
-        log.info("worker.stop_asked", worker=worker_id, stopped=stopped)
-        return True, stopped
+        log.info("worker.stop_asked", worker=worker_id, stopped=stopped, already=already)
+        return Stopping(stopped=stopped, already=already)
 
     async def wait_stopped(self, worker_id: str) -> None:
         """Return once a worker and its subtree have ended (a stop's wait)."""
@@ -511,11 +523,13 @@ class Daemon:
         self.registry.clear_fence()
         self._save_launch()
 
-    def stop_run(self, run_id: str) -> tuple[bool, list[str]]:
-        """Stop a run and the runs nested in it: workers in flight, and every later spawn;
-        (found, ids newly stopped). `wait_run_ended` waits for them to end."""
+    def stop_run(self, run_id: str) -> Stopping:
+        """Stop a run and the runs nested in it: workers in flight, and every later spawn.
+        `wait_run_ended` waits for them to end."""
         if not self.registry.has_run(run_id):
-            return False, []
+            return Stopping(found=False)
+        members = self.registry.listing(include_ended=False, run=run_id)
+        already = self.registry.stopping_among(r.id for r in members)
         stopped = self.registry.stop_run(run_id)
         try:
             self.save_runs(list(self.registry.runs_within(run_id)))
@@ -525,8 +539,8 @@ class Daemon:
         for run in self.registry.runs_within(run_id):
             if (event := self._run_stopped.pop(run, None)) is not None:
                 event.set()
-        log.info("run.stop_asked", run=run_id, stopped=stopped)
-        return True, stopped
+        log.info("run.stop_asked", run=run_id, stopped=stopped, already=already)
+        return Stopping(stopped=stopped, already=already)
 
     async def wait_run_ended(self, run_id: str) -> None:
         """Return once every live worker of a run (and of the runs nested in it) has ended
@@ -541,22 +555,24 @@ class Daemon:
         if not self.registry.run_stopped(run_id):
             await self._run_stopped.setdefault(run_id, trio.Event()).wait()
 
-    def cancel(self, scope: str) -> list[str]:
+    def cancel(self, scope: str) -> Stopping:
         kind, _, target = scope.partition(":")
         if kind == "worker" and not self.registry.holds(target):
             self.reader.lookup(target)  # not_found for an id never seen
-            return []  # ended and released: nothing to cancel
+            return Stopping()  # ended and released: nothing to cancel
+        already = self.registry.stopping_among(self.registry.in_scope(scope))
         cancelled = self.registry.cancel(scope)
         self.supervisor.ask_stop(cancelled)
-        log.info("scope.cancelled", scope=scope, cancelled=cancelled)
-        return cancelled
+        log.info("scope.cancelled", scope=scope, cancelled=cancelled, already=already)
+        return Stopping(stopped=cancelled, already=already)
 
-    def cancel_fence(self, epoch: int) -> list[str]:
+    def cancel_fence(self, epoch: int) -> Stopping:
+        already = self.registry.stopping_among(self.registry.under_fence(epoch))
         cancelled = self.registry.cancel_fence(epoch)
         self._save_launch()
         self.supervisor.ask_stop(cancelled)
-        log.info("fence.cancelled", epoch=epoch, cancelled=cancelled)
-        return cancelled
+        log.info("fence.cancelled", epoch=epoch, cancelled=cancelled, already=already)
+        return Stopping(stopped=cancelled, already=already)
 
     async def shutdown(self) -> None:
         """Stop every worker and wait until all are gone; start none meanwhile."""

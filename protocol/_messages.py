@@ -108,6 +108,9 @@ class WorkerView(msgspec.Struct, kw_only=True):
     #: True in a listing whose `argv` is a summary (the first arguments, each cut
     #: short); `status` carries the whole.
     argv_cut: bool = False
+    #: A stop is in flight: asked (TERM sent, or about to be), its tree not yet ended.
+    #: A field, not a state: an older peer's decoder knows only the states above.
+    stopping: bool = False
 
 
 class Resumed(WorkerView, kw_only=True):
@@ -222,6 +225,8 @@ class Stopped(Reply, tag="stopped"):
 
     found: bool
     stopped: list[str]
+    #: The workers in reach whose stop was already in flight: left as they are.
+    already_stopping: list[str] = []
 
 
 class Page(Reply, tag="page"):
@@ -245,9 +250,11 @@ class TurnReply(Reply, tag="turn"):
 
 
 class Cancelled(Reply, tag="cancelled"):
-    """The ids newly cancelled, sorted."""
+    """The ids newly cancelled, sorted; ``already_stopping``: those in scope whose stop
+    was already in flight, left as they are."""
 
     cancelled: list[str]
+    already_stopping: list[str] = []
 
 
 class FenceReply(Reply, tag="fence"):

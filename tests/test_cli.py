@@ -37,6 +37,7 @@ WORKER_FIELDS = {
     "started_at",
     "ended_at",
     "archive",
+    "stopping",  # added: a stop in flight (fields may be added, never renamed)
 }
 COLLECT_FIELDS = {"id", "state", "exit_code", "result"}
 ENTRY_FIELDS = {"seq", "kind", "data", "at"}
@@ -231,7 +232,7 @@ def test_the_readme_tour_in_json_prints_the_documented_shapes(daemon: DaemonProc
     }
     assert set(result) == COLLECT_FIELDS
 
-    assert js(daemon, "stop", sleeper["id"]) == {"stopped": [sleeper["id"]]}
+    assert js(daemon, "stop", sleeper["id"]) == {"stopped": [sleeper["id"]], "already_stopping": []}
     stopped = status(daemon, sleeper["id"])
     assert set(stopped) == WORKER_FIELDS
     assert (stopped["state"], stopped["exit_code"]) == ("stopped", -15)
@@ -243,9 +244,9 @@ def test_the_readme_tour_in_json_prints_the_documented_shapes(daemon: DaemonProc
     assert set(info) == INFO_FIELDS
     assert info["workers"] == {"stopped": 1}
     assert (info["pid"], info["image_generation"]) == (daemon.proc.pid, 1)  # type: ignore[union-attr]
-    assert info["holds_park"] is True  # the sleeper's result is not collected yet
+    # The sleeper's handle waits to be collected, but a stopped worker owes no result.
+    assert info["holds_park"] is False
     assert js(daemon, "collect", sleeper["id"])["state"] == "stopped"
-    assert js(daemon, "info")["holds_park"] is False
     run = js(daemon, "new-run")
     assert set(run) == {"run"}
     assert run["run"].startswith("r-")
@@ -364,7 +365,10 @@ def test_spawn_grace_is_the_time_between_term_and_kill(daemon: DaemonProcess) ->
     stubborn = spawn(daemon, "--grace", "0.5", "--", "sh", "-c", STUBBORN)
     wait_printed(daemon, stubborn["id"], "ready")
     started = time.monotonic()
-    assert js(daemon, "stop", stubborn["id"]) == {"stopped": [stubborn["id"]]}
+    assert js(daemon, "stop", stubborn["id"]) == {
+        "stopped": [stubborn["id"]],
+        "already_stopping": [],
+    }
     took = time.monotonic() - started
     assert 0.5 <= took < 4.0  # the default grace is 5 s
     view = status(daemon, stubborn["id"])
@@ -386,7 +390,8 @@ def test_a_stopped_run_and_its_nested_runs_refuse_later_spawns(daemon: DaemonPro
     assert elsewhere["run"] not in (outer, inner)
 
     assert js(daemon, "stop", "--run", outer) == {
-        "stopped": sorted([in_outer["id"], in_inner["id"]])
+        "stopped": sorted([in_outer["id"], in_inner["id"]]),
+        "already_stopping": [],
     }
     assert status(daemon, in_inner["id"])["state"] == "stopped"
     assert status(daemon, elsewhere["id"])["state"] == "running"
@@ -417,11 +422,16 @@ def test_cancel_turn_stops_only_the_workers_of_that_turn(daemon: DaemonProcess) 
     cancelled = ok(daemon.ctl("cancel", f"turn:{turn}")).stdout.split()
     assert cancelled == sorted([during["id"], also["id"]])
     assert js(daemon, "wait", during["id"])["state"] == "stopped"
+    assert js(daemon, "wait", also["id"])["state"] == "stopped"
     assert status(daemon, before["id"])["state"] == "running"
-    assert js(daemon, "cancel", f"turn:{turn}") == {"cancelled": []}  # already stopping or ended
+    # Already ended: nothing is stopping either.
+    assert js(daemon, "cancel", f"turn:{turn}") == {"cancelled": [], "already_stopping": []}
     nothing = ok(daemon.ctl("cancel", f"turn:{turn}"))
     assert (nothing.stdout, nothing.stderr) == ("", "nothing was left running to cancel\n")
-    assert js(daemon, "cancel", f"worker:{before['id']}") == {"cancelled": [before["id"]]}
+    assert js(daemon, "cancel", f"worker:{before['id']}") == {
+        "cancelled": [before["id"]],
+        "already_stopping": [],
+    }
 
 
 def test_cancel_with_a_malformed_scope_names_the_accepted_forms(daemon: DaemonProcess) -> None:
@@ -465,14 +475,17 @@ def test_a_stale_fence_epoch_cancels_nothing(daemon: DaemonProcess) -> None:
     under_stale = spawn(daemon, "--", "sleep", "60")
     current = js(daemon, "fence")["epoch"]
     assert current > stale
-    assert js(daemon, "fence", "--cancel", str(stale)) == {"cancelled": []}
+    assert js(daemon, "fence", "--cancel", str(stale)) == {"cancelled": [], "already_stopping": []}
     nothing = ok(daemon.ctl("fence", "--cancel", str(stale)))
     assert (nothing.stdout, nothing.stderr) == ("", "nothing was left running to cancel\n")
     assert status(daemon, under_stale["id"])["state"] == "running"
     under_current = spawn(daemon, "--", "sleep", "60")
     assert under_current["state"] == "running"
     # The current epoch takes what registered under it, and nothing of the stale fence's.
-    assert js(daemon, "fence", "--cancel", str(current)) == {"cancelled": [under_current["id"]]}
+    assert js(daemon, "fence", "--cancel", str(current)) == {
+        "cancelled": [under_current["id"]],
+        "already_stopping": [],
+    }
     assert status(daemon, under_stale["id"])["state"] == "running"
 
 
@@ -495,7 +508,10 @@ def test_a_worker_delegates_with_subagentctl_and_stop_takes_both(
     )
     assert status(daemon, child["id"])["parent"] == worker["id"]
 
-    assert js(daemon, "stop", worker["id"]) == {"stopped": sorted([worker["id"], child["id"]])}
+    assert js(daemon, "stop", worker["id"]) == {
+        "stopped": sorted([worker["id"], child["id"]]),
+        "already_stopping": [],
+    }
     for view in (status(daemon, worker["id"]), status(daemon, child["id"])):
         assert view["state"] == "stopped"
         assert not alive(view["pid"])

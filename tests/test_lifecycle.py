@@ -16,7 +16,10 @@ The promises checked:
   parent worker, or its run), across reloads and crashes;
 - no result lost before collect: a collect answers the result the worker wrote;
 - every id answers after its release (collected, or past the TTL): status and
-  collect say what they said before, and the listing no longer holds it.
+  collect say what they said before, and the listing no longer holds it;
+- `holds_park` says whether stopping the daemon would cost something: a worker
+  running, or a result owed by one that ended on its own (a stopped or interrupted
+  worker owes none), neither collected nor past its TTL.
 """
 
 from __future__ import annotations
@@ -195,6 +198,13 @@ class Model:
         if not worker.ended or not (worker.collected or worker.expired):
             return True
         return any(self.held(c) for c in self.workers.values() if c.parent == worker.id)
+
+    def holds_park(self) -> bool:
+        """Whether stopping the daemon would cost a worker: one running, or a result owed."""
+        return any(
+            not w.ended or (w.state in ("finished", "failed") and not w.collected and not w.expired)
+            for w in self.workers.values()
+        )
 
     def end(self, worker: Worker, state: str) -> None:
         assert not worker.ended
@@ -385,6 +395,8 @@ class Player:
                     assert (got.state, got.result) == (worker.state, worker.result), (worker, got)
                     worker.collected = True
             listed = {w.id for w in await client.ls(all=True)}
+            info = await client.info()
+        assert info.holds_park == model.holds_park(), info.workers
         for worker in model.workers.values():
             assert (worker.id in listed) == model.held(worker), (worker, listed)
 

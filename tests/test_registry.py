@@ -70,6 +70,45 @@ def test_timeout_marks_only_the_worker_timed_out() -> None:
     assert reg.ended(child.id, -15, 1.0).state == "stopped"
 
 
+def test_only_a_live_worker_or_a_result_owed_holds_the_park() -> None:
+    reg = _registry()
+    for reason in ("user", "cancel", "timeout", "reload"):
+        asked = _spawn(reg)
+        assert reg.holds_park()  # live
+        reg.stop(asked.id, reason=reason)
+        assert reg.stopping(asked.id)
+        assert asked.view().stopping
+        assert reg.holds_park()  # its tree still runs
+        reg.ended(asked.id, -15, 1.0)
+        assert not asked.view().stopping
+        assert not reg.holds_park(), reason  # uncollected, but it owes no result
+    failed = _spawn(reg)
+    reg.ended(failed.id, 3, 1.0)  # on its own
+    assert reg.holds_park()
+    for due in reg.expired(1.0 + 60, ttl=60):  # as retention marks each
+        reg.worker(due).expired = True
+    assert failed.expired
+    assert not reg.holds_park()  # past its TTL
+    finished = _spawn(reg)
+    reg.ended(finished.id, 0, 2.0)
+    assert reg.holds_park()
+    reg.collect(finished.id)
+    assert not reg.holds_park()
+
+
+def test_a_stop_or_cancel_names_what_is_already_stopping() -> None:
+    reg = _registry()
+    a = _spawn(reg)
+    a1 = _spawn(reg, parent=a.id)
+    b = _spawn(reg, run=a.run)
+    reg.stop(a1.id)
+    assert reg.stopping_among(reg.subtree(a.id)) == [a1.id]
+    assert reg.stopping_among(reg.in_scope(f"run:{a.run}")) == [a1.id]
+    assert reg.cancel(f"run:{a.run}") == sorted([a.id, b.id])  # a1 left as it is
+    reg.ended(a1.id, -15, 1.0)
+    assert reg.stopping_among(reg.in_scope("all")) == sorted([a.id, b.id])
+
+
 def test_stopped_run_and_runs_nested_in_it_refuse_spawns() -> None:
     reg = _registry()
     outer = reg.new_run(0.0)

@@ -77,6 +77,33 @@ async def test_an_expired_handle_a_live_parent_needs_becomes_a_tombstone(
         assert (result.state, result.result) == ("finished", "for my parent\n")
 
 
+async def test_a_collected_tombstone_answers_the_same_again_across_a_reload_and_a_crash(
+    autojump_clock: MockClock, short_tmp: Path
+) -> None:
+    async with in_process(short_tmp, finished_ttl=TTL) as d:
+        async with d.client() as client:
+            with held(autojump_clock):
+                parent = await client.spawn(["sleep", "100000"])
+                child = await client.spawn(sh("echo for my parent; exit 3"), parent=parent.id)
+                await client.wait(child.id)
+        await trio.sleep_until(d.ended(child.id) + TTL + 1)
+        shutil.rmtree(child.archive)  # only the tombstone is left to answer
+        async with d.client() as client:
+            first = await client.collect(child.id)
+            assert (first.state, first.exit_code, first.result) == ("failed", 3, "for my parent\n")
+            assert await client.collect(child.id) == first  # a repeat answers the same
+        with held(autojump_clock):
+            await d.reload_in_place()
+        async with d.client() as client:
+            assert await client.collect(child.id) == first
+        with held(autojump_clock):
+            await d.crash_and_restart()
+        async with d.client() as client:
+            assert await client.collect(child.id) == first
+            assert (await client.status(child.id)).state == "failed"
+            assert (await client.status(parent.id)).state == "interrupted"
+
+
 async def test_an_archive_is_pruned_once_older_than_the_days_kept(
     autojump_clock: MockClock, short_tmp: Path
 ) -> None:
@@ -98,28 +125,103 @@ async def test_an_archive_is_pruned_once_older_than_the_days_kept(
             await client.status(worker.id)
 
 
-async def test_idle_exit_waits_for_every_worker_and_result(
+async def test_idle_exit_waits_for_running_workers_and_owed_results_not_stopped_ones(
     autojump_clock: MockClock, short_tmp: Path
 ) -> None:
     idle = 300.0
-    async with in_process(short_tmp) as d:
+    async with in_process(short_tmp, finished_ttl=TTL) as d:
         async with d.client() as client:
             with held(autojump_clock):
-                worker = await client.spawn(["sleep", "100000"])
+                owed = await client.spawn(sh("echo owed"))  # ends on its own: owes a result
+                runner = await client.spawn(["sleep", "100000"])
+                await client.wait(owed.id)
         done = trio.CancelScope()  # what idle exit cancels: the daemon's serving
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_until_idle, d.daemon, d.server, idle, done)
             await trio.sleep(3 * idle)
             assert not done.cancel_called  # a worker runs
             async with d.client() as client:
-                await client.stop(worker.id)
+                with held(autojump_clock):
+                    await client.stop(runner.id)
             await trio.sleep(3 * idle)
-            assert not done.cancel_called  # its result waits to be collected
+            assert not done.cancel_called  # the result owed waits to be collected
             async with d.client() as client:
-                await client.collect(worker.id)
+                assert (await client.info()).holds_park
+                await client.collect(owed.id)
+                # The stopped runner's handle waits uncollected: it owes no result.
+                assert [w.id for w in await client.ls(all=True)] == [runner.id]
+                assert not (await client.info()).holds_park
             quiet = trio.current_time()
         assert done.cancel_called
         assert idle <= trio.current_time() - quiet < idle + 1
+
+
+async def test_idle_exit_comes_with_only_stopped_and_cancelled_workers_uncollected(
+    autojump_clock: MockClock, short_tmp: Path
+) -> None:
+    idle = 300.0
+    async with in_process(short_tmp) as d:
+        async with d.client() as client:
+            with held(autojump_clock):
+                stopped = await client.spawn(["sleep", "100000"])
+                cancelled = await client.spawn(["sleep", "100000"])
+        done = trio.CancelScope()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_until_idle, d.daemon, d.server, idle, done)
+            await trio.sleep(3 * idle)
+            assert not done.cancel_called  # two workers run
+            async with d.client() as client:
+                with held(autojump_clock):
+                    await client.stop(stopped.id)
+                    assert await client.cancel(f"worker:{cancelled.id}") == [cancelled.id]
+                    await client.wait(cancelled.id)
+                held_handles = {w.id: w.state for w in await client.ls(all=True)}
+                assert held_handles == {stopped.id: "stopped", cancelled.id: "stopped"}
+                assert not (await client.info()).holds_park
+            quiet = trio.current_time()
+        assert done.cancel_called
+        assert idle <= trio.current_time() - quiet < idle + 1
+
+
+async def test_idle_exit_comes_once_the_owed_result_passes_its_ttl(
+    autojump_clock: MockClock, short_tmp: Path
+) -> None:
+    idle = 300.0
+    async with in_process(short_tmp, finished_ttl=TTL) as d:
+        async with d.client() as client:
+            with held(autojump_clock):
+                owed = await client.spawn(sh("echo owed"))
+                runner = await client.spawn(["sleep", "100000"])
+                await client.wait(owed.id)
+        expiry = d.ended(owed.id) + TTL
+        done = trio.CancelScope()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_until_idle, d.daemon, d.server, idle, done)
+            await trio.sleep_until(expiry - idle)
+            async with d.client() as client:
+                with held(autojump_clock):
+                    await client.stop(runner.id)  # uncollected, its TTL long after: owes nothing
+            await trio.sleep_until(expiry - 1)
+            assert not done.cancel_called  # the result is owed until its TTL
+        assert done.cancel_called
+        assert expiry + idle <= trio.current_time() < expiry + idle + 1
+        async with d.client() as client:
+            assert [w.id for w in await client.ls(all=True)] == [runner.id]
+
+
+async def test_idle_exit_ends_a_daemon_holding_only_a_stopped_worker(
+    daemon_dirs: DaemonProcess,
+) -> None:
+    daemon_dirs.start("--idle-exit", "0.3")
+    assert daemon_dirs.proc is not None
+    with trio.fail_after(30):
+        async with AsyncClient(daemon_dirs.socket) as client:
+            worker = await client.spawn(["sleep", "60"])
+            await client.stop(worker.id)
+            assert [w.state for w in await client.ls(all=True)] == ["stopped"]
+            assert not (await client.info()).holds_park
+        code = await trio.to_thread.run_sync(daemon_dirs.proc.wait, 10)
+        assert code == 0
 
 
 async def test_idle_exit_stops_the_daemon_and_removes_its_socket(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -11,6 +12,7 @@ import trio
 from trio.testing import MockClock
 
 from subagentd.client import AsyncClient, Client
+from subagentd.protocol import Cancel, Cancelled, Stop, Stopped
 from subagentd.protocol.errors import RunStopped
 
 from .conftest import DaemonProcess
@@ -204,3 +206,92 @@ async def test_timeout_takes_the_subtree(autojump_clock: MockClock, short_tmp: P
         async with at(autojump_clock, started + timeout):
             assert (await client.wait(parent.id)).state == "timed_out"
             assert (await client.wait(child.id)).state == "stopped"
+
+
+# Says when TERM comes, and carries on until its release file appears: a stop of it stays
+# in flight for as long as a test likes (its grace is long).
+LINGERING = 'trap "echo TERM" TERM; echo up; while [ ! -e "$1" ]; do sleep 0.05; done'
+
+
+async def test_a_stop_in_flight_shows_as_stopping_and_a_second_stop_or_cancel_says_so(
+    daemon: DaemonProcess, tmp_path: Path
+) -> None:
+    release = tmp_path / "release"
+    with trio.fail_after(30):
+        async with AsyncClient(daemon.socket) as client:
+            worker = await client.spawn([*sh(LINGERING), "sh", str(release)], grace=600)
+            bystander = await client.spawn(["sleep", "60"], run=worker.run)
+            await wait_output(client, worker.id, b"up\n")
+            assert not (await client.status(worker.id)).stopping
+            first = await client.request(Stop(id=0, worker=worker.id, wait=False))
+            assert first == Stopped(id=first.id, found=True, stopped=[worker.id])
+            await wait_output(client, worker.id, b"TERM\n")  # sent; its tree runs on
+
+            view = await client.status(worker.id)
+            assert (view.state, view.stopping) == ("running", True)
+            listed = {w.id: w for w in await client.ls()}
+            assert listed[worker.id].stopping
+            assert not listed[bystander.id].stopping
+            states = [
+                e.data for e in (await client.watch_page(worker.id)).entries if e.kind == "state"
+            ]
+            assert states[-1] == b"stopping reason=user"
+
+            again = await client.request(Stop(id=0, worker=worker.id, wait=False))
+            assert isinstance(again, Stopped)
+            assert (again.stopped, again.already_stopping) == ([], [worker.id])
+            cancelled = await client.request(Cancel(id=0, scope=f"run:{worker.run}"))
+            assert isinstance(cancelled, Cancelled)
+            assert (cancelled.cancelled, cancelled.already_stopping) == (
+                [bystander.id],
+                [worker.id],
+            )
+            await client.wait(bystander.id)
+
+            # subagentctl says the same, to a person and to a program.
+            table = (await trio.to_thread.run_sync(daemon.ctl, "ls")).stdout.splitlines()
+            row = next(line.split() for line in table if line.startswith(worker.id))
+            assert row[2] == "stopping"
+            stop = await trio.to_thread.run_sync(daemon.ctl, "stop", "--no-wait", worker.id)
+            assert (stop.returncode, stop.stdout) == (0, "")
+            assert stop.stderr == f"{worker.id} already stopping\n"
+            cancel = await trio.to_thread.run_sync(daemon.ctl, "cancel", f"worker:{worker.id}")
+            assert (cancel.returncode, cancel.stdout) == (0, "")
+            assert cancel.stderr == f"{worker.id} already stopping\n"
+            stop_json = await trio.to_thread.run_sync(
+                daemon.ctl, "--json", "stop", "--no-wait", worker.id
+            )
+            assert json.loads(stop_json.stdout) == {"stopped": [], "already_stopping": [worker.id]}
+            shown = await trio.to_thread.run_sync(daemon.ctl, "--json", "status", worker.id)
+            assert json.loads(shown.stdout)["stopping"] is True
+            watched = await trio.to_thread.run_sync(daemon.ctl, "watch", worker.id)
+            assert "[state] stopping reason=user\n" in watched.stderr
+
+            release.touch()
+            ended = await client.wait(worker.id)
+            assert (ended.state, ended.stopping) == ("stopped", False)
+            assert not (await client.status(worker.id)).stopping
+
+
+async def test_a_stop_in_flight_is_still_shown_after_a_reload_and_journaled_once(
+    autojump_clock: MockClock, short_tmp: Path
+) -> None:
+    release = short_tmp / "release"
+    async with in_process(short_tmp) as d:
+        with held(autojump_clock):  # real processes; no grace may run out meanwhile
+            async with d.client() as client:
+                worker = await client.spawn([*sh(LINGERING), "sh", str(release)], grace=600)
+                await wait_output(client, worker.id, b"up\n")
+                assert await client.stop(worker.id, wait=False)
+                await wait_output(client, worker.id, b"TERM\n")
+            await d.reload_in_place()
+            async with d.client() as client:
+                assert (await client.status(worker.id)).stopping  # carried, still in flight
+                again = await client.request(Stop(id=0, worker=worker.id, wait=False))
+                assert isinstance(again, Stopped)
+                assert again.already_stopping == [worker.id]
+                release.touch()
+                assert (await client.wait(worker.id)).state == "stopped"
+                entries = (await client.watch_page(worker.id)).entries
+        states = [e.data.split()[0] for e in entries if e.kind == "state"]
+        assert states == [b"running", b"stopping", b"stopped"]

@@ -13,7 +13,7 @@ import bisect
 import heapq
 import math
 import secrets
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import msgspec
 
@@ -94,6 +94,12 @@ class WorkerRecord(msgspec.Struct, kw_only=True):
     def ended(self) -> bool:
         return self.state in TERMINAL_STATES
 
+    @property
+    def ended_on_its_own(self) -> bool:
+        """Finished or failed with nobody asking it to stop: it owes its parent a result.
+        Stopped, cancelled, timed out, stopped by a reload or interrupted, it owes none."""
+        return self.state in ("finished", "failed") and self.stop_reason is None
+
     def view(self) -> WorkerView:
         return WorkerView(
             id=self.id,
@@ -111,6 +117,7 @@ class WorkerRecord(msgspec.Struct, kw_only=True):
             argv=self.argv,
             cwd=self.cwd,
             agent=self.agent,
+            stopping=self.stop_reason is not None and not self.ended,
         )
 
     def summary(self) -> WorkerView:
@@ -169,9 +176,13 @@ _encoder = msgspec.msgpack.Encoder()
 
 class Tombstone(WorkerView, kw_only=True):
     """What is kept of an expired, uncollected worker that a live parent may still
-    collect: its last view, and the end of its stdout."""
+    collect: its last view, and the end of its stdout. Once collected it keeps what
+    the collect answered, so every repeat answers the same for as long as it lasts
+    (until its parent's handle goes, or the worker is resumed)."""
 
     output: bytes = b""
+    #: The result the first collect answered (None: not collected yet).
+    answered: str | None = None
 
     @classmethod
     def of(cls, record: WorkerRecord, stdout: bytes) -> Tombstone:
@@ -179,7 +190,7 @@ class Tombstone(WorkerView, kw_only=True):
 
     def view(self) -> WorkerView:
         fields = msgspec.structs.asdict(self)
-        del fields["output"]
+        del fields["output"], fields["answered"]
         return WorkerView(**fields)
 
 
@@ -438,7 +449,11 @@ class Registry:
         return self.turn
 
     def cancel(self, scope: str) -> list[str]:
-        """Stop every worker in `scope` not yet ended or stopping; the ids, sorted.
+        """Stop every worker in `scope` not yet ended or stopping; the ids, sorted."""
+        return self._mark_stopping(self.in_scope(scope), "cancel")
+
+    def in_scope(self, scope: str) -> list[str]:
+        """The held workers a cancel of `scope` reaches.
 
         Scopes: ``all``, ``turn:G`` (registered in turn G), ``run:R`` (R and the
         runs nested in it), ``worker:W`` (W and its subtree).
@@ -457,7 +472,7 @@ class Registry:
             ids = list(self.subtree(value))
         else:
             raise Invalid(f"cannot cancel {scope!r}: a scope is {CANCEL_SCOPES}")
-        return self._mark_stopping(ids, "cancel")
+        return ids
 
     def set_fence(self) -> int:
         """Set a new launch fence, replacing any other; its epoch."""
@@ -470,9 +485,13 @@ class Registry:
         if self.fence is None or self.fence.epoch != epoch:
             return []
         self.fence.cancelled = True
-        return self._mark_stopping(
-            [w for w, r in self._workers.items() if r.fence == epoch], "fence"
-        )
+        return self._mark_stopping(self.under_fence(epoch), "fence")
+
+    def under_fence(self, epoch: int) -> list[str]:
+        """The held workers a cancel of fence `epoch` reaches: none for a stale epoch."""
+        if self.fence is None or self.fence.epoch != epoch:
+            return []
+        return [w for w, r in self._workers.items() if r.fence == epoch]
 
     def clear_fence(self) -> None:
         self.fence = None
@@ -503,6 +522,11 @@ class Registry:
     def stopping(self, worker_id: str) -> bool:
         record = self._workers[worker_id]
         return record.stop_reason is not None and not record.ended
+
+    def stopping_among(self, ids: Iterable[str]) -> list[str]:
+        """Those of `ids` whose stop is in flight (asked, not yet ended), sorted: what a
+        stop or cancel reaching them leaves as it is, and says so."""
+        return sorted(w for w in set(ids) if w in self._workers and self.stopping(w))
 
     def collect(self, worker_id: str) -> WorkerRecord:
         record = self.worker(worker_id)
@@ -698,9 +722,13 @@ class Registry:
         return counts
 
     def holds_park(self) -> bool:
-        """Whether shutting down now would cost a worker: one live, or a result not yet
-        collected within its TTL."""
-        return any(not r.ended or self._retained(r) for r in self._workers.values())
+        """Whether shutting down now would cost a worker: one live (stopping included:
+        its tree still runs), or a result owed: a worker that ended on its own, not yet
+        collected, within its TTL. A stopped or cancelled worker owes no result."""
+        return any(
+            not r.ended or (r.ended_on_its_own and self._retained(r))
+            for r in self._workers.values()
+        )
 
     def _fresh_id(self, prefix: str) -> str:
         while True:

@@ -83,7 +83,7 @@ async def _until_idle(
     daemon: Daemon, server: Server, seconds: float, done: trio.CancelScope
 ) -> None:
     """Return once nothing has happened for `seconds` and stopping would cost nothing:
-    no connection open, no worker running, no result waiting within its TTL."""
+    no connection open, no worker running, no result owed (`Registry.holds_park`)."""
     while True:
         activity = daemon.activity
         if server.connections or daemon.registry.holds_park():

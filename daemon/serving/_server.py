@@ -80,7 +80,7 @@ from subagentd.protocol.errors import (
     RemoteError,
 )
 
-from .._daemon import RELOAD_RETRY, Daemon
+from .._daemon import RELOAD_RETRY, Daemon, Stopping
 from ..core._authority import Authority
 from ..core._registry import listing_page
 from ..core._session import Close, Release, Session
@@ -572,8 +572,7 @@ class Server:
             case Status(worker=worker):
                 return WorkerReply(id=rid, worker=daemon.reader.lookup(worker).view())
             case Stop(worker=worker, wait=wait):
-                found, stopped = daemon.stop(worker)
-                reply = Stopped(id=rid, found=found, stopped=stopped)
+                reply = _stopped(rid, daemon.stop(worker))
                 if wait:
                     with conn.answers_if_sealed(reply):
                         await daemon.wait_stopped(worker)
@@ -616,7 +615,7 @@ class Server:
                 resumed = await self.resumer.resume(worker, timeout)
                 return WorkerReply(id=rid, worker=resumed.view, changed=resumed.changed)
             case Cancel(scope=scope):
-                return Cancelled(id=rid, cancelled=daemon.cancel(scope))
+                return _cancelled(rid, daemon.cancel(scope))
             case Info():
                 return InfoReply(id=rid, info=daemon.info())
             case Abort(request=target):
@@ -629,8 +628,7 @@ class Server:
             case NewRun(outer=outer):
                 return RunReply(id=rid, run=daemon.new_run(outer))
             case StopRun(run=run, wait=wait):
-                found, stopped = daemon.stop_run(run)
-                reply = Stopped(id=rid, found=found, stopped=stopped)
+                reply = _stopped(rid, daemon.stop_run(run))
                 if wait:
                     with conn.answers_if_sealed(reply):
                         await daemon.wait_run_ended(run)
@@ -662,11 +660,19 @@ class Server:
                     from_=latest.from_,
                 )
             case CancelFence(epoch=epoch):
-                return Cancelled(id=rid, cancelled=daemon.cancel_fence(epoch))
+                return _cancelled(rid, daemon.cancel_fence(epoch))
             case ClearFence():
                 daemon.clear_fence()
                 return Done(id=rid)
         raise Invalid(f"unknown request {op(request)}")
+
+
+def _stopped(rid: int, done: Stopping) -> Stopped:
+    return Stopped(id=rid, found=done.found, stopped=done.stopped, already_stopping=done.already)
+
+
+def _cancelled(rid: int, done: Stopping) -> Cancelled:
+    return Cancelled(id=rid, cancelled=done.stopped, already_stopping=done.already)
 
 
 def _duplicates(conns: list[Connection]) -> dict[Connection, int]:

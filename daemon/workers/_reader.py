@@ -43,7 +43,7 @@ class Releases(Protocol):
 
     def collected(self, worker_id: str) -> None: ...
 
-    def drop_tombstone(self, worker_id: str) -> None: ...
+    def tombstone_collected(self, stone: Tombstone, answer: str) -> None: ...
 
 
 class Reader:
@@ -103,16 +103,19 @@ class Reader:
             found = self.lookup(worker_id)
         elif found.state not in TERMINAL_STATES:
             raise Busy(f"worker {worker_id} is still {found.state}; collect --wait waits for it")
+        if isinstance(found, Tombstone) and found.answered is not None:
+            # A repeat answers the same, whatever became of the archive since.
+            return _result(found, found.answered)
         archive = self.archive_of(found.id)
         text = ""
         if archive.path.exists():
             text = archive.result_text(lambda: self.stdout_tail(found))
         if isinstance(found, Tombstone):
             text = text or found.output.decode("utf-8", errors="replace")
-            self._releases().drop_tombstone(worker_id)
+            self._releases().tombstone_collected(found, text)
         elif self._registry.holds(worker_id):
             self._releases().collected(worker_id)
-        return WorkerResult(id=found.id, state=found.state, exit_code=found.exit_code, result=text)
+        return _result(found, text)
 
     async def watch_page(self, worker_id: str, since: int, limit: int) -> Page:
         if since < 0 or limit < 1:
@@ -208,6 +211,10 @@ class Reader:
     def _releases(self) -> Releases:
         assert self._retention is not None, "Reader.releasing_through was not called"
         return self._retention
+
+
+def _result(found: WorkerRecord | Tombstone, text: str) -> WorkerResult:
+    return WorkerResult(id=found.id, state=found.state, exit_code=found.exit_code, result=text)
 
 
 def _damaged(worker_id: str, exc: JournalCorrupt) -> Refused:

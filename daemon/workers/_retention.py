@@ -65,10 +65,12 @@ class Retention:
         record = self._registry.collect(worker_id)
         self._release(worker_id, changed=record)
 
-    def drop_tombstone(self, worker_id: str) -> None:
-        """A tombstone's output was collected: nobody asks again."""
-        self._registry.drop_tombstone(worker_id)
-        self._commit(Change(dropped_tombstones=[worker_id]))
+    def tombstone_collected(self, stone: Tombstone, answer: str) -> None:
+        """A tombstone's result was collected: it keeps the answer (and no longer the
+        output it was made from), in the store too, so a repeat collect answers the same
+        after a reload or a crash. It goes as any tombstone does: with its parent's handle."""
+        stone.answered, stone.output = answer, b""
+        self._commit(Change(tombstones=[stone]))
 
     def _release(
         self, worker_id: str, tombstone: Tombstone | None = None, *, changed: WorkerRecord

@@ -57,6 +57,12 @@ class LiveWorker:
     terminating: bool = False
     stdout_tail: bytearray = field(default_factory=bytearray)
     returncode: int | None = None  # once reaped
+    #: Its journal says a stop is in flight. A stop asked before this was made (an
+    #: image before a reload) was said there by the image that was asked.
+    stop_journaled: bool = False
+
+    def __post_init__(self) -> None:
+        self.stop_journaled = self.record.stop_reason is not None
 
     def reset_supervision(self) -> None:
         """Fresh per-supervision state for a (re)adopted worker; a stop asked before stands."""
@@ -250,7 +256,7 @@ class Supervisor:
                 if not pipes:
                     pipes_closed.set()
                 if live.stop_asked:  # asked before this supervision began (or a reload)
-                    nursery.start_soon(self._terminate, live)
+                    nursery.start_soon(self._stop, live)
                 await self._wait_exited(live, process)
                 # Whatever is left of its tree goes with it: TERM, grace, KILL.
                 await self._terminate(live)
@@ -373,13 +379,32 @@ class Supervisor:
 
         return deliver
 
+    async def _stop(self, live: LiveWorker) -> None:
+        """Carry out a stop asked: said in its journal, then its whole tree ended."""
+        self._journal_stopping(live)
+        await self._terminate(live)
+
+    def _journal_stopping(self, live: LiveWorker) -> None:
+        """Say in its journal, once, that its stop is in flight: a watch shows it."""
+        if live.stop_journaled:
+            return
+        live.stop_journaled = True
+        said = f"stopping reason={live.record.stop_reason}".encode()
+        try:
+            live.journal.append("state", said, self._clock())
+        except OSError as exc:  # the stop goes ahead unsaid: it matters more
+            self._disk_trouble(f"journal of {live.record.id}", exc)
+            return
+        grown, live.grown = live.grown, trio.Event()
+        grown.set()
+
     def ask_stop(self, ids: list[str]) -> None:
         for worker_id in ids:
             live = self._live.get(worker_id)
             if live is not None and not live.stop_asked:
                 live.stop_asked = True
                 if live.watch is not None:  # else its supervision, when it starts, stops it
-                    live.watch.start_soon(self._terminate, live)
+                    live.watch.start_soon(self._stop, live)
 
     async def wait_ended(self, ids: list[str]) -> None:
         for worker_id in ids:
