@@ -256,14 +256,14 @@ class AsyncClient:
         """A new run, nested in ``outer`` if given (stopping that stops this one), and the
         `StopSwitch` that spawns into it and stops it.
 
-        With ``stop_on_exit`` (the default), the block leaves nothing behind, as a
-        trio nursery does not: however it is left (done, raising, or cancelled), the
-        run is stopped on the way out, with whatever is still in flight in it, and the
-        block ends once those processes are gone (TERM, then KILL after each worker's
-        grace period). A run already stopped is left as it is. With
-        ``stop_on_exit=False`` the switch stops nothing by itself: the run and its
-        workers outlive the block, for ``stop_run(switch.run)`` (or another switch's
-        stop, or the outer run's) to end later. The client stays open either way.
+        With ``stop_on_exit`` (the default), the block leaves nothing behind, as no task
+        outlives a trio nursery: however it is left (done, raising, or cancelled), the run
+        is stopped on the way out, with whatever is still in flight in it, and the block
+        ends once those processes are gone (TERM, then KILL after each worker's grace
+        period). A run already stopped is left as it is. With ``stop_on_exit=False`` the
+        switch stops nothing by itself: the run and its workers outlive the block, for
+        ``stop_run(switch.run)`` (or another switch's stop, or the outer run's) to end
+        later. The client stays open either way.
         """
         switch = StopSwitch(self, await self.new_run(outer))
         try:
