@@ -604,7 +604,7 @@ class Server:
                     name
                     for name, value in (
                         ("input", request.input),
-                        ("command", request.argv),
+                        ("argv", request.argv),
                         ("model", request.model),
                     )
                     if value is not None
@@ -612,7 +612,7 @@ class Server:
                 if given:
                     raise Frozen(
                         f"a resume runs what worker {worker}'s snapshot froze at spawn: "
-                        f"{', '.join(given)} cannot be given again (only --timeout can)"
+                        f"{', '.join(given)} cannot be given again (only timeout can)"
                     )
                 return WorkerReply(id=rid, worker=await self.resumer.resume(worker, timeout))
             case Cancel(scope=scope):
