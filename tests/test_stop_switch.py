@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from subagentd.client import AsyncClient, Client, RunStopped, StopSwitch, WorkerView
+from subagentd.client import AsyncClient, Client, NotFound, RunStopped, StopSwitch, WorkerView
 
 from .conftest import BIN, DaemonProcess
 from .helpers import alive, sh, wait_output
@@ -385,6 +385,29 @@ async def test_move_on_stopped_obeys_the_switchs_own_all_and_is_quiet_otherwise(
             assert already.cancelled_caught
         # The client is as it was: no request left behind by the scopes.
         assert (await client.info()).workers.get("finished") == 1
+
+
+async def test_move_on_stopped_cancels_and_raises_when_the_stop_cannot_be_heard(
+    client: AsyncClient,
+) -> None:
+    """A switch whose run the daemon cannot watch (here: one it never made) cannot hear a
+    stop: the workflow is cancelled all the same, and told why."""
+    with trio.fail_after(20):
+        blind = StopSwitch(client, "r-never-made")
+        cancelled: list[bool] = []
+
+        async def workflow() -> None:
+            async with blind.move_on_stopped():
+                try:
+                    await trio.sleep_forever()
+                except trio.Cancelled:
+                    cancelled.append(True)
+                    raise
+
+        with pytest.raises(NotFound, match="r-never-made"):
+            await workflow()
+        assert cancelled == [True]
+        assert (await client.info()).pid > 0  # the client goes on
 
 
 # -- what leaving the block does ---------------------------------------------------------
