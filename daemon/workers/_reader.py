@@ -102,7 +102,7 @@ class Reader:
             await self._supervisor.wait_ended([worker_id])
             found = self.lookup(worker_id)
         elif found.state not in TERMINAL_STATES:
-            raise Busy(f"worker {worker_id} is still {found.state}; {op(Collect)} with wait waits")
+            raise Busy(f"worker {worker_id} is still {found.state}: {op(Collect)} it with wait")
         archive = self.archive_of(found.id)
         text = ""
         if archive.path.exists():
