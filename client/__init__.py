@@ -1,5 +1,5 @@
-"""Clients of subagentd: `Client` (blocking), `AsyncClient` (trio) with its `StopSwitch`,
-and the `subagentctl` CLI.
+"""Clients of subagentd: `Client` (blocking) and `AsyncClient` (trio), each with its stop
+switch (`BlockingStopSwitch`, `StopSwitch`), and the `subagentctl` CLI.
 
 Both clients find the daemon as the CLI does and speak the protocol of
 `subagentd.protocol`; the values they return and the errors they raise are
@@ -38,5 +38,6 @@ from subagentd.protocol.errors import TransportError as TransportError
 from subagentd.protocol.errors import UnsupportedVersion as UnsupportedVersion
 
 from ._async import AsyncClient as AsyncClient
+from ._switch import BlockingStopSwitch as BlockingStopSwitch
 from ._switch import StopSwitch as StopSwitch
 from ._sync import Client as Client

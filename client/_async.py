@@ -12,7 +12,6 @@ import os
 from collections.abc import (
     AsyncGenerator,
     AsyncIterator,
-    Awaitable,
     Callable,
     Iterable,
     Mapping,
@@ -41,6 +40,7 @@ from subagentd.protocol.errors import SubagentdError
 
 from . import _core
 from ._switch import StopSwitch
+from ._tasks import running
 
 T = TypeVar("T")
 
@@ -75,7 +75,7 @@ class AsyncClient:
             self._stream = stream
             # Whichever stream is current then: a reconnect replaces it.
             stack.push_async_callback(self._close_stream)
-            await stack.enter_async_context(_running(self._receive_replies))
+            await stack.enter_async_context(running(self._receive_replies))
             await self._call(_core.hello(_core.token()))
             self._exit_stack = stack.pop_all()
         return self
@@ -255,23 +255,29 @@ class AsyncClient:
         return await self._call(_core.info())
 
     @contextlib.asynccontextmanager
-    async def stop_switch(self, outer: str | None = None) -> AsyncIterator[StopSwitch]:
+    async def stop_switch(
+        self, outer: str | None = None, *, stop_on_exit: bool = True
+    ) -> AsyncIterator[StopSwitch]:
         """A new run, nested in ``outer`` if given (stopping that stops this one), and the
         `StopSwitch` that spawns into it and stops it.
 
-        Like a trio cancel scope, the block leaves nothing behind: however it is
-        left (done, raising, or cancelled), the run is stopped on the way out,
-        with whatever is still in flight in it, and the block ends once those
-        processes are gone (TERM, then KILL after each worker's grace period).
-        A run already stopped is left as it is. The client stays open.
+        With ``stop_on_exit`` (the default), the block leaves nothing behind, as no task
+        outlives a trio nursery: however it is left (done, raising, or cancelled), the run
+        is stopped on the way out, with whatever is still in flight in it, and the block
+        ends once those processes are gone (TERM, then KILL after each worker's grace
+        period). A run already stopped is left as it is. With ``stop_on_exit=False`` the
+        switch stops nothing by itself: the run and its workers outlive the block, for
+        ``stop_run(switch.run)`` (or another switch's stop, or the outer run's) to end
+        later. The client stays open either way.
         """
         switch = StopSwitch(self, await self.new_run(outer))
         try:
             yield switch
         finally:
-            # Shielded: a block left because it was cancelled must still stop its run.
-            with trio.CancelScope(shield=True):
-                await self.stop_run(switch.run)
+            if stop_on_exit:
+                # Shielded: a block left because it was cancelled must still stop its run.
+                with trio.CancelScope(shield=True):
+                    await self.stop_run(switch.run)
 
     async def wait_run_stopped(self, run_id: str) -> None:
         """Return once the run is stopped, however: `stop_run` from any client, or an outer
@@ -474,30 +480,3 @@ async def _open(path: Path) -> trio.SocketStream:
             if trio.current_time() > deadline:
                 raise
             await trio.sleep(_core.RECONNECT_PAUSE)
-
-
-@contextlib.asynccontextmanager
-async def _running(task: Callable[[], Awaitable[None]]) -> AsyncIterator[None]:
-    """Run `task` beside the body, and cancel it when the body is done.
-
-    The body's own exception comes out as it went in: the nursery would wrap it
-    in an ExceptionGroup, which a caller of ``async with AsyncClient()`` has no
-    reason to expect from a client whose task never raises.
-    """
-    raised: BaseException | None = None
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(task)
-            try:
-                yield
-            except BaseException as exc:
-                raised = exc
-                raise
-            finally:
-                nursery.cancel_scope.cancel()
-    except BaseExceptionGroup as group:
-        _, rest = group.split(lambda exc: exc is raised or isinstance(exc, trio.Cancelled))
-        if raised is None or rest is not None:
-            raise
-    if raised is not None:
-        raise raised

@@ -1,39 +1,70 @@
-"""The stop switch: one run that a trio workflow spawns into, stops piece by piece or whole,
-and obeys however it was stopped.
+"""The stop switch: one run that a workflow spawns into, stops piece by piece or whole, and
+obeys however it was stopped. `StopSwitch` for trio (`AsyncClient.stop_switch`), and its
+blocking twin `BlockingStopSwitch` (`Client.stop_switch`).
 
-Made of `AsyncClient` requests alone (spawn, stop, stop_run, wait_run_stopped,
-events); it owns no connection and closes nothing it did not open.
+Made of client requests alone (spawn, status, stop, stop_run, wait_run_stopped, events);
+what the twins know and decide lives once, without I/O, in `_Switch`. A switch owns no
+connection and closes nothing it did not open.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import AsyncGenerator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Generator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
+import trio
+
 from subagentd.protocol import Wake, WorkerView
+from subagentd.protocol.errors import NotFound, SubagentdError
+
+from ._tasks import running
 
 if TYPE_CHECKING:
     from ._async import AsyncClient
+    from ._sync import Client
 
 
-class StopSwitch:
-    """The switch of one run, as ``async with daemon.stop_switch() as switch:`` gives it.
+class _Switch:
+    """What both switches hold and decide: the run, the ids spawned through the switch, and
+    which workers `one` may stop (those the daemon registered in the run)."""
 
-    ``run`` is the run's id; ``ids`` the workers spawned through this switch, in
-    order. `one` stops one of them, `all` the whole run, `wait_stopped`
-    returns once the run is stopped by anyone, and `wakes` tells each ending of
-    the run's top-level workers. Nothing here closes the client.
-    """
-
-    def __init__(self, client: AsyncClient, run: str) -> None:
+    def __init__(self, run: str) -> None:
         self.run = run
-        self._client = client
         self._ids: dict[str, None] = {}  # a set that keeps the order of spawning
 
     @property
     def ids(self) -> list[str]:
+        """The workers spawned through this switch, in order (not those that joined the
+        run otherwise: `one` stops those too)."""
         return list(self._ids)
+
+    def _spawned(self, worker: WorkerView) -> WorkerView:
+        self._ids[worker.id] = None
+        return worker
+
+    def _holds(self, worker: WorkerView | None) -> bool:
+        """Whether `one` may stop `worker` (None: an id the daemon does not know): the
+        daemon registered it in this run, however it came there. A worker of a run nested
+        in this one belongs to that run (its own switch stops it one by one; `all` takes
+        it with the rest)."""
+        return worker is not None and worker.run == self.run
+
+
+class StopSwitch(_Switch):
+    """The switch of one run, as ``async with daemon.stop_switch() as switch:`` gives it.
+
+    ``run`` is the run's id; ``ids`` the workers spawned through this switch, in
+    order. `one` stops one worker of the run, `all` the whole run, `wait_stopped`
+    returns once the run is stopped by anyone, `move_on_stopped` is a cancel scope
+    that does so for a trio workflow, and `wakes` tells each ending of the run's
+    top-level workers. Nothing here closes the client.
+    """
+
+    def __init__(self, client: AsyncClient, run: str) -> None:
+        super().__init__(run)
+        self._client = client
 
     async def spawn(
         self,
@@ -54,29 +85,30 @@ class StopSwitch:
         cancelled launch fence the worker comes back already ``stopped``; it is
         still one of this switch's ``ids``.
         """
-        worker = await self._client.spawn(
-            argv,
-            name=name,
-            run=self.run,
-            parent=parent,
-            agent=agent,
-            input=input,
-            cwd=cwd,
-            env=env,
-            timeout=timeout,
-            grace=grace,
+        return self._spawned(
+            await self._client.spawn(
+                argv,
+                name=name,
+                run=self.run,
+                parent=parent,
+                agent=agent,
+                input=input,
+                cwd=cwd,
+                env=env,
+                timeout=timeout,
+                grace=grace,
+            )
         )
-        self._ids[worker.id] = None
-        return worker
 
     async def one(self, worker_id: str) -> bool:
-        """Stop one worker spawned through this switch and every worker it delegated, and
-        return once their processes are gone: True. For an id that did not come through
-        this switch: False, and the daemon is not asked."""
-        if worker_id not in self._ids:
+        """Stop one worker of this run and every worker it delegated, and return once their
+        processes are gone: True. Any worker the daemon registered in the run counts,
+        however it got there: spawned through this switch, by a worker of the run on its
+        own (its token), or by another client naming the run. Ended or collected already,
+        it is found and nothing more is stopped. For an id of another run (a nested one
+        too), or one the daemon never saw: False, and nothing is stopped."""
+        if not self._holds(await self._looked_up(worker_id)):
             return False
-        # The daemon may answer False for a worker collected and let go: it came through
-        # this switch all the same, and is not running.
         await self._client.stop(worker_id)
         return True
 
@@ -88,9 +120,38 @@ class StopSwitch:
 
     async def wait_stopped(self) -> None:
         """Return once the run is stopped, however that happened: `all`, another client's
-        `stop_run`, or the stop of a run this one is nested in. A workflow waits on
-        this to know it must stop."""
+        `stop_run` (``subagentctl stop --run``), or the stop of a run this one is nested
+        in."""
         await self._client.wait_run_stopped(self.run)
+
+    @contextlib.asynccontextmanager
+    async def move_on_stopped(self) -> AsyncIterator[trio.CancelScope]:
+        """A cancel scope cancelled once the run is stopped, however (as `wait_stopped`
+        says): a workflow inside it obeys the stop with no watchdog of its own.
+
+            async with switch.move_on_stopped() as scope:
+                ...  # the workflow
+            if scope.cancelled_caught: ...  # the run was stopped under it
+
+        Like `trio.move_on_after`, the block is then left quietly. Should the daemon
+        become unreachable meanwhile, so that a stop could no longer be heard, the block
+        is cancelled all the same and the error (`ConnectionLost`, say) raised from it.
+        """
+        scope = trio.CancelScope()
+        unheard: list[SubagentdError] = []
+
+        async def cancel_once_stopped() -> None:
+            try:
+                await self.wait_stopped()
+            except SubagentdError as exc:
+                unheard.append(exc)
+            scope.cancel()
+
+        async with running(cancel_once_stopped):
+            with scope:
+                yield scope
+        if unheard:
+            raise unheard[0]
 
     def wakes(self) -> AsyncGenerator[Wake, None]:
         """The wakes of this run's top-level workers, as they end (one per worker, ended
@@ -101,3 +162,74 @@ class StopSwitch:
                 async for wake in wakes: ...
         """
         return self._client.events(run=self.run, follow=True)
+
+    async def _looked_up(self, worker_id: str) -> WorkerView | None:
+        try:
+            return await self._client.status(worker_id)
+        except NotFound:
+            return None
+
+
+class BlockingStopSwitch(_Switch):
+    """The blocking twin of `StopSwitch`, as ``with daemon.stop_switch() as switch:`` gives
+    it: the same methods, each returning once done (`wait_stopped` within the client's
+    ``timeout``, as every call). A trio workflow has `StopSwitch.move_on_stopped`; a
+    blocking one waits in `wait_stopped`, in a thread of its own if it must."""
+
+    def __init__(self, client: Client, run: str) -> None:
+        super().__init__(run)
+        self._client = client
+
+    def spawn(
+        self,
+        argv: Sequence[str],
+        *,
+        name: str = "",
+        parent: str | None = None,
+        agent: str | None = None,
+        input: str | bytes | None = None,
+        cwd: str | os.PathLike[str] | None = None,
+        env: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+        grace: float | None = None,
+    ) -> WorkerView:
+        """As `StopSwitch.spawn`."""
+        return self._spawned(
+            self._client.spawn(
+                argv,
+                name=name,
+                run=self.run,
+                parent=parent,
+                agent=agent,
+                input=input,
+                cwd=cwd,
+                env=env,
+                timeout=timeout,
+                grace=grace,
+            )
+        )
+
+    def one(self, worker_id: str) -> bool:
+        """As `StopSwitch.one`: any worker the daemon registered in this run."""
+        if not self._holds(self._looked_up(worker_id)):
+            return False
+        self._client.stop(worker_id)
+        return True
+
+    def all(self) -> list[str]:
+        """As `StopSwitch.all`."""
+        return self._client.stop_run(self.run)
+
+    def wait_stopped(self) -> None:
+        """As `StopSwitch.wait_stopped`; bounded by the client's ``timeout``."""
+        self._client.wait_run_stopped(self.run)
+
+    def wakes(self) -> Generator[Wake, None, None]:
+        """As `StopSwitch.wakes`; leave it inside ``contextlib.closing(switch.wakes())``."""
+        return self._client.events(run=self.run, follow=True)
+
+    def _looked_up(self, worker_id: str) -> WorkerView | None:
+        try:
+            return self._client.status(worker_id)
+        except NotFound:
+            return None

@@ -11,7 +11,7 @@ import contextlib
 import os
 import socket
 import time
-from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Self, TypeVar
@@ -32,6 +32,7 @@ from subagentd.protocol import (
 from subagentd.protocol.errors import SubagentdError
 
 from . import _core
+from ._switch import BlockingStopSwitch
 
 T = TypeVar("T")
 
@@ -201,6 +202,21 @@ class Client:
 
     def info(self) -> DaemonInfo:
         return self._call(_core.info())
+
+    @contextlib.contextmanager
+    def stop_switch(
+        self, outer: str | None = None, *, stop_on_exit: bool = True
+    ) -> Iterator[BlockingStopSwitch]:
+        """A new run, nested in ``outer`` if given, and the `BlockingStopSwitch` that spawns
+        into it and stops it: `AsyncClient.stop_switch`, blocking. With ``stop_on_exit``
+        (the default) the run is stopped however the block is left (Ctrl-C included),
+        once its processes are gone; with ``stop_on_exit=False`` nothing is."""
+        switch = BlockingStopSwitch(self, self.new_run(outer))
+        try:
+            yield switch
+        finally:
+            if stop_on_exit:
+                self.stop_run(switch.run)
 
     def wait_run_stopped(self, run_id: str) -> None:
         """Block until the run is stopped, however: `stop_run` from any client, or an outer

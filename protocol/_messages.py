@@ -638,6 +638,8 @@ def encode(message: Request[Reply] | Reply) -> bytes:
     return frame(_encoder.encode(message))
 
 
-def op(message: Request[Reply] | Reply) -> str:
-    """A message's name on the wire ("new_run"), for what a person reads."""
-    return str(type(message).__struct_config__.tag)
+def op(message: Request[Reply] | Reply | type[Request[Reply]] | type[Reply]) -> str:
+    """A message's name on the wire ("new_run"), given the message or its class, for what a
+    person reads: a text the daemon sends names the op, never the Python class."""
+    kind = message if isinstance(message, type) else type(message)
+    return str(kind.__struct_config__.tag)

@@ -188,7 +188,7 @@ async def test_timeout_ends_a_worker_timed_out(autojump_clock: MockClock, short_
 async def test_collecting_a_running_worker_without_wait_is_busy(client: AsyncClient) -> None:
     with trio.fail_after(20):
         worker = await client.spawn(["sleep", "60"])
-        with pytest.raises(Busy, match="--wait"):
+        with pytest.raises(Busy, match="collect it with wait"):
             await client.collect(worker.id)
         with pytest.raises(NotFound):
             await client.collect("w-nope")

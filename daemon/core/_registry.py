@@ -17,7 +17,15 @@ from collections.abc import Callable, Iterable, Iterator
 
 import msgspec
 
-from subagentd.protocol import MAX_GRACE, TERMINAL_STATES, WorkerState, WorkerView
+from subagentd.protocol import (
+    MAX_GRACE,
+    TERMINAL_STATES,
+    ListWorkers,
+    Spawn,
+    WorkerState,
+    WorkerView,
+    op,
+)
 from subagentd.protocol.errors import Invalid, NotFound, RunStopped
 
 #: Seconds between TERM and KILL when a spawn names none.
@@ -140,7 +148,7 @@ def listing_page(
     between pages moves nothing, and one resumed keeps its place.
     """
     if limit < 1:
-        raise Invalid(f"list_workers needs limit >= 1, not {limit}")
+        raise Invalid(f"{op(ListWorkers)} needs limit >= 1, not {limit}")
     start = 0
     if after is not None:
         start = bisect.bisect_right(records, _cursor_key(after), key=lambda r: r.place)
@@ -166,7 +174,7 @@ def _cursor_key(cursor: str) -> tuple[float, str]:
         return float.fromhex(started), worker_id
     except ValueError:
         raise Invalid(
-            f"list_workers after={cursor!r} is not a cursor this daemon gave: "
+            f"{op(ListWorkers)} after={cursor!r} is not a cursor this daemon gave: "
             "pass back a page's `next`"
         ) from None
 
@@ -257,9 +265,7 @@ class Registry:
         try:
             return self._runs[run_id]
         except KeyError:
-            raise NotFound(
-                f"no run {run_id!r} (`subagentctl ls --all` lists runs' workers)"
-            ) from None
+            raise NotFound(f"no run {run_id!r}") from None
 
     def runs_within(self, run_id: str) -> Iterator[str]:
         """`run_id` and every run nested in it, at any depth (each once, loops or not)."""
@@ -318,7 +324,7 @@ class Registry:
         (``stop_reason == "fence"``): the shell never starts its process.
         """
         if not argv:
-            raise Invalid("spawn needs a command (argv) or an agent")
+            raise Invalid(f"{op(Spawn)} needs a command (argv) or an agent")
         if grace is not None and grace < 0:
             raise Invalid(f"grace must be zero or more seconds, not {grace}")
         if timeout is not None and timeout < 0:

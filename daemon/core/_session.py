@@ -30,6 +30,7 @@ from subagentd.protocol import (
     Reply,
     Welcome,
     client_decoder,
+    op,
 )
 from subagentd.protocol.errors import ErrorCode, FrameTooLarge, Invalid
 
@@ -149,7 +150,9 @@ class Session:
         if not isinstance(message, Hello):
             return self._close(
                 Error(
-                    id=message.id, code=ErrorCode.INVALID, message="a connection opens with hello"
+                    id=message.id,
+                    code=ErrorCode.INVALID,
+                    message=f"a connection opens with {op(Hello)}",
                 )
             )
         if message.version != PROTOCOL_VERSION:
@@ -200,7 +203,7 @@ class Session:
             return Error(
                 id=rid,
                 code=ErrorCode.INVALID,
-                message="hello was already exchanged on this connection",
+                message=f"{op(Hello)} was already exchanged on this connection",
             )
         if isinstance(message, Abort) and message.request not in self.in_flight:
             return Done(id=rid)  # nothing to end: not an error (protocol/README.md, Abort)

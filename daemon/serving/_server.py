@@ -602,7 +602,7 @@ class Server:
                     name
                     for name, value in (
                         ("input", request.input),
-                        ("command", request.argv),
+                        ("argv", request.argv),
                         ("model", request.model),
                     )
                     if value is not None
@@ -610,7 +610,7 @@ class Server:
                 if given:
                     raise Frozen(
                         f"a resume runs what worker {worker}'s snapshot froze at spawn: "
-                        f"{', '.join(given)} cannot be given again (only --timeout can)"
+                        f"{', '.join(given)} cannot be given again (only timeout can)"
                     )
                 resumed = await self.resumer.resume(worker, timeout)
                 return WorkerReply(id=rid, worker=resumed.view, changed=resumed.changed)

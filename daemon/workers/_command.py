@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from subagentd.protocol import Spawn
+from subagentd.protocol import Spawn, op
 from subagentd.protocol.errors import Invalid
 
 from ._agents import AgentDef, command_problem
@@ -50,7 +50,7 @@ def resolve(
         timeout, grace, model = request.timeout, request.grace, None
     else:
         if request.argv:
-            raise Invalid("give either a command or --agent, not both")
+            raise Invalid(f"{op(Spawn)} takes argv or agent, not both")
         agent = agents.get(request.agent)
         if agent is None:
             known = ", ".join(sorted(agents)) or "none"

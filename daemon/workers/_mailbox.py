@@ -14,7 +14,7 @@ from pathlib import Path
 import structlog
 import trio
 
-from subagentd.protocol import Wake
+from subagentd.protocol import Subscribe, Wake, op
 from subagentd.protocol.errors import Invalid
 
 from ..core._registry import Registry, Tombstone, WorkerRecord
@@ -86,7 +86,7 @@ class Mailbox:
     def key(self, run: str | None, worker: str | None) -> WakeKey:
         """The parent a subscription is for, checked: it exists."""
         if (run is None) == (worker is None):
-            raise Invalid("subscribe to the wakes of one parent: give a run or a worker, not both")
+            raise Invalid(f"{op(Subscribe)} is to the wakes of one parent: give run or worker")
         key: WakeKey = ("run", run) if run is not None else ("worker", worker)  # type: ignore[assignment]
         if not self._queue.pending_for(key):
             if run is not None:

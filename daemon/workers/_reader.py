@@ -16,7 +16,7 @@ from typing import Protocol
 
 import trio
 
-from subagentd.protocol import TERMINAL_STATES, Page, WorkerResult, WorkerView
+from subagentd.protocol import TERMINAL_STATES, Collect, Page, Watch, WorkerResult, WorkerView, op
 from subagentd.protocol.errors import Busy, Invalid, NotFound, Refused
 
 from ..core._registry import Registry, Tombstone, WorkerRecord
@@ -102,7 +102,7 @@ class Reader:
             await self._supervisor.wait_ended([worker_id])
             found = self.lookup(worker_id)
         elif found.state not in TERMINAL_STATES:
-            raise Busy(f"worker {worker_id} is still {found.state}; collect --wait waits for it")
+            raise Busy(f"worker {worker_id} is still {found.state}: {op(Collect)} it with wait")
         if isinstance(found, Tombstone) and found.answered is not None:
             # A repeat answers the same, whatever became of the archive since.
             return _result(found, found.answered)
@@ -119,7 +119,7 @@ class Reader:
 
     async def watch_page(self, worker_id: str, since: int, limit: int) -> Page:
         if since < 0 or limit < 1:
-            raise Invalid(f"watch needs since >= 0 and limit >= 1, not {since} and {limit}")
+            raise Invalid(f"{op(Watch)} needs since >= 0 and limit >= 1, not {since} and {limit}")
         found = self.lookup(worker_id)
         live = self._supervisor.get(worker_id)
         journal = live.journal if live is not None else await self._ended_journal(found)
