@@ -25,6 +25,7 @@ from subagentd.protocol import (
 from ._logging import configure_logging
 from ._settings import Settings
 from .core._registry import DEFAULT_FINISHED_TTL, DEFAULT_KEEP_ARCHIVES_DAYS
+from .core._request_keys import DEFAULT_REQUEST_KEY_TTL
 from .lifecycle._checkpoint import READS_VERSIONS, Checkpoint, CheckpointUnreadable, read_checkpoint
 from .store._statedir import StateDirLocked, ensure_private_dir
 from .store._store import READS_VERSIONS as STORE_READS_VERSIONS
@@ -77,6 +78,15 @@ def _parser() -> argparse.ArgumentParser:
         default=DEFAULT_KEEP_ARCHIVES_DAYS,
         metavar="DAYS",
         help="delete an ended worker's archive after this many days (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--request-key-ttl",
+        type=_non_negative,
+        default=DEFAULT_REQUEST_KEY_TTL,
+        metavar="S",
+        help="remember a spawn's or resume's idempotency key this long, so a client that "
+        "sends it again (its answer lost in a reload) gets the same worker "
+        "(default: %(default)s s)",
     )
     parser.add_argument(
         "--cgroups",
@@ -156,6 +166,7 @@ def _settings(args: argparse.Namespace) -> Settings:
         keep_archives_days=args.keep_archives,
         log_format=args.log_format,
         cgroups=args.cgroups,
+        request_key_ttl=args.request_key_ttl,
     )
 
 

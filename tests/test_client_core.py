@@ -246,7 +246,8 @@ def test_spawn_starts_the_worker_where_the_caller_stands() -> None:
     request = _core.spawn(["make"]).request
     assert isinstance(request, Spawn)
     assert request.cwd == os.getcwd()
-    assert _core.spawn(["make"], cwd=Path("/src")).request == Spawn(id=0, argv=["make"], cwd="/src")
+    given = _core.spawn(["make"], cwd=Path("/src"), key="k-1").request
+    assert given == Spawn(id=0, argv=["make"], cwd="/src", key="k-1")
 
 
 def test_spawn_sends_text_input_as_utf8_and_bytes_as_they_are() -> None:

@@ -82,6 +82,7 @@ from subagentd.protocol.errors import (
 from .._daemon import RELOAD_RETRY, Daemon
 from ..core._authority import Authority
 from ..core._registry import listing_page
+from ..core._request_keys import asked_key
 from ..core._session import Close, Release, Session
 from ..lifecycle._reload import Handover, Reloader, owed_by_connection
 from ..lifecycle._resume import Resumer
@@ -614,7 +615,8 @@ class Server:
                         f"a resume runs what worker {worker}'s snapshot froze at spawn: "
                         f"{', '.join(given)} cannot be given again (only --timeout can)"
                     )
-                return WorkerReply(id=rid, worker=await self.resumer.resume(worker, timeout))
+                resumed = await self.resumer.resume(worker, timeout, asked_key(request, caller))
+                return WorkerReply(id=rid, worker=resumed)
             case Cancel(scope=scope):
                 return Cancelled(id=rid, cancelled=daemon.cancel(scope))
             case Info():
