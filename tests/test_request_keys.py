@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import json
+import sqlite3
 import threading
 import time
 from pathlib import Path
@@ -18,6 +19,9 @@ from trio.testing import MockClock
 
 from subagentd import protocol as p
 from subagentd.client import Client
+from subagentd.daemon.core._registry import WorkerRecord
+from subagentd.daemon.core._request_keys import USER, KeyRecord, RequestKeys
+from subagentd.daemon.store._store import MIGRATIONS, SCHEMA_VERSION, STORE_NAME, Change, Store
 from subagentd.protocol.errors import Busy, Invalid
 
 from .conftest import BIN, DaemonProcess
@@ -249,3 +253,93 @@ async def test_a_hostile_key_is_refused_invalid_naming_the_field(
         with held(autojump_clock):
             assert (await client.spawn(["true"], key="k" * p.MAX_KEY_LENGTH)).id
             assert len(await client.ls(all=True)) == 1  # and serves on
+
+
+# -- in the store: v2 migrated forward, a key only with its worker ----------------------
+
+
+def test_a_v2_store_is_migrated_to_v3_and_keeps_its_workers(tmp_path: Path) -> None:
+    path = tmp_path / STORE_NAME
+    db = sqlite3.connect(path)
+    db.execute(
+        "CREATE TABLE schema_version "
+        "(version INTEGER PRIMARY KEY, migrated_at REAL NOT NULL, by TEXT NOT NULL)"
+    )
+    for version in (1, 2):  # as the image of schema version 2 made it
+        MIGRATIONS[version](db)
+        db.execute("INSERT INTO schema_version VALUES (?, 0.0, 'subagentd pid 1')", (version,))
+    db.commit()
+    db.close()
+    store = Store.open(path)
+    try:
+        assert store.version == SCHEMA_VERSION == 3
+        assert store.request_keys() == []
+        key = KeyRecord(USER, "k", "w-1", b"digest", 5.0)
+        store.commit(Change(workers=[_record("w-1")], keys=[key]), "a test")
+        assert store.request_keys() == [key]
+        store.commit(Change(dropped_keys=[(USER, "k")]), "a test")
+        assert store.request_keys() == []
+    finally:
+        store.close()
+
+
+def test_a_key_is_written_in_its_workers_transaction_or_not_at_all(tmp_path: Path) -> None:
+    store = Store.open(tmp_path / STORE_NAME)
+
+    def crash() -> None:
+        raise RuntimeError("killed inside the transaction")
+
+    try:
+        key = KeyRecord("w-parent", "k", "w-1", b"digest", 5.0)
+        with pytest.raises(RuntimeError):
+            store.commit(
+                Change(workers=[_record("w-1")], keys=[key]), "a spawn", before_commit=crash
+            )
+        assert (store.worker("w-1"), store.request_keys()) == (None, [])
+        store.commit(Change(workers=[_record("w-1")], keys=[key]), "a spawn")
+        assert (store.worker("w-1"), store.request_keys()) == (_record("w-1"), [key])
+    finally:
+        store.close()
+
+
+def _record(worker_id: str) -> WorkerRecord:
+    return WorkerRecord(
+        id=worker_id, run="r-1", parent=None, name="", state="running", argv=["true"],
+        cwd="/", agent=None, grace=1.0, timeout=None, token=f"t-{worker_id}",
+        archive=f"/a/{worker_id}", started_at=1.0,
+    )  # fmt: skip
+
+
+# -- the keys' bounds, by calling the pure core -------------------------------------------
+
+
+def test_a_caller_past_its_count_forgets_its_own_oldest_keys_not_anothers() -> None:
+    keys = RequestKeys(ttl=KEY_TTL, per_caller=2)
+    made = [KeyRecord("w-flood", f"k{i}", f"w-{i}", b"d", float(i)) for i in range(3)]
+    users = KeyRecord(USER, "k0", "w-user", b"d", 0.0)
+    assert keys.remember(users, now=0.0) == []
+    assert keys.remember(made[0], now=0.0) == []
+    assert keys.remember(made[1], now=1.0) == []
+    assert keys.remember(made[2], now=2.0) == [("w-flood", "k0")]
+    assert keys.find("w-flood", "k0", now=2.0) is None
+    assert keys.find(USER, "k0", now=2.0) == users  # the same key, another caller's
+    assert keys.find("w-flood", "k2", now=2.0) == made[2]
+    # Past the ttl, each is forgotten, and said to be, for the store to drop.
+    later = KeyRecord(USER, "k9", "w-9", b"d", KEY_TTL + 1.5)
+    assert sorted(keys.remember(later, now=KEY_TTL + 1.5)) == [
+        (USER, "k0"),
+        ("w-flood", "k1"),
+    ]
+    assert len(keys) == 2
+
+
+def test_keys_read_back_from_the_store_are_held_to_the_ttl_and_count() -> None:
+    keys = RequestKeys(ttl=KEY_TTL, per_caller=1)
+    kept = [
+        KeyRecord(USER, "old", "w-1", b"d", 0.0),
+        KeyRecord(USER, "older-than-the-newest", "w-2", b"d", KEY_TTL),
+        KeyRecord(USER, "newest", "w-3", b"d", KEY_TTL + 1),
+    ]
+    dropped = keys.load(kept, now=KEY_TTL + 2)
+    assert sorted(dropped) == [(USER, "old"), (USER, "older-than-the-newest")]
+    assert keys.find(USER, "newest", now=KEY_TTL + 2) == kept[2]

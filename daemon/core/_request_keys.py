@@ -89,11 +89,14 @@ class RequestKeys:
     def remember(self, record: KeyRecord, now: float) -> list[tuple[str, str]]:
         """Take in a key (its request was just written down); the keys forgotten to make
         room or because their time is up, for the store to drop too."""
-        self._forget((record.caller, record.key))
-        self._keys[record.caller, record.key] = record
-        self._callers.setdefault(record.caller, OrderedDict())[record.key] = None
+        name = (record.caller, record.key)
+        self._forget(name)
         dropped = self._expire(now)
-        mine = self._callers[record.caller]
+        if now - record.at >= self.ttl:  # read back from the store past its time
+            return [*dropped, name]
+        self._keys[name] = record
+        mine = self._callers.setdefault(record.caller, OrderedDict())
+        mine[record.key] = None
         while len(mine) > self.per_caller:
             oldest = next(iter(mine))
             self._forget((record.caller, oldest))
