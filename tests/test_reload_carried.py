@@ -167,7 +167,12 @@ def test_an_image_handed_an_unreadable_checkpoint_exits_as_if_it_had_crashed(
 
 @pytest.mark.parametrize(
     ("setting", "value"),
-    [("finished_ttl", float("nan")), ("keep_archives_days", -1.0), ("idle_exit", float("nan"))],
+    [
+        ("finished_ttl", float("nan")),
+        ("keep_archives_days", -1.0),
+        ("idle_exit", float("nan")),
+        ("request_key_ttl", -1.0),
+    ],
 )
 def test_a_checkpoint_carrying_an_unusable_setting_is_unreadable(
     tmp_path: Path, setting: str, value: float
