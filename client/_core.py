@@ -213,7 +213,7 @@ def spawn(
         env=dict(env or {}),
         timeout=timeout,
         grace=grace,
-        key=key or new_key(),
+        key=new_key() if key is None else key,
     )
     return _call(request, lambda reply: reply.worker)
 
@@ -302,7 +302,7 @@ def reload() -> Call[ReloadReply]:
 def resume(
     worker_id: str, timeout: float | None = None, key: str | None = None
 ) -> Call[WorkerView]:
-    request = Resume(id=0, worker=worker_id, timeout=timeout, key=key or new_key())
+    request = Resume(id=0, worker=worker_id, timeout=timeout, key=new_key() if key is None else key)
     return _call(request, lambda reply: reply.worker)
 
 

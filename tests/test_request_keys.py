@@ -181,6 +181,11 @@ def test_subagentctl_spawn_and_resume_with_a_key_answer_the_first_worker(
     assert other.returncode == 1
     assert "invalid" in other.stderr
     assert "used for a different request" in other.stderr
+    for hostile in ("", "a b", "k" * 129):
+        refused = daemon.ctl("spawn", "--key", hostile, "--", "true")
+        assert (refused.returncode, refused.stdout) == (1, ""), hostile
+        assert "invalid" in refused.stderr
+        assert "$.key" in refused.stderr
     assert daemon.ctl("stop", first["id"]).returncode == 0
     resumed = [daemon.ctl("--json", "resume", first["id"], "--key", "r-7") for _ in range(2)]
     assert [r.returncode for r in resumed] == [0, 0], resumed[1].stderr
