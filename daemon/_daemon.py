@@ -152,7 +152,7 @@ class Daemon:
         #: The recent idempotency keys of spawns and resumes, as the store keeps them.
         self.request_keys = RequestKeys(request_key_ttl)
         #: Keys forgotten here and still in the store: dropped by the next keyed change.
-        self.keys_to_drop = self.request_keys.load(self.store.request_keys(), clock())
+        self._keys_to_drop = self.request_keys.load(self.store.request_keys(), clock())
         #: Lookups, status, collect, journal pages and follows.
         self.reader = Reader(state_dir, self.registry, self.store, self.supervisor)
         #: Parents' wakes: posted with each ending, subscribed to, acknowledged.
@@ -310,13 +310,13 @@ class Daemon:
             return None
         record = asked.made(worker_id, now)
         change.keys.append(record)
-        change.dropped_keys += self.keys_to_drop
+        change.dropped_keys += self._keys_to_drop
         return record
 
     def remember(self, key: KeyRecord | None, now: float) -> None:
         """A keyed change went in: its key is known from now on, and the dropped ones gone."""
         if key is not None:
-            self.keys_to_drop = self.request_keys.remember(key, now)
+            self._keys_to_drop = self.request_keys.remember(key, now)
 
     async def _lose_the_answer(self) -> None:
         """Fault `lose-answer`: reload before this spawn is answered; the reload's pause
