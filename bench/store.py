@@ -15,6 +15,8 @@ one variant alone), measured on
 `--dir` (default: a temporary directory beside the default state dir, so on the disk the
 daemon uses, not a tmpfs). An ending costs one post and, later, one ack; since schema
 v2 its post is one transaction with its record (the variant "ending (record + wake)").
+Since schema v3 a spawn's registration also writes its idempotency key in its transaction:
+the last line compares a registration without a key and with one, taking turns.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from pathlib import Path
 import msgspec
 
 from subagentd.daemon.core._registry import WorkerRecord
+from subagentd.daemon.core._request_keys import USER, KeyRecord
 from subagentd.daemon.store._journal import ENTRY_HEADER
 from subagentd.daemon.store._store import STORE_NAME, Change, Store
 from subagentd.daemon.store._wake_log import _Ack, _Post
@@ -113,6 +116,25 @@ def endings(directory: Path, n: int) -> tuple[list[float], list[float]]:
     return posts, acks
 
 
+def registrations(directory: Path, n: int) -> tuple[list[float], list[float]]:
+    """A spawn's registration (the worker's row), without an idempotency key and with one
+    (and a digest), alternately; each one transaction."""
+    db = Store.open(directory / STORE_NAME)
+    plain: list[float] = []
+    keyed: list[float] = []
+    try:
+        for i in range(1, 2 * n + 1):
+            change = Change(workers=[_record(i)])
+            if i % 2:
+                change.keys.append(KeyRecord(USER, f"{i:032x}", _record(i).id, b"d" * 16, 1.0))
+            start = time.perf_counter()
+            db.commit(change, "a spawn")
+            (keyed if i % 2 else plain).append((time.perf_counter() - start) * 1e6)
+    finally:
+        db.close()
+    return plain, keyed
+
+
 def _p99(times: list[float]) -> float:
     return sorted(times)[int(len(times) * 0.99)]
 
@@ -150,6 +172,15 @@ def main() -> None:
             statistics.median(column) for column in zip(*rounds, strict=True)
         )
         print(f"{name:36} {post:12.1f} {post99:9.1f} {ack:11.1f} {ack99:8.1f}")
+    directory = Path(tempfile.mkdtemp(prefix="bench-store-", dir=parent))
+    try:
+        plain, keyed = registrations(directory, args.wakes)
+    finally:
+        shutil.rmtree(directory)
+    print(
+        f"{'registration, without key / with':36} {statistics.median(plain):12.1f} "
+        f"{_p99(plain):9.1f} {statistics.median(keyed):11.1f} {_p99(keyed):8.1f}"
+    )
     print(f"python {sys.version.split()[0]}, sqlite {__import__('sqlite3').sqlite_version}")
 
 

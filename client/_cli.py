@@ -367,6 +367,7 @@ def spawn(daemon: Client, args: argparse.Namespace, out: Output) -> None:
         env=dict(args.env),
         timeout=args.timeout,
         grace=args.grace,
+        key=args.key,
     )
     out.spawned(worker)
 
@@ -463,7 +464,7 @@ def resume(daemon: Client, args: argparse.Namespace, out: Output) -> int | None:
     if args.run is not None:
         _resumed(daemon.resume_run(args.run), out)
     elif args.input is None and not args.argv and args.model is None:
-        out.resumed(daemon.resume(args.worker, timeout=args.timeout))
+        out.resumed(daemon.resume(args.worker, timeout=args.timeout, key=args.key))
     else:
         # Sent all the same, for the daemon to say why it will not (frozen): one refusal,
         # one message, whichever client asks.
@@ -571,6 +572,13 @@ def parser() -> argparse.ArgumentParser:
         metavar="S",
         type=float,
         help=f"seconds between TERM and KILL (0 to {MAX_GRACE:.0f}; default: the agent's, else 5)",
+    )
+    sub.add_argument(
+        "--key",
+        metavar="K",
+        help="an idempotency key (printable, no space, at most 128): run again with the same "
+        "key, the command answers the worker the first run made, not a new one "
+        "(default: a new random key, so a reload never makes a second worker)",
     )
     sub.add_argument("argv", nargs="*", metavar="CMD", help="the command, after --")
 
@@ -730,6 +738,13 @@ def parser() -> argparse.ArgumentParser:
         metavar="S",
         type=float,
         help=f"seconds before it is stopped, this attempt (0 to {MAX_TIMEOUT:.0f}; 0: never)",
+    )
+    sub.add_argument(
+        "--key",
+        metavar="K",
+        help="an idempotency key (printable, no space, at most 128): run again with the same "
+        "key, the command answers the attempt the first run started, not refused as running "
+        "(default: a new random key, so a reload never makes a second worker)",
     )
     sub.add_argument("--input", metavar="TEXT", help="refused: the snapshot holds its input")
     sub.add_argument("--model", metavar="M", help="refused: the snapshot holds its model")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import functools
 import os
+import secrets
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -201,6 +202,7 @@ def spawn(
     env: Mapping[str, str] | None = None,
     timeout: float | None = None,
     grace: float | None = None,
+    key: str | None = None,
 ) -> Call[WorkerView]:
     request = Spawn(
         id=0,
@@ -215,8 +217,16 @@ def spawn(
         env=dict(env or {}),
         timeout=timeout,
         grace=grace,
+        key=new_key() if key is None else key,
     )
     return _call(request, lambda reply: reply.worker)
+
+
+def new_key() -> str:
+    """An idempotency key for one spawn or resume: 128 random bits, in hex. With it the
+    request may be sent again when its answer is lost (a reload): the daemon answers the
+    worker the first one made."""
+    return secrets.token_hex(16)
 
 
 def new_run(outer: str | None = None) -> Call[str]:
@@ -293,11 +303,9 @@ def reload() -> Call[ReloadReply]:
     return _call(Reload(id=0), _itself)
 
 
-def resume(worker_id: str, timeout: float | None = None) -> Call[Resumed]:
-    return _call(
-        Resume(id=0, worker=worker_id, timeout=timeout),
-        lambda reply: _resumed(reply.worker, reply.changed),
-    )
+def resume(worker_id: str, timeout: float | None = None, key: str | None = None) -> Call[Resumed]:
+    request = Resume(id=0, worker=worker_id, timeout=timeout, key=new_key() if key is None else key)
+    return _call(request, lambda reply: _resumed(reply.worker, reply.changed))
 
 
 def resume_run(run_id: str) -> Call[list[Resumed]]:
@@ -470,9 +478,12 @@ class Connection:
     `reconnecting` turns true and the shell connects again, says hello (a
     `Handshake`) and sends what `reconnected` returns: every open request that
     asks without changing anything (streams from their cursors), and those made
-    meanwhile. One that changes something (a spawn, a stop) and whose answer
-    was lost raises `ConnectionLost`: whether it was done is unknown. Request
-    ids carry over, so a caller waiting for its answer never notices.
+    meanwhile. A spawn or resume is sent again too when it carries a key (the
+    clients give each one), which the daemon remembers: a repeat answers the
+    worker the first made. One that changes something (a stop, a keyless spawn)
+    and whose answer was lost raises `ConnectionLost`: whether it was done is
+    unknown. Request ids carry over, so a caller waiting for its answer never
+    notices.
     """
 
     def __init__(self, *, reconnect: bool = False) -> None:
@@ -584,6 +595,10 @@ class Connection:
         entry = self._open.get(reply.id)
         if entry is None or entry.again is None:
             return False  # not to be sent twice without asking the caller: retry_delay
+        if entry.request.again_after_reloading:
+            # Perhaps refused by a reload's launch fence (a spawn), which sent again at once
+            # would refuse again at once: sent again after `retry_after`, by `retry_delay`.
+            return False
         if entry.stream:
             # Pages not yet taken come again from the cursor, which has not passed them.
             self._inboxes[reply.id].clear()

@@ -107,8 +107,14 @@ class Client:
         env: Mapping[str, str] | None = None,
         timeout: float | None = None,
         grace: float | None = None,
+        key: str | None = None,
     ) -> WorkerView:
-        """Start a worker; ``cwd`` defaults to this process's working directory."""
+        """Start a worker; ``cwd`` defaults to this process's working directory.
+
+        ``key``: its idempotency key (default: a new random one). Sent again with the
+        same key, a spawn answers the worker the first made (within the daemon's
+        ``--request-key-ttl``): so a spawn whose answer a reload lost is sent again
+        by itself, and a caller may send one again with its own key."""
         return self._call(
             _core.spawn(
                 argv,
@@ -121,6 +127,7 @@ class Client:
                 env=env,
                 timeout=timeout,
                 grace=grace,
+                key=key,
             )
         )
 
@@ -175,11 +182,14 @@ class Client:
         `Busy` right after another reload)."""
         return self._call(_core.reload())
 
-    def resume(self, worker_id: str, timeout: float | None = None) -> Resumed:
+    def resume(
+        self, worker_id: str, timeout: float | None = None, key: str | None = None
+    ) -> Resumed:
         """Carry an ended (not finished) worker on from its snapshot: same id, next attempt.
         It runs what it was spawned with; only its ``timeout`` may be given again. The
-        answer's ``changed`` says what changed on disk since its spawn (empty: nothing)."""
-        return self._call(_core.resume(worker_id, timeout))
+        answer's ``changed`` says what changed on disk since its spawn (empty: nothing).
+        ``key``: as for `spawn`, a repeat answers the attempt the first one started."""
+        return self._call(_core.resume(worker_id, timeout, key))
 
     def resume_run(self, run_id: str) -> list[Resumed]:
         """A new live attempt of a run: its highest unfinished workers carry on; answers them

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from subagentd.protocol import (
 )
 from subagentd.protocol.errors import (
     Busy,
+    Invalid,
     NotFound,
     Refused,
     Reloading,
@@ -40,6 +42,13 @@ from .core._registry import (
     DEFAULT_KEEP_ARCHIVES_DAYS,
     Registry,
     WorkerRecord,
+)
+from .core._request_keys import (
+    DEFAULT_REQUEST_KEY_TTL,
+    AskedKey,
+    KeyRecord,
+    RequestKeys,
+    asked_key,
 )
 from .lifecycle._resumable import frozen_agent, git_state
 from .processes._launcher import Launcher
@@ -69,8 +78,15 @@ DESCRIPTORS_RETRY = 1.0
 #: `die-in-ending:N` kills the daemon (SIGKILL) inside the ending's transaction of the
 #: Nth worker to end (counted from 1 in this daemon's life),
 #: `resume:N` as a resume of it has reopened its record;
-#: `reload:early` raises as the first reload begins.
+#: `reload:early` raises as the first reload begins;
+#: `lose-answer:N` reloads the daemon (SIGHUP to itself) once a spawn of a worker named N
+#: is written down and started, and never sends that spawn's answer: the reload's pause
+#: ends the request, as when an answer is lost in a reload.
 FAULT_ENV = "SUBAGENTD_FAULT"
+#: How often, and how many times, `lose-answer` asks for its reload (one refused `busy`,
+#: the last reload a moment ago, is asked again).
+LOSE_ANSWER_EVERY = 0.25
+LOSE_ANSWER_TRIES = 40
 
 
 @dataclass(frozen=True)
@@ -103,6 +119,7 @@ class Daemon:
         config_path: Path,
         finished_ttl: float = DEFAULT_FINISHED_TTL,
         keep_archives_days: float = DEFAULT_KEEP_ARCHIVES_DAYS,
+        request_key_ttl: float = DEFAULT_REQUEST_KEY_TTL,
         clock: Callable[[], float] = time.time,
         launcher: Launcher,
         faults: frozenset[tuple[str, str]] = frozenset(),
@@ -144,6 +161,10 @@ class Daemon:
         self._saved_runs: set[str] = set()
         #: What the daemon knows, transactionally: records, runs, wakes, tombstones, turn.
         self.store = Store.open(state_dir.root / STORE_NAME)
+        #: The recent idempotency keys of spawns and resumes, as the store keeps them.
+        self.request_keys = RequestKeys(request_key_ttl)
+        #: Keys forgotten here and still in the store: dropped by the next keyed change.
+        self._keys_to_drop = self.request_keys.load(self.store.request_keys(), clock())
         #: Lookups, status, collect, journal pages and follows.
         self.reader = Reader(state_dir, self.registry, self.store, self.supervisor)
         #: Parents' wakes: posted with each ending, subscribed to, acknowledged.
@@ -251,6 +272,9 @@ class Daemon:
         From registration to the supervise task, nothing may interrupt: a
         client that hangs up mid-spawn must not leave a process unsupervised.
         """
+        asked = asked_key(request, caller)
+        if (made := self.made_already(asked)) is not None:
+            return made
         if self.shutting_down:
             raise Refused("the daemon is shutting down: it starts no new workers")
         if self.reloading:
@@ -268,12 +292,57 @@ class Daemon:
                 f"worker {request.parent} has ended ({ended.state}); it cannot delegate"
             )
         with self.supervisor.launching(), trio.CancelScope(shield=True):
-            view = await self._start(request, caller, launch)
+            view = await self._start(request, caller, launch, asked)
         # Made again once this spawn is done, not while it competes for the CPU.
         self._spares_wanted.set()
+        if ("lose-answer", request.name) in self.faults:
+            await self._lose_the_answer()
         return view
 
-    async def _start(self, request: Spawn, caller: str | None, launch: Launch) -> WorkerView:
+    def made_already(self, asked: AskedKey | None) -> WorkerView | None:
+        """The worker a request with this key made (or resumed) already, as it is now;
+        None if the key is new (or forgotten). Invalid if it came with another request."""
+        if asked is None:
+            return None
+        known = self.request_keys.find(asked.caller, asked.key, self.clock())
+        if known is None:
+            return None
+        if known.digest != asked.digest:
+            raise Invalid(
+                f"key {asked.key!r} was used for a different request (the one that made "
+                f"worker {known.worker}): each request needs a key of its own"
+            )
+        log.info("request.repeated", worker=known.worker)
+        return self.reader.lookup(known.worker).view()
+
+    def keyed(
+        self, change: Change, asked: AskedKey | None, worker_id: str, now: float
+    ) -> KeyRecord | None:
+        """Put a request's key, with the worker it made, in `change` (the transaction that
+        writes that worker down), with the keys forgotten since the last; the key to
+        `remember` once the change is in."""
+        if asked is None:
+            return None
+        record = asked.made(worker_id, now)
+        change.keys.append(record)
+        change.dropped_keys += self._keys_to_drop
+        return record
+
+    def remember(self, key: KeyRecord | None, now: float) -> None:
+        """A keyed change went in: its key is known from now on, and the dropped ones gone."""
+        if key is not None:
+            self._keys_to_drop = self.request_keys.remember(key, now)
+
+    async def _lose_the_answer(self) -> None:
+        """Fault `lose-answer`: reload before this spawn is answered; the reload's pause
+        cancels this request, whose answer is never sent."""
+        for _ in range(LOSE_ANSWER_TRIES):
+            os.kill(os.getpid(), signal.SIGHUP)
+            await trio.sleep(LOSE_ANSWER_EVERY)
+
+    async def _start(
+        self, request: Spawn, caller: str | None, launch: Launch, asked: AskedKey | None
+    ) -> WorkerView:
         argv, env, cwd = launch.argv, launch.env, launch.cwd
         now = self.clock()
         record = self.registry.register(
@@ -296,7 +365,10 @@ class Daemon:
             change = Change(workers=[record])
             if record.run not in self._saved_runs and not self.registry.run(record.run).implicit:
                 change.runs.append(self.registry.run(record.run))
+            # Its key in the same transaction: no crash leaves one without the other.
+            key = self.keyed(change, asked, record.id, now)
             self.store.commit(change, "registering a worker")
+            self.remember(key, now)
             self._saved_runs.update(r.id for r in change.runs)
             archive = self.spares.take(record.id)
             if archive is None:
@@ -330,8 +402,12 @@ class Daemon:
             self.registry.ended(record.id, None, now)
             # Its row says it ended, or a restart would bring it back `interrupted` and
             # wake its parent for a spawn its client was told was refused.
+            refused = Change(workers=[record])
+            if asked is not None:  # sent again, it is tried again: it was refused, not made
+                self.request_keys.forget(asked.caller, asked.key)
+                refused.dropped_keys.append((asked.caller, asked.key))
             with contextlib.suppress(OSError):
-                self.store.commit(Change(workers=[record]), "a refused spawn", redo=True)
+                self.store.commit(refused, "a refused spawn", redo=True)
             if exc.errno in DESCRIPTOR_ERRNOS:
                 raise self._out_of_descriptors(
                     record.id, OutOfDescriptors(exc, "its archive")

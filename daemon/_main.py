@@ -26,6 +26,7 @@ from subagentd.protocol import (
 from ._logging import configure_logging
 from ._settings import DEFAULT_RELOAD_INTERVAL, Settings
 from .core._registry import DEFAULT_FINISHED_TTL, DEFAULT_KEEP_ARCHIVES_DAYS
+from .core._request_keys import DEFAULT_REQUEST_KEY_TTL
 from .lifecycle._checkpoint import READS_VERSIONS, Checkpoint, CheckpointUnreadable, read_checkpoint
 from .store._statedir import StateDirLocked, ensure_private_dir
 from .store._store import READS_VERSIONS as STORE_READS_VERSIONS
@@ -87,6 +88,15 @@ def _parser() -> argparse.ArgumentParser:
         help="refuse a reload (busy, saying when to retry) until S seconds after the last "
         "one ended: a loop of reloads cannot keep the daemon from serving (default: "
         "%(default)s s; 0 for none)",
+    )
+    parser.add_argument(
+        "--request-key-ttl",
+        type=_non_negative,
+        default=DEFAULT_REQUEST_KEY_TTL,
+        metavar="S",
+        help="remember a spawn's or resume's idempotency key this long, so a client that "
+        "sends it again (its answer lost in a reload) gets the same worker "
+        "(default: %(default)s s)",
     )
     parser.add_argument(
         "--cgroups",
@@ -185,6 +195,7 @@ def _settings(args: argparse.Namespace) -> Settings:
         log_format=args.log_format,
         cgroups=args.cgroups,
         reload_interval=args.reload_interval,
+        request_key_ttl=args.request_key_ttl,
     )
 
 

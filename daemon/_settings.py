@@ -11,6 +11,7 @@ import msgspec
 
 from ._logging import LogFormat
 from .core._registry import DEFAULT_FINISHED_TTL, DEFAULT_KEEP_ARCHIVES_DAYS
+from .core._request_keys import DEFAULT_REQUEST_KEY_TTL
 
 #: Seconds or days: zero or more, as the command line takes them (nan refused, inf
 #: meaning never); the same rule where a checkpoint carries them.
@@ -35,6 +36,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     log_format: LogFormat | None = None
     cgroups: Literal["auto", "off"] = "auto"
     reload_interval: NonNegative = DEFAULT_RELOAD_INTERVAL
+    #: Seconds a spawn's or resume's idempotency key is remembered.
+    request_key_ttl: NonNegative = DEFAULT_REQUEST_KEY_TTL
 
 
 def encode_path(obj: Any) -> Any:

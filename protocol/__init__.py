@@ -14,6 +14,7 @@ from ._messages import MAX_GRACE as MAX_GRACE
 from ._messages import MAX_ID_LENGTH as MAX_ID_LENGTH
 from ._messages import MAX_INPUT_BYTES as MAX_INPUT_BYTES
 from ._messages import MAX_INT as MAX_INT
+from ._messages import MAX_KEY_LENGTH as MAX_KEY_LENGTH
 from ._messages import MAX_NAME_LENGTH as MAX_NAME_LENGTH
 from ._messages import MAX_PATH_LENGTH as MAX_PATH_LENGTH
 from ._messages import MAX_TIMEOUT as MAX_TIMEOUT

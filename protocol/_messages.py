@@ -58,6 +58,8 @@ MAX_NAME_LENGTH = 1024
 MAX_PATH_LENGTH = 4096
 #: Wakes acknowledged by one ack.
 MAX_ACK_WAKES = 64 * 1024
+#: A spawn's or resume's idempotency key: clients send 32 hex digits (128 random bits).
+MAX_KEY_LENGTH = 128
 
 #: A request id: 1 and up (id 0 marks an event, never a request).
 RequestId = Annotated[int, msgspec.Meta(ge=1, le=MAX_INT)]
@@ -82,6 +84,10 @@ Env = Annotated[
     msgspec.Meta(max_length=MAX_ARGS),
 ]
 Input = Annotated[bytes, msgspec.Meta(max_length=MAX_INPUT_BYTES)]
+#: An idempotency key: 1 to 128 printable ASCII characters, no space (see `Spawn.key`).
+RequestKey = Annotated[
+    str, msgspec.Meta(min_length=1, max_length=MAX_KEY_LENGTH, pattern=r"^[!-~]+$")
+]
 
 
 # -- values carried inside messages --------------------------------------------
@@ -369,7 +375,8 @@ class Request(msgspec.Struct, Generic[R], tag_field="op", kw_only=True):
 
     def resendable(self) -> bool:
         """Whether, lost with its connection, it may be sent again on the next one: it asks
-        without changing anything, so a second asking answers the same."""
+        without changing anything, or carries a key the daemon remembers (a spawn, a
+        resume), so a second asking answers the same."""
         return False
 
     def streams(self) -> bool:
@@ -398,9 +405,15 @@ class Spawn(Request[WorkerReply], tag="spawn"):
     env: Env = {}
     timeout: Timeout | None = None
     grace: Grace | None = None
+    #: Chosen by the client, new for each spawn: a repeat with the same key (the answer
+    #: was lost) answers the worker the first made, so it may be sent again.
+    key: RequestKey | None = None
 
     for_workers = True
     again_after_reloading = True
+
+    def resendable(self) -> bool:
+        return self.key is not None
 
 
 class NewRun(Request[RunReply], tag="new_run"):
@@ -536,9 +549,14 @@ class Resume(Request[WorkerReply], tag="resume"):
     input: Input | None = None
     argv: Argv | None = None
     model: Name | None = None
+    #: As `Spawn.key`: a repeat answers the attempt the first one started.
+    key: RequestKey | None = None
 
     for_workers = True
     again_after_reloading = True
+
+    def resendable(self) -> bool:
+        return self.key is not None
 
 
 class ResumeRun(Request[WorkerList], tag="resume_run"):

@@ -46,6 +46,7 @@ from subagentd.daemon.core._registry import (
     DEFAULT_KEEP_ARCHIVES_DAYS,
     WorkerRecord,
 )
+from subagentd.daemon.core._request_keys import DEFAULT_REQUEST_KEY_TTL
 from subagentd.daemon.lifecycle._carried import Carried, take_back
 from subagentd.daemon.lifecycle._checkpoint import Checkpoint, read_checkpoint
 from subagentd.daemon.lifecycle._recovery import recover
@@ -331,6 +332,7 @@ def _daemon(
         config_path=settings.config,
         finished_ttl=settings.finished_ttl,
         keep_archives_days=settings.keep_archives_days,
+        request_key_ttl=settings.request_key_ttl,
         clock=wall,
         faults=faults,
         launcher=LocalLauncher(None, "/proc scan (in-process test)"),
@@ -353,6 +355,7 @@ async def in_process(
     *,
     finished_ttl: float = DEFAULT_FINISHED_TTL,
     keep_archives_days: float = DEFAULT_KEEP_ARCHIVES_DAYS,
+    request_key_ttl: float = DEFAULT_REQUEST_KEY_TTL,
     faults: frozenset[tuple[str, str]] = frozenset(),
     real_bound: float = REAL_BOUND,
 ) -> AsyncIterator[InProcess]:
@@ -364,6 +367,7 @@ async def in_process(
         config=root / "agents.toml",
         finished_ttl=finished_ttl,
         keep_archives_days=keep_archives_days,
+        request_key_ttl=request_key_ttl,
         cgroups="off",
     )
     state = StateDir(settings.state_dir)

@@ -246,7 +246,8 @@ def test_spawn_starts_the_worker_where_the_caller_stands() -> None:
     request = _core.spawn(["make"]).request
     assert isinstance(request, Spawn)
     assert request.cwd == os.getcwd()
-    assert _core.spawn(["make"], cwd=Path("/src")).request == Spawn(id=0, argv=["make"], cwd="/src")
+    given = _core.spawn(["make"], cwd=Path("/src"), key="k-1").request
+    assert given == Spawn(id=0, argv=["make"], cwd="/src", key="k-1")
 
 
 def test_spawn_sends_text_input_as_utf8_and_bytes_as_they_are() -> None:
@@ -554,6 +555,40 @@ def test_a_spawn_whose_answer_went_with_the_connection_is_connection_lost() -> N
     assert reconnect(conn) == []
     with pytest.raises(ConnectionLost, match="whether the request was done is unknown"):
         conn.next_reply(spawned)
+
+
+def test_a_keyed_spawn_or_resume_whose_answer_went_with_the_connection_is_sent_again() -> None:
+    conn = _core.Connection(reconnect=True)
+    spawn = _core.spawn(["true"], cwd="/").request
+    resume = _core.resume("w-1").request
+    spawned, _ = conn.send(spawn)
+    resumed, _ = conn.send(resume)
+    conn.connection_lost(BrokenPipeError(errno.EPIPE, "Broken pipe"))  # a frame not even sent
+    again = reconnect(conn)
+    # The same requests, their keys with them: the daemon answers what the first ones made.
+    assert again == [
+        msgspec.structs.replace(spawn, id=spawned),
+        msgspec.structs.replace(resume, id=resumed),
+    ]
+    assert isinstance(spawn, Spawn)
+    assert isinstance(resume, Resume)
+    assert len(spawn.key or "") == len(resume.key or "") == 32  # 128 bits, in hex
+    assert spawn.key != resume.key
+    assert _core.spawn(["true"]).request != _core.spawn(["true"]).request  # a key per call
+    conn.receive_data(encode(WorkerReply(id=spawned, worker=WORKER)))
+    assert conn.next_reply(spawned) == WorkerReply(id=spawned, worker=WORKER)
+
+
+def test_a_keyed_spawn_refused_reloading_waits_its_retry_after_not_sent_again_at_once() -> None:
+    conn = _core.Connection()
+    spawn = _core.spawn(["true"], key="k-1").request
+    spawned, _ = conn.send(spawn)
+    refusal = Error(id=spawned, code="reloading", message="reloading", retry_after=0.2)
+    conn.receive_data(encode(refusal))
+    # The launch fence would refuse it again at once: the shell waits, then sends it.
+    assert conn.outgoing() == []
+    assert conn.next_reply(spawned) == refusal
+    assert _core.retry_delay(spawn, refusal) == 0.2
 
 
 def test_a_request_made_while_reconnecting_goes_out_on_the_new_connection() -> None:

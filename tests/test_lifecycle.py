@@ -20,6 +20,8 @@ The promises checked:
 - `holds_park` says whether stopping the daemon would cost something: a worker
   running, or a result owed by one that ended on its own (a stopped or interrupted
   worker owes none), neither collected nor past its TTL.
+- a spawn sent again with its key (its answer lost, say) answers the worker it made,
+  as it is now, across reloads, crashes and its release, and makes no other.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from hypothesis import (
 from hypothesis import strategies as st
 from trio.testing import MockClock
 
+from subagentd.daemon.core._request_keys import DEFAULT_REQUEST_KEY_TTL
 from subagentd.protocol.errors import Busy, NotFound, RunStopped
 
 from .helpers import sh
@@ -103,6 +106,11 @@ class Drain:
 
 
 @dataclass(frozen=True)
+class Again:
+    pick: int  # among all workers: its spawn sent again, with its key
+
+
+@dataclass(frozen=True)
 class Reload:
     pass
 
@@ -112,7 +120,7 @@ class Crash:
     pass
 
 
-Step = NewRun | Spawn | End | Stop | StopRun | Collect | Expire | Drain | Reload | Crash
+Step = NewRun | Spawn | End | Stop | StopRun | Collect | Expire | Drain | Again | Reload | Crash
 
 _pick = st.integers(0, 7)
 
@@ -138,6 +146,7 @@ _WEIGHTED: list[st.SearchStrategy[Step]] = [
     st.just(NewRun()),
     st.just(Expire()),
     st.just(Drain()),
+    st.builds(Again, pick=_pick),
     *[st.just(Reload())] * 2,
     *[st.just(Crash())] * 2,
 ]
@@ -160,6 +169,9 @@ class Worker:
     expired: bool = False  # past its TTL uncollected
     woken: bool = False  # its wake was delivered (and acknowledged)
     carried: bool = False  # across a reload, live
+    #: How it was spawned (its key among it), and when on trio's clock: to send it again.
+    asked: dict[str, object] = field(default_factory=dict)
+    asked_at: float = 0.0
 
     @property
     def ended(self) -> bool:
@@ -249,6 +261,8 @@ class Player:
                 await self.collect(pick)
             case Drain():
                 await self.drain()
+            case Again(pick):
+                await self.again(pick)
             case Reload():
                 _event("reload carrying live workers" if model.running() else "reload, none live")
                 await self.d.reload_in_place()
@@ -278,17 +292,31 @@ class Player:
                 with pytest.raises(RunStopped):
                     await client.spawn(argv, run=run)
                 return
-            if parent is not None:
-                view = await client.spawn(argv, parent=parent.id)
-            else:
-                view = await client.spawn(argv, run=run)
+            asked: dict[str, object] = {"key": f"spawn-{n}"}
+            asked |= {"parent": parent.id} if parent is not None else {"run": run}
+            view = await client.spawn(argv, **asked)  # type: ignore[arg-type]
             assert (view.run, view.parent) == (run, parent.id if parent else None)
             worker = Worker(n, view.id, run, view.parent, step.code, fifo)
+            worker.asked, worker.asked_at = {"argv": argv, **asked}, trio.current_time()
             model.workers[worker.id] = worker
             self.log.append(f"  -> {worker.id} (R{n}) in {run}, parent {worker.parent}")
             if not step.held:
                 await client.wait(worker.id)
                 model.end(worker, "finished" if step.code == 0 else "failed")
+
+    async def again(self, pick: int) -> None:
+        workers = [
+            w
+            for w in self.model.workers.values()
+            if trio.current_time() - w.asked_at < DEFAULT_REQUEST_KEY_TTL - 1  # not forgotten
+        ]
+        if not workers:
+            return
+        worker = workers[pick % len(workers)]
+        async with self.d.client() as client:
+            view = await client.spawn(**worker.asked)  # type: ignore[arg-type]
+        assert (view.id, view.state) == (worker.id, worker.state), (worker, view)
+        _event("a spawn sent again after its worker ended" if worker.ended else "sent again")
 
     async def end(self, pick: int) -> None:
         candidates = [w for w in self.model.running() if w.fifo is not None]
@@ -399,6 +427,9 @@ class Player:
         assert info.holds_park == model.holds_park(), info.workers
         for worker in model.workers.values():
             assert (worker.id in listed) == model.held(worker), (worker, listed)
+        assert listed <= set(model.workers), (
+            f"workers nobody spawned: {listed - set(model.workers)}"
+        )
 
     async def finish(self) -> None:
         """At the end: every wake delivered once, every result there to collect."""

@@ -165,6 +165,7 @@ def test_an_image_handed_an_unreadable_checkpoint_exits_as_if_it_had_crashed(
         ("idle_exit", float("nan")),
         ("reload_interval", float("nan")),
         ("reload_interval", -1.0),
+        ("request_key_ttl", -1.0),
     ],
 )
 def test_a_checkpoint_carrying_an_unusable_setting_is_unreadable(

@@ -335,7 +335,7 @@ def test_a_v1_store_is_migrated_to_v2_with_its_wakes_and_seq_floor(tmp_path: Pat
     db.close()
     store = Store.open(path)
     try:
-        assert store.version == SCHEMA_VERSION == 2
+        assert store.version == SCHEMA_VERSION == 3
         wakes, floor = store.wakes()
         assert [(w.seq, w.id, w.preview) for w in wakes] == [(5, "w-5", "five")]
         assert floor == 9
@@ -345,7 +345,7 @@ def test_a_v1_store_is_migrated_to_v2_with_its_wakes_and_seq_floor(tmp_path: Pat
     finally:
         store.close()
     versions = [row[0] for row in _query(path, "SELECT version FROM schema_version")]
-    assert versions == [1, 2]
+    assert versions == [1, 2, 3]
 
 
 def test_an_ending_is_one_transaction_and_a_row_that_does_not_decode_costs_only_itself(

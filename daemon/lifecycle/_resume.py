@@ -20,6 +20,7 @@ from subagentd.protocol.errors import Invalid, NotFound, Refused, Reloading
 
 from .._daemon import RELOAD_RETRY, Daemon
 from ..core._registry import WorkerRecord
+from ..core._request_keys import AskedKey
 from ..store._archive import STDOUT_TAIL_BYTES, Archive, Snapshot
 from ..store._files import NotRegularFile
 from ..store._journal import Journal
@@ -46,12 +47,17 @@ class Resumer:
         #: Workers whose journal a resume is verifying (in a thread): one resume at a time.
         self._opening: set[str] = set()
 
-    async def resume(self, worker_id: str, worker_timeout: float | None) -> Resumption:
+    async def resume(
+        self, worker_id: str, worker_timeout: float | None, asked: AskedKey | None = None
+    ) -> Resumption:
         """Carry a stopped, failed, timed-out or interrupted worker on from its snapshot:
-        same id, next attempt, same journal; only the timeout may be given anew."""
+        same id, next attempt, same journal; only the timeout may be given anew.
+        ``asked``: its idempotency key; a repeat answers the attempt the first started."""
+        if (resumed := self.daemon.made_already(asked)) is not None:
+            return Resumption(resumed, "")  # said to the first: see protocol/README.md
         self._check_fence()
         with self.daemon.supervisor.launching(), trio.CancelScope(shield=True):
-            view = await self._resume_one(worker_id, worker_timeout)
+            view = await self._resume_one(worker_id, worker_timeout, asked)
         return view
 
     def _check_fence(self) -> None:
@@ -62,7 +68,9 @@ class Resumer:
         if self.daemon.reloading:
             raise Reloading("the daemon is reloading; resume again", retry_after=RELOAD_RETRY)
 
-    async def _resume_one(self, worker_id: str, worker_timeout: float | None) -> Resumption:
+    async def _resume_one(
+        self, worker_id: str, worker_timeout: float | None, asked: AskedKey | None = None
+    ) -> Resumption:
         """`resume`, past the fence, its launch counted and shielded by the caller."""
         found = self.daemon.reader.lookup(worker_id)
         self._check_resumable(found.id, found.state)
@@ -75,7 +83,7 @@ class Resumer:
         if worker_timeout is not None and worker_timeout < 0:
             raise Invalid(f"timeout must be zero or more seconds, not {worker_timeout}")
         changed = changes_since_spawn(snapshot, *self._agents_on_disk(snapshot))
-        view = await self._reopen(record, snapshot, archive, worker_timeout, changed)
+        view = await self._reopen(record, snapshot, archive, worker_timeout, changed, asked)
         return Resumption(view, changed)
 
     def _agents_on_disk(self, snapshot: Snapshot) -> tuple[dict[str, AgentDef] | None, str | None]:
@@ -96,6 +104,7 @@ class Resumer:
         archive: Archive,
         worker_timeout: float | None,
         changed: str,
+        asked: AskedKey | None,
     ) -> WorkerView:
         # The journal first: if it cannot be opened, nothing has changed yet.
         journal = await self._open_journal(record.id, archive)
@@ -109,17 +118,18 @@ class Resumer:
         self.daemon.supervisor.add(live)
         try:
             self.daemon.fault("resume", record.name)
-            # The new attempt, its run live again, in one transaction; the last attempt's
-            # stdout tail no longer ends its stdout.
-            self.daemon.store.commit(
-                Change(
-                    workers=[record],
-                    tails={record.id: b""},
-                    runs=[self.daemon.registry.run(record.run)],
-                    dropped_tombstones=[record.id] if had_stone else [],
-                ),
-                "a resume",
+            # The new attempt, its run live again, its key, in one transaction; the last
+            # attempt's stdout tail no longer ends its stdout.
+            change = Change(
+                workers=[record],
+                tails={record.id: b""},
+                runs=[self.daemon.registry.run(record.run)],
+                dropped_tombstones=[record.id] if had_stone else [],
             )
+            now = self.daemon.clock()
+            key = self.daemon.keyed(change, asked, record.id, now)
+            self.daemon.store.commit(change, "a resume")
+            self.daemon.remember(key, now)
             self.daemon.reader.forget_journal(record.id)  # its read-only view would go stale
             # The note is `attempt N: resumed` alone when nothing changed.
             note = f"attempt {record.attempt}: resumed"

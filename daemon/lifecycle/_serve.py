@@ -129,6 +129,7 @@ async def serve(
             config_path=settings.config,
             finished_ttl=settings.finished_ttl,
             keep_archives_days=settings.keep_archives_days,
+            request_key_ttl=settings.request_key_ttl,
             launcher=LocalLauncher(cgroups, tree_tracking),
             faults=read_faults(os.environ.get(FAULT_ENV, "")),
         )

@@ -83,6 +83,7 @@ from subagentd.protocol.errors import (
 from .._daemon import RELOAD_RETRY, Daemon, Stopping
 from ..core._authority import Authority
 from ..core._registry import listing_page
+from ..core._request_keys import asked_key
 from ..core._session import Close, Release, Session
 from ..lifecycle._reload import Handover, Reloader, owed_by_connection
 from ..lifecycle._resume import Resumer
@@ -612,7 +613,7 @@ class Server:
                         f"a resume runs what worker {worker}'s snapshot froze at spawn: "
                         f"{', '.join(given)} cannot be given again (only timeout can)"
                     )
-                resumed = await self.resumer.resume(worker, timeout)
+                resumed = await self.resumer.resume(worker, timeout, asked_key(request, caller))
                 return WorkerReply(id=rid, worker=resumed.view, changed=resumed.changed)
             case Cancel(scope=scope):
                 return _cancelled(rid, daemon.cancel(scope))

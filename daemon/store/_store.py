@@ -32,7 +32,7 @@ Version 1 held the wakes:
 A post inserts the wake (and the trigger raises `wake_seq`) in one transaction; an ack
 deletes it. `wake_seq` outlives every row, so no seq is ever given twice.
 
-Version 2 (this image) holds the rest of what the daemon knows, so that an ending (its
+Version 2 holds the rest of what the daemon knows, so that an ending (its
 record, its wake, its retention) is one transaction, and recovery and `latest_resumable`
 are queries:
 
@@ -59,6 +59,15 @@ snapshots' index is the workers' (cwd, spawned_at): a worker's first start is it
 snapshot's time, so no table of its own is needed. Wakes keep no foreign key to workers:
 a wake imported from an old wake log may name a worker no record tells of.
 
+Version 3 (this image) adds the idempotency keys of spawns and resumes
+(`core/_request_keys.py`), each written in the transaction that records the worker it
+made, so no crash leaves a worker without its key or a key without its worker:
+
+    request_keys(caller TEXT, key TEXT, worker TEXT, digest BLOB, at REAL,
+                 PRIMARY KEY (caller, key)) WITHOUT ROWID
+            -- caller '' is the user, else the worker whose token sent it; read whole at
+            -- start (bounded by the ttl and a count per caller), dropped by key as forgotten
+
 A damaged database (sqlite's own errors, or `PRAGMA quick_check` at open) is set aside with
 its WAL, reported, and replaced by a fresh one holding what could be read back from it; a
 symlink or anything but a regular file of ours at its name is set aside, never followed.
@@ -83,13 +92,14 @@ import structlog
 from subagentd.protocol import Wake
 
 from ..core._registry import LaunchFence, RunRecord, Tombstone, WorkerRecord
+from ..core._request_keys import KeyRecord
 
 log = structlog.get_logger("subagentd")
 
 #: The file's name in the state dir.
 STORE_NAME = "state.db"
 #: The schema this image writes.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 #: Every version this image reads (older ones are migrated forward); `--check` lists them.
 READS_VERSIONS = tuple(range(1, SCHEMA_VERSION + 1))
 #: How far seqs skip ahead when the store's record of the highest one given is lost: the
@@ -177,8 +187,21 @@ def _to_v2(db: sqlite3.Connection) -> None:
     db.execute("INSERT INTO launch VALUES (1, 0, NULL, 0, 0)")
 
 
+def _to_v3(db: sqlite3.Connection) -> None:
+    db.execute(
+        """CREATE TABLE request_keys (
+            caller TEXT NOT NULL,
+            key TEXT NOT NULL,
+            worker TEXT NOT NULL,
+            digest BLOB NOT NULL,
+            at REAL NOT NULL,
+            PRIMARY KEY (caller, key)
+        ) WITHOUT ROWID"""
+    )
+
+
 #: MIGRATIONS[n] takes the schema from version n-1 to n (0: an empty database).
-MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {1: _to_v1, 2: _to_v2}
+MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {1: _to_v1, 2: _to_v2, 3: _to_v3}
 
 
 @dataclass(frozen=True)
@@ -214,6 +237,10 @@ class Change:
     launch: LaunchState | None = None
     #: The state dir of an image before the store was taken in: never again.
     old_state_imported: bool = False
+    #: Idempotency keys, with the worker each made (in the same change as that worker).
+    keys: list[KeyRecord] = field(default_factory=list)
+    #: (caller, key) of keys forgotten: their time is up, or their caller has many newer.
+    dropped_keys: list[tuple[str, str]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return any(
@@ -228,6 +255,8 @@ class Change:
                 self.dropped_tombstones,
                 self.launch is not None,
                 self.old_state_imported,
+                self.keys,
+                self.dropped_keys,
             )
         )
 
@@ -469,6 +498,14 @@ class Store:
         fence = None if epoch is None else LaunchFence(epoch=epoch, cancelled=bool(cancelled))
         return LaunchState(turn=int(turn), fence=fence, fence_epochs=int(epochs))
 
+    def request_keys(self) -> list[KeyRecord]:
+        """Every idempotency key kept (the caller forgets the old ones)."""
+        rows = self._db.execute("SELECT caller, key, worker, digest, at FROM request_keys")
+        return [
+            KeyRecord(str(caller), str(key), str(worker), bytes(digest), float(at))
+            for caller, key, worker, digest, at in rows
+        ]
+
     def old_state_imported(self) -> bool:
         row = self._db.execute(
             "SELECT value FROM counters WHERE name = 'old_state_imported'"
@@ -596,6 +633,12 @@ def _write(db: sqlite3.Connection, change: Change) -> None:
     db.executemany("DELETE FROM tombstones WHERE id = ?", [(t,) for t in change.dropped_tombstones])
     if change.old_state_imported:
         db.execute("INSERT OR REPLACE INTO counters VALUES ('old_state_imported', 1)")
+    # Dropped first: a key forgotten may be taken again by this very change.
+    db.executemany("DELETE FROM request_keys WHERE caller = ? AND key = ?", change.dropped_keys)
+    db.executemany(
+        "INSERT OR REPLACE INTO request_keys VALUES (?, ?, ?, ?, ?)",
+        [(k.caller, k.key, k.worker, k.digest, k.at) for k in change.keys],
+    )
     if (launch := change.launch) is not None:
         fence = launch.fence
         db.execute(
@@ -805,6 +848,7 @@ _CARRIED_TABLES = {
     "runs": ("id", "INSERT OR IGNORE"),
     "tombstones": ("id", "INSERT OR IGNORE"),
     "launch": ("singleton", "INSERT OR REPLACE"),
+    "request_keys": ("at", "INSERT OR IGNORE"),
 }
 
 
