@@ -88,7 +88,7 @@ class AsyncClient:
     ) -> bool | None:
         return await self._exit_stack.__aexit__(exc_type, exc, tb)
 
-    # -- the daemon's operations (documented in DESIGN.md, "Client library") --
+    # -- the daemon's operations (README.md, "From Python"; the wire: protocol/README.md) --
 
     async def spawn(
         self,

@@ -1,7 +1,8 @@
 """subagentctl: the control CLI, one daemon request per command, over the blocking `Client`.
 
 Each command asks the daemon and hands the answer to an `Output`: `Human`
-prints for a person, `Json` prints the shapes DESIGN.md fixes for programs.
+prints for a person, `Json` prints for programs the shapes protocol/README.md fixes
+(a view as on the wire; fields may be added, never renamed).
 Exit status: 0 done, 1 refused or not found, 2 usage, 3 no daemon, 130 Ctrl-C.
 """
 
@@ -765,6 +766,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             flag
             for flag, value in (
                 ("--timeout", args.timeout),
+                ("--key", args.key),
                 ("--input", args.input),
                 ("--model", args.model),
                 ("CMD", args.argv or None),

@@ -78,6 +78,7 @@ class StopSwitch(_Switch):
         env: Mapping[str, str] | None = None,
         timeout: float | None = None,  # noqa: ASYNC109  the worker's time limit, not this call's
         grace: float | None = None,
+        key: str | None = None,
     ) -> WorkerView:
         """Start a worker in this run, as `AsyncClient.spawn` does.
 
@@ -97,6 +98,7 @@ class StopSwitch(_Switch):
                 env=env,
                 timeout=timeout,
                 grace=grace,
+                key=key,
             )
         )
 
@@ -192,6 +194,7 @@ class BlockingStopSwitch(_Switch):
         env: Mapping[str, str] | None = None,
         timeout: float | None = None,
         grace: float | None = None,
+        key: str | None = None,
     ) -> WorkerView:
         """As `StopSwitch.spawn`."""
         return self._spawned(
@@ -206,6 +209,7 @@ class BlockingStopSwitch(_Switch):
                 env=env,
                 timeout=timeout,
                 grace=grace,
+                key=key,
             )
         )
 

@@ -92,7 +92,7 @@ class Client:
             self._sock.close()
             self._sock = None
 
-    # -- the daemon's operations (documented in DESIGN.md, "Client library") --
+    # -- the daemon's operations (README.md, "From Python"; the wire: protocol/README.md) --
 
     def spawn(
         self,

@@ -2,7 +2,7 @@
 
 Each test runs the installed `subagentctl` in a subprocess (bounded by a
 timeout) and checks what a user would read: stdout, stderr, the exit status,
-and with --json the document shapes DESIGN.md fixes.
+and with --json the document shapes protocol/README.md fixes.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from .helpers import alive
 
 CTL = str(BIN / "subagentctl")
 
-#: The --json shapes of DESIGN.md ("fields may be added, never renamed"): exactly these today.
+#: The --json shapes (protocol/README.md: "fields may be added, never renamed"): these today.
 WORKER_FIELDS = {
     "id",
     "run",
@@ -182,7 +182,7 @@ def test_the_readme_tour_reads_as_the_readme_shows(daemon: DaemonProcess) -> Non
     assert ok(daemon.ctl("collect", counter)).stdout == "tick 1\ntick 2\ntick 3\n"
     rows = listed("--all")
     assert rows[sleeper][2:] == ["stopped", rows[sleeper][3], "-15", "sleeper"]
-    assert counter not in rows  # collected: its handle is let go (DESIGN.md, Retention)
+    assert counter not in rows  # collected: its handle is let go (README.md)
     assert "state: finished" in ok(daemon.ctl("status", counter)).stdout  # from its archive
 
     fields = dict(

@@ -21,7 +21,7 @@ from subagentd.client import AsyncClient, Client, Wake, WorkerView
 from .conftest import BIN, DaemonProcess
 from .helpers import sh
 
-#: DESIGN.md's `events --json` shape: exactly these fields today.
+#: The `events --json` shape (a wake as on the wire): exactly these fields today.
 WAKE_FIELDS = {"id", "run", "parent", "state", "exit_code", "preview"}
 
 

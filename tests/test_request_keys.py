@@ -191,6 +191,11 @@ def test_subagentctl_spawn_and_resume_with_a_key_answer_the_first_worker(
     assert [r.returncode for r in resumed] == [0, 0], resumed[1].stderr
     assert [json.loads(r.stdout)["attempt"] for r in resumed] == [2, 2]
     daemon.ctl("stop", first["id"])
+    # A whole run's resume takes no key (resume_run has none): refused, not ignored.
+    for whole in (["--run", first["run"]], ["--latest"]):
+        ignored = daemon.ctl("resume", *whole, "--key", "r-8")
+        assert ignored.returncode == 2, ignored
+        assert "--key: only with a worker ID" in ignored.stderr
 
 
 # -- (d) a key is remembered for its ttl, on trio's clock --------------------------------

@@ -506,3 +506,14 @@ def test_the_blocking_switch_stops_its_run_on_leaving_unless_told_not_to(
             left = kept.spawn(["sleep", "60"])
         assert blocking.status(left.id).state == "running"
         assert blocking.stop_run(kept.run) == [left.id]
+
+
+async def test_a_switchs_spawn_sent_again_with_its_key_answers_the_worker_it_made(
+    client: AsyncClient,
+) -> None:
+    with trio.fail_after(20):
+        async with client.stop_switch() as switch:
+            first = await switch.spawn(["sleep", "60"], key="step-1")
+            again = await switch.spawn(["sleep", "60"], key="step-1")
+            assert again.id == first.id
+            assert switch.ids == [first.id]
