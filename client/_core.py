@@ -124,7 +124,7 @@ def unavailable(path: Path, exc: OSError) -> DaemonUnavailable:
 def unknown_worker(worker_id: str) -> NotFound:
     return NotFound(
         f"no worker {worker_id!r} is known to the daemon; "
-        "`subagentctl ls --all` lists the workers it holds"
+        "listing its workers (`ls`, all of them) shows what it holds"
     )
 
 
@@ -696,7 +696,7 @@ class Connection:
             case Error(code=Reloading.code):
                 raise ConnectionLost(
                     "the daemon reloaded before answering; whether the request was done is "
-                    "unknown: check (`subagentctl ls --all`) before asking again"
+                    "unknown: list its workers (`ls`) before asking again"
                 )
             case Error(code=code, message=message, retry_after=retry_after):
                 raise remote_error(code, message, retry_after)
