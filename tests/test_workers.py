@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -307,3 +307,45 @@ async def test_a_resumed_worker_collects_its_last_attempts_output(client: AsyncC
         await client.resume(worker.id)
         result = await client.collect(worker.id, wait=True)
         assert result.result.splitlines()[-1] == "second"
+
+
+async def test_a_stop_asked_as_an_exited_workers_supervision_closes_is_taken(
+    autojump_clock: MockClock, short_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stop asked (a `stop_run` racing the ending, as CI once saw) just as an exited
+    worker's supervision takes its last pump back is taken, never "Nursery is closed".
+
+    Each pump is made to linger, shielded, after its end of file until a time the test
+    sets; the test wakes at that same time, so it runs in the scheduling batch in which
+    the pumps end, after them half the time (trio reverses half its batches): in the
+    gap before the supervision's task resumes. Twelve workers: missed 1 time in 4,096."""
+    from subagentd.daemon.processes._process import pump as real_pump
+    from subagentd.daemon.workers import _supervisor
+
+    lingering: list[trio.CancelScope] = []
+
+    async def lingering_pump(fd: int, deliver: Callable[[bytes], Awaitable[None]]) -> None:
+        try:
+            await real_pump(fd, deliver)
+        finally:
+            with trio.CancelScope(shield=True) as scope:
+                lingering.append(scope)
+                await trio.sleep_forever()
+
+    monkeypatch.setattr(_supervisor, "pump", lingering_pump)
+    async with in_process(short_tmp) as d, d.client() as client:
+        for _ in range(12):
+            with held(autojump_clock):  # the real exit, and its tree ended, come first
+                worker = await client.spawn(["true"])
+                live = d.daemon.supervisor.get(worker.id)
+                assert live is not None
+                await live.terminated.wait()
+            await trio.sleep(10)  # past the pipes' drain (1 s): only the pumps are left
+            released = trio.current_time() + 1
+            for scope in lingering:
+                scope.deadline = released
+            lingering.clear()
+            await trio.sleep_until(released)
+            d.daemon.stop(worker.id)  # what a stop request does, in this very batch
+            ended = await client.wait(worker.id)
+            assert ended.exit_code == 0, ended

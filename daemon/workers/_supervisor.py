@@ -248,9 +248,9 @@ class Supervisor:
         assert process is not None
         pipes = {kind: fd for kind in _PIPES if (fd := getattr(process, kind)) is not None}
         pipes_closed = trio.Event()
-        try:
-            async with trio.open_nursery() as nursery:
-                live.watch = nursery
+        async with trio.open_nursery() as nursery:
+            live.watch = nursery
+            try:
                 for kind, fd in pipes.items():
                     nursery.start_soon(self._pump, live, fd, kind, pipes, pipes_closed)
                 if not pipes:
@@ -263,8 +263,10 @@ class Supervisor:
                 with trio.move_on_after(PIPE_DRAIN_SECONDS):
                     await pipes_closed.wait()
                 nursery.cancel_scope.cancel()
-        finally:
-            live.watch = None  # a stop asked from here on waits for the next supervision
+            finally:
+                # From here the nursery takes no new task (it only waits for its pumps):
+                # a stop asked now finds its tree ended, or waits for the next supervision.
+                live.watch = None
         live.returncode = returncode = process.reap()
         process.close()
         self._launcher.released(process)
