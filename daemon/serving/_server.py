@@ -54,6 +54,8 @@ from subagentd.protocol import (
     Resume,
     ResumeRun,
     RunReply,
+    Send,
+    Sent,
     SetFence,
     Spawn,
     Status,
@@ -598,6 +600,8 @@ class Server:
                     worker, pattern, before=before, after=after, limit=limit
                 )
                 return GrepReply(id=rid, result=found)
+            case Send(worker=worker, data=data, eof=eof):
+                return Sent(id=rid, written=daemon.send(worker, data, eof=eof))
             case WaitFor(worker=worker, pattern=pattern, timeout=timeout):
                 waited = await daemon.reader.wait_for(worker, pattern, timeout)
                 return WaitForReply(id=rid, result=waited)
