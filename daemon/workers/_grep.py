@@ -80,8 +80,9 @@ class LineScanner:
 
     @property
     def done(self) -> bool:
-        """Nothing fed from now on could change the answer."""
-        return (self.more or len(self.matches) >= self.limit) and not self._owed
+        """Nothing fed from now on could change the answer: a match past the limit was
+        seen (so `more`), and every match has its context after."""
+        return self.more and not self._owed
 
     def feed(self, entries: Iterable[Entry]) -> None:
         """Take the next entries of the journal (other kinds than output pass by)."""
@@ -105,7 +106,8 @@ class LineScanner:
         lines: list[tuple[OutputKind, bytes]] = []
         for piece in whole:
             partial += piece
-            lines += _cut(kind, bytes(partial))
+            # A CRLF line ends before its CR: `$` matches there, as a person reads it.
+            lines += _cut(kind, bytes(partial).removesuffix(b"\r"))
             partial.clear()
         partial += rest
         if len(partial) >= MAX_LINE_BYTES:
@@ -115,23 +117,24 @@ class LineScanner:
         return lines
 
     def _take(self, lines: list[tuple[OutputKind, bytes]]) -> None:
+        """Search a batch of whole lines; only the lines a match shows are decoded."""
         if not lines:
             return
-        texts = [_text(line) for _, line in lines]
+        raw = [line for _, line in lines]
         for found in self._owed:
-            taken = texts[: found.owed]
+            taken = [_text(line) for line in raw[: found.owed]]
             found.match.after += taken
             found.owed -= len(taken)
         self._owed = [found for found in self._owed if found.owed]
-        if not (self.more or len(self.matches) >= self.limit):
-            for index in self._matching([line for _, line in lines]):
+        if not self.more:
+            for index in self._matching(raw):
                 if len(self.matches) >= self.limit:
                     self.more = True
                     break
-                self._found(index, lines[index][0], texts)
+                self._found(index, lines[index][0], raw)
         self.line_no += len(lines)
         if self.before:
-            self._recent.extend(texts[-self.before :])
+            self._recent.extend(_text(line) for line in raw[-self.before :])
             while len(self._recent) > self.before:
                 self._recent.popleft()
 
@@ -150,17 +153,17 @@ class LineScanner:
                 return
             position = starts[index + 1]
 
-    def _found(self, index: int, kind: OutputKind, texts: list[str]) -> None:
+    def _found(self, index: int, kind: OutputKind, raw: list[bytes]) -> None:
         before: list[str] = []
         if self.before:
-            earlier = texts[max(0, index - self.before) : index]
+            earlier = [_text(line) for line in raw[max(0, index - self.before) : index]]
             missing = self.before - len(earlier)
             before = (list(self._recent)[-missing:] if missing else []) + earlier
-        after = texts[index + 1 : index + 1 + self.after]
+        after = [_text(line) for line in raw[index + 1 : index + 1 + self.after]]
         match = GrepMatch(
             line_no=self.line_no + index + 1,
             kind=kind,
-            line=texts[index],
+            line=_text(raw[index]),
             before=before,
             after=after,
         )
@@ -176,4 +179,4 @@ def _cut(kind: OutputKind, line: bytes) -> list[tuple[OutputKind, bytes]]:
 
 
 def _text(line: bytes) -> str:
-    return line.removesuffix(b"\r").decode("utf-8", errors="replace")
+    return line.decode("utf-8", errors="replace")

@@ -23,6 +23,7 @@ from subagentd.protocol import (
     GrepResult,
     Page,
     WaitForResult,
+    WaitOutcome,
     Watch,
     WorkerResult,
     WorkerView,
@@ -180,17 +181,13 @@ class Reader:
         counts once it ends (or the output does); the scan's work is bounded by the time."""
         scanner = LineScanner(compile_pattern(pattern))
         self.lookup(worker_id)
-        outcome = "timed_out"
+        outcome: WaitOutcome = "timed_out"
         with trio.move_on_after(seconds):
             outcome = await self._wait_for_line(worker_id, scanner)
-        line = scanner.matches[0].line if scanner.matches else None
-        if outcome == "timed_out":
-            return WaitForResult(outcome="timed_out", worker=self.lookup(worker_id).view())
-        if outcome == "matched":
-            return WaitForResult(outcome="matched", line=line, worker=self.lookup(worker_id).view())
-        return WaitForResult(outcome="ended", worker=self.lookup(worker_id).view())
+        line = scanner.matches[0].line if outcome == "matched" else None
+        return WaitForResult(outcome=outcome, line=line, worker=self.lookup(worker_id).view())
 
-    async def _wait_for_line(self, worker_id: str, scanner: LineScanner) -> str:
+    async def _wait_for_line(self, worker_id: str, scanner: LineScanner) -> WaitOutcome:
         cursor = 0
         while True:
             live = self._supervisor.get(worker_id)
