@@ -47,3 +47,29 @@ def test_wait_for_says_which_outcome_by_its_exit_status(daemon: DaemonProcess) -
     assert usage.returncode == 2
     nan = daemon.ctl("--json", "wait", server["id"], "--for", "x", "--timeout", "nan")
     assert "timeout" in json_error(nan, "invalid")
+
+
+def test_the_readmes_stdin_tour_reads_as_the_readme_shows(daemon: DaemonProcess) -> None:
+    spawned = ok(daemon.ctl("spawn", "--stdin", "open", "--name", "repl", "--", *REPL)).stdout
+    repl = spawned.split()[0]
+    assert ok(daemon.ctl("send", repl, "print(6 * 7)\n")).stdout == f"{repl}: wrote 13 bytes\n"
+    waited = ok(daemon.ctl("wait", repl, "--for", "^42$", "--timeout", "10"))
+    assert waited.stdout == "42\n"
+    closed = ok(daemon.ctl("send", repl, "-", "--eof", input="exit()\n"))
+    assert closed.stdout == f"{repl}: wrote 7 bytes, then closed its stdin\n"
+    assert ok(daemon.ctl("wait", repl)).stdout == f"{repl} finished, exit code 0\n"
+    watched = ok(daemon.ctl("watch", repl))
+    assert "[stdin] print(6 * 7)" in watched.stderr
+
+
+def test_the_readmes_grep_tour_reads_as_the_readme_shows(daemon: DaemonProcess) -> None:
+    script = 'echo starting; echo "listening on 8080"; sleep 600'
+    web = ok(daemon.ctl("spawn", "--name", "web", "--", "sh", "-c", script)).stdout.split()[0]
+    waited = ok(daemon.ctl("wait", web, "--for", r"listening on \d+", "--timeout", "30"))
+    assert waited.stdout == "listening on 8080\n"
+    grepped = ok(daemon.ctl("grep", web, "listening", "-B", "1"))
+    assert grepped.stdout == "1-starting\n2:listening on 8080\n"
+    ok(daemon.ctl("stop", web))
+
+
+REPL = ["python3", "-u", "-i", "-q"]
