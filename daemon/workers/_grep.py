@@ -86,41 +86,49 @@ class LineScanner:
 
     def feed(self, entries: Iterable[Entry]) -> None:
         """Take the next entries of the journal (other kinds than output pass by)."""
-        lines: list[tuple[OutputKind, bytes]] = []
+        batch = _Batch()
         for entry in entries:
             if entry.kind == "stdout" or entry.kind == "stderr":
                 self.scanned += len(entry.data)
-                lines += self._split(entry.kind, entry.data)
-        self._take(lines)
+                batch.add(entry.kind, self._split(entry.kind, entry.data))
+        self._take(batch)
 
     def finish(self) -> None:
         """The output has ended (or a grep takes it as it stands): unended lines count."""
-        lines = [(kind, bytes(self._partial[kind])) for kind in _OUTPUT if self._partial[kind]]
+        batch = _Batch()
         for kind in _OUTPUT:
-            self._partial[kind].clear()
-        self._take(lines)
+            if self._partial[kind]:
+                batch.add(kind, [bytes(self._partial[kind])])
+                self._partial[kind].clear()
+        self._take(batch)
 
-    def _split(self, kind: OutputKind, data: bytes) -> list[tuple[OutputKind, bytes]]:
+    def _split(self, kind: OutputKind, data: bytes) -> list[bytes]:
+        """The lines `data` ends, the first carrying on the stream's unended line; what is
+        left unended is kept for the stream's next entry. Whole-buffer operations (C's
+        speed), never a Python step per line but for lines too long to keep whole."""
         partial = self._partial[kind]
-        *whole, rest = data.split(b"\n")
-        lines: list[tuple[OutputKind, bytes]] = []
-        for piece in whole:
-            partial += piece
-            # A CRLF line ends before its CR: `$` matches there, as a person reads it.
-            lines += _cut(kind, bytes(partial).removesuffix(b"\r"))
+        # A CRLF line ends before its CR: `$` matches there, as a person reads it.
+        lines = data.replace(b"\r\n", b"\n").split(b"\n")
+        rest = lines.pop()
+        if lines and partial:
+            if partial.endswith(b"\r") and data.startswith(b"\n"):
+                del partial[-1:]  # a CRLF cut between two entries
+            lines[0] = bytes(partial) + lines[0]
             partial.clear()
         partial += rest
         if len(partial) >= MAX_LINE_BYTES:
-            *cut, last = _cut(kind, bytes(partial))
+            *cut, last = _cut(bytes(partial))
             lines += cut
-            partial[:] = last[1]
+            partial[:] = last
+        if lines and max(map(len, lines)) > MAX_LINE_BYTES:
+            lines = [piece for line in lines for piece in _cut(line)]
         return lines
 
-    def _take(self, lines: list[tuple[OutputKind, bytes]]) -> None:
+    def _take(self, batch: _Batch) -> None:
         """Search a batch of whole lines; only the lines a match shows are decoded."""
-        if not lines:
+        raw = batch.lines
+        if not raw:
             return
-        raw = [line for _, line in lines]
         for found in self._owed:
             taken = [_text(line) for line in raw[: found.owed]]
             found.match.after += taken
@@ -131,8 +139,8 @@ class LineScanner:
                 if len(self.matches) >= self.limit:
                     self.more = True
                     break
-                self._found(index, lines[index][0], raw)
-        self.line_no += len(lines)
+                self._found(index, batch.kind_of(index), raw)
+        self.line_no += len(raw)
         if self.before:
             self._recent.extend(_text(line) for line in raw[-self.before :])
             while len(self._recent) > self.before:
@@ -172,10 +180,29 @@ class LineScanner:
             self._owed.append(_Found(match, self.after - len(after)))
 
 
-def _cut(kind: OutputKind, line: bytes) -> list[tuple[OutputKind, bytes]]:
+class _Batch:
+    """Whole lines in the order they were completed, and which stream each came from (as
+    runs of one stream, not a tuple a line)."""
+
+    def __init__(self) -> None:
+        self.lines: list[bytes] = []
+        self._starts: list[int] = []
+        self._kinds: list[OutputKind] = []
+
+    def add(self, kind: OutputKind, lines: list[bytes]) -> None:
+        if lines:
+            self._starts.append(len(self.lines))
+            self._kinds.append(kind)
+            self.lines += lines
+
+    def kind_of(self, index: int) -> OutputKind:
+        return self._kinds[bisect.bisect_right(self._starts, index) - 1]
+
+
+def _cut(line: bytes) -> list[bytes]:
     if len(line) <= MAX_LINE_BYTES:
-        return [(kind, line)]
-    return [(kind, line[i : i + MAX_LINE_BYTES]) for i in range(0, len(line), MAX_LINE_BYTES)]
+        return [line]
+    return [line[i : i + MAX_LINE_BYTES] for i in range(0, len(line), MAX_LINE_BYTES)]
 
 
 def _text(line: bytes) -> str:
