@@ -10,9 +10,12 @@ from subagentd.protocol import TERMINAL_STATES as TERMINAL_STATES
 from subagentd.protocol import DaemonInfo as DaemonInfo
 from subagentd.protocol import Entry as Entry
 from subagentd.protocol import EntryKind as EntryKind
+from subagentd.protocol import GrepMatch as GrepMatch
+from subagentd.protocol import GrepResult as GrepResult
 from subagentd.protocol import Page as Page
 from subagentd.protocol import ResumableRun as ResumableRun
 from subagentd.protocol import Resumed as Resumed
+from subagentd.protocol import WaitForResult as WaitForResult
 from subagentd.protocol import Wake as Wake
 from subagentd.protocol import WorkerResult as WorkerResult
 from subagentd.protocol import WorkerState as WorkerState

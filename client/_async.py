@@ -26,12 +26,14 @@ import trio
 from subagentd.protocol import (
     DaemonInfo,
     Entry,
+    GrepResult,
     Page,
     ReloadReply,
     Reply,
     Request,
     ResumableRun,
     Resumed,
+    WaitForResult,
     Wake,
     WorkerResult,
     WorkerView,
@@ -104,13 +106,17 @@ class AsyncClient:
         timeout: float | None = None,  # noqa: ASYNC109  the worker's time limit, not this call's
         grace: float | None = None,
         key: str | None = None,
+        stdin_open: bool = False,
     ) -> WorkerView:
         """Start a worker; ``cwd`` defaults to this process's working directory.
 
         ``key``: its idempotency key (default: a new random one). Sent again with the
         same key, a spawn answers the worker the first made (within the daemon's
         ``--request-key-ttl``): so a spawn whose answer a reload lost is sent again
-        by itself, and a caller may send one again with its own key."""
+        by itself, and a caller may send one again with its own key.
+
+        ``stdin_open``: its stdin is a pipe the daemon keeps open for `send` (not with
+        ``input``)."""
         return await self._call(
             _core.spawn(
                 argv,
@@ -124,6 +130,7 @@ class AsyncClient:
                 timeout=timeout,
                 grace=grace,
                 key=key,
+                stdin_open=stdin_open,
             )
         )
 
@@ -259,6 +266,34 @@ class AsyncClient:
     async def wait(self, worker_id: str) -> WorkerView:
         """Return once the worker has ended, with how it ended."""
         return await self._call(_core.wait(worker_id))
+
+    async def grep(
+        self, worker_id: str, pattern: str, *, before: int = 0, after: int = 0, limit: int = 100
+    ) -> GrepResult:
+        """The lines of the worker's output matching ``pattern`` (RE2 syntax), searched in the
+        daemon, each with ``before`` and ``after`` lines of context; at most ``limit``
+        matches. ``truncated`` in the answer: a bound was hit, there may be more."""
+        return await self._call(
+            _core.grep(worker_id, pattern, before=before, after=after, limit=limit)
+        )
+
+    async def wait_for(
+        self,
+        worker_id: str,
+        pattern: str,
+        *,
+        timeout: float,  # noqa: ASYNC109  the daemon's bound, not this call's
+    ) -> WaitForResult:
+        """Return once a line of the worker's output matches ``pattern`` (what it wrote
+        before the call too), once it ends, or after ``timeout`` seconds on the daemon's
+        clock, whichever is first: the answer's ``outcome`` says which."""
+        return await self._call(_core.wait_for(worker_id, pattern, timeout=timeout))
+
+    async def send(self, worker_id: str, data: str | bytes, *, eof: bool = False) -> int:
+        """Write ``data`` to the stdin of a worker spawned with ``stdin_open``; answers the
+        bytes its pipe took (fewer when it was nearly full: send the rest again later;
+        `Busy` when it took none). ``eof``: close its stdin once all of it is written."""
+        return await self._call(_core.send(worker_id, data, eof=eof))
 
     async def info(self) -> DaemonInfo:
         return await self._call(_core.info())

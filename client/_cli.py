@@ -3,7 +3,8 @@
 Each command asks the daemon and hands the answer to an `Output`: `Human`
 prints for a person, `Json` prints for programs the shapes protocol/README.md fixes
 (a view as on the wire; fields may be added, never renamed).
-Exit status: 0 done, 1 refused or not found, 2 usage, 3 no daemon, 130 Ctrl-C.
+Exit status: 0 done, 1 refused or not found, 2 usage, 3 no daemon, 4 no line matched
+(grep; wait --for: the worker ended first), 5 timed out (wait --for), 130 Ctrl-C.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import argparse
 import os
 import shlex
 import sys
+import time
 from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
 from typing import Any, BinaryIO, Protocol
@@ -20,23 +22,27 @@ import msgspec
 
 from subagentd.protocol import (
     MAX_GRACE,
+    MAX_SEND_BYTES,
     MAX_TIMEOUT,
     TERMINAL_STATES,
     Cancel,
     CancelFence,
     DaemonInfo,
     Entry,
+    GrepResult,
     ReloadReply,
     ResumableRun,
     Resume,
     Resumed,
     Stop,
     StopRun,
+    WaitForResult,
     Wake,
     WorkerResult,
     WorkerView,
 )
 from subagentd.protocol.errors import (
+    Busy,
     NotFound,
     ProtocolError,
     Refused,
@@ -50,6 +56,10 @@ from ._sync import Client
 EXIT_OK = 0
 EXIT_REFUSED = 1
 EXIT_NO_DAEMON = 3  # (2, a usage error, is argparse's own)
+EXIT_NO_MATCH = 4  # grep found nothing; wait --for: the worker ended without the line
+EXIT_TIMED_OUT = 5  # wait --for: the timeout passed first
+#: How long `send` keeps offering what a worker's full stdin will not take.
+SEND_PATIENCE = 10.0
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what any filter whose reader went away exits with
 
@@ -104,6 +114,9 @@ class Output(Protocol):
     def info(self, info: DaemonInfo) -> None: ...
     def reloaded(self, reply: ReloadReply) -> None: ...
     def error(self, exc: RemoteError | ProtocolError) -> None: ...
+    def grep_found(self, found: GrepResult) -> None: ...
+    def waited_for(self, waited: WaitForResult) -> None: ...
+    def sent(self, worker_id: str, written: int, eof: bool) -> None: ...
 
 
 class Human:
@@ -245,6 +258,38 @@ class Human:
     def error(self, exc: RemoteError | ProtocolError) -> None:
         print(f"subagentctl: {exc}", file=sys.stderr)
 
+    def grep_found(self, found: GrepResult) -> None:
+        """As grep -n prints: `N:line` for a match, `N-line` around it, `--` between."""
+        for index, match in enumerate(found.matches):
+            if index and (match.before or found.matches[index - 1].after):
+                print("--")
+            first = match.line_no - len(match.before)
+            for offset, line in enumerate(match.before):
+                print(f"{first + offset}-{_one_line(line)}")
+            print(f"{match.line_no}:{_one_line(match.line)}")
+            for offset, line in enumerate(match.after, start=1):
+                print(f"{match.line_no + offset}-{_one_line(line)}")
+        if found.truncated:
+            print(
+                "subagentctl: there may be more matches (the limit, or the 64 MiB a grep "
+                "scans, was reached)",
+                file=sys.stderr,
+            )
+
+    def waited_for(self, waited: WaitForResult) -> None:
+        view = waited.worker
+        if waited.outcome == "matched":
+            print(_one_line(waited.line or ""))
+        elif waited.outcome == "ended":
+            self.ended(view)
+            print(f"subagentctl: {view.id} ended before a line matched", file=sys.stderr)
+        else:
+            print(f"subagentctl: timed out; {view.id} is {_state(view)}", file=sys.stderr)
+
+    def sent(self, worker_id: str, written: int, eof: bool) -> None:
+        closed = ", then closed its stdin" if eof else ""
+        print(f"{worker_id}: wrote {written} bytes{closed}")
+
 
 class Json:
     """Output for a program: one JSON document per answer, one line per entry when streaming."""
@@ -305,6 +350,16 @@ class Json:
         if isinstance(exc, RemoteError) and exc.stopped_by_reload:  # a reload that failed
             error["stopped_by_reload"] = exc.stopped_by_reload
         _dump({"error": error})
+
+    def grep_found(self, found: GrepResult) -> None:
+        _dump(msgspec.to_builtins(found))
+
+    def waited_for(self, waited: WaitForResult) -> None:
+        worker = {field: getattr(waited.worker, field) for field in WORKER_FIELDS}
+        _dump({"outcome": waited.outcome, "line": waited.line, "worker": worker})
+
+    def sent(self, worker_id: str, written: int, eof: bool) -> None:
+        _dump({"worker": worker_id, "written": written, "eof": eof})
 
 
 def _dump(document: dict[str, Any]) -> None:
@@ -369,6 +424,7 @@ def spawn(daemon: Client, args: argparse.Namespace, out: Output) -> None:
         timeout=args.timeout,
         grace=args.grace,
         key=args.key,
+        stdin_open=args.stdin == "open",
     )
     out.spawned(worker)
 
@@ -423,8 +479,50 @@ def collect(daemon: Client, args: argparse.Namespace, out: Output) -> None:
     out.result(daemon.collect(args.worker, wait=args.wait))
 
 
-def wait(daemon: Client, args: argparse.Namespace, out: Output) -> None:
-    out.ended(daemon.wait(args.worker))
+def wait(daemon: Client, args: argparse.Namespace, out: Output) -> int | None:
+    if args.pattern is None:
+        out.ended(daemon.wait(args.worker))
+        return None
+    timeout = MAX_TIMEOUT if args.timeout is None else args.timeout
+    waited = daemon.wait_for(args.worker, args.pattern, timeout=timeout)
+    out.waited_for(waited)
+    return {"matched": EXIT_OK, "ended": EXIT_NO_MATCH}.get(waited.outcome, EXIT_TIMED_OUT)
+
+
+def grep(daemon: Client, args: argparse.Namespace, out: Output) -> int:
+    found = daemon.grep(
+        args.worker, args.pattern, before=args.before, after=args.after, limit=args.max
+    )
+    out.grep_found(found)
+    return EXIT_OK if found.matches else EXIT_NO_MATCH
+
+
+def send(daemon: Client, args: argparse.Namespace, out: Output) -> None:
+    """All of the data, in requests the protocol allows, waiting while the worker's stdin
+    is full (up to SEND_PATIENCE seconds without progress); then --eof."""
+    text: str | None = args.text
+    data = sys.stdin.buffer.read() if text == "-" else (text or "").encode()
+    written = 0
+    patience = time.monotonic() + SEND_PATIENCE
+    while True:
+        chunk = data[written : written + MAX_SEND_BYTES]
+        last = written + len(chunk) == len(data)
+        try:
+            took = daemon.send(args.worker, chunk, eof=args.eof and last)
+        except Busy as exc:
+            if time.monotonic() >= patience:
+                raise Busy(
+                    f"worker {args.worker} took {written} of {len(data)} bytes; its stdin "
+                    f"stayed full for {SEND_PATIENCE:.0f} s (is it reading?)"
+                ) from exc
+            time.sleep(exc.retry_after or 0.1)
+            continue
+        if took:
+            patience = time.monotonic() + SEND_PATIENCE
+        written += took
+        if written == len(data) and (took == len(chunk)):
+            break
+    out.sent(args.worker, written, args.eof)
 
 
 def info(daemon: Client, args: argparse.Namespace, out: Output) -> None:
@@ -581,6 +679,12 @@ def parser() -> argparse.ArgumentParser:
         "key, the command answers the worker the first run made, not a new one "
         "(default: a new random key, so a reload never makes a second worker)",
     )
+    sub.add_argument(
+        "--stdin",
+        choices=["open"],
+        help="open: keep its stdin a pipe the daemon holds, for `subagentctl send` "
+        "(carried across a reload); not with --input",
+    )
     sub.add_argument("argv", nargs="*", metavar="CMD", help="the command, after --")
 
     sub = command("new-run", new_run, "Create a run and print its id.")
@@ -640,8 +744,67 @@ def parser() -> argparse.ArgumentParser:
     sub.add_argument("worker", metavar="ID")
     sub.add_argument("--wait", action="store_true", help="wait for the worker to end first")
 
-    sub = command("wait", wait, "Block until a worker ends, then print how it ended.")
+    sub = command(
+        "wait",
+        wait,
+        "Block until a worker ends, then print how it ended; with --for, until a line of "
+        "its output matches.",
+        "With --for PATTERN (RE2 syntax, searched in the daemon): the output written before "
+        "is searched too, then each line as it comes; prints the line that matched (exit "
+        "0), or how the worker ended if it ended first (exit 4), or says it timed out "
+        "(exit 5). --json prints outcome (matched, ended, timed_out), line and worker.",
+    )
     sub.add_argument("worker", metavar="ID")
+    sub.add_argument(
+        "--for", dest="pattern", metavar="PATTERN", help="wait for a line matching PATTERN"
+    )
+    sub.add_argument(
+        "--timeout",
+        metavar="S",
+        type=float,
+        help=f"with --for: give up after S seconds (0 to {MAX_TIMEOUT:.0f}; default: the most)",
+    )
+
+    sub = command(
+        "grep",
+        grep,
+        "Print the lines of a worker's output matching PATTERN, searched in the daemon.",
+        "PATTERN is RE2 syntax (no backreferences or lookaround; linear time). stdout and "
+        "stderr are split into lines each on its own and numbered together in journal "
+        "order; printed as grep -n does (N:match, N-context, -- between groups). A grep "
+        "scans at most 64 MiB of the journal from its start; when that or --max is reached "
+        "it says there may be more. Exit 0 if a line matched, 4 if none did. --json prints "
+        "matches (line_no, kind, line, before, after) and truncated.",
+    )
+    sub.add_argument("worker", metavar="ID")
+    sub.add_argument("pattern", metavar="PATTERN")
+    sub.add_argument(
+        "-B", dest="before", metavar="N", type=int, default=0, help="N lines before each match"
+    )
+    sub.add_argument(
+        "-A", dest="after", metavar="N", type=int, default=0, help="N lines after each match"
+    )
+    sub.add_argument(
+        "--max", metavar="N", type=int, default=100, help="at most N matches (default 100)"
+    )
+
+    sub = command(
+        "send",
+        send,
+        "Write TEXT to the stdin of a worker spawned with --stdin open.",
+        "The daemon journals what was written (watch shows it, kind stdin). A worker whose "
+        "stdin is full (it does not read) gets the rest as it makes room, for up to "
+        f"{SEND_PATIENCE:.0f} s without progress, then the command fails saying how much "
+        "went in. --json prints worker, written and eof.",
+    )
+    sub.add_argument("worker", metavar="ID")
+    sub.add_argument(
+        "text",
+        metavar="TEXT",
+        nargs="?",
+        help="what to write (as is: add a newline yourself); - reads it from this stdin",
+    )
+    sub.add_argument("--eof", action="store_true", help="then close its stdin")
 
     command(
         "turn",
@@ -759,6 +922,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.command is spawn and not args.argv and args.agent is None:
         args.parser.error("give a command after -- or an --agent")
+    if args.command is spawn and args.stdin == "open" and args.input is not None:
+        args.parser.error("--stdin open: not with --input")
+    if args.command is wait and args.timeout is not None and args.pattern is None:
+        args.parser.error("--timeout: only with --for")
+    if args.command is send and args.text is None and not args.eof:
+        args.parser.error("give TEXT, - to read it from stdin, or --eof")
     if args.command is resume and args.dry_run and not args.latest:
         args.parser.error("--dry-run: only with --latest")
     if args.command is resume and args.worker is None:

@@ -32,6 +32,8 @@ from subagentd.protocol import (
     Entry,
     Error,
     FrameDecoder,
+    Grep,
+    GrepResult,
     Hello,
     Info,
     Latest,
@@ -47,6 +49,7 @@ from subagentd.protocol import (
     Resume,
     Resumed,
     ResumeRun,
+    Send,
     SetFence,
     Spawn,
     Status,
@@ -55,6 +58,8 @@ from subagentd.protocol import (
     StopRun,
     Subscribe,
     Wait,
+    WaitFor,
+    WaitForResult,
     WaitRunStopped,
     Wake,
     Watch,
@@ -203,6 +208,7 @@ def spawn(
     timeout: float | None = None,
     grace: float | None = None,
     key: str | None = None,
+    stdin_open: bool = False,
 ) -> Call[WorkerView]:
     request = Spawn(
         id=0,
@@ -218,6 +224,7 @@ def spawn(
         timeout=timeout,
         grace=grace,
         key=new_key() if key is None else key,
+        stdin_open=stdin_open,
     )
     return _call(request, lambda reply: reply.worker)
 
@@ -265,6 +272,23 @@ def collect(worker_id: str, wait: bool = False) -> Call[WorkerResult]:
 
 def wait(worker_id: str) -> Call[WorkerView]:
     return _call(Wait(id=0, worker=worker_id), lambda reply: reply.worker)
+
+
+def grep(
+    worker_id: str, pattern: str, *, before: int = 0, after: int = 0, limit: int = 100
+) -> Call[GrepResult]:
+    request = Grep(id=0, worker=worker_id, pattern=pattern, before=before, after=after, limit=limit)
+    return _call(request, lambda reply: reply.result)
+
+
+def wait_for(worker_id: str, pattern: str, *, timeout: float) -> Call[WaitForResult]:
+    request = WaitFor(id=0, worker=worker_id, pattern=pattern, timeout=timeout)
+    return _call(request, lambda reply: reply.result)
+
+
+def send(worker_id: str, data: str | bytes, *, eof: bool = False) -> Call[int]:
+    raw = data.encode() if isinstance(data, str) else bytes(data)
+    return _call(Send(id=0, worker=worker_id, data=raw, eof=eof), lambda reply: reply.written)
 
 
 def info() -> Call[DaemonInfo]:

@@ -272,6 +272,11 @@ class Daemon:
         From registration to the supervise task, nothing may interrupt: a
         client that hangs up mid-spawn must not leave a process unsupervised.
         """
+        if request.stdin_open and request.input is not None:
+            raise Invalid(
+                "stdin_open: a worker's stdin is either its input or a pipe kept open for "
+                "send, not both"
+            )
         asked = asked_key(request, caller)
         if (made := self.made_already(asked)) is not None:
             return made
@@ -422,7 +427,9 @@ class Daemon:
         if record.stop_reason is not None:
             self.end_unstarted(live, f"stopped at birth: launch fence {record.fence} was cancelled")
             return record.view()
-        return await self.launch(live, argv, cwd, launch.worker_env, stdin)
+        return await self.launch(
+            live, argv, cwd, launch.worker_env, stdin, stdin_open=request.stdin_open
+        )
 
     async def launch(
         self,
@@ -431,8 +438,11 @@ class Daemon:
         cwd: str,
         base_env: dict[str, str],
         stdin: str | None,
+        *,
+        stdin_open: bool = False,
     ) -> WorkerView:
-        """Start the process of a registered worker (a new one, or a resumed attempt)."""
+        """Start the process of a registered worker (a new one, or a resumed attempt);
+        `stdin_open`: its stdin a pipe the daemon holds, for `send`."""
         record = live.record
         archive = self.reader.archive_of(record.id)
         worker_env = base_env | {
@@ -448,7 +458,7 @@ class Daemon:
             worker_env["SUBAGENTD_RESUME"] = str(record.attempt)
         try:
             process = await self.launcher.start(
-                record.id, argv, cwd=cwd, env=worker_env, stdin_path=stdin
+                record.id, argv, cwd=cwd, env=worker_env, stdin_path=stdin, stdin_open=stdin_open
             )
         except SpawnFailed as exc:
             log.warning("worker.spawn_failed", worker=record.id, error=str(exc))
@@ -538,6 +548,14 @@ class Daemon:
         )
 
     # -- stopping ------------------------------------------------------------
+
+    def send(self, worker_id: str, data: bytes, *, eof: bool) -> int:
+        """Write to a live worker's stdin (see `Supervisor.write_stdin`)."""
+        found = self.reader.lookup(worker_id)
+        live = self.supervisor.get(worker_id)
+        if live is None:
+            raise Refused(f"cannot send to worker {worker_id}: it has ended ({found.state})")
+        return self.supervisor.write_stdin(live, data, eof=eof)
 
     def stop(self, worker_id: str) -> Stopping:
         """Stop a worker and its subtree. `wait_stopped` waits for them to end.

@@ -9,14 +9,18 @@ from ._framing import frame as frame
 from ._messages import MAX_ACK_WAKES as MAX_ACK_WAKES
 from ._messages import MAX_ARG_BYTES as MAX_ARG_BYTES
 from ._messages import MAX_ARGS as MAX_ARGS
+from ._messages import MAX_CONTEXT_LINES as MAX_CONTEXT_LINES
 from ._messages import MAX_EXEC_BYTES as MAX_EXEC_BYTES
 from ._messages import MAX_GRACE as MAX_GRACE
+from ._messages import MAX_GREP_MATCHES as MAX_GREP_MATCHES
 from ._messages import MAX_ID_LENGTH as MAX_ID_LENGTH
 from ._messages import MAX_INPUT_BYTES as MAX_INPUT_BYTES
 from ._messages import MAX_INT as MAX_INT
 from ._messages import MAX_KEY_LENGTH as MAX_KEY_LENGTH
 from ._messages import MAX_NAME_LENGTH as MAX_NAME_LENGTH
 from ._messages import MAX_PATH_LENGTH as MAX_PATH_LENGTH
+from ._messages import MAX_PATTERN_LENGTH as MAX_PATTERN_LENGTH
+from ._messages import MAX_SEND_BYTES as MAX_SEND_BYTES
 from ._messages import MAX_TIMEOUT as MAX_TIMEOUT
 from ._messages import TERMINAL_STATES as TERMINAL_STATES
 from ._messages import Abort as Abort
@@ -38,6 +42,10 @@ from ._messages import Env as Env
 from ._messages import Error as Error
 from ._messages import FenceReply as FenceReply
 from ._messages import Grace as Grace
+from ._messages import Grep as Grep
+from ._messages import GrepMatch as GrepMatch
+from ._messages import GrepReply as GrepReply
+from ._messages import GrepResult as GrepResult
 from ._messages import Hello as Hello
 from ._messages import Info as Info
 from ._messages import InfoReply as InfoReply
@@ -46,6 +54,7 @@ from ._messages import LatestResumable as LatestResumable
 from ._messages import ListWorkers as ListWorkers
 from ._messages import Name as Name
 from ._messages import NewRun as NewRun
+from ._messages import OutputKind as OutputKind
 from ._messages import Page as Page
 from ._messages import Reload as Reload
 from ._messages import ReloadReply as ReloadReply
@@ -57,6 +66,8 @@ from ._messages import Resume as Resume
 from ._messages import Resumed as Resumed
 from ._messages import ResumeRun as ResumeRun
 from ._messages import RunReply as RunReply
+from ._messages import Send as Send
+from ._messages import Sent as Sent
 from ._messages import SetFence as SetFence
 from ._messages import Spawn as Spawn
 from ._messages import Status as Status
@@ -67,6 +78,10 @@ from ._messages import Subscribe as Subscribe
 from ._messages import Timeout as Timeout
 from ._messages import TurnReply as TurnReply
 from ._messages import Wait as Wait
+from ._messages import WaitFor as WaitFor
+from ._messages import WaitForReply as WaitForReply
+from ._messages import WaitForResult as WaitForResult
+from ._messages import WaitOutcome as WaitOutcome
 from ._messages import WaitRunStopped as WaitRunStopped
 from ._messages import Wake as Wake
 from ._messages import Wakes as Wakes

@@ -30,7 +30,10 @@ WorkerState = Literal[
 TERMINAL_STATES: frozenset[str] = frozenset(
     {"finished", "failed", "stopped", "timed_out", "stopped_by_reload", "interrupted"}
 )
-EntryKind = Literal["stdout", "stderr", "state", "note"]
+#: ``stdin``: what a `send` wrote to the worker's stdin (a worker spawned ``stdin_open``).
+EntryKind = Literal["stdout", "stderr", "state", "note", "stdin"]
+#: The kinds of entry that are the worker's own output, split into lines by grep.
+OutputKind = Literal["stdout", "stderr"]
 
 
 # -- limits: every number, string and list a request carries is checked as it is decoded
@@ -60,6 +63,14 @@ MAX_PATH_LENGTH = 4096
 MAX_ACK_WAKES = 64 * 1024
 #: A spawn's or resume's idempotency key: clients send 32 hex digits (128 random bits).
 MAX_KEY_LENGTH = 128
+#: A grep's or wait-for's regular expression (RE2 syntax), in characters.
+MAX_PATTERN_LENGTH = 1024
+#: Lines of context a grep may ask for before, and after, each match.
+MAX_CONTEXT_LINES = 100
+#: Matches one grep answers at most.
+MAX_GREP_MATCHES = 1000
+#: What one send may write to a worker's stdin: a pipe takes 64 KiB at once anyway.
+MAX_SEND_BYTES = 1024 * 1024
 
 #: A request id: 1 and up (id 0 marks an event, never a request).
 RequestId = Annotated[int, msgspec.Meta(ge=1, le=MAX_INT)]
@@ -84,6 +95,8 @@ Env = Annotated[
     msgspec.Meta(max_length=MAX_ARGS),
 ]
 Input = Annotated[bytes, msgspec.Meta(max_length=MAX_INPUT_BYTES)]
+Pattern = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_PATTERN_LENGTH)]
+ContextLines = Annotated[int, msgspec.Meta(ge=0, le=MAX_CONTEXT_LINES)]
 #: An idempotency key: 1 to 128 printable ASCII characters, no space (see `Spawn.key`).
 RequestKey = Annotated[
     str, msgspec.Meta(min_length=1, max_length=MAX_KEY_LENGTH, pattern=r"^[!-~]+$")
@@ -148,6 +161,40 @@ class Entry(msgspec.Struct, kw_only=True):
     kind: EntryKind
     data: bytes
     at: float
+
+
+class GrepMatch(msgspec.Struct, kw_only=True):
+    """One line of a worker's output that a grep matched, with its context.
+
+    ``line_no`` counts from 1 over the worker's stdout and stderr lines together, in the
+    order the journal took them (each stream split into lines on its own); ``before`` and
+    ``after`` are the lines around it in that same order, either stream."""
+
+    line_no: int
+    kind: OutputKind
+    line: str
+    before: list[str] = []
+    after: list[str] = []
+
+
+class GrepResult(msgspec.Struct, kw_only=True):
+    """A grep's answer. ``truncated``: a bound was hit (the matches asked for, or the bytes
+    of journal one grep scans), so there may be more matches than these."""
+
+    matches: list[GrepMatch]
+    truncated: bool = False
+
+
+WaitOutcome = Literal["matched", "ended", "timed_out"]
+
+
+class WaitForResult(msgspec.Struct, kw_only=True):
+    """A wait-for's answer: a line matched (``line``), the worker ended first, or the
+    timeout passed first; ``worker`` as it was when answered."""
+
+    outcome: WaitOutcome
+    line: str | None = None
+    worker: WorkerView
 
 
 class WorkerResult(msgspec.Struct, kw_only=True):
@@ -292,6 +339,21 @@ class Latest(Reply, tag="latest"):
     from_: list[str] = msgspec.field(default_factory=list, name="from")
 
 
+class GrepReply(Reply, tag="grep_result"):
+    result: GrepResult
+
+
+class WaitForReply(Reply, tag="wait_for_result"):
+    result: WaitForResult
+
+
+class Sent(Reply, tag="sent"):
+    """``written``: the bytes of a send's data the worker's stdin took (all of it, or as
+    much as its pipe had room for)."""
+
+    written: int
+
+
 class Done(Reply, tag="done"):
     pass
 
@@ -320,6 +382,9 @@ DaemonMessage = (
     | Wakes
     | ReloadReply
     | Latest
+    | GrepReply
+    | WaitForReply
+    | Sent
     | Done
     | Error
 )
@@ -408,6 +473,9 @@ class Spawn(Request[WorkerReply], tag="spawn"):
     #: Chosen by the client, new for each spawn: a repeat with the same key (the answer
     #: was lost) answers the worker the first made, so it may be sent again.
     key: RequestKey | None = None
+    #: Keep the worker's stdin a pipe the daemon holds open, for `Send` (with no
+    #: ``input``): carried across a reload like its other pipes.
+    stdin_open: bool = False
 
     for_workers = True
     again_after_reloading = True
@@ -492,6 +560,50 @@ class Wait(Request[WorkerReply], tag="wait"):
 
     def resendable(self) -> bool:
         return True
+
+
+class Grep(Request[GrepReply], tag="grep"):
+    """The lines of a worker's output matching ``pattern`` (RE2 syntax: no backreferences
+    or lookaround, linear time), searched in the daemon, with ``before`` and ``after``
+    lines of context; at most ``limit`` matches, and a bounded scan (see `GrepResult`)."""
+
+    worker: Id
+    pattern: Pattern
+    before: ContextLines = 0
+    after: ContextLines = 0
+    limit: Annotated[int, msgspec.Meta(ge=1, le=MAX_GREP_MATCHES)] = 100
+
+    for_workers = True
+
+    def resendable(self) -> bool:
+        return True
+
+
+class WaitFor(Request[WaitForReply], tag="wait_for"):
+    """Answered once a line of the worker's output matches ``pattern`` (its output so far
+    first, then what comes), once it ends, or after ``timeout`` seconds, whichever is
+    first. Sent again across a reload, its timeout starts again."""
+
+    worker: Id
+    pattern: Pattern
+    timeout: Annotated[float, msgspec.Meta(ge=0, le=MAX_TIMEOUT)]
+
+    for_workers = True
+
+    def resendable(self) -> bool:
+        return True
+
+
+class Send(Request[Sent], tag="send"):
+    """Write ``data`` to the stdin of a worker spawned ``stdin_open``, without waiting for
+    room: answered with what its pipe took, or `busy` if it took nothing. ``eof``: close
+    its stdin once all of ``data`` is written."""
+
+    worker: Id
+    data: Annotated[bytes, msgspec.Meta(max_length=MAX_SEND_BYTES)] = b""
+    eof: bool = False
+
+    for_workers = True
 
 
 class Info(Request[InfoReply], tag="info"):
@@ -640,6 +752,9 @@ ClientMessage = (
     | Resume
     | ResumeRun
     | LatestResumable
+    | Grep
+    | WaitFor
+    | Send
     | Abort
 )
 

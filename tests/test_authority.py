@@ -49,13 +49,29 @@ def parent_of(worker_id: str) -> str | None:
 
 authority = Authority(parent_of)
 
-ON_A_WORKER: list[type[p.Request[p.Reply]]] = [p.Status, p.Watch, p.Collect, p.Wait, p.Resume]
+ON_A_WORKER: list[type[p.Request[p.Reply]]] = [
+    p.Status,
+    p.Watch,
+    p.Collect,
+    p.Wait,
+    p.Resume,
+    p.Grep,
+    p.WaitFor,
+    p.Send,
+]
 ON_A_WORKER_OR_STOP: list[type[p.Request[p.Reply]]] = [*ON_A_WORKER, p.Stop]
 
 
 def _about(kind: type[p.Request[p.Reply]], worker: str) -> p.ClientMessage:
-    request = kind(id=1, worker=worker)  # type: ignore[call-arg]
-    assert isinstance(request, p.Status | p.Watch | p.Collect | p.Wait | p.Resume | p.Stop)
+    needs: dict[type[p.Request[p.Reply]], dict[str, object]] = {
+        p.Grep: {"pattern": "x"},
+        p.WaitFor: {"pattern": "x", "timeout": 1.0},
+    }
+    request = kind(id=1, worker=worker, **needs.get(kind, {}))  # type: ignore[call-arg]
+    assert isinstance(
+        request,
+        p.Status | p.Watch | p.Collect | p.Wait | p.Resume | p.Stop | p.Grep | p.WaitFor | p.Send,
+    )
     return request
 
 

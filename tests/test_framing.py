@@ -29,6 +29,10 @@ from subagentd.protocol import (
     Error,
     FenceReply,
     FrameDecoder,
+    Grep,
+    GrepMatch,
+    GrepReply,
+    GrepResult,
     Hello,
     Info,
     InfoReply,
@@ -45,6 +49,8 @@ from subagentd.protocol import (
     Resume,
     ResumeRun,
     RunReply,
+    Send,
+    Sent,
     SetFence,
     Spawn,
     Status,
@@ -54,6 +60,9 @@ from subagentd.protocol import (
     Subscribe,
     TurnReply,
     Wait,
+    WaitFor,
+    WaitForReply,
+    WaitForResult,
     WaitRunStopped,
     Wake,
     Wakes,
@@ -184,6 +193,22 @@ EXAMPLES: list[Request[Reply] | Reply] = [
     Resume(id=23, worker="w-1", timeout=60.0, input=b"again", argv=["sh"], model="large"),
     ResumeRun(id=24, run="r-1"),
     LatestResumable(id=25, cwd="/src"),
+    Grep(id=26, worker="w-1", pattern="ERROR|warn(ing)?", before=2, after=3, limit=10),
+    WaitFor(id=27, worker="w-1", pattern="listening on \\d+", timeout=30.0),
+    Send(id=28, worker="w-1", data=b"\x00\xffhello\n", eof=True),
+    GrepReply(
+        id=26,
+        result=GrepResult(
+            matches=[
+                GrepMatch(line_no=3, kind="stderr", line="ERROR x", before=["a"], after=["b"])
+            ],
+            truncated=True,
+        ),
+    ),
+    WaitForReply(
+        id=27, result=WaitForResult(outcome="matched", line="listening on 80", worker=WORKER)
+    ),
+    Sent(id=28, written=9),
     Welcome(id=1, version=1, daemon_version="0.1.0", pid=99, worker="w-0"),
     WorkerReply(id=2, worker=WORKER),
     WorkerList(id=4, workers=[WORKER, WORKER]),

@@ -105,6 +105,8 @@ def test_nothing_that_changes_state_is_sent_twice_after_a_lost_connection() -> N
         "WaitRunStopped",
         "Subscribe",
         "LatestResumable",
+        "Grep",
+        "WaitFor",
     }
     assert not Collect(id=1, worker="w").resendable()
 

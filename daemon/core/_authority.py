@@ -15,12 +15,15 @@ from subagentd.protocol import (
     Cancel,
     ClientMessage,
     Collect,
+    Grep,
     Resume,
+    Send,
     Spawn,
     Status,
     Stop,
     Subscribe,
     Wait,
+    WaitFor,
     Watch,
     op,
 )
@@ -54,6 +57,9 @@ class Authority:
                 | Collect(worker=worker)
                 | Wait(worker=worker)
                 | Resume(worker=worker)
+                | Grep(worker=worker)
+                | WaitFor(worker=worker)
+                | Send(worker=worker)
             ):
                 self._reach(caller, worker)
             case Stop(worker=worker):

@@ -36,6 +36,9 @@ class CarriedWorker(msgspec.Struct, kw_only=True):
     pid_start: int
     stdout: int | None  # descriptor numbers, valid across the exec
     stderr: int | None
+    #: The write end of its stdin, for a worker spawned with stdin open (None: an image
+    #: before `send`, or a worker without one).
+    stdin: int | None = None
 
 
 class CarriedConnection(msgspec.Struct, kw_only=True):
@@ -84,7 +87,7 @@ class Checkpoint(msgspec.Struct, kw_only=True):
         if self.lock_file_fd is not None:
             fds.append(self.lock_file_fd)
         for worker in self.live:
-            fds += (fd for fd in (worker.stdout, worker.stderr) if fd is not None)
+            fds += (fd for fd in (worker.stdout, worker.stderr, worker.stdin) if fd is not None)
         fds += (conn.fd for conn in self.requesters)
         return fds
 

@@ -365,13 +365,14 @@ def _failure(exc: BaseException, stopped: Sequence[str] = ()) -> Error:
 def _carried(live: LiveWorker, carried: Carried) -> CarriedWorker:
     process = live.process
     assert process is not None, "no spawn is in flight once frozen"
-    stdout, stderr = process.carry(carried)
+    stdout, stderr, stdin = process.carry(carried)
     return CarriedWorker(
         id=live.record.id,
         pid=process.pid,
         pid_start=process.starttime,
         stdout=stdout,
         stderr=stderr,
+        stdin=stdin,
     )
 
 
@@ -436,7 +437,12 @@ async def adopt(
             if daemon.store.worker(carried.id) is None:
                 raise _NoRecord(f"worker {carried.id} has no readable record in the store")
             process = daemon.launcher.adopt(
-                carried.id, carried.pid, carried.pid_start, carried.stdout, carried.stderr
+                carried.id,
+                carried.pid,
+                carried.pid_start,
+                carried.stdout,
+                carried.stderr,
+                carried.stdin,
             )
             # Verified whole while clients wait in the backlog: a million entries cost
             # seconds of this reload (carrying the verified index would spare that).
@@ -470,7 +476,7 @@ class _NoRecord(Exception):
 async def _stop_unadoptable(daemon: Daemon, carried: CarriedWorker) -> None:
     """End a carried worker the new image cannot supervise: its tree, then its ending
     (record and wake, one transaction) as `stopped_by_reload`."""
-    for fd in (carried.stdout, carried.stderr):
+    for fd in (carried.stdout, carried.stderr, carried.stdin):
         if fd is not None:
             os.close(fd)
     await daemon.launcher.end_leftover_tree(carried.id, carried.pid, carried.pid_start, 0.5)

@@ -39,12 +39,20 @@ class Launcher(Protocol):
         cwd: str,
         env: Mapping[str, str],
         stdin_path: str | None,
+        stdin_open: bool = False,
     ) -> WorkerProcess:
-        """Start a worker's process; raises SpawnFailed (OutOfDescriptors) naming why not."""
+        """Start a worker's process; raises SpawnFailed (OutOfDescriptors) naming why not.
+        `stdin_open`: its stdin a pipe whose write end the process hands back."""
         ...
 
     def adopt(
-        self, worker_id: str, pid: int, pid_start: int, stdout: int | None, stderr: int | None
+        self,
+        worker_id: str,
+        pid: int,
+        pid_start: int,
+        stdout: int | None,
+        stderr: int | None,
+        stdin: int | None = None,
     ) -> WorkerProcess:
         """Take over a worker a previous image started; ProcessLookupError if it is gone."""
         ...
@@ -102,6 +110,7 @@ class LocalLauncher:
         cwd: str,
         env: Mapping[str, str],
         stdin_path: str | None,
+        stdin_open: bool = False,
     ) -> WorkerProcess:
         # fork and exec off the event loop: a slow exec delays no one else.
         process = await trio.to_thread.run_sync(
@@ -111,6 +120,7 @@ class LocalLauncher:
                 cwd=cwd,
                 env=env,
                 stdin_path=stdin_path,
+                stdin_open=stdin_open,
                 cgroup=self._group(worker_id),
             )
         )
@@ -119,9 +129,17 @@ class LocalLauncher:
         return process
 
     def adopt(
-        self, worker_id: str, pid: int, pid_start: int, stdout: int | None, stderr: int | None
+        self,
+        worker_id: str,
+        pid: int,
+        pid_start: int,
+        stdout: int | None,
+        stderr: int | None,
+        stdin: int | None = None,
     ) -> WorkerProcess:
-        return WorkerProcess.adopt(pid, pid_start, stdout, stderr, cgroup=self._group(worker_id))
+        return WorkerProcess.adopt(
+            pid, pid_start, stdout, stderr, cgroup=self._group(worker_id), stdin=stdin
+        )
 
     async def end_tree(
         self, worker_id: str, process: WorkerProcess, grace: float, *, hurried: bool = True

@@ -1,4 +1,5 @@
-"""The OS side of one worker: its pid, its pidfd and the read ends of its pipes.
+"""The OS side of one worker: its pid, its pidfd, the read ends of its output pipes and,
+for a worker spawned with its stdin open, the write end of its stdin.
 
 Every worker, whether this image spawned it or adopted it across a reload, is
 waited on through its pidfd, never waitpid(-1), so no other reaper can steal
@@ -56,6 +57,11 @@ class WorkerProcess:
     starttime: int  # from /proc/PID/stat: with the pid, the process's identity
     stdout: int | None
     stderr: int | None
+    #: The write end of its stdin pipe (non-blocking), for a worker spawned with stdin
+    #: open; None otherwise, and once closed.
+    stdin: int | None = None
+    #: Its stdin was open and has been closed (an eof sent, or the worker closed its end).
+    stdin_closed: bool = False
     #: Its own cgroup, holding its whole tree; None where the tree is found by scanning /proc.
     cgroup: WorkerCgroup | None = None
     #: Why it has no cgroup although one was asked for.
@@ -69,19 +75,27 @@ class WorkerProcess:
         cwd: str,
         env: Mapping[str, str],
         stdin_path: str | None,
+        stdin_open: bool = False,
         cgroup: WorkerCgroup | None = None,
     ) -> WorkerProcess:
-        """Start `argv` in its own process group (and `cgroup`) with piped stdout and stderr."""
+        """Start `argv` in its own process group (and `cgroup`) with piped stdout and stderr;
+        its stdin the file at `stdin_path`, a pipe the daemon writes (`stdin_open`), or
+        /dev/null."""
         cgroup_error = None
         made: list[int] = []  # every descriptor this spawn made, closed if it goes no further
+        stdin_w: int | None = None
         try:
-            # The input file is in the worker's archive, in reach of an earlier attempt.
-            stdin = (
-                open_regular(stdin_path)
-                if stdin_path
-                else os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-            )
-            made.append(stdin)
+            if stdin_open:
+                stdin, stdin_w = os.pipe2(os.O_CLOEXEC)
+                made += (stdin, stdin_w)
+            else:
+                # The input file is in the worker's archive, in reach of an earlier attempt.
+                stdin = (
+                    open_regular(stdin_path)
+                    if stdin_path
+                    else os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+                )
+                made.append(stdin)
             os.set_blocking(stdin, True)  # opened without blocking; the worker reads as usual
             out_r, out_w = os.pipe2(os.O_CLOEXEC)
             made += (out_r, out_w)
@@ -119,8 +133,9 @@ class WorkerProcess:
                     close_fds=True,
                 )
         except (OSError, ValueError, TypeError) as exc:  # ValueError: a NUL in an argument
-            for fd in (out_r, err_r):
-                os.close(fd)
+            for end in (out_r, err_r, stdin_w):
+                if end is not None:
+                    os.close(end)
             if cgroup is not None:
                 with contextlib.suppress(OSError):
                     cgroup.remove()
@@ -141,8 +156,9 @@ class WorkerProcess:
             # Unwatchable, so it must not run on: end it before anyone relies on it.
             popen.kill()
             popen.wait()
-            for fd in (out_r, err_r):
-                os.close(fd)
+            for end in (out_r, err_r, stdin_w):
+                if end is not None:
+                    os.close(end)
             if cgroup is not None:
                 with contextlib.suppress(OSError):
                     cgroup.remove()
@@ -152,14 +168,16 @@ class WorkerProcess:
         popen.returncode = 0
         stat = read_stat(popen.pid)
         assert stat is not None, "an unreaped child always has a /proc entry"
-        for fd in (out_r, err_r):
-            os.set_blocking(fd, False)
+        for end in (out_r, err_r, stdin_w):
+            if end is not None:
+                os.set_blocking(end, False)  # a send never waits for room: see write_stdin
         return cls(
             pid=popen.pid,
             pidfd=pidfd,
             starttime=stat.starttime,
             stdout=out_r,
             stderr=err_r,
+            stdin=stdin_w,
             cgroup=cgroup,
             cgroup_error=cgroup_error,
         )
@@ -172,6 +190,7 @@ class WorkerProcess:
         stdout: int | None,
         stderr: int | None,
         cgroup: WorkerCgroup | None = None,
+        stdin: int | None = None,
     ) -> WorkerProcess:
         """Take over a worker handed across an exec: same pid (still our child), same pipes
         (close-on-exec again: see `_carried.take_back`).
@@ -188,16 +207,31 @@ class WorkerProcess:
         if cgroup is not None and not cgroup.exists():
             cgroup = None  # spawned where its tree was found by scanning
         return cls(
-            pid=pid, pidfd=pidfd, starttime=starttime, stdout=stdout, stderr=stderr, cgroup=cgroup
+            pid=pid,
+            pidfd=pidfd,
+            starttime=starttime,
+            stdout=stdout,
+            stderr=stderr,
+            stdin=stdin,
+            cgroup=cgroup,
         )
 
-    def carry(self, carried: Carried) -> tuple[int | None, int | None]:
-        """Hand the pipes to a reload's exec; (stdout, stderr). The pidfd stays behind: the
-        pid stays our child, unreaped, so the next image opens its own on the same process."""
+    def carry(self, carried: Carried) -> tuple[int | None, int | None, int | None]:
+        """Hand the pipes to a reload's exec; (stdout, stderr, stdin). The pidfd stays
+        behind: the pid stays our child, unreaped, so the next image opens its own on the
+        same process."""
         return (
             carried.carry_if(self.stdout, f"worker pid {self.pid}'s stdout"),
             carried.carry_if(self.stderr, f"worker pid {self.pid}'s stderr"),
+            carried.carry_if(self.stdin, f"worker pid {self.pid}'s stdin"),
         )
+
+    def close_stdin(self) -> None:
+        """Close the write end of its stdin: the worker reads end of file."""
+        if self.stdin is not None:
+            os.close(self.stdin)
+            self.stdin = None
+            self.stdin_closed = True
 
     async def wait_exited(self) -> None:
         """Wait until the process has exited, without reaping it.
@@ -224,9 +258,28 @@ class WorkerProcess:
                 trio.lowlevel.notify_closing(fd)
                 os.close(fd)
                 setattr(self, name, None)
+        self.close_stdin()
         if self.pidfd >= 0:
             os.close(self.pidfd)
             self.pidfd = -1
+
+
+def write_nowait(fd: int, data: bytes) -> int:
+    """Write what the pipe `fd` (non-blocking) takes of `data` now; how much it took.
+
+    Raises BrokenPipeError only if it took nothing: its reader is gone."""
+    view = memoryview(data)
+    written = 0
+    while written < len(data):
+        try:
+            written += os.write(fd, view[written:])
+        except BlockingIOError:
+            break
+        except BrokenPipeError:
+            if not written:
+                raise
+            break
+    return written
 
 
 async def pump(fd: int, deliver: Callable[[bytes], Awaitable[None]]) -> None:

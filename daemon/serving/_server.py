@@ -39,6 +39,8 @@ from subagentd.protocol import (
     Done,
     Error,
     FenceReply,
+    Grep,
+    GrepReply,
     Info,
     InfoReply,
     Latest,
@@ -52,6 +54,8 @@ from subagentd.protocol import (
     Resume,
     ResumeRun,
     RunReply,
+    Send,
+    Sent,
     SetFence,
     Spawn,
     Status,
@@ -61,6 +65,8 @@ from subagentd.protocol import (
     Subscribe,
     TurnReply,
     Wait,
+    WaitFor,
+    WaitForReply,
     WaitRunStopped,
     Wake,
     Wakes,
@@ -589,6 +595,16 @@ class Server:
                 return ResultReply(id=rid, result=await daemon.reader.collect(worker, wait=wait))
             case Wait(worker=worker):
                 return WorkerReply(id=rid, worker=await daemon.reader.wait(worker))
+            case Grep(worker=worker, pattern=pattern, before=before, after=after, limit=limit):
+                found = await daemon.reader.grep(
+                    worker, pattern, before=before, after=after, limit=limit
+                )
+                return GrepReply(id=rid, result=found)
+            case Send(worker=worker, data=data, eof=eof):
+                return Sent(id=rid, written=daemon.send(worker, data, eof=eof))
+            case WaitFor(worker=worker, pattern=pattern, timeout=timeout):
+                waited = await daemon.reader.wait_for(worker, pattern, timeout)
+                return WaitForReply(id=rid, result=waited)
             case Subscribe(run=run, worker=worker, follow=follow):
                 key = daemon.mailbox.key(run, worker)
                 await daemon.mailbox.subscribe(key, follow, _wake_sender(conn, rid))

@@ -16,7 +16,19 @@ from typing import Protocol
 
 import trio
 
-from subagentd.protocol import TERMINAL_STATES, Collect, Page, Watch, WorkerResult, WorkerView, op
+from subagentd.protocol import (
+    TERMINAL_STATES,
+    Collect,
+    Entry,
+    GrepResult,
+    Page,
+    WaitForResult,
+    WaitOutcome,
+    Watch,
+    WorkerResult,
+    WorkerView,
+    op,
+)
 from subagentd.protocol.errors import Busy, Invalid, NotFound, Refused
 
 from ..core._registry import Registry, Tombstone, WorkerRecord
@@ -25,6 +37,7 @@ from ..store._files import NotRegularFile
 from ..store._journal import Journal, JournalCorrupt, JournalTooLong
 from ..store._statedir import StateDir
 from ..store._store import Store
+from ._grep import LineScanner, compile_pattern
 from ._supervisor import Supervisor
 
 #: A journal up to this long is verified on the event loop (a few ms at the worst:
@@ -36,6 +49,14 @@ OPEN_JOURNALS = 16
 JOURNAL_SCANS = 2
 #: A watch page never holds more entries than this, whatever the client asks.
 MAX_PAGE_ENTRIES = 10_000
+#: The bytes of output one grep scans at most (from the journal's start): past it the
+#: answer says `truncated`. RE2 scans ~1 GB/s; splitting into lines costs more.
+MAX_GREP_SCAN_BYTES = 64 * 1024 * 1024
+#: A page of output up to this long is searched on the event loop; a longer one in a
+#: thread, so a grep of a long journal delays no one else.
+INLINE_SCAN_BYTES = 64 * 1024
+#: Greps and wait-fors searching in threads at once.
+SCANS = 2
 
 
 class Releases(Protocol):
@@ -59,6 +80,8 @@ class Reader:
         #: Threads verifying journals (see open_journal): their own, so a worker's huge
         #: journal read by many requests holds these and never those a spawn needs.
         self._journal_scans = trio.CapacityLimiter(JOURNAL_SCANS)
+        #: Threads searching output for greps and wait-fors: their own, as above.
+        self._scans = trio.CapacityLimiter(SCANS)
 
     def releasing_through(self, retention: Releases) -> None:
         """Who lets a handle go once it is collected (made after the reader)."""
@@ -130,6 +153,67 @@ class Reader:
         cursor = entries[-1].seq if entries else since
         complete = live is None and cursor >= journal.last_seq
         return Page(id=0, entries=entries, next=cursor, complete=complete)
+
+    async def grep(
+        self, worker_id: str, pattern: str, *, before: int, after: int, limit: int
+    ) -> GrepResult:
+        """The lines of the worker's output that match, from the start of its journal,
+        scanning at most MAX_GREP_SCAN_BYTES of it; an unended last line counts."""
+        scanner = LineScanner(compile_pattern(pattern), before=before, after=after, limit=limit)
+        self.lookup(worker_id)
+        cursor = 0
+        bounded = False
+        while not scanner.done:
+            page = await self.watch_page(worker_id, cursor, MAX_PAGE_ENTRIES)
+            await self._scan(scanner, page.entries)
+            if page.complete or not page.entries:
+                break
+            cursor = page.next
+            if scanner.scanned >= MAX_GREP_SCAN_BYTES:
+                bounded = True
+                break
+        scanner.finish()
+        return GrepResult(matches=scanner.matches, truncated=scanner.more or bounded)
+
+    async def wait_for(self, worker_id: str, pattern: str, seconds: float) -> WaitForResult:
+        """Once a line of the worker's output matches (what it wrote so far first, then what
+        it writes), once it ends, or after `seconds`: whichever comes first. A line
+        counts once it ends (or the output does); the scan's work is bounded by the time."""
+        scanner = LineScanner(compile_pattern(pattern))
+        self.lookup(worker_id)
+        outcome: WaitOutcome = "timed_out"
+        with trio.move_on_after(seconds):
+            outcome = await self._wait_for_line(worker_id, scanner)
+        line = scanner.matches[0].line if outcome == "matched" else None
+        return WaitForResult(outcome=outcome, line=line, worker=self.lookup(worker_id).view())
+
+    async def _wait_for_line(self, worker_id: str, scanner: LineScanner) -> WaitOutcome:
+        cursor = 0
+        while True:
+            live = self._supervisor.get(worker_id)
+            grown = live.grown if live is not None else None
+            page = await self.watch_page(worker_id, cursor, MAX_PAGE_ENTRIES)
+            await self._scan(scanner, page.entries)
+            if page.complete:
+                scanner.finish()
+            if scanner.matches:
+                return "matched"
+            if page.complete:
+                return "ended"
+            cursor = page.next
+            if not page.entries and grown is not None:
+                await grown.wait()
+            else:
+                await trio.lowlevel.checkpoint()  # a worker writing fast starves no one
+
+    async def _scan(self, scanner: LineScanner, entries: list[Entry]) -> None:
+        """Feed `entries` to `scanner`: a big page in a thread, so the loop serves on."""
+        if sum(len(entry.data) for entry in entries) <= INLINE_SCAN_BYTES:
+            scanner.feed(entries)
+            return
+        # Not abandoned on cancel: the scanner is left whole, and its work is bounded
+        # (one page, searched in linear time).
+        await trio.to_thread.run_sync(scanner.feed, entries, limiter=self._scans)
 
     async def _ended_journal(self, found: WorkerRecord | Tombstone) -> Journal:
         """An ended worker's journal, opened (and verified) once for many pages.

@@ -19,11 +19,11 @@ import structlog
 import trio
 
 from subagentd.protocol import EntryKind
-from subagentd.protocol.errors import Refused
+from subagentd.protocol.errors import Busy, Refused
 
 from ..core._registry import Registry, WorkerRecord
 from ..processes._launcher import Launcher
-from ..processes._process import WorkerProcess, pump
+from ..processes._process import WorkerProcess, pump, write_nowait
 from ..store._archive import STDOUT_TAIL_BYTES
 from ..store._journal import Journal
 
@@ -36,6 +36,8 @@ _PIPES: tuple[EntryKind, ...] = ("stdout", "stderr")
 #: A write that failed (disk full, EIO) is tried again after this, doubling up to the max.
 DISK_RETRY_FIRST = 0.1
 DISK_RETRY_MAX = 5.0
+#: When to offer a worker's full stdin more (`busy`'s retry_after): it reads when it will.
+STDIN_RETRY = 0.1
 #: A reload's freeze (nobody is served meanwhile) not done within this is given up:
 #: the reload is refused and supervision carries on.
 FREEZE_SECONDS = 5.0
@@ -385,6 +387,51 @@ class Supervisor:
         """Carry out a stop asked: said in its journal, then its whole tree ended."""
         self._journal_stopping(live)
         await self._terminate(live)
+
+    def write_stdin(self, live: LiveWorker, data: bytes, *, eof: bool) -> int:
+        """Write what the worker's stdin pipe takes of `data` now, never waiting for room
+        (a worker that does not read its stdin must not hold the daemon); journal it as a
+        `stdin` entry; with `eof`, close the pipe once all of `data` went in. Refusals
+        raise: Refused (no open stdin, or its reader gone), Busy (the pipe took nothing)."""
+        worker_id, process = live.record.id, live.process
+        if process is None or process.stdin is None:
+            why = (
+                "its stdin is closed (an eof was sent, or the worker closed it)"
+                if process is not None and process.stdin_closed
+                else "it was not spawned with stdin_open (nothing holds its stdin open)"
+            )
+            raise Refused(f"cannot send to worker {worker_id}: {why}")
+        try:
+            written = write_nowait(process.stdin, data)
+        except BrokenPipeError:
+            process.close_stdin()
+            self._journal_extra(live, "note", b"stdin closed: the worker closed its end")
+            raise Refused(
+                f"cannot send to worker {worker_id}: it closed its stdin (or is exiting)"
+            ) from None
+        if written:
+            self._journal_extra(live, "stdin", data[:written])
+        if data and not written:
+            raise Busy(
+                f"worker {worker_id}'s stdin is full (it is not reading it): nothing was "
+                "written; send again later",
+                retry_after=STDIN_RETRY,
+            )
+        if eof and written == len(data):
+            process.close_stdin()
+            self._journal_extra(live, "note", b"stdin closed: eof sent")
+        return written
+
+    def _journal_extra(self, live: LiveWorker, kind: EntryKind, data: bytes) -> None:
+        """Journal what the daemon did to a worker (not its output), waking its followers;
+        on a failing disk, said in info and left out: what was done is done."""
+        try:
+            live.journal.append(kind, data, self._clock())
+        except OSError as exc:
+            self._disk_trouble(f"journal of {live.record.id}", exc)
+            return
+        grown, live.grown = live.grown, trio.Event()
+        grown.set()
 
     def _journal_stopping(self, live: LiveWorker) -> None:
         """Say in its journal, once, that its stop is in flight: a watch shows it."""

@@ -1,0 +1,209 @@
+"""Searching a worker's output by line: what answers `grep` and `wait_for`.
+
+Pure and synchronous: `LineScanner` is fed journal entries in order and returns nothing
+but what it found; the reader decides where it runs (a big page in a thread). Lines are
+its stdout and its stderr each split on its own (an entry may end mid-line; the line
+goes on in that stream's next entry), numbered together from 1 in the order they were
+completed. A line longer than MAX_LINE_BYTES is cut into pieces of that length, so no
+worker makes the daemon hold an unbounded line.
+
+Patterns are RE2's (google-re2): matching takes time linear in the text whatever the
+pattern, which is what lets a worker's client, or a worker, hand the daemon any pattern;
+Python's `re` backtracks, exponentially for patterns such as ``(a+)+$``. Backreferences
+and lookaround, which only a backtracking engine can do, are refused as invalid. Each
+batch of lines is searched as one buffer in which no match may cross a newline
+(``never_nl``), so the search runs in C and Python touches only the lines that match.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import re2  # type: ignore[import-untyped]  # google-re2 ships no types
+
+from subagentd.protocol import Entry, GrepMatch, OutputKind
+from subagentd.protocol.errors import Invalid
+
+#: A line is cut into pieces this long: no line the daemon holds is longer.
+MAX_LINE_BYTES = 16 * 1024
+#: What RE2 may use to compile one pattern (its default): a bigger program is refused.
+PATTERN_MEMORY = 8 * 1024 * 1024
+
+_OUTPUT: tuple[OutputKind, ...] = ("stdout", "stderr")
+
+
+def compile_pattern(pattern: str) -> Any:
+    """`pattern` compiled, so that no match crosses a line's end; Invalid naming the field."""
+    options = re2.Options()
+    options.log_errors = False  # said to the client instead, not on the daemon's stderr
+    options.never_nl = True
+    options.max_mem = PATTERN_MEMORY
+    try:
+        return re2.compile(b"(?m)" + pattern.encode(), options)
+    except re2.error as exc:
+        reason = exc.args[0].decode(errors="replace") if exc.args else str(exc)
+        raise Invalid(
+            f"pattern: {reason} (patterns are RE2 syntax: no backreferences or lookaround)"
+        ) from None
+
+
+@dataclass
+class _Found:
+    match: GrepMatch
+    owed: int  # lines of context after it still to come
+
+
+@dataclass
+class LineScanner:
+    """Lines of a worker's output matched against one compiled pattern, fed in order."""
+
+    pattern: Any
+    before: int = 0
+    after: int = 0
+    limit: int = 1
+    #: Bytes of output fed so far: what a bound on one request's work counts.
+    scanned: int = 0
+    line_no: int = 0
+    matches: list[GrepMatch] = field(default_factory=list)
+    #: A match beyond `limit` was found (so `matches` is not all of them).
+    more: bool = False
+    _partial: dict[str, bytearray] = field(
+        default_factory=lambda: {kind: bytearray() for kind in _OUTPUT}
+    )
+    _recent: collections.deque[str] = field(default_factory=collections.deque)
+    _owed: list[_Found] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        """Nothing fed from now on could change the answer: a match past the limit was
+        seen (so `more`), and every match has its context after."""
+        return self.more and not self._owed
+
+    def feed(self, entries: Iterable[Entry]) -> None:
+        """Take the next entries of the journal (other kinds than output pass by)."""
+        batch = _Batch()
+        for entry in entries:
+            if entry.kind == "stdout" or entry.kind == "stderr":
+                self.scanned += len(entry.data)
+                batch.add(entry.kind, self._split(entry.kind, entry.data))
+        self._take(batch)
+
+    def finish(self) -> None:
+        """The output has ended (or a grep takes it as it stands): unended lines count."""
+        batch = _Batch()
+        for kind in _OUTPUT:
+            if self._partial[kind]:
+                batch.add(kind, [bytes(self._partial[kind])])
+                self._partial[kind].clear()
+        self._take(batch)
+
+    def _split(self, kind: OutputKind, data: bytes) -> list[bytes]:
+        """The lines `data` ends, the first carrying on the stream's unended line; what is
+        left unended is kept for the stream's next entry. Whole-buffer operations (C's
+        speed), never a Python step per line but for lines too long to keep whole."""
+        partial = self._partial[kind]
+        # A CRLF line ends before its CR: `$` matches there, as a person reads it.
+        lines = data.replace(b"\r\n", b"\n").split(b"\n")
+        rest = lines.pop()
+        if lines and partial:
+            if partial.endswith(b"\r") and data.startswith(b"\n"):
+                del partial[-1:]  # a CRLF cut between two entries
+            lines[0] = bytes(partial) + lines[0]
+            partial.clear()
+        partial += rest
+        if len(partial) >= MAX_LINE_BYTES:
+            *cut, last = _cut(bytes(partial))
+            lines += cut
+            partial[:] = last
+        if lines and max(map(len, lines)) > MAX_LINE_BYTES:
+            lines = [piece for line in lines for piece in _cut(line)]
+        return lines
+
+    def _take(self, batch: _Batch) -> None:
+        """Search a batch of whole lines; only the lines a match shows are decoded."""
+        raw = batch.lines
+        if not raw:
+            return
+        for found in self._owed:
+            taken = [_text(line) for line in raw[: found.owed]]
+            found.match.after += taken
+            found.owed -= len(taken)
+        self._owed = [found for found in self._owed if found.owed]
+        if not self.more:
+            for index in self._matching(raw):
+                if len(self.matches) >= self.limit:
+                    self.more = True
+                    break
+                self._found(index, batch.kind_of(index), raw)
+        self.line_no += len(raw)
+        if self.before:
+            self._recent.extend(_text(line) for line in raw[-self.before :])
+            while len(self._recent) > self.before:
+                self._recent.popleft()
+
+    def _matching(self, lines: list[bytes]) -> Iterable[int]:
+        """The indexes of the lines that match, in order: one search of them all."""
+        buffer = b"\n".join(lines)
+        starts = list(itertools.accumulate((len(line) + 1 for line in lines[:-1]), initial=0))
+        position = 0
+        while position <= len(buffer):
+            found = self.pattern.search(buffer, position)
+            if found is None:
+                return
+            index = bisect.bisect_right(starts, found.start()) - 1
+            yield index
+            if index + 1 >= len(starts):
+                return
+            position = starts[index + 1]
+
+    def _found(self, index: int, kind: OutputKind, raw: list[bytes]) -> None:
+        before: list[str] = []
+        if self.before:
+            earlier = [_text(line) for line in raw[max(0, index - self.before) : index]]
+            missing = self.before - len(earlier)
+            before = (list(self._recent)[-missing:] if missing else []) + earlier
+        after = [_text(line) for line in raw[index + 1 : index + 1 + self.after]]
+        match = GrepMatch(
+            line_no=self.line_no + index + 1,
+            kind=kind,
+            line=_text(raw[index]),
+            before=before,
+            after=after,
+        )
+        self.matches.append(match)
+        if len(after) < self.after:
+            self._owed.append(_Found(match, self.after - len(after)))
+
+
+class _Batch:
+    """Whole lines in the order they were completed, and which stream each came from (as
+    runs of one stream, not a tuple a line)."""
+
+    def __init__(self) -> None:
+        self.lines: list[bytes] = []
+        self._starts: list[int] = []
+        self._kinds: list[OutputKind] = []
+
+    def add(self, kind: OutputKind, lines: list[bytes]) -> None:
+        if lines:
+            self._starts.append(len(self.lines))
+            self._kinds.append(kind)
+            self.lines += lines
+
+    def kind_of(self, index: int) -> OutputKind:
+        return self._kinds[bisect.bisect_right(self._starts, index) - 1]
+
+
+def _cut(line: bytes) -> list[bytes]:
+    if len(line) <= MAX_LINE_BYTES:
+        return [line]
+    return [line[i : i + MAX_LINE_BYTES] for i in range(0, len(line), MAX_LINE_BYTES)]
+
+
+def _text(line: bytes) -> str:
+    return line.decode("utf-8", errors="replace")
