@@ -25,6 +25,13 @@ from .helpers import reload_on_own_connection as reload
 TICKING = "echo up; while :; do echo tick; sleep 0.05; done"
 
 
+def held_for_good(found: dict[int, tuple[str, bool]]) -> dict[int, tuple[str, bool]]:
+    """The descriptors the daemon holds, less those its spare-archive maker has open for
+    a moment in its thread (a spare's files, as it makes them): neither taken nor given
+    back by a reload, they come and go as it runs, and would make the count flaky."""
+    return {fd: what for fd, what in found.items() if "/.spare-" not in what[0]}
+
+
 async def test_a_failed_exec_gives_back_exactly_the_descriptors_it_took(
     daemon_dirs: DaemonProcess,
 ) -> None:
@@ -38,10 +45,10 @@ async def test_a_failed_exec_gives_back_exactly_the_descriptors_it_took(
             workers = [await client.spawn(sh(TICKING)) for _ in range(3)]
             for worker in workers:
                 await wait_output(client, worker.id, b"tick")
-            before = descriptors(pid)
+            before = held_for_good(descriptors(pid))
             with pytest.raises(Refused, match=r"exec failed.*old image serves on"):
                 await client.reload()  # asked on this connection: it is kept, then resumed
-            after = descriptors(pid)
+            after = held_for_good(descriptors(pid))
             # The same open files, sockets, pipes and pidfds, each as (non-)inheritable as it
             # was. The requester's connection is the same socket, now under another number.
             assert Counter(after.values()) == Counter(before.values())
