@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import signal
 import sys
 import termios
 import time
@@ -119,10 +120,15 @@ class JournalTail:
     worker_id: str
     #: Every entry up to this seq has been read or skipped.
     cursor: int = 0
+    #: The journal will never grow again (its worker ended): nothing more is asked.
+    complete: bool = False
 
     async def advance(self, daemon: AsyncClient, budget: Budget, want: int) -> list[Entry]:
         """The newest entries after the cursor, at most `want`: those between are skipped."""
+        if self.complete:
+            return []
         page = await budget.page(daemon, self.worker_id, self.cursor, want)
+        self.complete = page.complete
         if not page.entries:
             return []
         self.cursor = page.next
@@ -131,6 +137,7 @@ class JournalTail:
             return page.entries
         end = await self._find_end(daemon, budget, self.cursor + 1)
         page = await budget.page(daemon, self.worker_id, max(end - want, self.cursor), want)
+        self.complete = page.complete
         if page.entries:
             self.cursor = page.next
         return page.entries
@@ -387,15 +394,25 @@ class Reader:
     async def read(self, screen: Screen, height: int) -> None:
         views = await self.daemon.ls(all=self.show_all, run=self.run)
         listed = {view.id for view in views}
-        gone = [await self._ended(worker_id) for worker_id in self._listed - listed]
+        # Those that ended since the last frame, in their final state: a request each, so
+        # at most as many as are kept on screen.
+        left = sorted(self._listed - listed)[:ENDED_KEPT]
+        gone = [await self._ended(worker_id) for worker_id in left]
         self._listed = listed
         screen.saw(views, [view for view in gone if view is not None])
+        self._forget_all_but({row.view.id for row in screen.rows()}, screen)
         budget = Budget()
         with contextlib.suppress(Spent):
             if screen.follow is not None:
                 await self._follow(screen.follow, budget)
             for row in _window(screen, screen.rows(), height):
                 await self._last_line(screen, row.view, budget)
+
+    def _forget_all_but(self, shown: set[str], screen: Screen) -> None:
+        for worker_id in set(self._tails) - shown:
+            del self._tails[worker_id]
+        for worker_id in set(screen.lines) - shown:
+            del screen.lines[worker_id]
 
     async def _ended(self, worker_id: str) -> WorkerView | None:
         try:
@@ -405,6 +422,7 @@ class Reader:
 
     async def _last_line(self, screen: Screen, view: WorkerView, budget: Budget) -> None:
         tail = self._tails.setdefault(view.id, JournalTail(view.id))
+        tail.complete = tail.complete and view.state in TERMINAL_STATES  # a resume runs it again
         try:
             entries = await tail.advance(self.daemon, budget, TAIL_ENTRIES)
         except RemoteError:
@@ -536,6 +554,7 @@ class Top:
         with cbreak(fd), Live(console=self.console, screen=True, auto_refresh=False) as live:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._read_keys, fd, nursery)
+                nursery.start_soon(self._redraw_on_resize)
                 while not self.screen.quit:
                     await self.reader.read(self.screen, self.height() - 4)
                     live.update(frame(self.screen, time.time(), self.height()), refresh=True)
@@ -548,13 +567,20 @@ class Top:
         while True:
             await trio.lowlevel.wait_readable(fd)
             data = os.read(fd, 1024).decode("utf-8", errors="replace")
-            if not data:
+            if not data:  # the terminal is gone
                 self.screen.quit = True
+                self._wake.set()
+                return
             for key in keys(data):
                 act = press(self.screen, key, max(1, self.height() - 5))
                 if act is not None:
                     nursery.start_soon(self._act, act)
             self._wake.set()
+
+    async def _redraw_on_resize(self) -> None:
+        with trio.open_signal_receiver(signal.SIGWINCH) as resized:
+            async for _ in resized:
+                self._wake.set()
 
     async def _act(self, act: Act) -> None:
         try:
@@ -565,7 +591,7 @@ class Top:
                 stopped = await self.daemon.stop_run(act.target, wait=False)
                 self.screen.message = f"stopping run {act.target}: {len(stopped)} workers"
         except (RemoteError, TransportError) as exc:
-            self.screen.message = f"not stopped: {exc}"
+            self.screen.message = f"stop of {act.target}: {exc}"
         self._wake.set()
 
 

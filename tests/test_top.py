@@ -8,6 +8,7 @@ bounded by `trio.fail_after`. What the daemon did (a worker stopped) is asked of
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 import shlex
@@ -22,8 +23,18 @@ from pathlib import Path
 import pytest
 import trio
 
-from subagentd.client import AsyncClient
-from subagentd.client._top import Budget, JournalTail, Spent
+from subagentd.client import AsyncClient, WorkerView
+from subagentd.client._top import (
+    Act,
+    Budget,
+    JournalTail,
+    Screen,
+    Spent,
+    keys,
+    press,
+    printable,
+    tree,
+)
 
 from .conftest import BIN, DaemonProcess
 from .helpers import sh, wait_output
@@ -71,13 +82,17 @@ class Pane:
         raise AssertionError(f"not shown within {SHOWN_WITHIN}s: {what}; the pane:\n{text}")
 
 
+_PANES = itertools.count()
+
+
 @asynccontextmanager
 async def top_pane(
     daemon: DaemonProcess, *args: str, width: int = 140, height: int = 30
 ) -> AsyncIterator[Pane]:
     """`subagentctl top ARGS` running in a detached pane; its exit status is printed
     there as EXIT=N once it ends."""
-    pane = Pane(daemon.root / "tmux.sock")
+    # A server of its own each: one just killed may still hold its socket's name.
+    pane = Pane(daemon.root / f"tmux-{next(_PANES)}.sock")
     command = shlex.join([CTL, "top", "--interval", "0.2", *args])
     env = daemon.env | {"TERM": "xterm-256color"}
     env.pop("TMUX", None)
@@ -406,3 +421,56 @@ def test_top_without_a_terminal_points_to_once(daemon: DaemonProcess) -> None:
     done = daemon.ctl("top")
     assert done.returncode == 2, done
     assert "--once" in done.stderr
+
+
+# -- the pure parts, by calling them ---------------------------------------------------------
+
+
+def _view(worker_id: str, parent: str | None = None, at: float = 0.0) -> WorkerView:
+    return WorkerView(id=worker_id, run="r-1", parent=parent, state="running", started_at=at)
+
+
+def test_the_tree_puts_children_under_their_parent_and_orphans_at_the_root() -> None:
+    views = [
+        _view("w-c", parent="w-a", at=3),
+        _view("w-a", at=1),
+        _view("w-o", parent="w-gone", at=2),
+        _view("w-b", parent="w-a", at=2),
+        _view("w-d", parent="w-b", at=4),
+    ]
+    assert [(row.view.id, row.depth) for row in tree(views)] == [
+        ("w-a", 0),
+        ("w-b", 1),
+        ("w-d", 2),
+        ("w-c", 1),
+        ("w-o", 0),
+    ]
+
+
+def test_printable_leaves_no_escape_or_control_and_keys_parse_sequences() -> None:
+    hostile = "a\x1b[31mb\x1b]8;;http://x\x1b\\c\x1b]0;t\x07d\x1bMe\x00\x7f\u202e\u200bf\tg\r"
+    assert printable(hostile) == "abcde????f g?"
+    assert len(printable("x" * 10_000)) == 400
+    assert list(keys("j\x1b[A\x1b[Bq\x1b[1;5Cs\x1b")) == ["j", "up", "down", "q", "s", "escape"]
+
+
+def test_a_stop_is_asked_and_confirmed_by_y_only() -> None:
+    screen = Screen()
+    screen.saw([_view("w-a", at=1), _view("w-b", parent="w-a", at=2)], [])
+    assert screen.selected == "w-a"
+    assert press(screen, "down", 10) is None
+    assert press(screen, "s", 10) is None
+    assert screen.asking == "stop"
+    assert press(screen, "n", 10) is None
+    assert screen.asking is None
+    press(screen, "s", 10)
+    assert press(screen, "y", 10) == Act("stop", "w-b")
+    press(screen, "r", 10)
+    assert press(screen, "y", 10) == Act("stop_run", "r-1")
+    press(screen, "f", 10)
+    assert screen.follow is not None
+    assert screen.follow.worker_id == "w-b"
+    press(screen, "escape", 10)
+    assert screen.follow is None
+    press(screen, "q", 10)
+    assert screen.quit
