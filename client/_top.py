@@ -602,13 +602,21 @@ async def _top(
 
     async with AsyncClient(socket) as daemon:
         reader = Reader(daemon, run, show_all)
-        if once:
-            console = Console(highlight=False, soft_wrap=False)
-            screen = Screen(run=run)
-            await reader.read(screen, height=10**6)
-            console.print(frame(screen, time.time(), 10**6, live=False))
-            return
-        await Top(daemon, reader, Console(highlight=False), interval).run()
+        try:
+            if once:
+                console = Console(highlight=False, soft_wrap=False)
+                screen = Screen(run=run)
+                await reader.read(screen, height=10**6)
+                console.print(frame(screen, time.time(), 10**6, live=False))
+                return
+            await Top(daemon, reader, Console(highlight=False), interval).run()
+        except* TransportError as lost:
+            raise DaemonGone(lost.exceptions[0]) from lost
+
+
+class DaemonGone(Exception):
+    """The daemon went away while top showed it (and did not come back within the
+    client's reconnect window); not there at the start is the client's own error."""
 
 
 def _unwrapped(call: Callable[..., object], *args: object) -> None:
@@ -655,8 +663,11 @@ def main(
         return EXIT_USAGE
     try:
         _unwrapped(trio.run, _top, socket, run, show_all, once, interval)
-    except TransportError as exc:
+    except DaemonGone as exc:
         print(f"subagentctl: top: the daemon went away: {exc}", file=sys.stderr)
+        return EXIT_NO_DAEMON
+    except TransportError as exc:
+        print(f"subagentctl: {exc}", file=sys.stderr)
         return EXIT_NO_DAEMON
     except RemoteError as exc:
         print(f"subagentctl: {exc}", file=sys.stderr)

@@ -339,7 +339,7 @@ async def test_top_once_on_an_empty_daemon_and_on_none(daemon: DaemonProcess) ->
         await trio.to_thread.run_sync(daemon.terminate)
         gone = await trio.to_thread.run_sync(lambda: once(daemon))
         assert gone.returncode == 3, gone
-        assert gone.stderr.startswith("subagentctl: "), gone.stderr
+        assert gone.stderr.startswith("subagentctl: no daemon at "), gone.stderr
 
 
 async def test_top_once_cleans_what_workers_write_and_fits_a_narrow_terminal(
