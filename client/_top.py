@@ -219,12 +219,17 @@ class Follow:
     journal: JournalTail
     lines: deque[str] = field(default_factory=lambda: deque(maxlen=FOLLOW_LINES))
     partial: str = ""
-    skipped: bool = False
+    #: The last seq taken into `lines`.
+    taken: int = 0
+    #: Why the journal cannot be read (gone, damaged), once said.
+    problem: str = ""
 
-    def take(self, entries: Sequence[Entry], skipped: bool) -> None:
-        if skipped and entries:
+    def take(self, entries: Sequence[Entry]) -> None:
+        if entries and entries[0].seq > self.taken + 1:
             self.lines.append("[... earlier output skipped ...]")
             self.partial = ""
+        if entries:
+            self.taken = entries[-1].seq
         for entry in entries:
             if entry.kind not in _OUTPUT:
                 continue
@@ -372,7 +377,10 @@ def _follow_frame(screen: Screen, follow: Follow, height: int) -> RenderableType
 
     view = next((r.view for r in screen.rows() if r.view.id == follow.worker_id), None)
     state = "gone" if view is None else state_of(view)
-    head = _line(f"following {follow.worker_id} ({state})  f or Esc: back  q: quit", "bold")
+    problem = f"  [{follow.problem}]" if follow.problem else ""
+    head = _line(
+        f"following {follow.worker_id} ({state})  f or Esc: back  q: quit{problem}", "bold"
+    )
     shown = follow.shown()[-max(1, height - 1) :]
     return Group(head, *(_line(line) for line in shown))
 
@@ -390,6 +398,7 @@ class Reader:
         self.show_all = show_all
         self._tails: dict[str, JournalTail] = {}
         self._listed: set[str] = set()
+        self._turn = 0
 
     async def read(self, screen: Screen, height: int) -> None:
         views = await self.daemon.ls(all=self.show_all, run=self.run)
@@ -405,7 +414,11 @@ class Reader:
         with contextlib.suppress(Spent):
             if screen.follow is not None:
                 await self._follow(screen.follow, budget)
-            for row in _window(screen, screen.rows(), height):
+            # Starting a row further each frame: a budget spent early is not always the
+            # same rows' loss.
+            rows = _window(screen, screen.rows(), height)
+            self._turn = (self._turn + 1) % max(1, len(rows))
+            for row in rows[self._turn :] + rows[: self._turn]:
                 await self._last_line(screen, row.view, budget)
 
     def _forget_all_but(self, shown: set[str], screen: Screen) -> None:
@@ -432,14 +445,12 @@ class Reader:
             screen.lines[view.id] = line
 
     async def _follow(self, follow: Follow, budget: Budget) -> None:
-        before = follow.journal.cursor
         try:
             entries = await follow.journal.advance(self.daemon, budget, FOLLOW_LINES)
         except RemoteError as exc:
-            follow.lines.append(printable(f"[{exc}]"))
+            follow.problem = printable(str(exc), 200)
             return
-        skipped = bool(entries) and entries[0].seq > before + 1
-        follow.take(entries, skipped)
+        follow.take(entries)
 
 
 # -- keys ------------------------------------------------------------------------------
