@@ -50,7 +50,7 @@ from subagentd.protocol.errors import (
     TransportError,
 )
 
-from . import _core
+from . import _core, _top
 from ._sync import Client
 
 EXIT_OK = 0
@@ -915,7 +915,31 @@ def parser() -> argparse.ArgumentParser:
     sub.add_argument("argv", nargs="*", metavar="CMD", help="refused: the snapshot holds it")
 
     command("info", info, "Show the daemon's version, pid, reloads and workers by state.")
+
+    sub = command(
+        "top",
+        live_view,
+        "Show the workers live: state, run, tree, name, age, pid and last line of output.",
+        "Keys: up/down (or j/k) select, s stops the selected worker and its subtree, r its "
+        "run (each asks y to confirm), f or Enter follows its output, q quits. Needs the "
+        f"optional extra: {_top.INSTALL_HINT}. Exit status 3 when the daemon goes away.",
+    )
+    sub.add_argument("--run", metavar="R", help="only the workers of run R")
+    sub.add_argument("--all", action="store_true", help="ended workers too")
+    sub.add_argument("--once", action="store_true", help="print one frame and exit (for scripts)")
+    sub.add_argument(
+        "--interval",
+        metavar="S",
+        type=float,
+        default=_top.REFRESH,
+        help=f"seconds between frames (default {_top.REFRESH:g})",
+    )
     return top
+
+
+def live_view(daemon: Client, args: argparse.Namespace, out: Output) -> int:
+    """Not called through a `Client`: `main` runs `top` on its own trio loop."""
+    raise AssertionError("subagentctl top runs from main")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -944,6 +968,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         ]
         if given:
             args.parser.error(f"{', '.join(given)}: only with a worker ID")
+    if args.command is live_view:
+        if not 0.05 <= args.interval <= 3600:
+            args.parser.error("--interval: from 0.05 to 3600 seconds")
+        return _top.main(
+            args.socket, run=args.run, show_all=args.all, once=args.once, interval=args.interval
+        )
     out: Output = Json() if args.json else Human()
     try:
         with Client(args.socket) as daemon:

@@ -1,0 +1,478 @@
+"""subagentctl top against a real daemon: in a real terminal (a detached tmux pane of a
+fixed size, read with `capture-pane` and driven with `send-keys`), and `--once` as a
+script runs it.
+
+What a pane shows is announced by nothing: the tests poll it (`_shown`), every wait
+bounded by `trio.fail_after`. What the daemon did (a worker stopped) is asked of it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import trio
+
+from subagentd.client import AsyncClient, WorkerView
+from subagentd.client._top import (
+    Act,
+    Budget,
+    JournalTail,
+    Screen,
+    Spent,
+    keys,
+    last_line,
+    press,
+    printable,
+    tree,
+)
+
+from .conftest import BIN, DaemonProcess
+from .helpers import sh, wait_output
+
+CTL = str(BIN / "subagentctl")
+TMUX = shutil.which("tmux")
+needs_tmux = pytest.mark.skipif(TMUX is None, reason="tmux is not installed: no terminal to run in")
+
+#: How long a pane may take to show what is awaited.
+SHOWN_WITHIN = 15
+SLEEPER = "echo started; exec sleep 300"
+STUBBORN = "trap '' TERM; echo ready; while :; do sleep 0.1; done"
+# Colours, a screen clear, a window title (OSC), a bell, a backspace, a bidi override, no newline.
+HOSTILE = r"printf 'ok \033[31mRED\033[2J\033]0;pwned\007 bell\007 bs\b rtl\342\200\256 end'"
+HOSTILE_SHOWN = "ok RED bell? bs? rtl? end"
+
+
+@dataclass
+class Pane:
+    """subagentctl top in a tmux pane of its own server (`-S`), of a fixed size."""
+
+    server: Path
+
+    async def tmux(self, *args: str) -> str:
+        assert TMUX is not None
+        done = await trio.run_process(
+            [TMUX, "-S", str(self.server), *args], capture_stdout=True, capture_stderr=True
+        )
+        return done.stdout.decode()
+
+    async def text(self) -> str:
+        return await self.tmux("capture-pane", "-p", "-t", "top")
+
+    async def keys(self, *keys: str) -> None:
+        await self.tmux("send-keys", "-t", "top", *keys)
+
+    async def shown(self, condition: Callable[[str], bool], what: str) -> str:
+        """The pane's text once `condition` holds of it (polled: nothing announces it)."""
+        text = await self.text()
+        with trio.move_on_after(SHOWN_WITHIN):
+            while not condition(text):  # polled: nothing announces what a pane shows (`what`)
+                await trio.sleep(0.05)
+                text = await self.text()
+            return text
+        raise AssertionError(f"not shown within {SHOWN_WITHIN}s: {what}; the pane:\n{text}")
+
+
+_PANES = itertools.count()
+
+
+@asynccontextmanager
+async def top_pane(
+    daemon: DaemonProcess, *args: str, width: int = 140, height: int = 30
+) -> AsyncIterator[Pane]:
+    """`subagentctl top ARGS` running in a detached pane; its exit status is printed
+    there as EXIT=N once it ends."""
+    # A server of its own each: one just killed may still hold its socket's name.
+    pane = Pane(daemon.root / f"tmux-{next(_PANES)}.sock")
+    command = shlex.join([CTL, "top", "--interval", "0.2", *args])
+    env = daemon.env | {"TERM": "xterm-256color"}
+    env.pop("TMUX", None)
+    assert TMUX is not None
+    await trio.run_process(
+        [
+            TMUX,
+            "-S",
+            str(pane.server),
+            "new-session",
+            "-d",
+            "-s",
+            "top",
+            "-x",
+            str(width),
+            "-y",
+            str(height),
+            f"{command}; echo EXIT=$?; sleep 600",
+        ],
+        env=env,
+    )
+    try:
+        yield pane
+    finally:
+        with trio.CancelScope(shield=True):
+            await pane.tmux("kill-server")
+
+
+def row(text: str, worker_id: str) -> str:
+    """The table's row of `worker_id` (not a message naming it: a row names its run)."""
+    return next(line for line in text.splitlines() if worker_id in line and " r-" in line)
+
+
+def once(daemon: DaemonProcess, *args: str, columns: int = 160) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [CTL, "top", "--once", *args],
+        env=daemon.env | {"COLUMNS": str(columns)},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+
+# -- in a terminal ------------------------------------------------------------------------
+
+
+@needs_tmux
+async def test_top_shows_the_tree_and_stops_the_selected_worker_with_its_subtree_only(
+    daemon: DaemonProcess,
+) -> None:
+    with trio.fail_after(60):
+        async with AsyncClient(daemon.socket) as client:
+            parent = await client.spawn(sh(SLEEPER), name="parent")
+            child = await client.spawn(
+                sh("echo child says hi; exec sleep 300"),
+                name="child",
+                run=parent.run,
+                parent=parent.id,
+            )
+            grandchild = await client.spawn(
+                sh(SLEEPER), name="grandchild", run=parent.run, parent=child.id
+            )
+            other = await client.spawn(sh(SLEEPER), name="other")
+            await wait_output(client, child.id, b"hi\n")
+            async with top_pane(daemon) as pane:
+                text = await pane.shown(
+                    lambda t: "child says hi" in t and other.id in t, "every worker, a line"
+                )
+                assert all(row(text, w.id).split()[0] == "running" for w in (parent, child, other))
+                # The tree: each child two columns in from its parent, oldest root first.
+                at = {w.id: row(text, w.id).index(w.id) for w in (parent, child, grandchild)}
+                assert at[child.id] == at[parent.id] + 2 == at[grandchild.id] - 2, text
+                lines = text.splitlines()
+                order = [
+                    next(i for i, s in enumerate(lines) if w.id in s)
+                    for w in (parent, child, grandchild, other)
+                ]
+                assert order == sorted(order), text
+
+                await pane.keys("Down", "s")
+                await pane.shown(lambda t: f"stop {child.id} and its subtree?" in t, "the ask")
+                await pane.keys("y")
+                ended = await client.wait(child.id)
+                assert ended.state == "stopped"
+                assert (await client.wait(grandchild.id)).state == "stopped"
+                text = await pane.shown(
+                    lambda t: (
+                        row(t, child.id).split()[0] == "stopped"
+                        and row(t, grandchild.id).split()[0] == "stopped"
+                    ),
+                    "the subtree stopped",
+                )
+                # A stopped worker stays on screen, its last line with it.
+                assert "child says hi" in row(text, child.id)
+                assert (await client.status(parent.id)).state == "running"
+                assert (await client.status(other.id)).state == "running"
+                assert row(text, parent.id).split()[0] == "running"
+
+                await pane.keys("q")
+                await pane.shown(lambda t: "EXIT=0" in t, "top quit")
+
+
+@needs_tmux
+async def test_top_asks_before_a_stop_follows_a_journal_and_stops_a_run(
+    daemon: DaemonProcess,
+) -> None:
+    with trio.fail_after(60):
+        async with AsyncClient(daemon.socket) as client:
+            counter = await client.spawn(
+                sh("i=0; while :; do i=$((i+1)); echo line $i; sleep 0.05; done"), name="counter"
+            )
+            mate = await client.spawn(sh(SLEEPER), name="mate", run=counter.run)
+            bystander = await client.spawn(sh(SLEEPER), name="bystander")
+            async with top_pane(daemon) as pane:
+                await pane.shown(lambda t: bystander.id in t and "line " in t, "workers")
+                # Any key but y leaves it running.
+                await pane.keys("s")
+                await pane.shown(lambda t: "and its subtree?" in t, "the ask")
+                await pane.keys("n")
+                await pane.shown(lambda t: "not stopped" in t, "no stop")
+                assert (await client.status(counter.id)).state == "running"
+
+                await pane.keys("f")
+                text = await pane.shown(
+                    lambda t: (
+                        f"following {counter.id}" in t
+                        and len(re.findall(r"^line \d+$", t, re.M)) >= 5
+                    ),
+                    "the journal followed",
+                )
+                numbers = [int(n) for n in re.findall(r"^line (\d+)$", text, re.M)]
+                assert numbers == list(range(numbers[0], numbers[0] + len(numbers))), text
+                await pane.shown(
+                    lambda t: (
+                        max(map(int, re.findall(r"^line (\d+)$", t, re.M)), default=0) > numbers[-1]
+                    ),
+                    "the journal growing on screen",
+                )
+                await pane.keys("Escape")
+                await pane.shown(lambda t: "LAST OUTPUT" in t, "the table again")
+
+                await pane.keys("r")
+                await pane.shown(lambda t: f"stop run {counter.run}" in t, "the ask")
+                await pane.keys("y")
+                assert (await client.wait(counter.id)).state == "stopped"
+                assert (await client.wait(mate.id)).state == "stopped"
+                await pane.shown(
+                    lambda t: row(t, mate.id).split()[0] == "stopped", "the run stopped"
+                )
+                assert (await client.status(bystander.id)).state == "running"
+
+
+@needs_tmux
+async def test_top_survives_a_reload_and_says_when_the_daemon_goes_away(
+    daemon: DaemonProcess,
+) -> None:
+    with trio.fail_after(90):
+        async with AsyncClient(daemon.socket) as client:
+            first = await client.spawn(sh(SLEEPER), name="first")
+            async with top_pane(daemon) as pane:
+                await pane.shown(lambda t: first.id in t, "the worker")
+                await client.reload()
+                second = await client.spawn(sh(SLEEPER), name="second")
+                text = await pane.shown(lambda t: second.id in t, "a worker after the reload")
+                assert "EXIT=" not in text
+                assert row(text, first.id).split()[0] == "running"
+
+                await trio.to_thread.run_sync(daemon.terminate)
+                text = await pane.shown(lambda t: "EXIT=" in t, "top ended")
+                assert "EXIT=3" in text, text
+                assert "the daemon went away" in text, text
+
+
+@needs_tmux
+async def test_top_output_cannot_drive_the_terminal_and_a_narrow_one_still_draws(
+    daemon: DaemonProcess,
+) -> None:
+    with trio.fail_after(60):
+        async with AsyncClient(daemon.socket) as client:
+            hostile = await client.spawn(sh(HOSTILE + "; exec sleep 300"), name="\033[2Jevil")
+            await wait_output(client, hostile.id, b"end")
+            async with top_pane(daemon) as pane:
+                text = await pane.shown(lambda t: HOSTILE_SHOWN in t, "the hostile line, cleaned")
+                assert "pwned" not in await pane.tmux("display-message", "-p", "#{pane_title}")
+                assert "subagentd top" in text.splitlines()[0], text  # not cleared away
+                assert "?[2Jevil" not in text
+                assert "evil" in row(text, hostile.id)
+            async with top_pane(daemon, width=24, height=6) as narrow:
+                text = await narrow.shown(lambda t: "running" in t, "a row in 24 columns")
+                assert all(len(line) <= 24 for line in text.splitlines()), text
+                await narrow.tmux("resize-window", "-t", "top", "-x", "12", "-y", "3")
+                await narrow.shown(lambda t: "subagentd" in t or "subag" in t, "drawn again")
+                await narrow.keys("q")
+                await narrow.shown(lambda t: "EXIT=0" in t, "quit in 12 columns")
+
+
+# -- one frame, for scripts -----------------------------------------------------------------
+
+
+async def test_top_once_prints_one_frame_with_stopping_shown_and_a_run_filter(
+    daemon: DaemonProcess,
+) -> None:
+    with trio.fail_after(60):
+        async with AsyncClient(daemon.socket) as client:
+            # Its stop stays in flight for its grace (the daemon KILLs it after).
+            stubborn = await client.spawn(sh(STUBBORN), name="stubborn", grace=8)
+            await wait_output(client, stubborn.id, b"ready")
+            child = await client.spawn(
+                sh("trap '' TERM; printf 'half a line'; while :; do sleep 0.1; done"),
+                run=stubborn.run,
+                parent=stubborn.id,
+                name="child",
+                grace=8,
+            )
+            await wait_output(client, child.id, b"half a line")
+            elsewhere = await client.spawn(sh(SLEEPER), name="elsewhere")
+            await client.stop(stubborn.id, wait=False)
+            done = await trio.to_thread.run_sync(lambda: once(daemon))
+            assert done.returncode == 0, done.stderr
+            assert "\x1b" not in done.stdout
+            lines = done.stdout.splitlines()
+            assert lines[0].startswith("subagentd top: all runs")
+            assert row(done.stdout, stubborn.id).split()[0] == "stopping"
+            assert row(done.stdout, child.id).split()[0] == "stopping"
+            assert "ready" in row(done.stdout, stubborn.id)
+            assert "half a line" in row(done.stdout, child.id)
+            assert row(done.stdout, child.id).index(child.id) == (
+                row(done.stdout, stubborn.id).index(stubborn.id) + 2
+            )
+            assert elsewhere.id in done.stdout
+
+            one_run = await trio.to_thread.run_sync(lambda: once(daemon, "--run", stubborn.run))
+            assert one_run.returncode == 0, one_run.stderr
+            assert stubborn.id in one_run.stdout
+            assert elsewhere.id not in one_run.stdout
+            await client.stop(elsewhere.id)
+
+
+async def test_top_once_on_an_empty_daemon_and_on_none(daemon: DaemonProcess) -> None:
+    with trio.fail_after(30):
+        done = await trio.to_thread.run_sync(lambda: once(daemon))
+        assert done.returncode == 0, done.stderr
+        assert "no workers" in done.stdout
+        await trio.to_thread.run_sync(daemon.terminate)
+        gone = await trio.to_thread.run_sync(lambda: once(daemon))
+        assert gone.returncode == 3, gone
+        assert gone.stderr.startswith("subagentctl: no daemon at "), gone.stderr
+
+
+async def test_top_once_cleans_what_workers_write_and_fits_a_narrow_terminal(
+    daemon: DaemonProcess,
+) -> None:
+    with trio.fail_after(60):
+        async with AsyncClient(daemon.socket) as client:
+            hostile = await client.spawn(sh(HOSTILE + "; exec sleep 300"), name="\033]0;x\007n")
+            huge = await client.spawn(
+                [sys.executable, "-c", "import sys, time; sys.stdout.write('y' * 3_000_000); "
+                 "sys.stdout.flush(); time.sleep(300)"],
+                name="huge",
+            )  # fmt: skip
+            await wait_output(client, hostile.id, b"end")
+            await wait_output(client, huge.id, b"y" * 1000)
+            done = await trio.to_thread.run_sync(lambda: once(daemon, columns=400))
+            assert done.returncode == 0, done.stderr
+            assert HOSTILE_SHOWN in row(done.stdout, hostile.id)
+            unprintable = [c for c in done.stdout if c != "\n" and not c.isprintable()]
+            assert unprintable == [], unprintable
+            assert "yyyy" in row(done.stdout, huge.id)
+            assert max(len(line) for line in done.stdout.splitlines()) <= 400
+
+            narrow = await trio.to_thread.run_sync(lambda: once(daemon, columns=20))
+            assert narrow.returncode == 0, narrow.stderr
+            assert all(len(line) <= 20 for line in narrow.stdout.splitlines()), narrow.stdout
+
+
+async def test_the_last_line_of_a_long_journal_costs_a_few_pages(daemon: DaemonProcess) -> None:
+    """Galloping to the end, then halving: pages in the log of the journal's length, not
+    in its length; and once at the end, a page a frame."""
+    with trio.fail_after(60):
+        async with AsyncClient(daemon.socket) as client:
+            chatty = await client.spawn(
+                [sys.executable, "-u", "-c",
+                 "import time\nfor i in range(3000):\n print('n', i)\n time.sleep(0.0005)\n"
+                 "time.sleep(300)"],
+            )  # fmt: skip
+            await wait_output(client, chatty.id, b"n 2999\n")
+            page = await client.watch_page(chatty.id, 0, 100_000)
+            last = page.entries[-1].seq
+            assert last > 200, "too few entries to tell a gallop from a walk"
+            tail = JournalTail(chatty.id)
+            budget = Budget(pages=1000)
+            entries = await tail.advance(client, budget, 4)
+            used = 1000 - budget.pages
+            assert entries[-1].seq == last
+            assert tail.cursor == last
+            # The output's last line, though a pipe read may have cut it in two entries.
+            assert last_line(entries) == "n 2999"
+            assert used <= 2 * math.ceil(math.log2(last)) + 4, (used, last)
+            again = Budget(pages=1000)
+            assert await tail.advance(client, again, 4) == []
+            assert 1000 - again.pages == 1
+            spent = Budget(pages=3)
+            with pytest.raises(Spent):
+                await JournalTail(chatty.id).advance(client, spent, 4)
+
+
+# -- without the extra, without a terminal ---------------------------------------------------
+
+
+def test_top_without_rich_says_how_to_install_it(daemon: DaemonProcess) -> None:
+    hide_rich = (
+        "import sys; sys.modules['rich'] = None; "
+        "from subagentd.client._cli import main; sys.exit(main(['top', '--once']))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", hide_rich],
+        env=daemon.env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 2, done
+    assert "pip install 'subagentd[top]'" in done.stderr
+
+
+def test_top_without_a_terminal_points_to_once(daemon: DaemonProcess) -> None:
+    done = daemon.ctl("top")
+    assert done.returncode == 2, done
+    assert "--once" in done.stderr
+
+
+# -- the pure parts, by calling them ---------------------------------------------------------
+
+
+def _view(worker_id: str, parent: str | None = None, at: float = 0.0) -> WorkerView:
+    return WorkerView(id=worker_id, run="r-1", parent=parent, state="running", started_at=at)
+
+
+def test_the_tree_puts_children_under_their_parent_and_orphans_at_the_root() -> None:
+    views = [
+        _view("w-c", parent="w-a", at=3),
+        _view("w-a", at=1),
+        _view("w-o", parent="w-gone", at=2),
+        _view("w-b", parent="w-a", at=2),
+        _view("w-d", parent="w-b", at=4),
+    ]
+    assert [(row.view.id, row.depth) for row in tree(views)] == [
+        ("w-a", 0),
+        ("w-b", 1),
+        ("w-d", 2),
+        ("w-c", 1),
+        ("w-o", 0),
+    ]
+
+
+def test_printable_leaves_no_escape_or_control_and_keys_parse_sequences() -> None:
+    hostile = "a\x1b[31mb\x1b]8;;http://x\x1b\\c\x1b]0;t\x07d\x1bMe\x00\x7f\u202e\u200bf\tg\r"
+    assert printable(hostile) == "abcde????f g?"
+    assert len(printable("x" * 10_000)) == 400
+    assert list(keys("j\x1b[A\x1b[Bq\x1b[1;5Cs\x1b")) == ["j", "up", "down", "q", "s", "escape"]
+
+
+def test_a_stop_is_asked_and_confirmed_by_y_only() -> None:
+    screen = Screen()
+    screen.saw([_view("w-a", at=1), _view("w-b", parent="w-a", at=2)], [])
+    assert screen.selected == "w-a"
+    assert press(screen, "down", 10) is None
+    assert press(screen, "s", 10) is None
+    assert screen.asking == "stop"
+    assert press(screen, "n", 10) is None
+    assert screen.asking is None
+    press(screen, "s", 10)
+    assert press(screen, "y", 10) == Act("stop", "w-b")
+    press(screen, "r", 10)
+    assert press(screen, "y", 10) == Act("stop_run", "r-1")
+    press(screen, "f", 10)
+    assert screen.follow is not None
+    assert screen.follow.worker_id == "w-b"
+    press(screen, "escape", 10)
+    assert screen.follow is None
+    press(screen, "q", 10)
+    assert screen.quit
