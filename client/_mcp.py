@@ -46,7 +46,7 @@ from subagentd.protocol.errors import (
 
 from . import _core
 from ._async import AsyncClient
-from ._cli import WAKE_FIELDS, WORKER_FIELDS
+from ._cli import WAKE_FIELDS, WORKER_FIELDS, _one_line
 
 P = ParamSpec("P")
 
@@ -387,15 +387,18 @@ async def subagent_watch(
     text = "".join(_entry_text(entry) for entry in page.entries)
     more = "the worker has ended" if page.complete else f"next cursor: {page.next}"
     return _result(
-        f"{text}\n[{more}]" if text else f"[no entries; {more}]",
+        _with_footer(text, more, "no entries"),
         {"entries": entries, "next": page.next, "complete": page.complete},
     )
 
 
+def _with_footer(text: str, more: str, none: str) -> str:
+    """The output as the model reads it, then where the reading stands, on a line of its own."""
+    return f"{text.rstrip(chr(10))}\n[{more}]" if text else f"[{none}; {more}]"
+
+
 def _entry_text(entry: Entry) -> str:
-    if entry.kind == "stdout":
-        return entry.data.decode(errors="replace")
-    if entry.kind == "stderr":
+    if entry.kind in ("stdout", "stderr"):
         return entry.data.decode(errors="replace")
     return f"[{entry.kind}] {entry.data.decode(errors='replace').rstrip()}\n"
 
@@ -417,7 +420,7 @@ async def _tail(daemon: AsyncClient, worker: str, lines: int) -> CallToolResult:
     text = b"".join(data for _, data in tail).decode(errors="replace")
     more = "the worker has ended" if complete else f"next cursor: {since}"
     return _result(
-        f"{text}\n[{more}]" if text else f"[no output yet; {more}]",
+        _with_footer(text, more, "no output yet"),
         {
             "entries": [_entry(entry, data) for entry, data in tail],
             "next": since,
@@ -636,8 +639,9 @@ async def subagent_events(
         if wakes:
             with trio.CancelScope(shield=True):
                 await daemon.ack(wake.seq for wake in wakes)
+    # As `subagentctl events` prints them: the preview on the wake's one line.
     text = "\n".join(
-        f"{wake.id} {wake.state} exit={wake.exit_code} {wake.preview.strip()}".rstrip()
+        f"{wake.id} {wake.state} exit={wake.exit_code} {_one_line(wake.preview)}".rstrip()
         for wake in wakes
     )
     return _result(text or "no wakes", {"wakes": [_wake(wake) for wake in wakes]})
