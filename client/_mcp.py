@@ -125,7 +125,9 @@ class WaitOut(_Shape):
 
 
 class SentOut(_Shape):
+    worker: str
     written: int = Field(description="bytes written to the worker's stdin")
+    eof: bool = Field(description="its stdin was closed after")
 
 
 class StoppedOut(_Shape):
@@ -533,7 +535,10 @@ async def subagent_send(
             worker, text, eof=eof
         )
     closed = "; stdin closed" if eof else ""
-    return _result(f"wrote {written} bytes to {worker}{closed}", {"written": written})
+    return _result(
+        f"wrote {written} bytes to {worker}{closed}",
+        {"worker": worker, "written": written, "eof": eof},
+    )
 
 
 async def subagent_stop(

@@ -192,6 +192,19 @@ async def test_an_unknown_id_is_a_tool_error_with_the_daemons_code(
             assert (await call(session, "subagent_list")) == {"workers": []}
 
 
+async def test_without_a_daemon_the_server_serves_says_so_and_finds_one_started_later(
+    daemon_dirs: DaemonProcess,
+) -> None:
+    with trio.fail_after(40):
+        async with mcp_server(daemon_dirs) as session:
+            assert len((await session.list_tools()).tools) == len(TOOLS)
+            error = await refused(session, "subagent_list")
+            assert error["code"] == "daemon_unavailable"
+            assert str(daemon_dirs.socket) in error["message"]
+            await trio.to_thread.run_sync(daemon_dirs.start)
+            assert await call(session, "subagent_list") == {"workers": []}
+
+
 def worker_environment(env_file: Path) -> dict[str, str]:
     """The SUBAGENTD_ variables a worker found in its environment (it wrote `env` there)."""
     pairs = (line.partition("=") for line in env_file.read_text().splitlines())
@@ -342,7 +355,7 @@ async def test_send_writes_to_a_workers_stdin(daemon: DaemonProcess) -> None:
                 stdin_open=True,
             )
             sent = await call(session, "subagent_send", worker=worker["id"], text="hello\n")
-            assert sent == {"written": 6}
+            assert sent == {"worker": worker["id"], "written": 6, "eof": False}
             await call(session, "subagent_send", worker=worker["id"], text="", eof=True)
             await call(session, "subagent_wait", worker=worker["id"], timeout=20)
             result = await call(session, "subagent_collect", worker=worker["id"])
