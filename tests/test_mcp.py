@@ -270,36 +270,58 @@ def mcp_server_pid() -> int:
     raise AssertionError("no subagentd-mcp among this test's children")
 
 
-async def test_a_collect_waiting_across_a_reload_answers(daemon: DaemonProcess) -> None:
+@pytest.mark.parametrize(
+    ("tool", "arguments", "expected"),
+    [
+        pytest.param(
+            "subagent_wait", {"timeout": 30}, {"outcome": "ended", "line": None}, id="wait"
+        ),
+        pytest.param(
+            "subagent_wait",
+            {"timeout": 30, "pattern": "^rel"},
+            {"outcome": "matched", "line": "released"},
+            id="wait-for-pattern",
+            marks=needs_client_method("wait_for"),
+        ),
+        pytest.param(
+            "subagent_collect",
+            {"wait": True},
+            {"state": "finished", "result": "released\n"},
+            id="collect",
+        ),
+    ],
+)
+async def test_a_tool_waiting_across_a_reload_answers(
+    daemon: DaemonProcess, tool: str, arguments: dict[str, Any], expected: dict[str, Any]
+) -> None:
     gate = daemon.root / "gate"
     with trio.fail_after(60):
         async with mcp_server(daemon) as session:
             worker = await call(
                 session,
                 "subagent_spawn",
-                argv=sh(f"while [ ! -e {gate} ]; do sleep 0.02; done; echo released"),
+                argv=sh(f"while [ ! -e {gate} ]; do sleep 0.02; done; echo released; sleep 0.3"),
             )
             server_pid = mcp_server_pid()
             idle_sockets = socket_count(server_pid)
-            collected: list[dict[str, Any]] = []
+            answers: list[dict[str, Any]] = []
 
-            async def collect() -> None:
-                collected.append(
-                    await call(session, "subagent_collect", worker=worker["id"], wait=True)
-                )
+            async def waiting() -> None:
+                answers.append(await call(session, tool, worker=worker["id"], **arguments))
 
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(collect)
-                # The tool's own connection to the daemon is open: its collect is on the way.
+                nursery.start_soon(waiting)
+                # The tool's own connection to the daemon is open: its request is on the way.
                 while socket_count(server_pid) == idle_sockets:  # noqa: ASYNC110  another process's
                     await trio.sleep(0.01)
                 async with AsyncClient(daemon.socket) as other:
                     assert (await other.reload()).image_generation == 2
                 gate.touch()
-            [result] = collected
-            assert (result["state"], result["result"]) == ("finished", "released\n")
+            [answer] = answers
+            assert {key: answer[key] for key in expected} == expected
+            # The same server, its next call on the reloaded daemon.
             info = await call(session, "subagent_status", worker=worker["id"])
-            assert info["state"] == "finished"
+            assert info["id"] == worker["id"]
 
 
 @needs_client_method("grep")
