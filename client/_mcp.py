@@ -454,7 +454,13 @@ def _lines_in(data: bytes) -> int:
 
 async def subagent_grep(
     worker: WorkerId,
-    pattern: Annotated[str, Field(description="a Python regular expression, searched per line")],
+    pattern: Annotated[
+        str,
+        Field(
+            description="a regular expression in RE2 syntax (no backreferences or lookaround), "
+            "searched line by line"
+        ),
+    ],
     before: Annotated[int, Field(ge=0, le=100, description="lines of context before")] = 0,
     after: Annotated[int, Field(ge=0, le=100, description="lines of context after")] = 0,
     limit: Annotated[int, Field(ge=1, le=MAX_PAGE, description="matches at most")] = 100,
@@ -489,7 +495,10 @@ async def subagent_wait(
     ],
     pattern: Annotated[
         str | None,
-        Field(description="wait for an output line matching this regular expression instead"),
+        Field(
+            description="instead, wait for an output line matching this regular expression "
+            "(RE2 syntax); lines already written count"
+        ),
     ] = None,
 ) -> Annotated[CallToolResult, WaitOut]:
     """Wait until a worker ends, or (with `pattern`) until a line of its output matches,
@@ -528,7 +537,9 @@ async def subagent_send(
     eof: Annotated[bool, Field(description="close its stdin after writing")] = False,
 ) -> Annotated[CallToolResult, SentOut]:
     """Write text to a running worker's stdin; it must have been spawned with stdin_open.
-    With `eof`, its stdin is closed afterwards (many programs then finish)."""
+    Never blocks: `written` may be less than all of it when the worker is not reading
+    (send the rest later), and a worker whose pipe is full is refused `busy`. With `eof`,
+    its stdin is closed once all is written (many programs then finish)."""
     async with _daemon() as daemon:
         _require(daemon, "send")
         written: int = await daemon.send(  # type: ignore[attr-defined]  # issue 14 (A)

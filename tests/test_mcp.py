@@ -341,6 +341,17 @@ async def test_grep_finds_lines_with_their_context(daemon: DaemonProcess) -> Non
             assert (await refused(session, "subagent_grep", worker="w-x", pattern="a"))[
                 "code"
             ] == "not_found"
+            # Hostile patterns: one too long is the daemon's `invalid`; a catastrophic one
+            # for a backtracking engine answers at once; the server serves on.
+            huge = await refused(session, "subagent_grep", worker=worker["id"], pattern="a" * 5000)
+            assert huge["code"] == "invalid"
+            catastrophic = await call(
+                session, "subagent_grep", worker=worker["id"], pattern="(l+)+$"
+            )
+            assert catastrophic["matches"] == []
+            assert (await refused(session, "subagent_grep", worker=worker["id"], pattern="("))[
+                "code"
+            ] == "invalid"
 
 
 @needs_client_method("wait_for")
@@ -382,3 +393,9 @@ async def test_send_writes_to_a_workers_stdin(daemon: DaemonProcess) -> None:
             await call(session, "subagent_wait", worker=worker["id"], timeout=20)
             result = await call(session, "subagent_collect", worker=worker["id"])
             assert result["result"] == "got hello\nbye\n"
+            # Its stdin is closed now, and a worker spawned without stdin_open has none.
+            closed = await refused(session, "subagent_send", worker=worker["id"], text="more\n")
+            assert closed["code"] in ("refused", "invalid")
+            assert (await refused(session, "subagent_send", worker="w-nobody", text="x"))[
+                "code"
+            ] == "not_found"
