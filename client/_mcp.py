@@ -616,7 +616,7 @@ async def subagent_collect(
 ) -> Annotated[CallToolResult, ResultOut]:
     """Get a worker's result (what it wrote to $SUBAGENTD_RESULT, else the tail of its
     stdout) and mark it collected; a repeat answers the same. Without `wait`, a worker
-    still running is refused. Survives a daemon reload while waiting."""
+    still running is refused `busy`. Survives a daemon reload while waiting."""
     async with _daemon() as daemon:
         with trio.move_on_after(timeout if wait else MAX_TOOL_WAIT):
             result = await daemon.collect(worker, wait=wait)

@@ -154,6 +154,13 @@ async def test_stop_one_worker_of_two_leaves_the_other_running(daemon: DaemonPro
             still = await call(session, "subagent_status", worker=second["id"])
             assert still["state"] == "running"
             assert alive(still["pid"])
+            assert (await refused(session, "subagent_collect", worker=second["id"]))["code"] == (
+                "busy"
+            )
+            waited = await refused(
+                session, "subagent_collect", worker=second["id"], wait=True, timeout=0.2
+            )
+            assert waited["code"] == "timed_out"
             stopped_run = await call(session, "subagent_stop_run", run=first["run"])
             assert stopped_run["stopped"] == [second["id"]]
 
