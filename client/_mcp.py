@@ -773,12 +773,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The console script: serve MCP on stdin and stdout until the host closes them."""
     args = list(sys.argv[1:] if argv is None else argv)
     if args:
+        asked = args[0] in ("-h", "--help")
         print(
             "usage: subagentd-mcp  (no arguments: an MCP host runs it and speaks MCP on "
             "stdin/stdout; $SUBAGENTD_SOCKET picks the daemon)",
-            file=sys.stderr,
+            file=sys.stdout if asked else sys.stderr,
         )
-        return 0 if args[0] in ("-h", "--help") else 2
+        return 0 if asked else 2
     with contextlib.suppress(KeyboardInterrupt):
         anyio.run(server().run_stdio_async, backend="trio")
     return 0
