@@ -398,6 +398,7 @@ class Daemon:
                     branch=branch,
                     head=head,
                     agent_def=frozen_agent(launch.agent) if launch.agent else None,
+                    stdin_open=request.stdin_open,
                 )
             )
             stdin = None if request.input is None else str(archive.write_input(request.input))

@@ -156,3 +156,16 @@ def test_subagentctl_send_and_spawn_stdin_open(daemon: DaemonProcess) -> None:
     assert both.returncode == 2
     nothing = daemon.ctl("send", worker_id)
     assert nothing.returncode == 2
+
+
+async def test_a_resumed_attempt_has_its_stdin_open_again(client: AsyncClient) -> None:
+    """`stdin_open` is frozen in the snapshot like everything a spawn asked: a worker
+    stopped and resumed can be sent to again."""
+    with trio.fail_after(20):
+        worker = await client.spawn(["cat"], stdin_open=True)
+        await client.stop(worker.id)
+        resumed = await client.resume(worker.id)
+        assert resumed.attempt == 2
+        assert await client.send(worker.id, "again\n") == 6
+        assert (await wait_output(client, worker.id, b"again\n")).endswith(b"again\n")
+        await client.stop(worker.id)

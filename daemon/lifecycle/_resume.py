@@ -139,7 +139,9 @@ class Resumer:
             live.stdout_tail += journal.tail_bytes("stdout", STDOUT_TAIL_BYTES)
             stdin = str(archive.file(Archive.INPUT)) if snapshot.has_input else None
             base_env = self.daemon.inherited_env | snapshot.env
-            return await self.daemon.launch(live, snapshot.argv, snapshot.cwd, base_env, stdin)
+            return await self.daemon.launch(
+                live, snapshot.argv, snapshot.cwd, base_env, stdin, stdin_open=snapshot.stdin_open
+            )
         except Exception as exc:
             if live.process is None and record.id in self.daemon.supervisor:
                 # Nothing started: the attempt ends here (its journal closed), never `starting`.

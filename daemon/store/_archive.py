@@ -126,6 +126,9 @@ class Snapshot(msgspec.Struct, kw_only=True):
     #: The agent's definition at spawn, for `agent` (None otherwise, and in snapshots
     #: written before it was kept).
     agent_def: FrozenAgent | None = None
+    #: Its stdin a pipe the daemon holds for `send` (`spawn --stdin open`): a resumed
+    #: attempt gets one again (False in snapshots written before it was kept).
+    stdin_open: bool = False
 
 
 class Archive:
