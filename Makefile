@@ -27,6 +27,9 @@ typecheck: $(STAMP)
 	$(BIN)/mypy tests
 
 test: lint typecheck
+	# `subagentctl top` is tested in a real terminal: tmux (Debian's), else those tests skip.
+	command -v tmux >/dev/null || (apt-get update -qq && apt-get install -y -qq tmux) \
+		|| echo "tmux could not be installed: the terminal tests of top are skipped"
 	$(BIN)/pytest
 
 # Every benchmark, side by side with supervisord (from PyPI, into the venv):

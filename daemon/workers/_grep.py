@@ -47,6 +47,7 @@ def compile_pattern(pattern: str) -> Any:
         return re2.compile(b"(?m)" + pattern.encode(), options)
     except re2.error as exc:
         reason = exc.args[0].decode(errors="replace") if exc.args else str(exc)
+        reason = reason.replace(f"(?m){pattern}", pattern)  # the pattern as it was sent
         raise Invalid(
             f"pattern: {reason} (patterns are RE2 syntax: no backreferences or lookaround)"
         ) from None
