@@ -369,7 +369,8 @@ async def _read(conn: RawConnection) -> p.DaemonMessage:
 
 
 @pytest.mark.parametrize(
-    "flag", ["--finished-ttl", "--idle-exit", "--keep-archives", "--reload-interval"]
+    "flag",
+    ["--finished-ttl", "--idle-exit", "--keep-archives", "--reload-interval", "--request-key-ttl"],
 )
 @pytest.mark.parametrize("value", ["nan", "-1", "soon"])
 def test_a_daemon_number_that_is_not_zero_or_more_is_refused_naming_it(

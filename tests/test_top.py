@@ -476,3 +476,13 @@ def test_a_stop_is_asked_and_confirmed_by_y_only() -> None:
     assert screen.follow is None
     press(screen, "q", 10)
     assert screen.quit
+
+
+@pytest.mark.parametrize("interval", ["nan", "inf", "0", "-1", "soon"])
+def test_an_unusable_interval_is_refused_naming_it(daemon: DaemonProcess, interval: str) -> None:
+    ran = subprocess.run(
+        [CTL, "top", "--once", "--interval", interval],
+        env=daemon.env, capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert ran.returncode == 2, ran
+    assert "--interval" in ran.stderr
