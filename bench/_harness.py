@@ -20,6 +20,7 @@ import http.client
 import math
 import os
 import platform
+import resource
 import shutil
 import signal
 import socket
@@ -316,6 +317,10 @@ class Figure:
 
     `ratio` is how many times better subagentd is than supervisord (their
     median over ours when lower is better, ours over theirs when higher is).
+    `floor` is the floor measured in the same run (what the same job costs from
+    Python with no supervisor: its own figure too), and `floor_ratio` how many
+    times the floor's cost subagentd's is (ours over the floor's time, or the
+    ceiling's rate over ours): 1 is the floor itself.
     `met` is decided by the bench that made the figure, against `target`.
     """
 
@@ -328,6 +333,7 @@ class Figure:
     target: str = ""
     met: bool | None = None
     note: str = ""
+    floor: dict[str, float] | None = None
     bench: str = field(default="")
 
     @classmethod
@@ -356,8 +362,17 @@ class Figure:
             ours, theirs = theirs, ours
         return theirs / ours if ours else None
 
+    @property
+    def floor_ratio(self) -> float | None:
+        if not (self.subagentd and self.floor):
+            return None
+        ours, floor = self.subagentd["median"], self.floor["median"]
+        if self.better == "higher":
+            ours, floor = floor, ours
+        return ours / floor if floor else None
+
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "ratio": self.ratio}
+        return {**asdict(self), "ratio": self.ratio, "floor_ratio": self.floor_ratio}
 
 
 def number(x: float) -> str:
@@ -379,18 +394,20 @@ def cell(stats: dict[str, float] | None) -> str:
 
 
 def table(figures: list[Figure]) -> str:
-    """A Markdown table: each side's median / p99 / spread (p90 - p10), ratio, target."""
+    """A Markdown table: each side's median / p99 / spread (p90 - p10), ratio, times the
+    floor, target. A floor's own row has its figures in the first column."""
     lines = [
         "| figure | unit | subagentd median / p99 / spread | supervisord median / p99 / spread "
-        "| ratio | target | met |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| ratio | x floor | target | met |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for f in figures:
         ratio = f"{number(f.ratio)}x" if f.ratio is not None else "—"
+        floor = f"{number(f.floor_ratio)}x" if f.floor_ratio is not None else "—"
         met = {True: "yes", False: "**no**", None: ""}[f.met]
         lines.append(
             f"| {f.what} | {f.unit} | {cell(f.subagentd)} | {cell(f.supervisord)} "
-            f"| {ratio} | {f.target} | {met} |"
+            f"| {ratio} | {floor} | {f.target} | {met} |"
         )
     return "\n".join(lines)
 
@@ -409,3 +426,18 @@ def machine() -> str:
 
 
 Bench = Callable[..., list[Figure]]
+
+
+def raise_fd_limit(wanted: int = 0) -> tuple[int, int]:
+    """Raise this process's soft RLIMIT_NOFILE to its hard limit, and the hard one to
+    `wanted` where it is lower and this process may (root, CAP_SYS_RESOURCE). The
+    daemons started after inherit it: each live worker holds descriptors in the daemon.
+    The limits now (soft, hard)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard < wanted:
+        with contextlib.suppress(ValueError, OSError):  # not privileged: keep the hard limit
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, wanted))
+            return wanted, wanted
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return hard, hard

@@ -19,16 +19,20 @@ from _harness import Figure, report, running_daemon
 from subagentd.client import Client
 
 
+def spawn_collect(client: Client, workers: int) -> float:
+    """Spawn `workers` workers `true` into a new run, collect each; workers/s."""
+    run = client.new_run()
+    start = time.perf_counter()
+    ids = [client.spawn(["true"], run=run).id for _ in range(workers)]
+    results = [client.collect(worker_id, wait=True) for worker_id in ids]
+    rate = workers / (time.perf_counter() - start)
+    assert all(r.state == "finished" and r.exit_code == 0 for r in results), results
+    return rate
+
+
 def measure(workers: int = 1000, rounds: int = 3) -> list[Figure]:
-    rates = []
     with running_daemon() as daemon, Client(daemon.socket, timeout=120) as client:
-        for _ in range(rounds):
-            run = client.new_run()
-            start = time.perf_counter()
-            ids = [client.spawn(["true"], run=run).id for _ in range(workers)]
-            results = [client.collect(worker_id, wait=True) for worker_id in ids]
-            rates.append(workers / (time.perf_counter() - start))
-            assert all(r.state == "finished" and r.exit_code == 0 for r in results), results
+        rates = [spawn_collect(client, workers) for _ in range(rounds)]
     return [
         Figure.of(
             "collect.rate", f"spawn -> wake -> collect, {workers:,} `true`", "workers/s",

@@ -1,13 +1,14 @@
 """Run every benchmark, side by side with supervisord, and write the results.
 
-    .venv/bin/python bench/run.py [--quick] [--only NAME ...] [--out DIR]
+    .venv/bin/python bench/run.py [--quick] [--only NAME ...] [--many N] [--out DIR]
 
 (`make bench` installs supervisor into the venv and runs this.) Each bench
 module's `measure()` starts its own private daemons in temporary dirs and
 returns its figures; this writes them all to DIR/<YYYY-MM-DD>.md and .json
 (the machine, the versions, each figure's median, p99 and spread) and prints
 the table. `--quick` runs every bench with small sizes, to try the harness
-(its results are written with a `-quick` suffix and prove nothing).
+(its results are written with a `-quick` suffix and prove nothing). `--many N`
+sizes many.py (live workers, and `true` workers collected; default 10,000).
 
 Other work on the machine shows in the figures: the load average before and
 after is written down, and every figure is a median with its spread.
@@ -44,6 +45,8 @@ BENCHES: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     ("journal", {"mib": 256, "runs": 5}, {"mib": 16, "runs": 1}),
     ("scale", {"workers": 1000, "seconds": 10}, {"workers": 50, "seconds": 2}),
     ("collect", {"workers": 1000, "rounds": 3}, {"workers": 50, "rounds": 1}),
+    ("many", {"workers": 10_000, "collect": 10_000, "lists": 5, "reloads": 3},
+     {"workers": 100, "collect": 100, "lists": 2, "reloads": 1}),
     ("retention", {"workers": 10_000}, {"workers": 100}),
     ("files", {"repeats": 5, "long_mib": 2}, {"repeats": 1, "long_mib": 2}),
 ]  # fmt: skip
@@ -139,8 +142,10 @@ def markdown(result: dict[str, Any], figures: list[Figure]) -> str:
         "its spread, p90 - p10) and should be read as such.",
         "",
         "Each cell: median / p99 / spread (one number when there was one sample). Ratio: how "
-        "many times better subagentd is than supervisord, on the medians. Targets are "
-        "reported, not asserted.",
+        "many times better subagentd is than supervisord, on the medians. x floor: how many "
+        "times the cost of the floor measured in the same run subagentd's median is (for a "
+        "rate, the ceiling's over ours); a floor's own row has its figures in the first "
+        "column. Targets are reported, not asserted.",
         "",
         *([table(main_figures), ""] if main_figures else []),
         *(
@@ -173,6 +178,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="small sizes: try the harness")
     parser.add_argument("--only", nargs="+", metavar="NAME", help="these benches only")
+    parser.add_argument(
+        "--many", type=int, metavar="N", help="many.py's live and collected workers"
+    )
     parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args()
     chosen = [b for b in BENCHES if not args.only or b[0] in args.only]
@@ -193,6 +201,8 @@ def main() -> None:
     began = time.perf_counter()
     for name, full, quick in chosen:
         kwargs = quick if args.quick else full
+        if name == "many" and args.many is not None:
+            kwargs = kwargs | {"workers": args.many, "collect": args.many}
         print(f"== {name} {json.dumps(kwargs)}", file=sys.stderr, flush=True)
         started = time.perf_counter()
         module = importlib.import_module(name)

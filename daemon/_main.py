@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import resource
 import sys
 from pathlib import Path
 
@@ -153,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(settings.log_format)
     if args.check:
         return check(settings)
+    _raise_descriptor_limit()
     import trio  # only a serving daemon needs it: --check stays quick for reloads
 
     from .lifecycle._serve import serve
@@ -164,6 +166,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"subagentd: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _raise_descriptor_limit() -> None:
+    """Raise the soft RLIMIT_NOFILE to the hard one: each live worker holds descriptors
+    here (its pipes, its pidfd, its journal), so a login shell's soft 1024 would refuse
+    spawns past about 250 live workers where the hard limit allows many more."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == hard:
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError) as exc:  # a hard limit above what setrlimit takes here
+        log.warning("daemon.descriptor_limit", soft=soft, hard=hard, error=str(exc))
 
 
 def _check_its_place(handoff: Checkpoint, path: Path) -> None:

@@ -313,3 +313,31 @@ async def test_second_sigterm_ends_the_grace_and_loses_nothing(
         for pid in pids:  # an unhurried daemon would leave them running for an hour
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+#: A soft descriptor limit below what `LOW_LIMIT_WORKERS` live workers hold in the daemon
+#: (pipes, a pidfd, a journal each), above what it needs to start.
+LOW_SOFT_LIMIT = 128
+LOW_LIMIT_WORKERS = 40
+
+
+async def test_a_daemon_started_under_a_low_soft_limit_raises_it_to_the_hard_one(
+    daemon_dirs: DaemonProcess,
+) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard <= LOW_SOFT_LIMIT * 4:
+        pytest.skip(f"the hard descriptor limit ({hard}) leaves nothing to raise to")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (LOW_SOFT_LIMIT, hard))
+    try:  # the daemon inherits the low soft limit, as from a login shell's 1024
+        daemon_dirs.start()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert daemon_dirs.proc is not None
+    assert resource.prlimit(daemon_dirs.proc.pid, resource.RLIMIT_NOFILE) == (hard, hard)
+    with trio.fail_after(60):
+        async with AsyncClient(daemon_dirs.socket) as client:
+            run = await client.new_run()
+            for _ in range(LOW_LIMIT_WORKERS):
+                await client.spawn(["sleep", "600"], run=run)
+            assert len(_fds(daemon_dirs.proc.pid)) > LOW_SOFT_LIMIT
+            assert len(await client.stop_run(run)) == LOW_LIMIT_WORKERS
