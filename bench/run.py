@@ -30,7 +30,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from _harness import Figure, table
+from _harness import Figure, number, table
 
 HERE = Path(__file__).resolve().parent
 
@@ -118,6 +118,16 @@ def split(figures: list[Figure]) -> tuple[list[Figure], str]:
     return rest, importlib.import_module("files").table(counted) if counted else ""
 
 
+def measured(f: Figure) -> str:
+    """What a missed target's figure came to: its median, ratio and times the floor."""
+    parts = [f"median {number(f.subagentd['median'])} {f.unit}" if f.subagentd else ""]
+    if f.ratio is not None:
+        parts.append(f"{number(f.ratio)}x supervisord's")
+    if f.floor_ratio is not None:
+        parts.append(f"{number(f.floor_ratio)}x the floor")
+    return ", ".join(p for p in parts if p)
+
+
 def markdown(result: dict[str, Any], figures: list[Figure]) -> str:
     m, v = result["machine"], result["versions"]
     missed = [f for f in figures if f.met is False]
@@ -168,7 +178,7 @@ def markdown(result: dict[str, Any], figures: list[Figure]) -> str:
         "",
         "## Targets missed",
         "",
-        *([f"- {f.what}: {f.target}" for f in missed] or ["None."]),
+        *([f"- {f.what}: {f.target} (here: {measured(f)})" for f in missed] or ["None."]),
         "",
     ]
     return "\n".join(lines)
