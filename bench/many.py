@@ -21,12 +21,13 @@ subagentd only (supervisord's group of 10,000 would need minfds and a config of
   collect.py; workers/s, once.
 
 Each live worker holds 4 descriptors in the daemon (its stdout and stderr
-pipes, its pidfd, its journal): the bench raises its own soft RLIMIT_NOFILE to
+pipes, its pidfd, its journal), and one more while it is stopped (a pidfd per
+process of its tree): the bench raises its own soft RLIMIT_NOFILE to
 the hard limit first, and the hard one to what `--workers` need where it may
 (root with CAP_SYS_RESOURCE); the daemon, its child, inherits them (and raises
 its own soft limit to its hard one at start anyway). Where the hard limit
 cannot hold `--workers`, the bench runs as many as it can hold and says so in
-the notes (at 20,000: 4,875), with the limits the daemon ran with.
+the notes (at 20,000: 3,900), with the limits the daemon ran with.
 """
 
 from __future__ import annotations
@@ -45,8 +46,11 @@ from subagentd.client import Client
 
 COMMAND = ["sleep", "3600"]
 #: What a live `sleep` worker holds in the daemon: its stdout and stderr pipes, its
-#: pidfd, its journal (measured: 4,995 live in a daemon limited to 20,000).
-DESCRIPTORS_PER_WORKER = 4
+#: pidfd, its journal (measured: 4,875 live held 19,514); and one more while it is
+#: stopped (the stop pins each process of its tree with a pidfd of its own). With only
+#: 4, a stop_run of them all found no descriptor for most of those pidfds, and ended
+#: them with cgroup.kill after their grace instead of TERM.
+DESCRIPTORS_PER_WORKER = 5
 #: Descriptors the daemon holds besides its workers' (its store, logs, sockets, the
 #: bench's connections and the reload prober's), with room to spare.
 DAEMON_DESCRIPTORS = 500
@@ -63,8 +67,8 @@ def live_size(wanted: int) -> tuple[int, str]:
         return wanted, ""
     return fits, (
         f"{fits:,} live, not {wanted:,}: the descriptor limit here is {hard:,} (hard, and "
-        f"this process may not raise it) and a live worker holds {DESCRIPTORS_PER_WORKER} "
-        "in the daemon; "
+        f"this process may not raise it) and a live worker needs {DESCRIPTORS_PER_WORKER} "
+        "in the daemon (4, and 1 while it is stopped); "
     )
 
 
