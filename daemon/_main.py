@@ -4,6 +4,10 @@ SIGTERM and SIGINT stop gracefully: no new connections, every worker stopped
 and its journal and record on disk, the lock released, exit 0. An image that a
 reload execs is given only `--handoff CHECKPOINT`: its settings are the
 checkpoint's.
+
+A serving daemon first raises its soft RLIMIT_NOFILE to the hard limit: each
+live worker holds four descriptors here (stdout and stderr pipes, pidfd,
+journal), so a login shell's soft 1024 would refuse spawns past about 250.
 """
 
 from __future__ import annotations
