@@ -579,6 +579,8 @@ class Server:
         daemon, registry, caller = self.daemon, self.daemon.registry, conn.session.caller
         rid = request.id
         match request:
+            case Info():  # first: the round trip a client makes most, to see the daemon is there
+                return InfoReply(id=rid, info=daemon.info())
             case Spawn():
                 return WorkerReply(id=rid, worker=await daemon.spawn(request, caller))
             case ListWorkers(all=include_ended, run=run, after=after, limit=limit):
@@ -644,8 +646,6 @@ class Server:
                 return WorkerReply(id=rid, worker=resumed.view, changed=resumed.changed)
             case Cancel(scope=scope):
                 return _cancelled(rid, daemon.cancel(scope))
-            case Info():
-                return InfoReply(id=rid, info=daemon.info())
             case Abort(request=target):
                 # In flight when the abort came (the session answers one that is not).
                 task = conn.tasks.get(target)
