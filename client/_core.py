@@ -162,7 +162,8 @@ def expect(reply: Reply, kind: type[R]) -> R:
 
 def answer(request: Request[R], reply: Reply) -> R:
     """`reply` as what answers `request`, whose class declares it (`Request[TheReply]`)."""
-    return expect(reply, request.answered_by())
+    kind = request.answered_by()
+    return reply if isinstance(reply, kind) else expect(reply, kind)
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,7 +293,12 @@ def send(worker_id: str, data: str | bytes, *, eof: bool = False) -> Call[int]:
 
 
 def info() -> Call[DaemonInfo]:
-    return _call(Info(id=0), lambda reply: reply.info)
+    return _INFO
+
+
+#: The same for every call (nothing in it varies, and the id is stamped on a copy): the
+#: round trip made most often, spared building it each time.
+_INFO = _call(Info(id=0), lambda reply: reply.info)
 
 
 def wait_run_stopped(run_id: str) -> Call[None]:
@@ -364,11 +370,11 @@ def retry_delay(request: Request[Reply], reply: Reply) -> float | None:
     only asks, cut short on the connection that asked for a reload; None: no retry. No
     other request is sent twice: the daemon answers one that took effect (a stop that
     was waiting) with what it did, and a second stop would say it stopped nothing."""
+    if not (isinstance(reply, Error) and reply.code == Reloading.code and reply.id != 0):
+        return None
     if not (request.again_after_reloading or request.resendable()):
         return None
-    if isinstance(reply, Error) and reply.code == Reloading.code and reply.id != 0:
-        return reply.retry_after if reply.retry_after is not None else 0.2
-    return None
+    return reply.retry_after if reply.retry_after is not None else 0.2
 
 
 class ListingCursor:
@@ -547,13 +553,12 @@ class Connection:
         """
         if self._closed:
             self._raise_closed()
-        request_id = self._take_id()
+        request_id = self._next_id
+        self._next_id = request_id + 1
         self._inboxes[request_id] = deque()
         if again is None and request.resendable():
             again = functools.partial(_same, request)
-        self._open[request_id] = _Open(
-            request, again, stream=request.streams(), sent=not self._reconnecting
-        )
+        self._open[request_id] = _Open(request, again, request.streams(), not self._reconnecting)
         if self._reconnecting:
             if isinstance(request, Ack):
                 # Delivered on the old connection, these wakes cannot be acknowledged on a new
@@ -591,7 +596,7 @@ class Connection:
                 reply = _decode(body)
                 if reply is None:
                     continue
-                if self._sent_again(reply):
+                if isinstance(reply, Error) and self._sent_again(reply):
                     continue
                 if (inbox := self._inboxes.get(reply.id)) is not None:
                     inbox.append(reply)

@@ -8,8 +8,10 @@ are kept for the watch, so a stop can be issued from inside its loop.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import socket
+import struct
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -19,6 +21,7 @@ from typing import Self, TypeVar
 from subagentd.protocol import (
     DaemonInfo,
     Entry,
+    Error,
     GrepResult,
     Page,
     ReloadReply,
@@ -39,15 +42,16 @@ from ._switch import BlockingStopSwitch
 T = TypeVar("T")
 
 _RECEIVE_SIZE = 64 * 1024
+_TIMEVAL = struct.Struct("@ll")  # struct timeval: seconds, microseconds
 
 
 class Client:
     """A blocking connection to the daemon; use it as a context manager.
 
     ``socket`` defaults to $SUBAGENTD_SOCKET, else the per-user default path.
-    ``timeout`` bounds each socket operation, as `socket.settimeout` does: a
-    call that waits longer raises `TimeoutError` (so keep it None for `wait`
-    and followed watches of long workers). Inside a worker, the client acts as
+    ``timeout`` bounds each wait of a send or a receive on the socket: one
+    that waits longer raises `TimeoutError` (so keep it None for `wait` and
+    followed watches of long workers). Inside a worker, the client acts as
     that worker ($SUBAGENTD_TOKEN).
     """
 
@@ -76,7 +80,7 @@ class Client:
     def connect(self) -> None:
         """Connect and say hello. Raises `DaemonUnavailable` when nothing listens."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout)
+        _set_timeout(sock, self.timeout)
         try:
             sock.connect(os.fspath(self.socket))
         except OSError as exc:
@@ -350,6 +354,8 @@ class Client:
                 self._abort(request_id)
                 raise
             self._conn.finish(request_id)
+            if not isinstance(reply, Error):
+                return reply  # nothing to raise, nothing to send again
             delay = _core.retry_delay(message, reply)
             if delay is None or time.monotonic() + delay > deadline:
                 return _core.checked(reply)
@@ -370,13 +376,14 @@ class Client:
     ) -> int:
         """Open `request`; a transport failure comes out of `_next_reply`, where a request
         sent again on a new connection has its answer."""
-        self._connected()
+        sock = self._connected()
         if self._conn.reconnecting:
             self._reconnect()
+            sock = self._connected()
         request_id, frame = self._conn.send(request, again=again)
         if frame is not None:
             try:
-                self._connected().sendall(frame)
+                _sendall(sock, frame)
             except TimeoutError as exc:
                 # Part of the frame may be out: nothing after it would parse.
                 self._conn.connection_lost(exc)
@@ -387,23 +394,24 @@ class Client:
         return request_id
 
     def _next_reply(self, request_id: int) -> Reply:
-        while (reply := self._conn.next_reply(request_id)) is None:
-            if self._conn.reconnecting:
+        conn = self._conn
+        while (reply := conn.next_reply(request_id)) is None:
+            if conn.reconnecting:
                 self._reconnect()
                 continue
             try:
-                data = self._connected().recv(_RECEIVE_SIZE)
+                data = _recv(self._connected())
             except TimeoutError:
                 raise  # nothing was consumed: the connection stays usable
             except OSError as exc:
-                self._conn.connection_lost(exc)
+                conn.connection_lost(exc)
             else:
-                self._conn.receive_data(data)
-                for frame in self._conn.outgoing():
+                conn.receive_data(data)
+                for frame in conn.outgoing():
                     try:
                         self._connected().sendall(frame)
                     except OSError as exc:
-                        self._conn.connection_lost(exc)
+                        conn.connection_lost(exc)
         return reply
 
     def _reconnect(self) -> None:
@@ -443,7 +451,7 @@ class Client:
             sock.sendall(handshake.frame)
             while handshake.receive_data(sock.recv(_RECEIVE_SIZE)) is None:
                 pass
-            sock.settimeout(self.timeout)
+            _set_timeout(sock, self.timeout)
         except BaseException:
             sock.close()
             raise
@@ -465,3 +473,33 @@ class Client:
         except OSError as exc:
             # Nothing left to abort on a dead connection; the caller's own exception matters more.
             self._conn.connection_lost(exc)
+
+
+def _set_timeout(sock: socket.socket, timeout: float | None) -> None:
+    """Bound each send and receive on `sock` by `timeout`, kept by the kernel (SO_SNDTIMEO,
+    SO_RCVTIMEO) on a blocking socket: `settimeout` would have Python poll(2) before each
+    call, two system calls more per request. Out of time, a call fails with EAGAIN, which
+    `_sendall` and `_recv` raise as TimeoutError. None: no bound; 0: non-blocking."""
+    if timeout is None or timeout <= 0:
+        sock.settimeout(timeout)  # and a negative one raises ValueError, as there
+        return
+    sock.settimeout(None)
+    seconds = min(int(timeout), 2**31 - 1)
+    # At least a microsecond: a zero timeval would mean no bound at all.
+    micro = max(int((timeout - int(timeout)) * 1_000_000), 0 if seconds else 1)
+    for option in (socket.SO_SNDTIMEO, socket.SO_RCVTIMEO):
+        sock.setsockopt(socket.SOL_SOCKET, option, _TIMEVAL.pack(seconds, micro))
+
+
+def _sendall(sock: socket.socket, frame: bytes) -> None:
+    try:
+        sock.sendall(frame)
+    except BlockingIOError as exc:  # SO_SNDTIMEO ran out (a part may be out)
+        raise TimeoutError(errno.ETIMEDOUT, "timed out") from exc
+
+
+def _recv(sock: socket.socket) -> bytes:
+    try:
+        return sock.recv(_RECEIVE_SIZE)
+    except BlockingIOError as exc:  # SO_RCVTIMEO ran out: nothing was taken
+        raise TimeoutError(errno.ETIMEDOUT, "timed out") from exc

@@ -112,6 +112,8 @@ ACCEPT_RETRY_SECONDS = 0.1
 #: Bytes of frames still arriving that all connections together may hold (a frame
 #: longer than `_session.BUDGETED_FROM` is read only once its length is reserved here).
 FRAME_BUDGET = 64 * 1024 * 1024
+#: The most one read takes off a connection.
+RECEIVE_SIZE = 65536
 _PEERCRED = struct.Struct("3i")
 _conn_ids = itertools.count(1)
 
@@ -153,7 +155,10 @@ class Connection:
     tasks: dict[int, tuple[trio.CancelScope, trio.Event]] = field(default_factory=dict)
     #: A reload keeps this connection: nothing more is sent on it here.
     sealed: bool = False
-    receiving: trio.CancelScope = field(default_factory=trio.CancelScope)  # each read's
+    #: Around the whole conversation, entered once (a scope per read would cost more than
+    #: the read); `seal` cancels it only while `reading`, never a request being answered.
+    receiving: trio.CancelScope = field(default_factory=trio.CancelScope)
+    reading: bool = False  # waiting for bytes (or for the frame budget), nothing else
     stopped_reading: trio.Event = field(default_factory=trio.Event)
 
     async def seal(self, reloads: set[int]) -> None:
@@ -162,7 +167,8 @@ class Connection:
         and the image that reads on (the next one, or this one if the reload fails)
         answers it. Nothing is sent here after."""
         self.session.keep()
-        self.receiving.cancel()
+        if self.reading:
+            self.receiving.cancel()
         await self.stopped_reading.wait()
         async with self.send_lock:  # no frame is half sent now, and none can begin
             cut = self.session.cut_off(reloads)
@@ -460,63 +466,68 @@ class Server:
             self.budget.release(conn.session.give_back())
 
     async def _serve_frames(self, conn: Connection) -> None:
-        session = conn.session
-        fatal: Error | None = None
         async with trio.open_nursery() as requests:
-            while True:
-                while (event := session.next_event()) is not None:
-                    if isinstance(event, Close):
-                        fatal = event.error
-                        break
-                    if isinstance(event, Release):
-                        self.budget.release(event.size)
-                    elif isinstance(event, Reply):
-                        if isinstance(event, Welcome) and event.worker is not None:
-                            structlog.contextvars.bind_contextvars(as_worker=event.worker)
-                        await conn.send(event)
-                    elif event.at_once:
-                        # Nothing to wait for: answered here, without a task of its own.
-                        try:
-                            reply = await self._reply(conn, event)
-                        finally:
-                            session.finished(event.id)
-                        if reply is not None:
-                            await conn.send(reply)
-                    else:
-                        cancel_scope, done = trio.CancelScope(), trio.Event()
-                        conn.tasks[event.id] = (cancel_scope, done)
-                        requests.start_soon(self._answer, conn, event, cancel_scope, done)
-                if fatal is not None:
-                    break
-                received = await self._receive(conn)
-                if isinstance(received, Error):
-                    fatal = received
-                    break
-                if received == b"":  # the client hung up
-                    break
-                if received is not None:
-                    session.receive(received)
+            with conn.receiving:
+                fatal = await self._converse(conn, requests)
+            if conn.session.kept:
+                # The rest is for the image after this one (`Session.unread`).
+                conn.stopped_reading.set()
+                await trio.sleep_forever()
             requests.cancel_scope.cancel()
         if fatal is not None:
             await conn.refuse(fatal)
 
+    async def _converse(self, conn: Connection, requests: trio.Nursery) -> Error | None:
+        """Answer what arrives until the client hangs up, a reload keeps the connection, or
+        the stream cannot go on: then the last word to close with."""
+        session = conn.session
+        while True:
+            while (event := session.next_event()) is not None:
+                if isinstance(event, Close):
+                    return event.error
+                if isinstance(event, Release):
+                    self.budget.release(event.size)
+                elif isinstance(event, Reply):
+                    if isinstance(event, Welcome) and event.worker is not None:
+                        structlog.contextvars.bind_contextvars(as_worker=event.worker)
+                    await conn.send(event)
+                elif event.at_once:
+                    # Nothing to wait for: answered here, without a task of its own.
+                    try:
+                        reply = await self._reply(conn, event)
+                    finally:
+                        session.finished(event.id)
+                    if reply is not None:
+                        await conn.send(reply)
+                else:
+                    cancel_scope, done = trio.CancelScope(), trio.Event()
+                    conn.tasks[event.id] = (cancel_scope, done)
+                    requests.start_soon(self._answer, conn, event, cancel_scope, done)
+            received = await self._receive(conn)
+            if received is None or received == b"":  # kept by a reload; the client hung up
+                return None
+            if isinstance(received, Error):
+                return received
+            session.receive(received)
+
     async def _receive(self, conn: Connection) -> bytes | Error | None:
-        """What arrives next (b"": the client hung up); None if a reload keeps the
-        connection (then the next call waits until the reload ends it here); or the last
-        word if a budgeted frame did not arrive whole in time."""
+        """What arrives next (b"": the client hung up); None once a reload keeps the
+        connection (`seal` cancels a wait here); or the last word if a budgeted frame did
+        not arrive whole in time."""
         session = conn.session
         if session.kept:
-            # The rest is for the image after this one (`Session.unread`).
-            conn.stopped_reading.set()
-            await trio.sleep_forever()
-        with trio.CancelScope() as conn.receiving:
+            return None
+        conn.reading = True
+        try:
             if (length := session.wanted_reservation()) is not None:
                 session.reserve(await self.budget.reserve(length), trio.current_time())
+            if not session.reserved:
+                return await _read(conn.stream)
             with trio.move_on_at(session.deadline):
-                return await conn.stream.receive_some(65536)
-        if conn.receiving.cancelled_caught:
-            return None  # kept by a reload (maybe while waiting for the budget): see above
-        return session.overdue().error
+                return await _read(conn.stream)
+        finally:
+            conn.reading = False
+        return None if session.kept else session.overdue().error
 
     async def _answer(
         self,
@@ -568,6 +579,8 @@ class Server:
         daemon, registry, caller = self.daemon, self.daemon.registry, conn.session.caller
         rid = request.id
         match request:
+            case Info():  # first: the round trip a client makes most, to see the daemon is there
+                return InfoReply(id=rid, info=daemon.info())
             case Spawn():
                 return WorkerReply(id=rid, worker=await daemon.spawn(request, caller))
             case ListWorkers(all=include_ended, run=run, after=after, limit=limit):
@@ -633,8 +646,6 @@ class Server:
                 return WorkerReply(id=rid, worker=resumed.view, changed=resumed.changed)
             case Cancel(scope=scope):
                 return _cancelled(rid, daemon.cancel(scope))
-            case Info():
-                return InfoReply(id=rid, info=daemon.info())
             case Abort(request=target):
                 # In flight when the abort came (the session answers one that is not).
                 task = conn.tasks.get(target)
@@ -690,6 +701,23 @@ def _stopped(rid: int, done: Stopping) -> Stopped:
 
 def _cancelled(rid: int, done: Stopping) -> Cancelled:
     return Cancelled(id=rid, cancelled=done.stopped, already_stopping=done.already)
+
+
+async def _read(stream: trio.SocketStream) -> bytes:
+    """What the socket has, once it has something (b"": the peer hung up).
+
+    `stream.receive_some` without its layers: it tries a read first, which between a
+    client's requests always finds nothing; this waits first, so a request costs one
+    read(2) and no exception (the wait is the checkpoint).
+    """
+    while True:
+        await trio.lowlevel.wait_readable(stream.socket)
+        try:
+            return os.read(stream.socket.fileno(), RECEIVE_SIZE)
+        except BlockingIOError:
+            continue  # woken for nothing: wait again
+        except OSError as exc:  # ECONNRESET: the client is gone
+            raise trio.BrokenResourceError(str(exc)) from exc
 
 
 def _duplicates(conns: list[Connection]) -> dict[Connection, int]:
