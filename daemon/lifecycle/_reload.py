@@ -1,6 +1,10 @@
 """Reload in place: check the new image, freeze, checkpoint, exec; and, in the new
 image, adopt everything the checkpoint carries.
 
+The check runs `subagentd --check` in a child only when the image on disk may not
+be the image running (`_image.RunningImage`): an unchanged image is this very code,
+so the config and the state dir, all that can have changed, are checked in place.
+
 The old image keeps every worker alive across the exec: their pipes, the
 listening socket, the state-dir lock and the connections that asked are
 inherited descriptors, each handed in by its owner to one inventory
@@ -41,6 +45,8 @@ from ..serving._notify import monotonic_usec, notify
 from ..store._archive import STDOUT_TAIL_BYTES, Archive
 from ..store._journal import Journal, JournalCorrupt
 from ..store._legacy import import_checkpoint_v1
+from ..store._statedir import ensure_private_dir
+from ..workers._agents import ConfigError, load_agents
 from ..workers._supervisor import LiveWorker
 from ._carried import Carried
 from ._checkpoint import (
@@ -49,6 +55,7 @@ from ._checkpoint import (
     CarriedWorker,
     Checkpoint,
 )
+from ._image import RunningImage
 from ._recovery import recover
 
 log = structlog.get_logger("subagentd")
@@ -115,6 +122,8 @@ class Reloader:
         #: rate limit); a new image starts it when it serves.
         self._last = last_reload
         self.nursery: trio.Nursery | None = None  # where attempts run: set by the daemon
+        #: This image's files as it starts serving: a reload into the same skips --check.
+        self.image = RunningImage.stamped()
 
     async def reload(self, requester: object | None, request_id: int) -> Reply | None:
         """Reload, or join the reload under way; None once the exec has happened (the new
@@ -170,10 +179,10 @@ class Reloader:
             # cgroup to fork it: the check's child must not be born there.
             await daemon.supervisor.launches_settled()
             log.info("reload.checking")
-            await self._check_new_image()
+            how = await self._check_new_image()
             if self.no_carry:
                 attempt.stopped_by_reload = await self._stop_uncarriable()
-            log.info("reload.checked")
+            log.info("reload.checked", check=how)
             with _reloading_told(), _collection_paused():
                 async with (
                     self.server.paused(
@@ -188,8 +197,35 @@ class Reloader:
         finally:
             daemon.reloading = False
 
-    async def _check_new_image(self) -> None:
-        """Refuse the reload unless the image on disk now reads this checkpoint format."""
+    async def _check_new_image(self) -> str:
+        """Refuse the reload unless the image on disk now can take over with this config
+        and state dir, reading this checkpoint format and store schema; how it was
+        checked (said in `reload.checked`)."""
+        changed = self.image.changed_on_disk()
+        if changed is None:
+            self._check_in_place()
+            return "image unchanged: config and state dir checked in place"
+        await self._check_in_a_child()
+        return f"--check in a child: {changed}"
+
+    def _check_in_place(self) -> None:
+        """What `subagentd --check` checks that can change while the image does not, by
+        the same code (`_main.check`), refused in the same words."""
+        problems = []
+        try:
+            load_agents(self.settings.config)
+        except ConfigError as exc:
+            problems.append(str(exc))
+        try:
+            ensure_private_dir(self.settings.state_dir)
+        except OSError as exc:
+            problems.append(f"state dir {self.settings.state_dir}: {exc}")
+        if problems:
+            raise Refused(f"the new image refuses this reload: {'; '.join(problems)}")
+
+    async def _check_in_a_child(self) -> None:
+        """Run the image on disk's `--check`: it must load, and read this checkpoint
+        version and the store's schema in use."""
         settings = self.settings
         command = image_command(
             "--check",
