@@ -510,7 +510,8 @@ class Connection:
     asks without changing anything (streams from their cursors), and those made
     meanwhile. A spawn or resume is sent again too when it carries a key (the
     clients give each one), which the daemon remembers: a repeat answers the
-    worker the first made. One that changes something (a stop, a keyless spawn)
+    worker the first made; and a reload, which, lost so, was not read (another
+    reload's pause came first). One that changes something (a stop, a keyless spawn)
     and whose answer was lost raises `ConnectionLost`: whether it was done is
     unknown. Request ids carry over, so a caller waiting for its answer never
     notices.

@@ -691,6 +691,12 @@ class LatestResumable(Request[Latest], tag="latest_resumable"):
 class Reload(Request[ReloadReply], tag="reload"):
     """Re-exec the daemon's image in place, keeping every worker. Answered by the new image."""
 
+    def resendable(self) -> bool:
+        # Lost with its connection, it was not read (another reload paused the daemon
+        # first: a requester's connection is kept): asked again, it reloads the image on
+        # disk then, which is what was asked.
+        return True
+
 
 class Subscribe(Request[Wakes], tag="subscribe"):
     """The wakes for one parent: ``run`` (its top-level workers) or ``worker`` (its children).

@@ -144,9 +144,10 @@ class InProcess:
         the next image's parts in place.
 
         The old image settles its launches, pauses the server (every client told
-        `reloading`), freezes supervision and builds the real checkpoint with its
-        inventory of carried descriptors (`Reloader.checkpoint`, `Carried`), written
-        to disk. In place of the exec: its tasks end where they stand, none of its
+        `reloading`), waits until supervision holds nothing an exec would lose and
+        builds the real checkpoint with its inventory of carried descriptors
+        (`Reloader.checkpoint`, `Carried`), written to disk. In place of the exec:
+        its tasks (supervision's with them) end where they stand, none of its
         undoing runs (a working exec never returns), what an exec closes is closed,
         and its objects let go of the carried descriptors, whose numbers stay valid
         (one process). The new image does what `_serve.serve` does with a handoff: it
@@ -158,7 +159,7 @@ class InProcess:
         await old.supervisor.launches_settled()
         old.reloading = True
         kept = await self.server.pause([])
-        await old.supervisor.freeze()
+        await old.supervisor.wait_nothing_in_hand()
         carried = Carried()  # never left: what it would give back, an exec keeps
         checkpoint = reloader.checkpoint(carried, kept, [], stopped_by_reload=[])
         carried.write(reloader.checkpoint_path, checkpoint)

@@ -27,6 +27,10 @@ class Carried:
     def __init__(self) -> None:
         self._undo = contextlib.ExitStack()
         self._owners: dict[int, str] = {}  # descriptor: what it is, for the errors
+        #: Each descriptor carried and whether it was inheritable: given back last, at
+        #: once (a thousand workers' pipes, each its own callback, cost a reload ms).
+        self._was: list[tuple[int, bool]] = []
+        self._undo.callback(self._give_back)
 
     def __enter__(self) -> Carried:
         return self
@@ -43,11 +47,14 @@ class Carried:
         """Let `fd` (`what`, in the owner's words) survive the exec; its number."""
         if fd in self._owners:
             raise ValueError(f"descriptor {fd} ({what}) is carried already, as {self._owners[fd]}")
-        was = os.get_inheritable(fd)
+        self._was.append((fd, os.get_inheritable(fd)))
         os.set_inheritable(fd, True)
-        self._undo.callback(os.set_inheritable, fd, was)
         self._owners[fd] = what
         return fd
+
+    def _give_back(self) -> None:
+        for fd, was in reversed(self._was):
+            os.set_inheritable(fd, was)
 
     def carry_if(self, fd: int | None, what: str) -> int | None:
         """`carry` for a descriptor its owner may not have (a pipe already at its end)."""

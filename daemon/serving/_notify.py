@@ -20,7 +20,9 @@ def notify(*assignments: str) -> bool:
         address = "\0" + address[1:]
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
         try:
-            sock.sendto("\n".join(assignments).encode(), address)
+            # Never waits: a listener that does not read (its queue holds 10 datagrams
+            # by default) must not hang the daemon; what it would not take is dropped.
+            sock.sendto("\n".join(assignments).encode(), socket.MSG_DONTWAIT, address)
         except OSError:
             return False
     return True

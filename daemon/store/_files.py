@@ -105,7 +105,7 @@ def replace_in(dir_fd: int, name: str, data: bytes, *, what: str, durable: bool 
     The temp file's name is unpredictable and it is created exclusively
     without following symlinks, so nothing planted beforehand is written
     through. `durable`: fsync before the rename, for what must outlive the
-    machine going down (the checkpoint). `what` names the file
+    machine going down. `what` names the file
     in the error a full disk gives.
     """
     tmp = f".{name}.{secrets.token_hex(8)}.tmp"

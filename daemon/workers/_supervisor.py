@@ -3,15 +3,16 @@
 The supervisor owns what is live (each worker's process, pipes and journal while it
 runs), starts and ends trees through the launcher port, enforces timeouts, and hands
 each ending to the daemon, which writes it down. A supervise task is a fault boundary:
-an exception in it ends that worker `failed`, never the daemon. A reload freezes
-supervision (`frozen`), so what is live holds still while it is carried across the exec.
+an exception in it ends that worker `failed`, never the daemon. A reload does not stop
+supervision: it execs from where every task stands, once none holds what the exec would
+lose (`wait_nothing_in_hand`), and the tasks vanish with the image.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -38,9 +39,6 @@ DISK_RETRY_FIRST = 0.1
 DISK_RETRY_MAX = 5.0
 #: When to offer a worker's full stdin more (`busy`'s retry_after): it reads when it will.
 STDIN_RETRY = 0.1
-#: A reload's freeze (nobody is served meanwhile) not done within this is given up:
-#: the reload is refused and supervision carries on.
-FREEZE_SECONDS = 5.0
 
 
 @dataclass(eq=False)
@@ -110,11 +108,10 @@ class Supervisor:
         self._disk_ok = disk_ok
         self._live: dict[str, LiveWorker] = {}
         self._nursery: trio.Nursery | None = None
-        self._background: trio.Nursery | None = None  # outlives freezes: late reaps
-        self._supervision = trio.CancelScope()
-        self._frozen = trio.Event()
-        self._thawed = trio.Event()
-        self._thaw_asked = trio.Event()
+        self._background: trio.Nursery | None = None  # late reaps
+        #: Tasks holding what an exec would lose (see `wait_nothing_in_hand`).
+        self._in_hand = 0
+        self._put_down = trio.Event()
         self.starting = 0  # launches between registration and their supervise task
         self.spawned = trio.Event()
 
@@ -152,72 +149,47 @@ class Supervisor:
         self._live.pop(live.record.id, None)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Host the workers' supervise tasks until cancelled.
-
-        A reload freezes supervision (`freeze`): every supervise task is
-        cancelled, leaving each worker's descriptors open and its process
-        unreaped, so the registry holds still while it is written down. If the
-        exec fails, `thaw` adopts every worker again, down the same path a new
-        image takes.
-        """
+        """Host the workers' supervise tasks until cancelled, the adopted ones from the
+        start. A reload leaves them as they stand: see `wait_nothing_in_hand`."""
         async with trio.open_nursery() as background:
             self._background = background
-            started = False
-            while True:
-                with trio.CancelScope() as self._supervision:
-                    async with trio.open_nursery() as nursery:
-                        self._nursery = nursery
-                        for live in self._live.values():
-                            live.reset_supervision()
-                            nursery.start_soon(self._supervise, live)
-                        if not started:
-                            task_status.started()
-                            started = True
-                        self._thawed.set()
-                        await trio.sleep_forever()
-                self._nursery = None
-                self._frozen.set()
-                self._thawed = trio.Event()
-                await self._thaw_asked.wait()
-                self._thaw_asked = trio.Event()
-                self._frozen = trio.Event()
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                for live in self._live.values():
+                    live.reset_supervision()
+                    nursery.start_soon(self._supervise, live)
+                task_status.started()
+                await trio.sleep_forever()
 
     async def launches_settled(self) -> None:
         """Return once no spawn or resume is in flight (the caller fences new ones)."""
         while self.starting:
             await self.spawned.wait()
 
-    async def freeze(self) -> None:
-        """Stop supervising (nothing reaped, nothing closed), once no spawn is in flight;
-        refused, supervising on, if that is not done within FREEZE_SECONDS."""
-        if self._thaw_asked.is_set():
-            raise Refused("the last reload's freeze is still being undone; reload again shortly")
-        with trio.move_on_after(FREEZE_SECONDS) as timer:
-            await self.launches_settled()
-            self._supervision.cancel()
-            await self._frozen.wait()
-        if timer.cancelled_caught:
-            if self._supervision.cancel_called:
-                self._thaw_asked.set()  # once what holds the freeze is done: see run()
-            raise Refused(
-                f"the daemon's workers could not be frozen within {FREEZE_SECONDS:g} s "
-                "(a worker's ending is still under way); reload again shortly"
-            )
+    async def wait_nothing_in_hand(self) -> None:
+        """Return once no task holds what an exec would lose: output read from a pipe
+        and not yet journaled (a write the disk refused, being tried again), or the
+        ending of a worker whose supervision failed.
 
-    async def thaw(self) -> None:
-        """Supervise every live worker again."""
-        self._thaw_asked.set()
-        await self._thawed.wait()
+        Every other supervision task parked at an await holds nothing that the
+        journals, the store and the kernel do not (a pump journals what it read
+        with no await between the read and the write), so a reload execs from
+        where they all stand, with no await between this and the exec.
+        """
+        while self._in_hand:
+            await self._put_down.wait()
 
-    @contextlib.asynccontextmanager
-    async def frozen(self) -> AsyncIterator[None]:
-        """Supervision frozen for the body, and thawed after it unless the body execs:
-        a thaw only ever follows a freeze."""
-        await self.freeze()
+    @contextlib.contextmanager
+    def _holding(self) -> Iterator[None]:
+        """The body holds what an exec would lose: a reload waits for it."""
+        self._in_hand += 1
         try:
             yield
         finally:
-            await self.thaw()
+            self._in_hand -= 1
+            if not self._in_hand:
+                put_down, self._put_down = self._put_down, trio.Event()
+                put_down.set()
 
     @contextlib.contextmanager
     def launching(self) -> Iterator[None]:
@@ -237,8 +209,8 @@ class Supervisor:
         try:
             await self._watch(live)
         except* Exception as faults:
-            # Shielded like any cleanup: a reload's freeze waits for it to finish.
-            with trio.CancelScope(shield=True):
+            # Shielded like any cleanup, and held: a reload waits for it to finish.
+            with self._holding(), trio.CancelScope(shield=True):
                 await self._fail(live, _first(faults))
 
     async def _watch(self, live: LiveWorker) -> None:
@@ -370,7 +342,8 @@ class Supervisor:
                     break
                 except OSError as exc:
                     self._disk_trouble(f"journal of {live.record.id}", exc)
-                    await trio.sleep(delay)
+                    with self._holding():  # the chunk: a reload waits for its write
+                        await trio.sleep(delay)
                     delay = min(delay * 2, DISK_RETRY_MAX)
             self._disk_ok()
             if kind == "stdout":
