@@ -2,14 +2,16 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# Reinstalled when the packaging changes or a package gains or loses a module
-# (a strict editable install links the files that existed when it was made).
+# Reinstalled when the packaging changes or a package (or subpackage) gains or loses a
+# module: a strict editable install links the files that existed when it was made, and a
+# directory's mtime moves when an entry is added or removed in it, not in its subdirectories.
 STAMP := $(VENV)/.installed-stamp
+PACKAGE_DIRS := $(shell find protocol daemon client -type d -not -name __pycache__)
 PACKAGES := -p subagentd.protocol -p subagentd.daemon -p subagentd.client
 
 .PHONY: run test lint typecheck check-units bench clean
 
-$(STAMP): pyproject.toml protocol daemon client
+$(STAMP): pyproject.toml $(PACKAGE_DIRS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[test]' --config-settings editable_mode=strict
