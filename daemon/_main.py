@@ -14,8 +14,6 @@ import os
 import sys
 from pathlib import Path
 
-import structlog
-
 from subagentd.protocol import (
     default_config_path,
     default_socket_path,
@@ -23,7 +21,7 @@ from subagentd.protocol import (
     package_version,
 )
 
-from ._logging import configure_logging
+from ._logging import configure_logging, get_logger
 from ._settings import DEFAULT_RELOAD_INTERVAL, Settings
 from .core._registry import DEFAULT_FINISHED_TTL, DEFAULT_KEEP_ARCHIVES_DAYS
 from .core._request_keys import DEFAULT_REQUEST_KEY_TTL
@@ -33,7 +31,7 @@ from .store._store import READS_VERSIONS as STORE_READS_VERSIONS
 from .store._store import StoreUnusable
 from .workers._agents import ConfigError, load_agents
 
-log = structlog.get_logger("subagentd")
+log = get_logger()
 
 
 def _parser() -> argparse.ArgumentParser:

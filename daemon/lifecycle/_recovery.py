@@ -23,12 +23,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import cast
 
-import structlog
-
 from subagentd.protocol import TERMINAL_STATES, WorkerState
 from subagentd.protocol.errors import Refused
 
 from .._daemon import Daemon
+from .._logging import get_logger
 from ..core._registry import WorkerRecord, new_token
 from ..processes._process import reap
 from ..processes._tree import carries_worker_id, read_stat
@@ -37,7 +36,7 @@ from ..store._journal import Journal, JournalCorrupt
 from ..store._store import Change
 from ._resumable import read_snapshot
 
-log = structlog.get_logger("subagentd")
+log = get_logger()
 
 
 async def recover(

@@ -27,13 +27,13 @@ from pathlib import Path
 from typing import Protocol
 
 import msgspec
-import structlog
 import trio
 
 from subagentd.protocol import Error, ReloadReply, Reply
 from subagentd.protocol.errors import Busy, ErrorCode, Refused
 
 from .._daemon import Daemon
+from .._logging import get_logger
 from .._settings import Settings
 from ..processes._process import WorkerProcess, reap
 from ..serving._listener import ControlSocket
@@ -51,7 +51,7 @@ from ._checkpoint import (
 )
 from ._recovery import recover
 
-log = structlog.get_logger("subagentd")
+log = get_logger()
 
 #: Blocked from just before the exec until the new image can handle them.
 RELOAD_SIGNALS = {signal.SIGHUP, signal.SIGTERM, signal.SIGINT}

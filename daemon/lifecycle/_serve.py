@@ -15,13 +15,13 @@ import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import structlog
 import trio
 
 from subagentd.protocol import package_version
 from subagentd.protocol.errors import RemoteError
 
 from .._daemon import FAULT_ENV, Daemon, read_faults
+from .._logging import get_logger
 from .._settings import Settings
 from ..processes._cgroup import Cgroups, CgroupsUnavailable
 from ..processes._launcher import LocalLauncher
@@ -35,7 +35,7 @@ from ._checkpoint import Checkpoint
 from ._recovery import recover
 from ._reload import NO_CARRY_ENV, RELOAD_SIGNALS, Handover, Reloader, adopt, reload_reply
 
-log = structlog.get_logger("subagentd")
+log = get_logger()
 
 #: SUBAGENTD_FAULT's (point, target) that keeps the adopted checkpoint, renamed to
 #: KEPT_CHECKPOINT, for a test to read what was carried.

@@ -15,19 +15,19 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import structlog
 import trio
 
 from subagentd.protocol import EntryKind
 from subagentd.protocol.errors import Busy, Refused
 
+from .._logging import get_logger
 from ..core._registry import Registry, WorkerRecord
 from ..processes._launcher import Launcher
 from ..processes._process import WorkerProcess, pump, write_nowait
 from ..store._archive import STDOUT_TAIL_BYTES
 from ..store._journal import Journal
 
-log = structlog.get_logger("subagentd")
+log = get_logger()
 
 #: After the tree is gone, how long the pipes may take to give up what they hold.
 PIPE_DRAIN_SECONDS = 1.0
