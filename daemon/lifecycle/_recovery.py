@@ -40,14 +40,20 @@ log = get_logger()
 
 
 async def recover(
-    daemon: Daemon, *, carried: frozenset[str] = frozenset(), unread: list[str] | None = None
+    daemon: Daemon,
+    *,
+    carried: frozenset[str] = frozenset(),
+    unread: list[str] | None = None,
+    held: tuple[list[WorkerRecord], list[str]] | None = None,
 ) -> list[str]:
     """Take back every worker the store holds; the ids found interrupted.
 
     `carried`: workers a reload carried live (adopted, not interrupted); `unread`: ids
-    whose record did not read elsewhere (an older image's record.json), rebuilt too.
+    whose record did not read elsewhere (an older image's record.json), rebuilt too;
+    `held`: `Store.held_workers()` as the caller just read it, with nothing written since
+    (else it is read here).
     """
-    records, damaged = daemon.store.held_workers()
+    records, damaged = held if held is not None else daemon.store.held_workers()
     interrupted: list[str] = []
     for worker_id in dict.fromkeys([*damaged, *(unread or ())]):
         path = daemon.state_dir.archive(worker_id)

@@ -33,6 +33,11 @@ log = get_logger()
 PIPE_DRAIN_SECONDS = 1.0
 #: The pipes a worker's output comes on, each pumped into its journal by a task of its own.
 _PIPES: tuple[EntryKind, ...] = ("stdout", "stderr")
+#: Supervision (re)starts this many workers at a time, letting others run between: a
+#: reload's answer, and the connects waiting, need not wait for the first steps of a
+#: thousand adopted workers' 3,000 tasks (~80 ms). Until its turn, a worker's output
+#: waits in its pipe, its exit as a zombie, and a stop asked is acted on when it comes.
+SUPERVISION_BATCH = 100
 #: A write that failed (disk full, EIO) is tried again after this, doubling up to the max.
 DISK_RETRY_FIRST = 0.1
 DISK_RETRY_MAX = 5.0
@@ -167,12 +172,15 @@ class Supervisor:
                 with trio.CancelScope() as self._supervision:
                     async with trio.open_nursery() as nursery:
                         self._nursery = nursery
-                        for live in self._live.values():
-                            live.reset_supervision()
-                            nursery.start_soon(self._supervise, live)
+                        unsupervised = list(self._live.values())  # spawns from now: supervise
                         if not started:
                             task_status.started()
                             started = True
+                        for n, live in enumerate(unsupervised):
+                            if n and n % SUPERVISION_BATCH == 0:
+                                await trio.lowlevel.checkpoint()
+                            live.reset_supervision()
+                            nursery.start_soon(self._supervise, live)
                         self._thawed.set()
                         await trio.sleep_forever()
                 self._nursery = None
