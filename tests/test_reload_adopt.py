@@ -16,6 +16,7 @@ import trio
 from trio.testing import MockClock
 
 from subagentd import protocol as p
+from subagentd.daemon.lifecycle import _reload
 from subagentd.daemon.workers import _supervisor
 from subagentd.protocol import TERMINAL_STATES
 
@@ -33,14 +34,15 @@ async def test_a_worker_that_exits_during_the_exec_is_reaped_and_wakes_once(
                 run = await client.new_run()
                 workers = [await client.spawn(["sleep", "100000"], run=run) for _ in range(3)]
         gone = workers[1]
-        assert gone.pid is not None
-        real_adopt = inprocess.adopt
+        pid = gone.pid
+        assert pid is not None
+        real_adopt = _reload.adopt  # what tests/inprocess.py adopts with
 
         async def adopt_after_an_exit(*args: Any) -> Any:
             # Frozen, checkpointed, "exec'd": the worker dies before the new image adopts it.
-            pidfd = os.pidfd_open(gone.pid)
+            pidfd = os.pidfd_open(pid)
             try:
-                os.kill(gone.pid, signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
                 await trio.lowlevel.wait_readable(pidfd)  # a zombie now, unreaped
             finally:
                 os.close(pidfd)
@@ -58,7 +60,7 @@ async def test_a_worker_that_exits_during_the_exec_is_reaped_and_wakes_once(
                 for other in (workers[0], workers[2]):
                     assert (await client.status(other.id)).state == "running"
             with pytest.raises(ChildProcessError):  # reaped: no longer our child
-                os.waitid(os.P_PID, gone.pid, os.WEXITED | os.WNOHANG)  # noqa: ASYNC222 - no wait
+                os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG)  # noqa: ASYNC222 - no wait
             conn = await RawConnection.open(d.socket)
             async with conn.stream:
                 await conn.send(p.Subscribe(id=2, run=run))
