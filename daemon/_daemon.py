@@ -17,7 +17,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import structlog
 import trio
 
 from subagentd.protocol import (
@@ -36,6 +35,7 @@ from subagentd.protocol.errors import (
     RunStopped,
 )
 
+from ._logging import get_logger
 from ._problems import Problems
 from .core._registry import (
     DEFAULT_FINISHED_TTL,
@@ -65,7 +65,7 @@ from .workers._reader import Reader
 from .workers._retention import Retention
 from .workers._supervisor import LiveWorker, Supervisor
 
-log = structlog.get_logger("subagentd")
+log = get_logger()
 
 #: What a client refused during a reload is told to wait before it tries again.
 RELOAD_RETRY = 0.2

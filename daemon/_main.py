@@ -12,14 +12,13 @@ journal), so a login shell's soft 1024 would refuse spawns past about 250.
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import os
 import resource
 import sys
+from collections.abc import Callable
 from pathlib import Path
-
-import structlog
+from typing import TYPE_CHECKING
 
 from subagentd.protocol import (
     default_config_path,
@@ -28,7 +27,7 @@ from subagentd.protocol import (
     package_version,
 )
 
-from ._logging import configure_logging
+from ._logging import configure_logging, get_logger
 from ._settings import DEFAULT_RELOAD_INTERVAL, Settings
 from .core._registry import DEFAULT_FINISHED_TTL, DEFAULT_KEEP_ARCHIVES_DAYS
 from .core._request_keys import DEFAULT_REQUEST_KEY_TTL
@@ -38,10 +37,15 @@ from .store._store import READS_VERSIONS as STORE_READS_VERSIONS
 from .store._store import StoreUnusable
 from .workers._agents import ConfigError, load_agents
 
-log = structlog.get_logger("subagentd")
+if TYPE_CHECKING:
+    import argparse
+
+log = get_logger()
 
 
 def _parser() -> argparse.ArgumentParser:
+    import argparse  # not for a reload's exec: see `main`
+
     parser = argparse.ArgumentParser(
         prog="subagentd",
         description="The per-user supervisor of agent subprocesses. Runs in the foreground; "
@@ -131,6 +135,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _non_negative(text: str) -> float:
+    import argparse
+
     value = float(text)
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not zero or more")
@@ -138,26 +144,46 @@ def _non_negative(text: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) == 2 and argv[0] == "--handoff":
+        # How a reload runs this image: its settings are the checkpoint's, so neither the
+        # parser nor the default paths (argparse, platformdirs) are imported on the way.
+        return _take_over(Path(argv[1]), lambda: _settings(_parser().parse_args(argv)))
     args = _parser().parse_args(argv)
     settings = _settings(args)
-    handoff: Checkpoint | None = None
     if args.handoff is not None:
-        try:
-            handoff = read_checkpoint(args.handoff)
-            _check_its_place(handoff, args.handoff)
-        except CheckpointUnreadable as exc:
-            configure_logging(settings.log_format)
-            # Without it this image knows neither its settings nor its descriptors: it
-            # exits as if it had crashed, and the next start recovers every worker (each
-            # is ended and archived as interrupted, resumable), as after kill -9.
-            log.critical("reload.handoff_unreadable", error=str(exc), then="exiting")
-            return 1
-        # The carried settings win over this image's defaults: a reload changes the
-        # code, not how the daemon was started (agents.toml is read afresh, though).
-        settings = handoff.settings or settings  # None: an older image gave them in argv
+        return _take_over(args.handoff, lambda: settings, check_only=args.check)
     configure_logging(settings.log_format)
     if args.check:
         return check(settings)
+    return _serve(settings)
+
+
+def _take_over(path: Path, given: Callable[[], Settings], *, check_only: bool = False) -> int:
+    """Serve with the checkpoint at `path` a reload's exec handed this image; `given`: the
+    settings of the command line, for a checkpoint that carries none."""
+    try:
+        handoff = read_checkpoint(path)
+        _check_its_place(handoff, path)
+    except CheckpointUnreadable as exc:
+        configure_logging(given().log_format)
+        # Without it this image knows neither its settings nor its descriptors: it
+        # exits as if it had crashed, and the next start recovers every worker (each
+        # is ended and archived as interrupted, resumable), as after kill -9.
+        log.critical("reload.handoff_unreadable", error=str(exc), then="exiting")
+        return 1
+    # The carried settings win over this image's defaults: a reload changes the
+    # code, not how the daemon was started (agents.toml is read afresh, though).
+    settings = handoff.settings or given()  # None: an older image gave them in argv
+    configure_logging(settings.log_format)
+    if check_only:
+        return check(settings)
+    return _serve(settings, path, handoff)
+
+
+def _serve(
+    settings: Settings, handoff_path: Path | None = None, handoff: Checkpoint | None = None
+) -> int:
     _raise_descriptor_limit()
     import trio  # only a serving daemon needs it: --check stays quick for reloads
 
@@ -165,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     from .serving._listener import SocketInUse
 
     try:
-        trio.run(serve, settings, args.handoff, handoff)
+        trio.run(serve, settings, handoff_path, handoff)
     except (StateDirLocked, SocketInUse, PermissionError, StoreUnusable) as exc:
         print(f"subagentd: {exc}", file=sys.stderr)
         return 1

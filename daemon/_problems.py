@@ -4,9 +4,9 @@ its own copy."""
 
 from __future__ import annotations
 
-import structlog
+from ._logging import get_logger
 
-log = structlog.get_logger("subagentd")
+log = get_logger()
 
 
 class Problems:

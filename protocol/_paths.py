@@ -10,24 +10,31 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-import platformdirs
-
 APP = "subagentd"
+
+# platformdirs (with tempfile) is imported only when a default is wanted: a reload's new
+# image, whose paths are its checkpoint's, and a client given $SUBAGENTD_SOCKET, need none.
 
 
 def default_socket_path(environ: Mapping[str, str] = os.environ) -> Path:
     if path := environ.get("SUBAGENTD_SOCKET"):
         return Path(path)
+    import platformdirs
+
     return Path(platformdirs.user_runtime_dir(APP)) / "subagentd.sock"
 
 
 def default_state_dir(environ: Mapping[str, str] = os.environ) -> Path:
     if path := environ.get("SUBAGENTD_STATE_DIR"):
         return Path(path)
+    import platformdirs
+
     return Path(platformdirs.user_state_dir(APP))
 
 
 def default_config_path(environ: Mapping[str, str] = os.environ) -> Path:
     if path := environ.get("SUBAGENTD_CONFIG"):
         return Path(path)
+    import platformdirs
+
     return Path(platformdirs.user_config_dir(APP)) / "agents.toml"

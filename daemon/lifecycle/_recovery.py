@@ -23,12 +23,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import cast
 
-import structlog
-
 from subagentd.protocol import TERMINAL_STATES, WorkerState
 from subagentd.protocol.errors import Refused
 
 from .._daemon import Daemon
+from .._logging import get_logger
 from ..core._registry import WorkerRecord, new_token
 from ..processes._process import reap
 from ..processes._tree import carries_worker_id, read_stat
@@ -37,18 +36,24 @@ from ..store._journal import Journal, JournalCorrupt
 from ..store._store import Change
 from ._resumable import read_snapshot
 
-log = structlog.get_logger("subagentd")
+log = get_logger()
 
 
 async def recover(
-    daemon: Daemon, *, carried: frozenset[str] = frozenset(), unread: list[str] | None = None
+    daemon: Daemon,
+    *,
+    carried: frozenset[str] = frozenset(),
+    unread: list[str] | None = None,
+    held: tuple[list[WorkerRecord], list[str]] | None = None,
 ) -> list[str]:
     """Take back every worker the store holds; the ids found interrupted.
 
     `carried`: workers a reload carried live (adopted, not interrupted); `unread`: ids
-    whose record did not read elsewhere (an older image's record.json), rebuilt too.
+    whose record did not read elsewhere (an older image's record.json), rebuilt too;
+    `held`: `Store.held_workers()` as the caller just read it, with nothing written since
+    (else it is read here).
     """
-    records, damaged = daemon.store.held_workers()
+    records, damaged = held if held is not None else daemon.store.held_workers()
     interrupted: list[str] = []
     for worker_id in dict.fromkeys([*damaged, *(unread or ())]):
         path = daemon.state_dir.archive(worker_id)

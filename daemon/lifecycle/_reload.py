@@ -38,13 +38,13 @@ from pathlib import Path
 from typing import Protocol
 
 import msgspec
-import structlog
 import trio
 
 from subagentd.protocol import Error, ReloadReply, Reply
 from subagentd.protocol.errors import Busy, ErrorCode, Refused
 
 from .._daemon import Daemon
+from .._logging import get_logger
 from .._settings import Settings
 from ..processes._process import WorkerProcess, reap
 from ..serving._listener import ControlSocket
@@ -65,7 +65,7 @@ from ._checkpoint import (
 from ._image import RunningImage
 from ._recovery import recover
 
-log = structlog.get_logger("subagentd")
+log = get_logger()
 
 #: Blocked from just before the exec until the new image can handle them.
 RELOAD_SIGNALS = {signal.SIGHUP, signal.SIGTERM, signal.SIGINT}
@@ -493,10 +493,14 @@ async def adopt(
         import_checkpoint_v1(daemon.store, checkpoint.v1_state, daemon.state_dir.archives)
     stopped = list(checkpoint.stopped_by_reload)
     adopted: list[tuple[CarriedWorker, WorkerProcess, Journal]] = []
+    # One query for every carried worker's record (each is held: it has not ended), not
+    # one a worker; recovery takes the same rows, unless a stop below changed some.
+    held = daemon.store.held_workers()
+    readable = {record.id for record in held[0]}
     for carried in checkpoint.live:
         process: WorkerProcess | None = None
         try:
-            if daemon.store.worker(carried.id) is None:
+            if carried.id not in readable:
                 raise _NoRecord(f"worker {carried.id} has no readable record in the store")
             process = daemon.launcher.adopt(
                 carried.id,
@@ -519,7 +523,12 @@ async def adopt(
             stopped.append(carried.id)
             continue
         adopted.append((carried, process, journal))
-    await recover(daemon, carried=frozenset(c.id for c, _, _ in adopted), unread=unread)
+    await recover(
+        daemon,
+        carried=frozenset(c.id for c, _, _ in adopted),
+        unread=unread,
+        held=held if stopped == checkpoint.stopped_by_reload else None,  # a stop writes
+    )
     for carried, process, journal in adopted:
         live = LiveWorker(
             record=daemon.registry.worker(carried.id), journal=journal, process=process

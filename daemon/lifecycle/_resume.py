@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import structlog
 import trio
 
 from subagentd.protocol import ResumableRun, WorkerView
 from subagentd.protocol.errors import Invalid, NotFound, Refused, Reloading
 
 from .._daemon import RELOAD_RETRY, Daemon
+from .._logging import get_logger
 from ..core._registry import WorkerRecord
 from ..core._request_keys import AskedKey
 from ..store._archive import STDOUT_TAIL_BYTES, Archive, Snapshot
@@ -30,7 +30,7 @@ from ..workers._command import real_dir
 from ..workers._supervisor import LiveWorker
 from ._resumable import RESUMABLE, changes_since_spawn, check_branch, read_snapshot
 
-log = structlog.get_logger("subagentd")
+log = get_logger()
 
 
 @dataclass(frozen=True)

@@ -25,12 +25,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import structlog
 import trio
 
+from .._logging import get_logger
 from ._tree import Graces
 
-log = structlog.get_logger("subagentd")
+log = get_logger()
 
 #: Held while the daemon stands in a worker's cgroup to fork it.
 _FORK_LOCK = threading.Lock()

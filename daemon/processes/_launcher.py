@@ -15,14 +15,14 @@ import functools
 from collections.abc import Container, Mapping
 from typing import Protocol
 
-import structlog
 import trio
 
+from .._logging import get_logger
 from ._cgroup import Cgroups, WorkerCgroup, end_cgroup
 from ._process import WorkerProcess
 from ._tree import Graces, ProcessTable, end_marked, end_tree
 
-log = structlog.get_logger("subagentd")
+log = get_logger()
 
 
 class Launcher(Protocol):

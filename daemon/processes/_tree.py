@@ -18,10 +18,11 @@ import signal
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
-import structlog
 import trio
 
-log = structlog.get_logger("subagentd")
+from .._logging import get_logger
+
+log = get_logger()
 
 
 @dataclass(eq=False)

@@ -22,7 +22,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
 import msgspec
-import structlog
 import trio
 
 from subagentd.protocol import (
@@ -87,6 +86,7 @@ from subagentd.protocol.errors import (
 )
 
 from .._daemon import RELOAD_RETRY, Daemon, Stopping
+from .._logging import bind_contextvars, get_logger
 from ..core._authority import Authority
 from ..core._registry import listing_page
 from ..core._request_keys import asked_key
@@ -95,7 +95,7 @@ from ..lifecycle._reload import Handover, Reloader, owed_by_connection
 from ..lifecycle._resume import Resumer
 from ..store._store import StoreWriteFailed
 
-log = structlog.get_logger("subagentd")
+log = get_logger()
 
 #: How long a reload waits to tell each client `reloading` (all told at once).
 NOTICE_SECONDS = 0.1
@@ -419,7 +419,7 @@ class Server:
             delivered=adopted.delivered if adopted is not None else (),
         )
         conn = Connection(stream=stream, conn_id=next(_conn_ids), session=session)
-        structlog.contextvars.bind_contextvars(conn=conn.conn_id)
+        bind_contextvars(conn=conn.conn_id)
         self.connections += 1
         self._open.add(conn)
         self.daemon.touch()
@@ -489,7 +489,7 @@ class Server:
                     self.budget.release(event.size)
                 elif isinstance(event, Reply):
                     if isinstance(event, Welcome) and event.worker is not None:
-                        structlog.contextvars.bind_contextvars(as_worker=event.worker)
+                        bind_contextvars(as_worker=event.worker)
                     await conn.send(event)
                 elif event.at_once:
                     # Nothing to wait for: answered here, without a task of its own.

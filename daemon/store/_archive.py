@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import TypeVar
 
 import msgspec
-import structlog
 
+from .._logging import get_logger
 from ..core._registry import DEFAULT_GRACE
 from ._files import (
     SAFE_FLAGS,
@@ -32,7 +32,7 @@ from ._files import (
 from ._journal import Journal, read_tail
 
 _Written = TypeVar("_Written", bound=msgspec.Struct)
-log = structlog.get_logger("subagentd")
+log = get_logger()
 
 #: The snapshot's format; a resume refuses one it cannot read.
 SNAPSHOT_VERSION = 1

@@ -19,14 +19,14 @@ from collections.abc import Callable
 from pathlib import Path, PurePath
 
 import msgspec
-import structlog
 
+from .._logging import get_logger
 from ..core._registry import LaunchFence, RunRecord, Tombstone, WorkerRecord
 from ._archive import STDOUT_TAIL_BYTES, Archive, decode_written, is_spare
 from ._files import read_regular
 from ._store import Change, LaunchState, Store
 
-log = structlog.get_logger("subagentd")
+log = get_logger()
 
 #: The files of an archive that the store replaces.
 RECORD = "record.json"

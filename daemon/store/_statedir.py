@@ -22,15 +22,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import msgspec
-import structlog
 
+from .._logging import get_logger
 from ._files import SAFE_FLAGS, open_dir, read_regular, replace_in, short_write
 
 if TYPE_CHECKING:
     from ..lifecycle._carried import Carried
 
 _WORKER_ID = re.compile(r"w-[A-Za-z0-9_-]{1,64}")
-log = structlog.get_logger("subagentd")
+log = get_logger()
 
 
 class StateDirLocked(Exception):

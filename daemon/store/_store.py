@@ -87,14 +87,14 @@ from pathlib import Path
 from typing import TypeVar
 
 import msgspec
-import structlog
 
 from subagentd.protocol import Wake
 
+from .._logging import get_logger
 from ..core._registry import LaunchFence, RunRecord, Tombstone, WorkerRecord
 from ..core._request_keys import KeyRecord
 
-log = structlog.get_logger("subagentd")
+log = get_logger()
 
 #: The file's name in the state dir.
 STORE_NAME = "state.db"

@@ -11,10 +11,10 @@ import zlib
 from pathlib import Path
 
 import msgspec
-import structlog
 
 from subagentd.protocol import Wake
 
+from .._logging import get_logger
 from ..core._wakes import WakeQueue
 from ._files import NotRegularFile, read_regular
 from ._journal import ENTRY_HEADER
@@ -26,7 +26,7 @@ WAKE_LOG_READ_LIMIT = 1024 * 1024 * 1024
 #: smaller), so that garbage claiming a huge length is not checksummed at every offset.
 RESYNC_ENTRY_LIMIT = 1024 * 1024
 
-log = structlog.get_logger("subagentd")
+log = get_logger()
 
 
 class _Post(msgspec.Struct, tag="post"):

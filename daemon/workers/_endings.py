@@ -10,8 +10,7 @@ import os
 import signal
 from collections.abc import Callable
 
-import structlog
-
+from .._logging import get_logger
 from .._problems import Problems
 from ..core._registry import Registry, WorkerRecord
 from ..store._archive import STDOUT_TAIL_BYTES
@@ -20,7 +19,7 @@ from ..store._store import Change, Store
 from ._mailbox import Mailbox
 from ._reader import Reader
 
-log = structlog.get_logger("subagentd")
+log = get_logger()
 
 #: A journal longer than this has its stdout tail kept in the store when its worker ends.
 TAIL_KEPT_FROM_BYTES = 1024 * 1024

@@ -24,8 +24,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-import re2  # type: ignore[import-untyped]  # google-re2 ships no types
-
 from subagentd.protocol import Entry, GrepMatch, OutputKind
 from subagentd.protocol.errors import Invalid
 
@@ -39,6 +37,9 @@ _OUTPUT: tuple[OutputKind, ...] = ("stdout", "stderr")
 
 def compile_pattern(pattern: str) -> Any:
     """`pattern` compiled, so that no match crosses a line's end; Invalid naming the field."""
+    # Imported at the first grep, not before the daemon serves (a reload waits for that).
+    import re2  # type: ignore[import-untyped]  # google-re2 ships no types
+
     options = re2.Options()
     options.log_errors = False  # said to the client instead, not on the daemon's stderr
     options.never_nl = True

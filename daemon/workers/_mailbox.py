@@ -11,18 +11,18 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-import structlog
 import trio
 
 from subagentd.protocol import Subscribe, Wake, op
 from subagentd.protocol.errors import Invalid
 
+from .._logging import get_logger
 from ..core._registry import Registry, Tombstone, WorkerRecord
 from ..core._wakes import WakeKey
 from ..store._store import Store
 from ..store._wake_log import open_wakes
 
-log = structlog.get_logger("subagentd")
+log = get_logger()
 
 
 class Mailbox:

@@ -12,9 +12,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-import structlog
 import trio
 
+from .._logging import get_logger
 from .._problems import Problems
 from ..core._registry import Registry, Tombstone, WorkerRecord
 from ..store._archive import prune_archives
@@ -22,7 +22,7 @@ from ..store._statedir import StateDir
 from ..store._store import Change, Store
 from ._mailbox import Mailbox
 
-log = structlog.get_logger("subagentd")
+log = get_logger()
 
 
 class Retention:
