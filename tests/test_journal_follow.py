@@ -1,14 +1,17 @@
-"""Journals end to end: long outputs paged and followed without gaps, and a follower
-that stops reading costs the daemon no memory."""
+"""Journals end to end: long outputs paged and followed without gaps, a follower that
+stops reading costs the daemon no memory, and a worker flooding its output neither
+starves the daemon nor keeps the small pipe it started with."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import trio
 
 from subagentd import protocol as p
 from subagentd.client import AsyncClient
+from subagentd.daemon.processes._process import PIPE_BYTES
 
 from .conftest import DaemonProcess
 from .helpers import RawConnection, paged_stdout
@@ -66,3 +69,41 @@ async def test_a_stalled_follower_does_not_grow_the_daemon(daemon: DaemonProcess
                     if page.complete:
                         break
             assert received == size
+
+
+async def test_a_worker_flooding_its_output_leaves_the_daemon_answering(
+    daemon: DaemonProcess,
+) -> None:
+    """A worker that writes as fast as it can (its pump never finds its pipe empty)
+    holds the daemon one chunk at a time: other requests are answered meanwhile, and
+    what it wrote is journaled as it goes."""
+    with trio.fail_after(60):
+        async with AsyncClient(daemon.socket) as client:
+            flood = await client.spawn(["cat", "/dev/zero"])
+            await client.watch_page(flood.id, 0, 1)  # its pump is under way
+            for _ in range(20):
+                with trio.fail_after(5):  # generous: a starved loop never answers
+                    await client.info()
+                    page = await client.watch_page(flood.id, 0, 1)
+                assert page.entries
+            await client.stop(flood.id)
+            assert (await client.wait(flood.id)).state == "stopped"
+
+
+async def test_a_worker_that_fills_its_pipe_gets_a_bigger_one(daemon: DaemonProcess) -> None:
+    """A worker writing faster than its output is read finds its pipe grown (fewer,
+    longer reads); one that writes a line keeps the kernel's default."""
+    probe = (
+        "import fcntl, os, sys;"
+        "os.write(1, b'x' * (4 << 20) if sys.argv[1] == 'fast' else b'x\\n');"
+        "print(fcntl.fcntl(1, fcntl.F_GETPIPE_SZ), file=sys.stderr)"
+    )
+    with trio.fail_after(60):
+        async with AsyncClient(daemon.socket) as client:
+            sizes = {}
+            for speed in ("fast", "slow"):
+                worker = await client.spawn([sys.executable, "-c", probe, speed])
+                await client.wait(worker.id)
+                said = [e.data async for e in client.watch(worker.id) if e.kind == "stderr"]
+                sizes[speed] = int(b"".join(said))
+            assert sizes == {"fast": PIPE_BYTES, "slow": 64 * 1024}

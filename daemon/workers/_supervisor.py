@@ -373,13 +373,12 @@ class Supervisor:
                     await trio.sleep(delay)
                     delay = min(delay * 2, DISK_RETRY_MAX)
             self._disk_ok()
-            if kind == "stdout":
-                live.stdout_tail += chunk
+            if kind == "stdout":  # only the end of a long chunk is copied
+                live.stdout_tail += memoryview(chunk)[-STDOUT_TAIL_BYTES:]
                 del live.stdout_tail[:-STDOUT_TAIL_BYTES]
             grown, live.grown = live.grown, trio.Event()
             grown.set()
             self._fault("pump", live.record.name)
-            await trio.lowlevel.checkpoint()
 
         return deliver
 
