@@ -15,10 +15,12 @@ from hypothesis import strategies as st
 
 from subagentd.daemon.processes._process import ENTRY_BYTES
 from subagentd.daemon.store._journal import (
+    CACHED_BYTES,
     INDEX_STRIDE,
     MAX_ENTRY_BODY,
     MAX_ENTRY_DATA,
     NOTE_BYTES,
+    SHED_STEP,
     TAIL_BYTES,
     TAIL_READ_BYTES,
     Journal,
@@ -189,6 +191,27 @@ def test_an_entry_is_written_byte_for_byte_as_its_whole_body_encodes(
         body = msgspec.msgpack.encode([seq, kind, at, data])
         expected += struct.pack(">II", len(body), zlib.crc32(body)) + body
     assert path.read_bytes() == expected
+
+
+def test_a_shed_journal_reads_back_whole(tmp_path: Path) -> None:
+    """Shedding drops pages from the page cache, never a byte: pages read from disk,
+    and a journal opened again, give every entry as written."""
+    journal = Journal.create(tmp_path / "journal")
+    chunks = [
+        bytes([i]) * ENTRY_BYTES for i in range((CACHED_BYTES + 3 * SHED_STEP) // ENTRY_BYTES)
+    ]
+    for i, chunk in enumerate(chunks):
+        journal.append("stdout", chunk, float(i))
+        if journal.shed_due:
+            journal.shed()
+    assert not journal.shed_due
+    for source in (journal, Journal.open(journal.path, writable=False)):
+        got: list[bytes] = []
+        cursor = 0
+        while page := source.read(cursor, 10):
+            got.extend(e.data for e in page)
+            cursor = page[-1].seq
+        assert got == chunks
 
 
 def _open_tail(path: Path, limit: int) -> bytes:

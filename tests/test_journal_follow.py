@@ -107,3 +107,30 @@ async def test_a_worker_that_fills_its_pipe_gets_a_bigger_one(daemon: DaemonProc
                 said = [e.data async for e in client.watch(worker.id) if e.kind == "stderr"]
                 sizes[speed] = int(b"".join(said))
             assert sizes == {"fast": PIPE_BYTES, "slow": 64 * 1024}
+
+
+async def test_a_flooded_journal_keeps_only_its_end_in_the_page_cache(
+    daemon: DaemonProcess,
+) -> None:
+    """A journal a worker floods is written back and dropped from the page cache behind
+    its end as it grows (no pile of dirty pages, no fresh memory for all of it), and
+    still reads back whole, from disk."""
+    size = 256 * 1024 * 1024
+    with trio.fail_after(120):
+        async with AsyncClient(daemon.socket) as client:
+            worker = await client.spawn(["head", "-c", str(size), "/dev/zero"])
+            ended = await client.wait(worker.id)
+            fincore = await trio.run_process(
+                ["fincore", "--bytes", "--noheadings", "--output", "RES",
+                 str(Path(ended.archive) / "journal")],
+                capture_stdout=True,
+            )  # fmt: skip
+            assert int(fincore.stdout) <= size // 2  # before: all of it (256 MiB and more)
+            read, cursor = 0, 0
+            while True:
+                page = await client.watch_page(worker.id, cursor, 10_000)
+                read += sum(len(e.data) for e in page.entries if e.kind == "stdout")
+                cursor = page.next
+                if page.complete:
+                    break
+            assert read == size

@@ -12,12 +12,14 @@ and no entry is believed longer than the daemon ever writes one. Plain
 synchronous file I/O: the callers decide when to call it (a long journal's
 scan is worth a thread). `read_tail` reads a journal's newest entries from its
 end alone, however long the file: for what needs only the end of its stdout.
+A journal that grows long keeps only its end in the page cache (`shed`).
 """
 
 from __future__ import annotations
 
 import collections
 import collections.abc
+import contextlib
 import errno
 import os
 import struct
@@ -63,6 +65,10 @@ TAIL_READ_BYTES: Final = TAIL_BYTES + ENTRY_HEADER.size + MAX_ENTRY_BODY
 #: search gives up with what it found, in tens of milliseconds.
 TAIL_READ_WORK: Final = 8 * TAIL_READ_BYTES
 TRY_COST: Final = 256
+#: A journal keeps about this much of its end in the page cache; what lies further
+#: back is written back and dropped from it (`Journal.shed`), SHED_STEP at a time.
+CACHED_BYTES: Final = 32 * 1024 * 1024
+SHED_STEP: Final = 16 * 1024 * 1024
 #: Every body begins so: msgpack's array of four ([seq, kind, at, data]).
 _BODY_START: Final = b"\x94"
 #: msgpack's empty bin, which ends a body encoded without its data (see _record_head).
@@ -115,6 +121,7 @@ class Journal:
         self._tail: collections.deque[Entry] = collections.deque()
         self._tail_bytes = 0
         self.torn_bytes = 0  # bytes cut from a torn tail when opened
+        self._shed_to = 0  # what lies before this was shed from the page cache
 
     @classmethod
     def create(cls, path: Path) -> Journal:
@@ -152,6 +159,7 @@ class Journal:
         try:
             good_end = journal._scan(st.st_size)
             journal.torn_bytes = st.st_size - good_end
+            journal._shed_to = max(0, good_end - CACHED_BYTES)  # an earlier image shed it
             if writable and journal.torn_bytes:
                 os.ftruncate(fd, good_end)
         except BaseException:
@@ -245,6 +253,27 @@ class Journal:
         self._note(self._size, entry)
         self._size += length
         return entry
+
+    @property
+    def shed_due(self) -> bool:
+        """Whether SHED_STEP more has been written since the last `shed`."""
+        return self._size - self._shed_to >= CACHED_BYTES + SHED_STEP
+
+    def shed(self) -> None:
+        """Have the kernel write back, and drop from the page cache, what lies more than
+        CACHED_BYTES behind the journal's end. A journal its worker floods grows by GBs:
+        kept whole in the page cache, its pages would pile up dirty (past the kernel's
+        dirty limit, every write of the daemon's is throttled) and each would take fresh
+        memory (slow in a VM whose host takes back free memory). Each call asks for the
+        step it reached the last time too: its pages were under writeback then, and are
+        written back by now. Only advice, so nothing it fails at matters; it may wait
+        for the disk's queue: call it in a thread. Readers still read it all, from disk.
+        """
+        start = max(0, self._shed_to - SHED_STEP)
+        end = self._size - CACHED_BYTES
+        with contextlib.suppress(OSError):
+            os.posix_fadvise(self._fd, start, end - start, os.POSIX_FADV_DONTNEED)
+        self._shed_to = end
 
     def read(self, since: int, limit: int, max_bytes: int = PAGE_BYTES) -> list[Entry]:
         """Entries with seq > since, at most `limit` of them and about `max_bytes` of data.

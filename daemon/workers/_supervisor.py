@@ -379,6 +379,8 @@ class Supervisor:
             grown, live.grown = live.grown, trio.Event()
             grown.set()
             self._fault("pump", live.record.name)
+            if live.journal.shed_due:  # a flood: keep its page cache bounded
+                await trio.to_thread.run_sync(live.journal.shed)
 
         return deliver
 
