@@ -254,26 +254,28 @@ class Journal:
         self._size += length
         return entry
 
-    @property
-    def shed_due(self) -> bool:
-        """Whether SHED_STEP more has been written since the last `shed`."""
-        return self._size - self._shed_to >= CACHED_BYTES + SHED_STEP
-
-    def shed(self) -> None:
-        """Have the kernel write back, and drop from the page cache, what lies more than
-        CACHED_BYTES behind the journal's end. A journal its worker floods grows by GBs:
-        kept whole in the page cache, its pages would pile up dirty (past the kernel's
-        dirty limit, every write of the daemon's is throttled) and each would take fresh
-        memory (slow in a VM whose host takes back free memory). Each call asks for the
-        step it reached the last time too: its pages were under writeback then, and are
-        written back by now. Only advice, so nothing it fails at matters; it may wait
-        for the disk's queue: call it in a thread. Readers still read it all, from disk.
-        """
-        start = max(0, self._shed_to - SHED_STEP)
+    def shed_range(self) -> tuple[int, int] | None:
+        """What to `shed` now, taken as shed: (start, end), or None until SHED_STEP more
+        than CACHED_BYTES was written since the last. From the step it reached the last
+        time: its pages were under writeback then, and are written back by now."""
         end = self._size - CACHED_BYTES
+        if end - self._shed_to < SHED_STEP:
+            return None
+        start, self._shed_to = max(0, self._shed_to - SHED_STEP), end
+        return start, end
+
+    def shed(self, start: int, end: int) -> None:
+        """Have the kernel write back, and drop from the page cache, the bytes from
+        `start` to `end` (a `shed_range`, CACHED_BYTES behind the journal's end). A
+        journal its worker floods grows by GBs: kept whole in the page cache, its pages
+        would pile up dirty (past the kernel's dirty limit, every write of the daemon's
+        is throttled) and each would take fresh memory (slow in a VM whose host takes
+        back free memory). Only advice, so nothing it fails at matters; it may wait
+        for the disk's queue: call it in a thread, as appends go on. Readers still read
+        it all, from disk.
+        """
         with contextlib.suppress(OSError):
             os.posix_fadvise(self._fd, start, end - start, os.POSIX_FADV_DONTNEED)
-        self._shed_to = end
 
     def read(self, since: int, limit: int, max_bytes: int = PAGE_BYTES) -> list[Entry]:
         """Entries with seq > since, at most `limit` of them and about `max_bytes` of data.

@@ -59,6 +59,8 @@ class LiveWorker:
     terminating: bool = False
     stdout_tail: bytearray = field(default_factory=bytearray)
     returncode: int | None = None  # once reaped
+    #: A thread is shedding its journal's older pages from the page cache.
+    shedding: bool = False
     #: Its journal says a stop is in flight. A stop asked before this was made (an
     #: image before a reload) was said there by the image that was asked.
     stop_journaled: bool = False
@@ -379,10 +381,21 @@ class Supervisor:
             grown, live.grown = live.grown, trio.Event()
             grown.set()
             self._fault("pump", live.record.name)
-            if live.journal.shed_due:  # a flood: keep its page cache bounded
-                await trio.to_thread.run_sync(live.journal.shed)
+            if not live.shedding and live.watch is not None:
+                shed = live.journal.shed_range()
+                if shed is not None:  # a flood: its page cache is kept bounded meanwhile
+                    live.shedding = True
+                    live.watch.start_soon(self._shed, live, *shed)
 
         return deliver
+
+    async def _shed(self, live: LiveWorker, start: int, end: int) -> None:
+        """Shed a flooded journal's older pages from the page cache (`Journal.shed`), in
+        a thread while its pump goes on; one at a time a worker."""
+        try:
+            await trio.to_thread.run_sync(live.journal.shed, start, end)
+        finally:
+            live.shedding = False
 
     async def _stop(self, live: LiveWorker) -> None:
         """Carry out a stop asked: said in its journal, then its whole tree ended."""
