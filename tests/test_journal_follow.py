@@ -4,6 +4,7 @@ starves the daemon nor keeps the small pipe it started with."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from subagentd.daemon.processes._process import PIPE_BYTES
 
 from .conftest import DaemonProcess
 from .helpers import RawConnection, paged_stdout
+from .helpers import reload_on_own_connection as reload
 
 LINES = 50_000
 
@@ -134,3 +136,69 @@ async def test_a_flooded_journal_keeps_only_its_end_in_the_page_cache(
                 if page.complete:
                     break
             assert read == size
+
+
+#: Numbered lines, ~75 KB a write (more than a pipe of the kernel's default size holds)
+#: every 2 ms, until the gate is there: ~35 MB/s, so a reload's freeze fills its pipe.
+FLOOD_UNTIL_GATE = """
+import os, sys, time
+gate, n, out = sys.argv[1], 0, sys.stdout.buffer
+while not os.path.exists(gate):
+    out.write(b"".join(b"%d\\n" % i for i in range(n, n + 10_000)))
+    out.flush()
+    n += 10_000
+    time.sleep(0.002)
+print(n, file=sys.stderr)
+"""
+
+
+async def test_a_reload_amid_a_flood_loses_and_doubles_no_byte(daemon: DaemonProcess) -> None:
+    """A worker flooding its output (its pipe grown, its journal shed behind its end,
+    its pipe full while the daemon is frozen) across a reload: every line it wrote is
+    journaled once, in order."""
+    gate = daemon.root / "gate"
+    with trio.fail_after(120):
+        async with AsyncClient(daemon.socket) as client:
+            worker = await client.spawn([sys.executable, "-c", FLOOD_UNTIL_GATE, str(gate)])
+            # Past the journal's cached end and a shed step: its older pages are shed.
+            written = 0
+            async with contextlib.aclosing(client.watch(worker.id, follow=True)) as entries:
+                async for entry in entries:
+                    written += len(entry.data)
+                    if written > 56 * 1024 * 1024:
+                        break
+        reply = await reload(daemon)
+        assert isinstance(reply, p.ReloadReply), reply
+        assert reply.carried_live == 1
+        gate.touch()
+        async with AsyncClient(daemon.socket) as client:
+            assert (await client.wait(worker.id)).state == "finished"
+            expected, lines, said = _Numbered(), 0, b""
+            async for entry in client.watch(worker.id):
+                if entry.kind == "stdout":
+                    assert entry.data == expected.take(len(entry.data)), entry.seq
+                    lines += entry.data.count(b"\n")
+                elif entry.kind == "stderr":
+                    said += entry.data
+            assert lines == int(said)  # as many as it wrote, the last one whole
+
+
+class _Numbered:
+    """The lines "0", "1", "2", ... as one stream, taken a piece at a time."""
+
+    def __init__(self) -> None:
+        self._next = 0
+        self._pieces: list[bytes] = []
+        self._buffer = b""
+
+    def take(self, size: int) -> bytes:
+        have = len(self._buffer)
+        while have < size:
+            block = b"".join(b"%d\n" % i for i in range(self._next, self._next + 10_000))
+            self._pieces.append(block)
+            self._next += 10_000
+            have += len(block)
+        whole = b"".join([self._buffer, *self._pieces])
+        self._pieces.clear()
+        piece, self._buffer = whole[:size], whole[size:]
+        return piece
