@@ -5,18 +5,22 @@ from __future__ import annotations
 import os
 import struct
 import time
+import zlib
 from pathlib import Path
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from subagentd.daemon.processes._process import ENTRY_BYTES, READ_CHUNK
+from subagentd.daemon.processes._process import ENTRY_BYTES
 from subagentd.daemon.store._journal import (
+    CACHED_BYTES,
     INDEX_STRIDE,
     MAX_ENTRY_BODY,
     MAX_ENTRY_DATA,
     NOTE_BYTES,
+    SHED_STEP,
     TAIL_BYTES,
     TAIL_READ_BYTES,
     Journal,
@@ -132,16 +136,16 @@ def test_a_page_read_from_disk_checks_each_entry_it_meets(tmp_path: Path) -> Non
 def test_every_entry_the_daemon_writes_fits_the_cap(tmp_path: Path) -> None:
     """The pump's largest chunk fits with room to spare; a longer note is cut rather
     than written past the cap, and output past it is refused, never written."""
-    assert 2 * (ENTRY_BYTES + READ_CHUNK) <= MAX_ENTRY_DATA
+    assert 2 * ENTRY_BYTES <= MAX_ENTRY_DATA
     path = tmp_path / "j"
     journal = Journal.create(path)
-    journal.append("stdout", b"x" * (ENTRY_BYTES + READ_CHUNK), 0.0)
+    journal.append("stdout", b"x" * ENTRY_BYTES, 0.0)
     journal.append("note", b"n" * (MAX_ENTRY_DATA + 1), 1.0)
     with pytest.raises(ValueError, match="at most"):
         journal.append("stderr", b"e" * (MAX_ENTRY_DATA + 1), 2.0)
     entries = Journal.open(path, writable=True).read(0, 10)
     assert [(e.kind, len(e.data)) for e in entries] == [
-        ("stdout", ENTRY_BYTES + READ_CHUNK),
+        ("stdout", ENTRY_BYTES),
         ("note", NOTE_BYTES),
     ]
 
@@ -159,6 +163,52 @@ def test_any_chunks_read_back_in_order(
         got: list[bytes] = []
         cursor = 0
         while page := source.read(cursor, limit):
+            got.extend(e.data for e in page)
+            cursor = page[-1].seq
+        assert got == chunks
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(
+        st.sampled_from([0, 1, 255, 256, 65535, 65536, 70_000, ENTRY_BYTES]), min_size=1, max_size=4
+    ),
+    kind=st.sampled_from(["stdout", "stderr", "stdin"]),
+    at=st.floats(allow_nan=False),
+)
+def test_an_entry_is_written_byte_for_byte_as_its_whole_body_encodes(
+    tmp_path_factory: pytest.TempPathFactory, sizes: list[int], kind: str, at: float
+) -> None:
+    """The writer frames an entry around its data rather than encoding a body: the file
+    holds exactly what encoding each whole body gives (msgpack's bin8, bin16 and bin32
+    lengths alike), so older images and older journals read as before."""
+    path = tmp_path_factory.mktemp("j") / "journal"
+    journal = Journal.create(path)
+    expected = b""
+    for seq, size in enumerate(sizes, start=1):
+        data = bytes([seq]) * size
+        journal.append(kind, data, at)  # type: ignore[arg-type]
+        body = msgspec.msgpack.encode([seq, kind, at, data])
+        expected += struct.pack(">II", len(body), zlib.crc32(body)) + body
+    assert path.read_bytes() == expected
+
+
+def test_a_shed_journal_reads_back_whole(tmp_path: Path) -> None:
+    """Shedding drops pages from the page cache, never a byte: pages read from disk,
+    and a journal opened again, give every entry as written."""
+    journal = Journal.create(tmp_path / "journal")
+    chunks = [
+        bytes([i]) * ENTRY_BYTES for i in range((CACHED_BYTES + 3 * SHED_STEP) // ENTRY_BYTES)
+    ]
+    for i, chunk in enumerate(chunks):
+        journal.append("stdout", chunk, float(i))
+        if shed := journal.shed_range():
+            journal.shed(*shed)
+    assert journal.shed_range() is None
+    for source in (journal, Journal.open(journal.path, writable=False)):
+        got: list[bytes] = []
+        cursor = 0
+        while page := source.read(cursor, 10):
             got.extend(e.data for e in page)
             cursor = page[-1].seq
         assert got == chunks
@@ -202,7 +252,7 @@ def test_the_tail_read_from_the_end_holds_what_an_open_journal_keeps_however_lon
         many.append("stderr", b"", float(i))
     large = Journal.create(tmp_path / "large")
     for i in range(8):
-        large.append("stdout" if i % 2 else "stderr", bytes([i]) * (ENTRY_BYTES + READ_CHUNK), 0.0)
+        large.append("stdout" if i % 2 else "stderr", bytes([i]) * ENTRY_BYTES, 0.0)
     for journal in (many, large):
         for limit in (1, 4096, 32 * 1024, 4 * TAIL_BYTES):
             assert read_tail(journal.path, "stdout", limit) == _open_tail(journal.path, limit)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
 import subprocess
 from collections.abc import Awaitable, Callable, Mapping
@@ -26,9 +27,14 @@ from ._tree import read_stat
 if TYPE_CHECKING:
     from ..lifecycle._carried import Carried
 
-READ_CHUNK = 64 * 1024
-#: One journal entry gathers at most this much of what a pipe has ready.
-ENTRY_BYTES = 256 * 1024
+#: One read takes at most this much of what a pipe has ready, and makes one journal entry.
+ENTRY_BYTES = 512 * 1024
+#: A read this long found the pipe full at the kernel's default size (64 KiB): its worker
+#: writes faster than it is read, and its pipe is grown to PIPE_BYTES (see `grow_pipe`).
+FULL_PIPE_BYTES = 64 * 1024
+#: What a fast writer's pipe is grown to: room for two reads, so the worker writes on
+#: while the daemon journals the last read (fs.pipe-max-size's default).
+PIPE_BYTES = 1024 * 1024
 
 
 #: What a call that makes a descriptor raises when the daemon has none to spare.
@@ -288,33 +294,41 @@ def write_nowait(fd: int, data: bytes) -> int:
 
 
 async def pump(fd: int, deliver: Callable[[bytes], Awaitable[None]]) -> None:
-    """Read `fd` until end of file, handing each gathered chunk to `deliver`.
+    """Read `fd` until end of file, handing what each read takes to `deliver`.
 
-    Gathers what the pipe has ready (up to ENTRY_BYTES) into one chunk, so a
-    worker writing fast fills few large entries rather than many small ones.
+    One read takes what the pipe holds, up to ENTRY_BYTES, and makes one chunk: a
+    worker writing fast fills few large entries rather than many small ones. The pump
+    reads first and waits only once the pipe is empty, so a full pipe costs one read,
+    not a trip through epoll; it yields after each chunk, so a worker that floods its
+    output holds the daemon for one chunk at a time. A pipe found full is grown once.
     """
+    grown = False
     while True:
         try:
-            await trio.lowlevel.wait_readable(fd)
-        except trio.ClosedResourceError:
-            return
-        chunks: list[bytes] = []
-        size = 0
-        eof = False
-        while size < ENTRY_BYTES:
+            chunk = os.read(fd, ENTRY_BYTES)
+        except BlockingIOError:
             try:
-                chunk = os.read(fd, READ_CHUNK)
-            except BlockingIOError:
-                break
-            if not chunk:
-                eof = True
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-        if chunks:
-            await deliver(b"".join(chunks))
-        if eof:
+                await trio.lowlevel.wait_readable(fd)
+            except trio.ClosedResourceError:
+                return
+            continue
+        if not chunk:
             return
+        if not grown and len(chunk) >= FULL_PIPE_BYTES:
+            grown = True
+            grow_pipe(fd)
+        await deliver(chunk)
+        await trio.lowlevel.checkpoint()
+
+
+def grow_pipe(fd: int) -> None:
+    """Make the pipe `fd` hold PIPE_BYTES, so its fast writer fills it while the daemon
+    journals: fewer, longer reads, and fewer wakes of the writer. Only a pipe found full
+    is grown: the kernel counts a pipe's size against its user's pipe-user-pages-soft,
+    past which that user's new pipes get two pages. Refused (past that limit, or past
+    fs.pipe-max-size where an administrator lowered it), the pipe stays as it was."""
+    with contextlib.suppress(OSError):
+        fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
 
 
 async def reap(pid: int) -> None:

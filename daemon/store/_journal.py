@@ -2,6 +2,8 @@
 
 Each entry is framed as ``length (u32 BE) | crc32 (u32 BE) | msgpack body``,
 the body an array ``[seq, kind, at, data]`` with seq strictly increasing from 1.
+An entry is written with one writev: its frame and the body's start (`_record_head`),
+then the data where it lies, checksummed in place, never copied into a body first.
 A torn tail (a crash mid-write) is detected by its length or checksum and cut
 when the journal is next opened for writing; damage before the tail is
 reported as `JournalCorrupt`, never skipped. The file is in its worker's reach,
@@ -10,12 +12,14 @@ and no entry is believed longer than the daemon ever writes one. Plain
 synchronous file I/O: the callers decide when to call it (a long journal's
 scan is worth a thread). `read_tail` reads a journal's newest entries from its
 end alone, however long the file: for what needs only the end of its stdout.
+A journal that grows long keeps only its end in the page cache (`shed`).
 """
 
 from __future__ import annotations
 
 import collections
 import collections.abc
+import contextlib
 import errno
 import os
 import struct
@@ -39,9 +43,9 @@ INDEX_STRIDE: Final = 64
 TAIL_BYTES: Final = 256 * 1024
 #: A page stops growing past this many bytes of data (always at least one entry).
 PAGE_BYTES: Final = 1024 * 1024
-#: The most data one entry holds. The pump gathers less than 320 KiB
-#: (ENTRY_BYTES + READ_CHUNK in _process), a state or note is cut at NOTE_BYTES:
-#: the rest is headroom. A longer entry on disk was not written by the daemon.
+#: The most data one entry holds. The pump reads at most ENTRY_BYTES (512 KiB, in
+#: _process) into one entry, a state or note is cut at NOTE_BYTES: the rest is
+#: headroom. A longer entry on disk was not written by the daemon.
 MAX_ENTRY_DATA: Final = 1024 * 1024
 #: A state or note entry (the daemon's own prose) is cut to this many bytes.
 NOTE_BYTES: Final = 16 * 1024
@@ -61,8 +65,17 @@ TAIL_READ_BYTES: Final = TAIL_BYTES + ENTRY_HEADER.size + MAX_ENTRY_BODY
 #: search gives up with what it found, in tens of milliseconds.
 TAIL_READ_WORK: Final = 8 * TAIL_READ_BYTES
 TRY_COST: Final = 256
+#: A journal keeps about this much of its end in the page cache; what lies further
+#: back is written back and dropped from it (`Journal.shed`), SHED_STEP at a time.
+CACHED_BYTES: Final = 32 * 1024 * 1024
+SHED_STEP: Final = 16 * 1024 * 1024
 #: Every body begins so: msgpack's array of four ([seq, kind, at, data]).
 _BODY_START: Final = b"\x94"
+#: msgpack's empty bin, which ends a body encoded without its data (see _record_head).
+_EMPTY_BIN: Final = b"\xc4\x00"
+_BIN8: Final = struct.Struct(">BB")
+_BIN16: Final = struct.Struct(">BH")
+_BIN32: Final = struct.Struct(">BI")
 
 
 class _Stored(msgspec.Struct, array_like=True):
@@ -108,6 +121,7 @@ class Journal:
         self._tail: collections.deque[Entry] = collections.deque()
         self._tail_bytes = 0
         self.torn_bytes = 0  # bytes cut from a torn tail when opened
+        self._shed_to = 0  # what lies before this was shed from the page cache
 
     @classmethod
     def create(cls, path: Path) -> Journal:
@@ -145,6 +159,7 @@ class Journal:
         try:
             good_end = journal._scan(st.st_size)
             journal.torn_bytes = st.st_size - good_end
+            journal._shed_to = max(0, good_end - CACHED_BYTES)  # an earlier image shed it
             if writable and journal.torn_bytes:
                 os.ftruncate(fd, good_end)
         except BaseException:
@@ -227,17 +242,40 @@ class Journal:
         if len(data) > MAX_ENTRY_DATA:
             raise ValueError(f"{len(data)} bytes for one journal entry, at most {MAX_ENTRY_DATA}")
         entry = Entry(seq=self._last_seq + 1, kind=kind, data=data, at=at)
-        body = _encoder.encode(_Stored(entry.seq, kind, at, data))
-        record = ENTRY_HEADER.pack(len(body), zlib.crc32(body)) + body
-        written = os.write(self._fd, record)
-        if written != len(record):
+        head = _record_head(entry.seq, kind, at, data)
+        length = len(head) + len(data)
+        written = os.writev(self._fd, (head, data))
+        if written != length:
             # A short write to a regular file means the disk is full; cut it so
             # the file stays a sequence of whole entries.
             os.ftruncate(self._fd, self._size)
             raise short_write("to journal", str(self.path))
         self._note(self._size, entry)
-        self._size += len(record)
+        self._size += length
         return entry
+
+    def shed_range(self) -> tuple[int, int] | None:
+        """What to `shed` now, taken as shed: (start, end), or None until SHED_STEP more
+        than CACHED_BYTES was written since the last. From the step it reached the last
+        time: its pages were under writeback then, and are written back by now."""
+        end = self._size - CACHED_BYTES
+        if end - self._shed_to < SHED_STEP:
+            return None
+        start, self._shed_to = max(0, self._shed_to - SHED_STEP), end
+        return start, end
+
+    def shed(self, start: int, end: int) -> None:
+        """Have the kernel write back, and drop from the page cache, the bytes from
+        `start` to `end` (a `shed_range`, CACHED_BYTES behind the journal's end). A
+        journal its worker floods grows by GBs: kept whole in the page cache, its pages
+        would pile up dirty (past the kernel's dirty limit, every write of the daemon's
+        is throttled) and each would take fresh memory (slow in a VM whose host takes
+        back free memory). Only advice, so nothing it fails at matters; it may wait
+        for the disk's queue: call it in a thread, as appends go on. Readers still read
+        it all, from disk.
+        """
+        with contextlib.suppress(OSError):
+            os.posix_fadvise(self._fd, start, end - start, os.POSIX_FADV_DONTNEED)
 
     def read(self, since: int, limit: int, max_bytes: int = PAGE_BYTES) -> list[Entry]:
         """Entries with seq > since, at most `limit` of them and about `max_bytes` of data.
@@ -361,6 +399,22 @@ def _newest_first(end: bytes) -> collections.abc.Iterator[_Stored]:
                 stored, _ = Journal._verify(body, crc, None if seq is None else seq - 1)
         yield stored
         stop, seq = at - ENTRY_HEADER.size, stored.seq
+
+
+def _record_head(seq: int, kind: EntryKind, at: float, data: bytes) -> bytes:
+    """An entry's frame (length, crc32) and its body up to the data: byte for byte what
+    encoding the whole body would give, the data left out so that it is checksummed and
+    written where it lies (a pump's entry is up to half a MiB: each copy of it costs)."""
+    start = _encoder.encode(_Stored(seq, kind, at, b""))[: -len(_EMPTY_BIN)]
+    size = len(data)
+    if size < 1 << 8:
+        start += _BIN8.pack(0xC4, size)
+    elif size < 1 << 16:
+        start += _BIN16.pack(0xC5, size)
+    else:
+        start += _BIN32.pack(0xC6, size)
+    crc = zlib.crc32(data, zlib.crc32(start))
+    return ENTRY_HEADER.pack(len(start) + size, crc) + start
 
 
 class _Window:

@@ -62,6 +62,8 @@ class LiveWorker:
     terminating: bool = False
     stdout_tail: bytearray = field(default_factory=bytearray)
     returncode: int | None = None  # once reaped
+    #: A thread is shedding its journal's older pages from the page cache.
+    shedding: bool = False
     #: Its journal says a stop is in flight. A stop asked before this was made (an
     #: image before a reload) was said there by the image that was asked.
     stop_journaled: bool = False
@@ -356,15 +358,27 @@ class Supervisor:
                         await trio.sleep(delay)
                     delay = min(delay * 2, DISK_RETRY_MAX)
             self._disk_ok()
-            if kind == "stdout":
-                live.stdout_tail += chunk
+            if kind == "stdout":  # only the end of a long chunk is copied
+                live.stdout_tail += memoryview(chunk)[-STDOUT_TAIL_BYTES:]
                 del live.stdout_tail[:-STDOUT_TAIL_BYTES]
             grown, live.grown = live.grown, trio.Event()
             grown.set()
             self._fault("pump", live.record.name)
-            await trio.lowlevel.checkpoint()
+            if not live.shedding and live.watch is not None:
+                shed = live.journal.shed_range()
+                if shed is not None:  # a flood: its page cache is kept bounded meanwhile
+                    live.shedding = True
+                    live.watch.start_soon(self._shed, live, *shed)
 
         return deliver
+
+    async def _shed(self, live: LiveWorker, start: int, end: int) -> None:
+        """Shed a flooded journal's older pages from the page cache (`Journal.shed`), in
+        a thread while its pump goes on; one at a time a worker."""
+        try:
+            await trio.to_thread.run_sync(live.journal.shed, start, end)
+        finally:
+            live.shedding = False
 
     async def _stop(self, live: LiveWorker) -> None:
         """Carry out a stop asked: said in its journal, then its whole tree ended."""
