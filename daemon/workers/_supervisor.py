@@ -67,9 +67,23 @@ class LiveWorker:
     #: Its journal says a stop is in flight. A stop asked before this was made (an
     #: image before a reload) was said there by the image that was asked.
     stop_journaled: bool = False
+    #: Chunks read from its pipes that the disk has not taken yet (each retried).
+    chunks_held: int = 0
+    chunk_put_down: trio.Event = field(default_factory=trio.Event)
 
     def __post_init__(self) -> None:
         self.stop_journaled = self.record.stop_reason is not None
+
+    @contextlib.contextmanager
+    def holding_chunk(self) -> Iterator[None]:
+        """The body holds a chunk read from a pipe and not yet journaled."""
+        self.chunks_held += 1
+        try:
+            yield
+        finally:
+            self.chunks_held -= 1
+            put_down, self.chunk_put_down = self.chunk_put_down, trio.Event()
+            put_down.set()
 
     def reset_supervision(self) -> None:
         """Fresh per-supervision state for a (re)adopted worker; a stop asked before stands."""
@@ -246,8 +260,7 @@ class Supervisor:
                 await self._wait_exited(live, process)
                 # Whatever is left of its tree goes with it: TERM, grace, KILL.
                 await self._terminate(live)
-                with trio.move_on_after(PIPE_DRAIN_SECONDS):
-                    await pipes_closed.wait()
+                await self._drain(live, pipes_closed)
                 nursery.cancel_scope.cancel()
             finally:
                 # From here the nursery takes no new task (it only waits for its pumps):
@@ -261,6 +274,20 @@ class Supervisor:
         live.ended.set()
         live.grown.set()
         log.info("worker.ended", worker=record.id, state=record.state, exit_code=record.exit_code)
+
+    @staticmethod
+    async def _drain(live: LiveWorker, pipes_closed: trio.Event) -> None:
+        """Journal what its pipes still hold, until they close or stay quiet for
+        PIPE_DRAIN_SECONDS (a leftover of its tree holding a pipe open). Time a full disk
+        keeps a chunk in hand does not count: the chunk is written, then the pipes get
+        their time again, so output the worker wrote before it ended is never dropped."""
+        while not pipes_closed.is_set():
+            with trio.move_on_after(PIPE_DRAIN_SECONDS):
+                await pipes_closed.wait()
+            if not live.chunks_held:
+                return
+            while live.chunks_held:
+                await live.chunk_put_down.wait()
 
     async def _wait_exited(self, live: LiveWorker, process: WorkerProcess) -> None:
         """Until the process exits; past its timeout, first stop it (and what it
@@ -354,7 +381,8 @@ class Supervisor:
                     break
                 except OSError as exc:
                     self._disk_trouble(f"journal of {live.record.id}", exc)
-                    with self._holding():  # the chunk: a reload waits for its write
+                    # The chunk: a reload, and the end of this supervision, wait for its write.
+                    with self._holding(), live.holding_chunk():
                         await trio.sleep(delay)
                     delay = min(delay * 2, DISK_RETRY_MAX)
             self._disk_ok()
