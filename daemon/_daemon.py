@@ -469,9 +469,20 @@ class Daemon:
             return record.view()
         self.problems.descriptors = None
         self.registry.started(record.id, process.pid, process.starttime)
-        self.supervisor.supervise(live, process)
+        self.supervisor.supervise(
+            live, process, after_start=lambda: self._write_start(live, process.pid, argv)
+        )
+        return record.view()
+
+    def _write_start(self, live: LiveWorker, pid: int, argv: list[str]) -> None:
+        """Write a worker's start down, after its spawn is answered: its journal's first
+        state and its pid in the store. A crash before this leaves its registration
+        without a pid, as a crash between registration and the fork always did:
+        recovery ends its tree by its cgroup, else by its worker id, and the worker
+        is `interrupted` (a reload carries the pid from memory)."""
+        record = live.record
         try:
-            live.journal.append("state", f"running pid={process.pid}".encode(), self.clock())
+            live.journal.append("state", f"running pid={pid}".encode(), self.clock())
             # Its pid, for recovery to end its tree by if the daemon dies.
             self.store.commit(Change(workers=[record]), "a worker's start")
         except OSError as exc:
@@ -482,11 +493,10 @@ class Daemon:
             "worker.started",
             worker=record.id,
             run=record.run,
-            pid=process.pid,
+            pid=pid,
             attempt=record.attempt,
             argv=argv,
         )
-        return record.view()
 
     def end_unstarted(self, live: LiveWorker, why: str) -> None:
         """End a registered worker whose process never started (saying why in its journal)."""

@@ -62,6 +62,9 @@ class LiveWorker:
     #: Its journal says a stop is in flight. A stop asked before this was made (an
     #: image before a reload) was said there by the image that was asked.
     stop_journaled: bool = False
+    #: What its start leaves to do once the spawn is answered (written down, logged):
+    #: run first by its supervision, before any of its output is journalled.
+    after_start: Callable[[], None] | None = None
 
     def __post_init__(self) -> None:
         self.stop_journaled = self.record.stop_reason is not None
@@ -140,11 +143,19 @@ class Supervisor:
         """A worker registered, its process about to be launched (or adopted)."""
         self._live[live.record.id] = live
 
-    def supervise(self, live: LiveWorker, process: WorkerProcess) -> None:
+    def supervise(
+        self,
+        live: LiveWorker,
+        process: WorkerProcess,
+        *,
+        after_start: Callable[[], None] | None = None,
+    ) -> None:
         """Supervise a worker whose process has just started; before anything else can
-        fail: a process nobody reaps is lost. A stop asked meanwhile is acted on at once."""
+        fail: a process nobody reaps is lost. A stop asked meanwhile is acted on at once.
+        `after_start` runs first in its supervision task: after the spawn's answer."""
         assert self._nursery is not None, "Supervisor.run is not running"
         live.process = process
+        live.after_start = after_start
         self._nursery.start_soon(self._supervise, live)
 
     def end_unstarted(self, live: LiveWorker) -> None:
@@ -248,6 +259,10 @@ class Supervisor:
         each task saved here is saved a thousand times on its critical path."""
         record, process = live.record, live.process
         assert process is not None
+        if (after_start := live.after_start) is not None:
+            # Before a checkpoint: a freeze's cancel cannot come between it and the start.
+            live.after_start = None
+            after_start()
         pipes = {kind: fd for kind in _PIPES if (fd := getattr(process, kind)) is not None}
         pipes_closed = trio.Event()
         async with trio.open_nursery() as nursery:
