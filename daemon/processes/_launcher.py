@@ -142,7 +142,8 @@ class LocalLauncher:
     ) -> int:
         graces = self.graces if hurried else None
         if process.cgroup is not None:
-            return await end_cgroup(process.cgroup, grace, graces)
+            leader = (process.pid, process.pidfd) if process.pidfd >= 0 else None
+            return await end_cgroup(process.cgroup, grace, graces, leader)
         return await end_tree(
             self.processes, process.pid, worker_id, process.starttime, grace, graces
         )
