@@ -10,6 +10,8 @@ transaction). Other modules reach a part through its methods, never its dicts.
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import functools
 import os
 import signal
 import time
@@ -143,6 +145,7 @@ class Daemon:
             fault=self.fault,
             disk_trouble=self.problems.disk_failed,
             disk_ok=self.problems.disk_ok,
+            later=self.after_answer,
         )
         self.image_generation = 1
         self.reloads = 0
@@ -158,6 +161,9 @@ class Daemon:
         #: Set once for good when the daemon begins to stop: no spawn, resume or reload.
         self.shutting_down = False
         self._run_stopped: dict[str, trio.Event] = {}
+        #: What a request's answer need not wait for (log lines): see `after_answer`.
+        self._after_answer: list[Callable[[], None]] = []
+        self._after_answer_wanted = trio.Event()
         self._saved_runs: set[str] = set()
         #: What the daemon knows, transactionally: records, runs, wakes, tombstones, turn.
         self.store = Store.open(state_dir.root / STORE_NAME)
@@ -257,12 +263,34 @@ class Daemon:
                 self.retention.prune_archives_daily,
                 self._make_spare_archives,
                 self._write_what_the_store_kept_out,
+                self._do_after_answers,
             ):
                 timers.start_soon(_keep_running, task)
             # In this task, handing it our task_status: serving starts one scheduling
             # batch sooner than through a nursery.start of its own (a batch in which a
             # reload's thousand adopted workers take their first step).
             await self.supervisor.run(task_status=task_status)
+
+    def after_answer(self, step: Callable[[], None]) -> None:
+        """Do `step` (a log line) once the answer being made has been sent: a stop's TERM
+        and its answer wait for no log line. One written to stderr costs 0.05 to 0.17 ms,
+        a third of a stop's path in the daemon. A crash first loses the line, nothing else."""
+        # In the context it was asked in: the line keeps its bound `conn`.
+        self._after_answer.append(functools.partial(contextvars.copy_context().run, step))
+        self._after_answer_wanted.set()
+
+    async def _do_after_answers(self) -> None:
+        while True:
+            await self._after_answer_wanted.wait()
+            self._after_answer_wanted = trio.Event()
+            # Woken with the handler whose answer this waits for: let it send first.
+            await trio.lowlevel.checkpoint()
+            steps, self._after_answer = self._after_answer, []
+            for step in steps:
+                try:
+                    step()
+                except Exception:
+                    log.exception("daemon.after_answer_failed")
 
     # -- spawning ------------------------------------------------------------
 
@@ -583,7 +611,11 @@ class Daemon:
         already = self.registry.stopping_among(self.registry.subtree(worker_id))
         stopped = self.registry.stop(worker_id)
         self.supervisor.ask_stop(stopped)
-        log.info("worker.stop_asked", worker=worker_id, stopped=stopped, already=already)
+        self.after_answer(
+            functools.partial(
+                log.info, "worker.stop_asked", worker=worker_id, stopped=stopped, already=already
+            )
+        )
         return Stopping(stopped=stopped, already=already)
 
     async def wait_stopped(self, worker_id: str) -> None:

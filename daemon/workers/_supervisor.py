@@ -10,6 +10,7 @@ supervision (`frozen`), so what is live holds still while it is carried across t
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -103,8 +104,11 @@ class Supervisor:
         fault: Callable[[str, str], None],
         disk_trouble: Callable[[str, OSError], None],
         disk_ok: Callable[[], None],
+        later: Callable[[Callable[[], None]], None] | None = None,
     ) -> None:
         self._launcher = launcher
+        #: Runs what an answer need not wait for (a log line) after it; else at once.
+        self._later = later or (lambda step: step())
         self._registry = registry
         self._ending = ending
         self._clock = clock
@@ -291,7 +295,15 @@ class Supervisor:
         self._ending(record, live.journal, returncode, bytes(live.stdout_tail))
         live.ended.set()
         live.grown.set()
-        log.info("worker.ended", worker=record.id, state=record.state, exit_code=record.exit_code)
+        self._later(
+            functools.partial(
+                log.info,
+                "worker.ended",
+                worker=record.id,
+                state=record.state,
+                exit_code=record.exit_code,
+            )
+        )
 
     async def _wait_exited(self, live: LiveWorker, process: WorkerProcess) -> None:
         """Until the process exits; past its timeout, first stop it (and what it
