@@ -83,7 +83,9 @@ DESCRIPTORS_RETRY = 1.0
 #: `reload:early` raises as the first reload begins;
 #: `lose-answer:N` reloads the daemon (SIGHUP to itself) once a spawn of a worker named N
 #: is written down and started, and never sends that spawn's answer: the reload's pause
-#: ends the request, as when an answer is lost in a reload.
+#: ends the request, as when an answer is lost in a reload;
+#: `die-before-start-written:N` kills the daemon (SIGKILL) once a worker named N runs and
+#: its spawn is answered, before its start (pid, journal entry) is written down.
 FAULT_ENV = "SUBAGENTD_FAULT"
 #: How often, and how many times, `lose-answer` asks for its reload (one refused `busy`,
 #: the last reload a moment ago, is asked again).
@@ -509,6 +511,8 @@ class Daemon:
         recovery ends its tree by its cgroup, else by its worker id, and the worker
         is `interrupted` (a reload carries the pid from memory)."""
         record = live.record
+        if ("die-before-start-written", record.name) in self.faults:
+            os.kill(os.getpid(), signal.SIGKILL)  # a crash in this window, for the tests
         try:
             live.journal.append("state", f"running pid={pid}".encode(), self.clock())
             # Its pid, for recovery to end its tree by if the daemon dies.
