@@ -39,6 +39,7 @@ def _libc() -> ctypes.CDLL | None:
         return None
     needed = (
         "posix_spawn",
+        "posix_spawnp",
         "posix_spawn_file_actions_init",
         "posix_spawn_file_actions_destroy",
         "posix_spawn_file_actions_adddup2",
@@ -91,7 +92,12 @@ def spawn(
     libc = _LIBC
     if any("\0" in arg for arg in argv) or any("\0" in k + v for k, v in env.items()):
         raise ValueError("embedded null byte")
-    path = executable(argv[0], cwd, env)
+    if "/" not in argv[0] and "PATH" in env and env["PATH"] == os.environ.get("PATH"):
+        # The worker's PATH is the daemon's own, which posix_spawnp searches: in the child,
+        # after its chdir, as Popen's child does; one stat of each directory saved here.
+        path, start = argv[0], libc.posix_spawnp
+    else:
+        path, start = executable(argv[0], cwd, env), libc.posix_spawn
     args = (ctypes.c_char_p * (len(argv) + 1))(*[os.fsencode(a) for a in argv], None)
     environ = (ctypes.c_char_p * (len(env) + 1))(
         *[os.fsencode(k) + b"=" + os.fsencode(v) for k, v in env.items()], None
@@ -115,9 +121,7 @@ def spawn(
             flags = _POSIX_SPAWN_SETPGROUP | _POSIX_SPAWN_SETSIGDEF | _POSIX_SPAWN_SETSIGMASK
             _check(libc.posix_spawnattr_setflags(attributes, flags), "setflags")
             pid = ctypes.c_int(0)
-            result = libc.posix_spawn(
-                ctypes.byref(pid), os.fsencode(path), actions, attributes, args, environ
-            )
+            result = start(ctypes.byref(pid), os.fsencode(path), actions, attributes, args, environ)
         finally:
             libc.posix_spawnattr_destroy(attributes)
     finally:
