@@ -214,20 +214,16 @@ async def end_cgroup(
     meanwhile is signalled too; returns once the cgroup is empty. `leader`: the
     worker's own (pid, pidfd), our unreaped child, so pinned already (see `_pinned`).
     """
-    if leader is not None:
-        # Before the read of the cgroup: the leader's exit begins while the rest are found.
-        # Once: a second TERM means "now" to some programs. Unreaped until this returns,
-        # its pid is no one else's, so the waves below tell it by its pid and skip it.
-        _term(leader[1])
     with (graces or Graces()).period(grace):
         while pids := group.members():
-            with _pinned(group, pids, leader) as pinned:
-                for pid, fd in pinned.items():
-                    if leader is None or pid != leader[0]:
-                        _term(fd)
-                for fd in pinned.values():
+            with _pinned(group, pids, leader) as fds:
+                for fd in fds:
+                    # Gone already, or not ours to signal (setuid): cgroup.kill is.
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        signal.pidfd_send_signal(fd, signal.SIGTERM)
+                for fd in fds:
                     await trio.lowlevel.wait_readable(fd)
-                if not pinned:  # none could be pinned (out of fds?): never spin without yielding
+                if not fds:  # none could be pinned (out of fds?): never spin without yielding
                     await trio.sleep(0.01)
         return 0
     killed: set[int] = set()
@@ -240,24 +236,18 @@ async def end_cgroup(
         except OSError as exc:
             log.error("cgroup.kill_failed", cgroup=str(group.path), error=str(exc))
         killed.update(pids)
-        with _pinned(group, pids, leader) as pinned:
+        with _pinned(group, pids, leader) as fds:
             with trio.move_on_after(1.0):
-                for fd in pinned.values():
+                for fd in fds:
                     await trio.lowlevel.wait_readable(fd)
     return len(killed)
-
-
-def _term(pidfd: int) -> None:
-    # Gone already, or not ours to signal (setuid): cgroup.kill is.
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        signal.pidfd_send_signal(pidfd, signal.SIGTERM)
 
 
 @contextlib.contextmanager
 def _pinned(
     group: WorkerCgroup, pids: list[int], leader: tuple[int, int] | None = None
-) -> Iterator[dict[int, int]]:
-    """Pidfds (by pid) of `pids` still in the cgroup once opened (so none was recycled).
+) -> Iterator[list[int]]:
+    """Pidfds of `pids` that are still in the cgroup once opened (so none was recycled).
 
     The leader's is a dup of the pidfd it has had since its spawn: an unreaped child's
     pid cannot be recycled, so it needs no second read of the cgroup, and a stop of a
@@ -279,7 +269,7 @@ def _pinned(
                 still = set()  # unreadable: pin none, look again
             for pid in [p for p in opened if p not in still]:
                 os.close(opened.pop(pid))
-        yield opened
+        yield list(opened.values())
     finally:
         for fd in opened.values():
             os.close(fd)
