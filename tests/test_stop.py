@@ -300,8 +300,9 @@ async def test_a_stop_in_flight_is_still_shown_after_a_reload_and_journaled_once
 async def test_a_stopped_leader_gets_one_term_while_the_rest_of_its_tree_is_found(
     tracked: AsyncClient,
 ) -> None:
-    """Its cgroup's stop TERMs the leader first, before reading the cgroup for the rest:
-    never a second TERM (to some programs a second means "quit now"), then KILL."""
+    """A stop TERMs each process of the tree once, the leader too (pinned by its own
+    pidfd where its cgroup holds the tree): never a second TERM (to some programs a
+    second means "quit now"), then KILL after the grace."""
     script = 'trap "echo TERM" TERM; sleep 60 & echo up; while :; do sleep 0.05; done'
     with trio.fail_after(30):
         worker = await tracked.spawn(sh(script), grace=1.0)
