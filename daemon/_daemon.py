@@ -10,6 +10,8 @@ transaction). Other modules reach a part through its methods, never its dicts.
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import functools
 import os
 import signal
 import time
@@ -81,7 +83,9 @@ DESCRIPTORS_RETRY = 1.0
 #: `reload:early` raises as the first reload begins;
 #: `lose-answer:N` reloads the daemon (SIGHUP to itself) once a spawn of a worker named N
 #: is written down and started, and never sends that spawn's answer: the reload's pause
-#: ends the request, as when an answer is lost in a reload.
+#: ends the request, as when an answer is lost in a reload;
+#: `die-before-start-written:N` kills the daemon (SIGKILL) once a worker named N runs and
+#: its spawn is answered, before its start (pid, journal entry) is written down.
 FAULT_ENV = "SUBAGENTD_FAULT"
 #: How often, and how many times, `lose-answer` asks for its reload (one refused `busy`,
 #: the last reload a moment ago, is asked again).
@@ -144,6 +148,7 @@ class Daemon:
             fault=self.fault,
             disk_trouble=self.problems.disk_failed,
             disk_ok=self.problems.disk_ok,
+            later=self.after_answer,
         )
         self.image_generation = 1
         self.reloads = 0
@@ -159,6 +164,9 @@ class Daemon:
         #: Set once for good when the daemon begins to stop: no spawn, resume or reload.
         self.shutting_down = False
         self._run_stopped: dict[str, trio.Event] = {}
+        #: What a request's answer need not wait for (log lines): see `after_answer`.
+        self._after_answer: list[Callable[[], None]] = []
+        self._after_answer_wanted = trio.Event()
         self._saved_runs: set[str] = set()
         #: What the daemon knows, transactionally: records, runs, wakes, tombstones, turn.
         self.store = Store.open(state_dir.root / STORE_NAME)
@@ -258,12 +266,34 @@ class Daemon:
                 self.retention.prune_archives_daily,
                 self._make_spare_archives,
                 self._write_what_the_store_kept_out,
+                self._do_after_answers,
             ):
                 timers.start_soon(_keep_running, task)
             # In this task, handing it our task_status: serving starts one scheduling
             # batch sooner than through a nursery.start of its own (a batch in which a
             # reload's thousand adopted workers take their first step).
             await self.supervisor.run(task_status=task_status)
+
+    def after_answer(self, step: Callable[[], None]) -> None:
+        """Do `step` (a log line) once the answer being made has been sent: a stop's TERM
+        and its answer wait for no log line. One written to stderr costs 0.05 to 0.17 ms,
+        a third of a stop's path in the daemon. A crash first loses the line, nothing else."""
+        # In the context it was asked in: the line keeps its bound `conn`.
+        self._after_answer.append(functools.partial(contextvars.copy_context().run, step))
+        self._after_answer_wanted.set()
+
+    async def _do_after_answers(self) -> None:
+        while True:
+            await self._after_answer_wanted.wait()
+            self._after_answer_wanted = trio.Event()
+            # Woken with the handler whose answer this waits for: let it send first.
+            await trio.lowlevel.checkpoint()
+            steps, self._after_answer = self._after_answer, []
+            for step in steps:
+                try:
+                    step()
+                except Exception:
+                    log.exception("daemon.after_answer_failed")
 
     # -- spawning ------------------------------------------------------------
 
@@ -470,9 +500,22 @@ class Daemon:
             return record.view()
         self.problems.descriptors = None
         self.registry.started(record.id, process.pid, process.starttime)
-        self.supervisor.supervise(live, process)
+        self.supervisor.supervise(
+            live, process, after_start=lambda: self._write_start(live, process.pid, argv)
+        )
+        return record.view()
+
+    def _write_start(self, live: LiveWorker, pid: int, argv: list[str]) -> None:
+        """Write a worker's start down, after its spawn is answered: its journal's first
+        state and its pid in the store. A crash before this leaves its registration
+        without a pid, as a crash between registration and the fork always did:
+        recovery ends its tree by its cgroup, else by its worker id, and the worker
+        is `interrupted` (a reload carries the pid from memory)."""
+        record = live.record
+        if ("die-before-start-written", record.name) in self.faults:
+            os.kill(os.getpid(), signal.SIGKILL)  # a crash in this window, for the tests
         try:
-            live.journal.append("state", f"running pid={process.pid}".encode(), self.clock())
+            live.journal.append("state", f"running pid={pid}".encode(), self.clock())
             # Its pid, for recovery to end its tree by if the daemon dies.
             self.store.commit(Change(workers=[record]), "a worker's start")
         except OSError as exc:
@@ -483,11 +526,10 @@ class Daemon:
             "worker.started",
             worker=record.id,
             run=record.run,
-            pid=process.pid,
+            pid=pid,
             attempt=record.attempt,
             argv=argv,
         )
-        return record.view()
 
     def end_unstarted(self, live: LiveWorker, why: str) -> None:
         """End a registered worker whose process never started (saying why in its journal)."""
@@ -574,7 +616,11 @@ class Daemon:
         already = self.registry.stopping_among(self.registry.subtree(worker_id))
         stopped = self.registry.stop(worker_id)
         self.supervisor.ask_stop(stopped)
-        log.info("worker.stop_asked", worker=worker_id, stopped=stopped, already=already)
+        self.after_answer(
+            functools.partial(
+                log.info, "worker.stop_asked", worker=worker_id, stopped=stopped, already=already
+            )
+        )
         return Stopping(stopped=stopped, already=already)
 
     async def wait_stopped(self, worker_id: str) -> None:

@@ -6,6 +6,7 @@ twice, and no process of any worker left."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +17,7 @@ from subagentd import protocol as p
 from subagentd.client import AsyncClient
 from subagentd.daemon.processes._tree import scan
 from subagentd.daemon.store._journal import Journal
+from subagentd.protocol.errors import TransportError
 
 from .conftest import DaemonProcess
 from .helpers import RawConnection, sh
@@ -212,3 +214,29 @@ async def test_kill_9_inside_an_endings_transaction_leaves_neither_half(
         await trio.to_thread.run_sync(daemon_dirs.start)
         again = [(w.id, w.state) for w in await _pending_wakes(daemon_dirs, run)]
         assert again == woken
+
+
+# -- kill -9 after a spawn's answer, before its start is written ----------------
+
+
+async def test_kill_9_before_a_started_worker_is_written_down_leaves_no_orphan(
+    daemon_dirs: DaemonProcess,
+) -> None:
+    """A spawn is answered once its worker runs; its pid and its journal's `running`
+    entry are written just after (`die-before-start-written` kills the daemon between
+    the two). The next start knows the worker, registered before its fork, finds it
+    `interrupted`, and has ended its tree, although the store named no pid for it."""
+    daemon_dirs.start(env={"SUBAGENTD_FAULT": "die-before-start-written:sleeper"})
+    with trio.fail_after(60):
+        async with AsyncClient(daemon_dirs.socket) as client:
+            run = await client.new_run()
+            with contextlib.suppress(TransportError):  # answered, or not, as it died
+                await client.spawn(["sleep", "600"], run=run, name="sleeper")
+        assert daemon_dirs.proc is not None
+        await trio.to_thread.run_sync(daemon_dirs.proc.wait, 30)  # it killed itself
+        await trio.to_thread.run_sync(daemon_dirs.start)
+        async with AsyncClient(daemon_dirs.socket) as client:
+            (worker,) = await client.ls(all=True, run=run)
+            assert (worker.name, worker.state) == ("sleeper", "interrupted")
+            assert (await client.status(worker.id)).state == "interrupted"
+        assert _worker_processes({worker.id}) == []

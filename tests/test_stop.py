@@ -295,3 +295,20 @@ async def test_a_stop_in_flight_is_still_shown_after_a_reload_and_journaled_once
                 entries = (await client.watch_page(worker.id)).entries
         states = [e.data.split()[0] for e in entries if e.kind == "state"]
         assert states == [b"running", b"stopping", b"stopped"]
+
+
+async def test_a_stopped_leader_gets_one_term_while_the_rest_of_its_tree_is_found(
+    tracked: AsyncClient,
+) -> None:
+    """A stop TERMs each process of the tree once, the leader too (pinned by its own
+    pidfd where its cgroup holds the tree): never a second TERM (to some programs a
+    second means "quit now"), then KILL after the grace."""
+    script = 'trap "echo TERM" TERM; sleep 60 & echo up; while :; do sleep 0.05; done'
+    with trio.fail_after(30):
+        worker = await tracked.spawn(sh(script), grace=1.0)
+        await wait_output(tracked, worker.id, b"up\n")
+        await tracked.stop(worker.id)
+        page = await tracked.watch_page(worker.id)
+    said = b"".join(e.data for e in page.entries if e.kind == "stdout")
+    assert said == b"up\nTERM\n"
+    assert (await tracked.status(worker.id)).state == "stopped"

@@ -258,6 +258,31 @@ async def test_a_spawn_the_os_rejects_ends_failed_and_leaves_nothing_starting(
         assert isinstance(await conn.receive(), p.ReloadReply)  # nothing stuck blocks it
 
 
+async def test_a_worker_starts_in_its_cwd_and_group_with_only_its_three_fds(
+    client: AsyncClient, tmp_path: Path
+) -> None:
+    """The daemon spawns through glibc's posix_spawn where it can (see processes/_spawn):
+    the worker gets what Popen gave it, and nothing of the daemon's own."""
+    script = (
+        'pwd; [ "$(cut -d" " -f5 /proc/$$/stat)" = $$ ] && echo own-group; cd /proc/$$/fd && echo *'
+    )
+    with trio.fail_after(30):
+        worker = await client.spawn(["sh", "-c", script], cwd=str(tmp_path))
+        result = await client.collect(worker.id, wait=True)
+        # Its signals as the exec left them: read by the worker itself (a shell blocks
+        # all of them around each fork, so it cannot be asked).
+        signals = await client.spawn(["grep", "-E", "^Sig(Blk|Ign)", "/proc/self/status"])
+        masks = await client.collect(signals.id, wait=True)
+    assert result.state == "finished", result
+    cwd, group, fds = result.result.splitlines()
+    assert cwd == str(tmp_path)
+    assert group == "own-group"
+    assert fds.split() == ["0", "1", "2", "3"]  # 3: the directory the shell globs
+    blocked, ignored = masks.result.splitlines()
+    assert int(blocked.split()[1], 16) == 0
+    assert not int(ignored.split()[1], 16) & (1 << (signal.SIGPIPE - 1))  # as Popen left it
+
+
 async def test_while_stopping_the_daemon_starts_nothing_new(
     daemon: DaemonProcess, tmp_path: Path
 ) -> None:

@@ -154,7 +154,11 @@ def _git_head(cwd: str) -> str | None:
     gitdir = _git_dir(cwd)
     if gitdir is None:
         return None
-    head = _read_git_file(gitdir / "HEAD").strip()
+    return _commit_at(gitdir, _read_git_file(gitdir / "HEAD").strip())
+
+
+def _commit_at(gitdir: Path, head: str) -> str | None:
+    """The commit `head` (HEAD's text) names in `gitdir`. Raises as `_git_head`."""
     if not head.startswith("ref:"):
         return head if COMMIT.fullmatch(head) else None  # detached
     ref = head.removeprefix("ref:").strip()
@@ -172,12 +176,18 @@ def _git_head(cwd: str) -> str | None:
 def git_state(cwd: str) -> tuple[str | None, str | None]:
     """The branch HEAD is on and the commit it is at in `cwd`'s work tree, frozen in a
     spawn's snapshot; None for what cannot be told (outside one, detached, unreadable)."""
+    # One walk up to the git dir and one read of HEAD for both: this is on a spawn's path.
     try:
-        branch = _git_branch(cwd)
+        gitdir = _git_dir(cwd)
+        if gitdir is None:
+            return None, None
+        head_text = _read_git_file(gitdir / "HEAD").strip()
     except UNREADABLE:
-        branch = None
+        return None, None
+    prefix = "ref: refs/heads/"
+    branch = head_text.removeprefix(prefix) if head_text.startswith(prefix) else None
     try:
-        head = _git_head(cwd)
+        head = _commit_at(gitdir, head_text)
     except UNREADABLE:
         head = None
     return branch, head

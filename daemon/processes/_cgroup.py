@@ -202,15 +202,21 @@ def _own_cgroup() -> str | None:
     return None
 
 
-async def end_cgroup(group: WorkerCgroup, grace: float, graces: Graces | None = None) -> int:
+async def end_cgroup(
+    group: WorkerCgroup,
+    grace: float,
+    graces: Graces | None = None,
+    leader: tuple[int, int] | None = None,
+) -> int:
     """TERM all in the cgroup, cgroup.kill what is left after `grace`; how many were killed.
 
     Reads the cgroup again once each wave has exited, so what was forked
-    meanwhile is signalled too; returns once the cgroup is empty.
+    meanwhile is signalled too; returns once the cgroup is empty. `leader`: the
+    worker's own (pid, pidfd), our unreaped child, so pinned already (see `_pinned`).
     """
     with (graces or Graces()).period(grace):
         while pids := group.members():
-            with _pinned(group, pids) as fds:
+            with _pinned(group, pids, leader) as fds:
                 for fd in fds:
                     # Gone already, or not ours to signal (setuid): cgroup.kill is.
                     with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -230,7 +236,7 @@ async def end_cgroup(group: WorkerCgroup, grace: float, graces: Graces | None = 
         except OSError as exc:
             log.error("cgroup.kill_failed", cgroup=str(group.path), error=str(exc))
         killed.update(pids)
-        with _pinned(group, pids) as fds:
+        with _pinned(group, pids, leader) as fds:
             with trio.move_on_after(1.0):
                 for fd in fds:
                     await trio.lowlevel.wait_readable(fd)
@@ -238,19 +244,31 @@ async def end_cgroup(group: WorkerCgroup, grace: float, graces: Graces | None = 
 
 
 @contextlib.contextmanager
-def _pinned(group: WorkerCgroup, pids: list[int]) -> Iterator[list[int]]:
-    """Pidfds of `pids` that are still in the cgroup once opened (so none was recycled)."""
+def _pinned(
+    group: WorkerCgroup, pids: list[int], leader: tuple[int, int] | None = None
+) -> Iterator[list[int]]:
+    """Pidfds of `pids` that are still in the cgroup once opened (so none was recycled).
+
+    The leader's is a dup of the pidfd it has had since its spawn: an unreaped child's
+    pid cannot be recycled, so it needs no second read of the cgroup, and a stop of a
+    lone worker (the common case) makes none."""
     opened: dict[int, int] = {}
     try:
         for pid in pids:
             with contextlib.suppress(OSError):  # gone already; or out of fds: found next pass
-                opened[pid] = os.pidfd_open(pid)
-        try:
-            still = set(group.members())
-        except OSError:
-            still = set()  # unreadable: pin none, look again
-        for pid in [p for p in opened if p not in still]:
-            os.close(opened.pop(pid))
+                if leader is not None and pid == leader[0]:
+                    # A dup: its supervision waits on the pidfd itself, and trio lets
+                    # one task only wait on a descriptor.
+                    opened[pid] = os.dup(leader[1])
+                else:
+                    opened[pid] = os.pidfd_open(pid)
+        if any(leader is None or pid != leader[0] for pid in opened):
+            try:
+                still = set(group.members())
+            except OSError:
+                still = set()  # unreadable: pin none, look again
+            for pid in [p for p in opened if p not in still]:
+                os.close(opened.pop(pid))
         yield list(opened.values())
     finally:
         for fd in opened.values():

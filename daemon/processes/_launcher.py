@@ -11,11 +11,8 @@ carries them), its output pipes, and the wait for its exit.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Container, Mapping
 from typing import Protocol
-
-import trio
 
 from .._logging import get_logger
 from ._cgroup import Cgroups, WorkerCgroup, end_cgroup
@@ -112,17 +109,15 @@ class LocalLauncher:
         stdin_path: str | None,
         stdin_open: bool = False,
     ) -> WorkerProcess:
-        # fork and exec off the event loop: a slow exec delays no one else.
-        process = await trio.to_thread.run_sync(
-            functools.partial(
-                WorkerProcess.spawn,
-                argv,
-                cwd=cwd,
-                env=env,
-                stdin_path=stdin_path,
-                stdin_open=stdin_open,
-                cgroup=self._group(worker_id),
-            )
+        # On the event loop, not in a thread: a posix_spawn (vfork) costs less than the
+        # hop to a thread and back (see _spawn), and blocks only until the exec.
+        process = WorkerProcess.spawn(
+            argv,
+            cwd=cwd,
+            env=env,
+            stdin_path=stdin_path,
+            stdin_open=stdin_open,
+            cgroup=self._group(worker_id),
         )
         if process.cgroup_error is not None:
             log.warning("worker.no_cgroup", worker=worker_id, error=process.cgroup_error)
@@ -146,7 +141,8 @@ class LocalLauncher:
     ) -> int:
         graces = self.graces if hurried else None
         if process.cgroup is not None:
-            return await end_cgroup(process.cgroup, grace, graces)
+            leader = (process.pid, process.pidfd) if process.pidfd >= 0 else None
+            return await end_cgroup(process.cgroup, grace, graces, leader)
         return await end_tree(
             self.processes, process.pid, worker_id, process.starttime, grace, graces
         )

@@ -13,6 +13,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import signal
 import subprocess
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from ..store._files import open_regular
+from . import _spawn
 from ._cgroup import WorkerCgroup
 from ._tree import read_stat
 
@@ -126,18 +128,7 @@ class WorkerProcess:
                             cgroup.remove()
                         cgroup_error = f"cannot use {cgroup.path}: {exc.strerror or exc}"
                         cgroup = None
-                # Popen only forks and execs here: its C fork_exec is safe in a
-                # threaded process and reports exec errors synchronously.
-                popen = subprocess.Popen(
-                    argv,
-                    stdin=stdin,
-                    stdout=out_w,
-                    stderr=err_w,
-                    cwd=cwd,
-                    env=dict(env),
-                    process_group=0,
-                    close_fds=True,
-                )
+                pid = _start(argv, cwd=cwd, env=env, stdin=stdin, stdout=out_w, stderr=err_w)
         except (OSError, ValueError, TypeError) as exc:  # ValueError: a NUL in an argument
             for end in (out_r, err_r, stdin_w):
                 if end is not None:
@@ -153,15 +144,13 @@ class WorkerProcess:
             for fd in (out_w, err_w, stdin):
                 os.close(fd)
         # The child is ours and unreaped, so its pid cannot be recycled before
-        # the pidfd pins it. Popen's finaliser would waitpid() a child it thinks
-        # unreaped and steal the status the pidfd wait expects: tell it the
-        # child is accounted for, which leaves the pidfd as the only reaper.
+        # the pidfd pins it.
         try:
-            pidfd = os.pidfd_open(popen.pid)
+            pidfd = os.pidfd_open(pid)
         except OSError as exc:
             # Unwatchable, so it must not run on: end it before anyone relies on it.
-            popen.kill()
-            popen.wait()
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
             for end in (out_r, err_r, stdin_w):
                 if end is not None:
                     os.close(end)
@@ -170,15 +159,14 @@ class WorkerProcess:
                     cgroup.remove()
             if exc.errno in DESCRIPTOR_ERRNOS:
                 raise OutOfDescriptors(exc) from exc
-            raise SpawnFailed(f"cannot watch {argv[0]!r} (pid {popen.pid}): {exc}") from exc
-        popen.returncode = 0
-        stat = read_stat(popen.pid)
+            raise SpawnFailed(f"cannot watch {argv[0]!r} (pid {pid}): {exc}") from exc
+        stat = read_stat(pid)
         assert stat is not None, "an unreaped child always has a /proc entry"
         for end in (out_r, err_r, stdin_w):
             if end is not None:
                 os.set_blocking(end, False)  # a send never waits for room: see write_stdin
         return cls(
-            pid=popen.pid,
+            pid=pid,
             pidfd=pidfd,
             starttime=stat.starttime,
             stdout=out_r,
@@ -273,6 +261,32 @@ class WorkerProcess:
         if self.pidfd >= 0:
             os.close(self.pidfd)
             self.pidfd = -1
+
+
+def _start(
+    argv: list[str], *, cwd: str, env: Mapping[str, str], stdin: int, stdout: int, stderr: int
+) -> int:
+    """Fork and exec `argv` (its own process group, only the three fds given); its pid.
+    Exec errors are raised here, synchronously."""
+    if _spawn.available and min(stdin, stdout, stderr) > 2:
+        # vfork and exec on the calling thread: no thread hop, no Popen (see _spawn).
+        return _spawn.spawn(argv, cwd=cwd, env=env, stdin=stdin, stdout=stdout, stderr=stderr)
+    # Popen only forks and execs here: its C fork_exec is safe in a threaded process
+    # and reports exec errors synchronously. Its finaliser would waitpid() a child it
+    # thinks unreaped and steal the status the pidfd wait expects: tell it the child
+    # is accounted for, which leaves the pidfd as the only reaper.
+    popen = subprocess.Popen(
+        argv,
+        stdin=stdin,
+        stdout=stdout,
+        stderr=stderr,
+        cwd=cwd,
+        env=dict(env),
+        process_group=0,
+        close_fds=True,
+    )
+    popen.returncode = 0
+    return popen.pid
 
 
 def write_nowait(fd: int, data: bytes) -> int:

@@ -11,6 +11,7 @@ lose (`wait_nothing_in_hand`), and the tasks vanish with the image.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -70,6 +71,9 @@ class LiveWorker:
     #: Chunks read from its pipes that the disk has not taken yet (each retried).
     chunks_held: int = 0
     chunk_put_down: trio.Event = field(default_factory=trio.Event)
+    #: What its start leaves to do once the spawn is answered (written down, logged):
+    #: run first by its supervision, before any of its output is journalled.
+    after_start: Callable[[], None] | None = None
 
     def __post_init__(self) -> None:
         self.stop_journaled = self.record.stop_reason is not None
@@ -119,8 +123,11 @@ class Supervisor:
         fault: Callable[[str, str], None],
         disk_trouble: Callable[[str, OSError], None],
         disk_ok: Callable[[], None],
+        later: Callable[[Callable[[], None]], None] | None = None,
     ) -> None:
         self._launcher = launcher
+        #: Runs what an answer need not wait for (a log line) after it; else at once.
+        self._later = later or (lambda step: step())
         self._registry = registry
         self._ending = ending
         self._clock = clock
@@ -158,11 +165,19 @@ class Supervisor:
         """A worker registered, its process about to be launched (or adopted)."""
         self._live[live.record.id] = live
 
-    def supervise(self, live: LiveWorker, process: WorkerProcess) -> None:
+    def supervise(
+        self,
+        live: LiveWorker,
+        process: WorkerProcess,
+        *,
+        after_start: Callable[[], None] | None = None,
+    ) -> None:
         """Supervise a worker whose process has just started; before anything else can
-        fail: a process nobody reaps is lost. A stop asked meanwhile is acted on at once."""
+        fail: a process nobody reaps is lost. A stop asked meanwhile is acted on at once.
+        `after_start` runs first in its supervision task: after the spawn's answer."""
         assert self._nursery is not None, "Supervisor.run is not running"
         live.process = process
+        live.after_start = after_start
         self._nursery.start_soon(self._supervise, live)
 
     def end_unstarted(self, live: LiveWorker) -> None:
@@ -246,6 +261,10 @@ class Supervisor:
         each task saved here is saved a thousand times on its critical path."""
         record, process = live.record, live.process
         assert process is not None
+        if (after_start := live.after_start) is not None:
+            # Before a checkpoint: a freeze's cancel cannot come between it and the start.
+            live.after_start = None
+            after_start()
         pipes = {kind: fd for kind in _PIPES if (fd := getattr(process, kind)) is not None}
         pipes_closed = trio.Event()
         async with trio.open_nursery() as nursery:
@@ -273,7 +292,15 @@ class Supervisor:
         self._ending(record, live.journal, returncode, bytes(live.stdout_tail))
         live.ended.set()
         live.grown.set()
-        log.info("worker.ended", worker=record.id, state=record.state, exit_code=record.exit_code)
+        self._later(
+            functools.partial(
+                log.info,
+                "worker.ended",
+                worker=record.id,
+                state=record.state,
+                exit_code=record.exit_code,
+            )
+        )
 
     @staticmethod
     async def _drain(live: LiveWorker, pipes_closed: trio.Event) -> None:
