@@ -107,6 +107,9 @@ def test_nothing_that_changes_state_is_sent_twice_after_a_lost_connection() -> N
         "LatestResumable",
         "Grep",
         "WaitFor",
+        # Lost with its connection it was never read (a requester's connection is carried
+        # across the exec); sent again, it reloads the image on disk, as was asked.
+        "Reload",
     }
     assert not Collect(id=1, worker="w").resendable()
 
