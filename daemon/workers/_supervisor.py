@@ -47,6 +47,30 @@ DISK_RETRY_MAX = 5.0
 STDIN_RETRY = 0.1
 
 
+class Tally:
+    """How many of something are in hand, and a wait until none is."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._put_down = trio.Event()
+
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        """Count one in hand for the body."""
+        self.count += 1
+        try:
+            yield
+        finally:
+            self.count -= 1
+            put_down, self._put_down = self._put_down, trio.Event()
+            put_down.set()
+
+    async def none_held(self) -> None:
+        """Return once none is in hand (at once, if none is)."""
+        while self.count:
+            await self._put_down.wait()
+
+
 @dataclass(eq=False)
 class LiveWorker:
     """A worker not yet ended, with what supervises it. ``process`` is None while starting."""
@@ -69,25 +93,13 @@ class LiveWorker:
     #: image before a reload) was said there by the image that was asked.
     stop_journaled: bool = False
     #: Chunks read from its pipes that the disk has not taken yet (each retried).
-    chunks_held: int = 0
-    chunk_put_down: trio.Event = field(default_factory=trio.Event)
+    chunks_held: Tally = field(default_factory=Tally)
     #: What its start leaves to do once the spawn is answered (written down, logged):
     #: run first by its supervision, before any of its output is journalled.
     after_start: Callable[[], None] | None = None
 
     def __post_init__(self) -> None:
         self.stop_journaled = self.record.stop_reason is not None
-
-    @contextlib.contextmanager
-    def holding_chunk(self) -> Iterator[None]:
-        """The body holds a chunk read from a pipe and not yet journaled."""
-        self.chunks_held += 1
-        try:
-            yield
-        finally:
-            self.chunks_held -= 1
-            put_down, self.chunk_put_down = self.chunk_put_down, trio.Event()
-            put_down.set()
 
     def reset_supervision(self) -> None:
         """Fresh per-supervision state for a (re)adopted worker; a stop asked before stands."""
@@ -138,10 +150,8 @@ class Supervisor:
         self._nursery: trio.Nursery | None = None
         self._background: trio.Nursery | None = None  # late reaps
         #: Tasks holding what an exec would lose (see `wait_nothing_in_hand`).
-        self._in_hand = 0
-        self._put_down = trio.Event()
-        self.starting = 0  # launches between registration and their supervise task
-        self.spawned = trio.Event()
+        self._in_hand = Tally()
+        self._launches = Tally()  # between registration and their supervise task
 
     # -- what is live ----------------------------------------------------------
 
@@ -204,8 +214,7 @@ class Supervisor:
 
     async def launches_settled(self) -> None:
         """Return once no spawn or resume is in flight (the caller fences new ones)."""
-        while self.starting:
-            await self.spawned.wait()
+        await self._launches.none_held()
 
     async def wait_nothing_in_hand(self) -> None:
         """Return once no task holds what an exec would lose: output read from a pipe
@@ -217,31 +226,15 @@ class Supervisor:
         with no await between the read and the write), so a reload execs from
         where they all stand, with no await between this and the exec.
         """
-        while self._in_hand:
-            await self._put_down.wait()
+        await self._in_hand.none_held()
 
-    @contextlib.contextmanager
-    def _holding(self) -> Iterator[None]:
+    def _holding(self) -> contextlib.AbstractContextManager[None]:
         """The body holds what an exec would lose: a reload waits for it."""
-        self._in_hand += 1
-        try:
-            yield
-        finally:
-            self._in_hand -= 1
-            if not self._in_hand:
-                put_down, self._put_down = self._put_down, trio.Event()
-                put_down.set()
+        return self._in_hand.holding()
 
-    @contextlib.contextmanager
-    def launching(self) -> Iterator[None]:
-        """Count a launch in flight, so a reload's freeze waits for it to finish."""
-        self.starting += 1
-        try:
-            yield
-        finally:
-            self.starting -= 1
-            spawned, self.spawned = self.spawned, trio.Event()
-            spawned.set()
+    def launching(self) -> contextlib.AbstractContextManager[None]:
+        """Count a launch in flight, so a reload waits for it to finish."""
+        return self._launches.holding()
 
     async def _supervise(self, live: LiveWorker) -> None:
         """Supervise one worker until it has ended: a fault boundary. An exception in
@@ -311,10 +304,9 @@ class Supervisor:
         while not pipes_closed.is_set():
             with trio.move_on_after(PIPE_DRAIN_SECONDS):
                 await pipes_closed.wait()
-            if not live.chunks_held:
+            if not live.chunks_held.count:
                 return
-            while live.chunks_held:
-                await live.chunk_put_down.wait()
+            await live.chunks_held.none_held()
 
     async def _wait_exited(self, live: LiveWorker, process: WorkerProcess) -> None:
         """Until the process exits; past its timeout, first stop it (and what it
@@ -409,7 +401,7 @@ class Supervisor:
                 except OSError as exc:
                     self._disk_trouble(f"journal of {live.record.id}", exc)
                     # The chunk: a reload, and the end of this supervision, wait for its write.
-                    with self._holding(), live.holding_chunk():
+                    with self._holding(), live.chunks_held.holding():
                         await trio.sleep(delay)
                     delay = min(delay * 2, DISK_RETRY_MAX)
             self._disk_ok()
