@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+import resource
+import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -312,3 +316,46 @@ async def test_a_stopped_leader_gets_one_term_while_the_rest_of_its_tree_is_foun
     said = b"".join(e.data for e in page.entries if e.kind == "stdout")
     assert said == b"up\nTERM\n"
     assert (await tracked.status(worker.id)).state == "stopped"
+
+
+@pytest.mark.parametrize("tracking", ["cgroup"], indirect=True)
+async def test_a_stop_out_of_descriptors_still_terms_every_process_of_the_tree(
+    tracking: DaemonProcess,
+) -> None:
+    """A daemon with no descriptor to spare for a pidfd per process still TERMs each
+    one at once, not only when the grace runs out (its leader through its own pidfd,
+    the rest by the pid just read from the cgroup)."""
+    assert tracking.proc is not None
+    daemon_pid = tracking.proc.pid
+    # The leader ignores TERM (its grace runs on); its two children end on it.
+    child = "(trap - TERM; exec sleep 600) & echo $!"  # TERM at its default again
+    tree = sh(f'trap "" TERM; {child}; {child}; while :; do wait; done')
+    children: list[int] = []
+    limits = resource.prlimit(daemon_pid, resource.RLIMIT_NOFILE)
+    try:
+        with trio.fail_after(30):
+            async with AsyncClient(tracking.socket) as client:
+                worker = await client.spawn(tree, grace=600)
+                assert worker.pid is not None
+                children.append(worker.pid)  # killed at the end, with the rest
+                out = await follow_stdout(client, worker.id, lambda out: out.count(b"\n") == 2)
+                children += [int(pid) for pid in out.split()]
+                # Room for two descriptors more: the leader's pin and one child's.
+                held = len(os.listdir(f"/proc/{daemon_pid}/fd"))
+                resource.prlimit(daemon_pid, resource.RLIMIT_NOFILE, (held + 2, limits[1]))
+                pins = [os.pidfd_open(pid) for pid in children[1:]]
+                try:
+                    assert await client.stop(worker.id, wait=False)
+                    for pin in pins:  # each ends on its TERM, long before the grace
+                        await trio.lowlevel.wait_readable(pin)
+                finally:
+                    for pin in pins:
+                        os.close(pin)
+                resource.prlimit(daemon_pid, resource.RLIMIT_NOFILE, limits)
+                assert (await client.status(worker.id)).stopping
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            resource.prlimit(daemon_pid, resource.RLIMIT_NOFILE, limits)
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

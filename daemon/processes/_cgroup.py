@@ -214,13 +214,18 @@ async def end_cgroup(
     meanwhile is signalled too; returns once the cgroup is empty. `leader`: the
     worker's own (pid, pidfd), our unreaped child, so pinned already (see `_pinned`).
     """
+    termed_by_pid: set[int] = set()
     with (graces or Graces()).period(grace):
         while pids := group.members():
-            with _pinned(group, pids, leader) as fds:
+            with _pinned(group, pids, leader) as (fds, unpinned):
                 for fd in fds:
                     # Gone already, or not ours to signal (setuid): cgroup.kill is.
                     with contextlib.suppress(ProcessLookupError, PermissionError):
                         signal.pidfd_send_signal(fd, signal.SIGTERM)
+                for pid in unpinned:
+                    if pid not in termed_by_pid:  # once each: a TERM is a request
+                        termed_by_pid.add(pid)
+                        _term_unpinned(pid, leader)
                 for fd in fds:
                     await trio.lowlevel.wait_readable(fd)
                 if not fds:  # none could be pinned (out of fds?): never spin without yielding
@@ -236,40 +241,64 @@ async def end_cgroup(
         except OSError as exc:
             log.error("cgroup.kill_failed", cgroup=str(group.path), error=str(exc))
         killed.update(pids)
-        with _pinned(group, pids, leader) as fds:
+        with _pinned(group, pids, leader) as (fds, _):
             with trio.move_on_after(1.0):
                 for fd in fds:
                     await trio.lowlevel.wait_readable(fd)
     return len(killed)
 
 
+def _term_unpinned(pid: int, leader: tuple[int, int] | None) -> None:
+    """TERM a member no pidfd could be opened for (the daemon is out of descriptors):
+    the leader through the pidfd it has held since its spawn, another by its pid, read
+    from the cgroup just now. Left without, it would get no TERM at all and be killed
+    only when its grace ran out; the one risk, a pid freed and reused in the
+    microseconds since that read, is taken only here."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        if leader is not None and pid == leader[0]:
+            signal.pidfd_send_signal(leader[1], signal.SIGTERM)
+        else:
+            os.kill(pid, signal.SIGTERM)
+
+
 @contextlib.contextmanager
 def _pinned(
     group: WorkerCgroup, pids: list[int], leader: tuple[int, int] | None = None
-) -> Iterator[list[int]]:
-    """Pidfds of `pids` that are still in the cgroup once opened (so none was recycled).
+) -> Iterator[tuple[list[int], list[int]]]:
+    """Pidfds of `pids` that are still in the cgroup once opened (so none was recycled),
+    and the pids none could be opened for, for want of a descriptor (EMFILE, ENFILE).
 
     The leader's is a dup of the pidfd it has had since its spawn: an unreaped child's
     pid cannot be recycled, so it needs no second read of the cgroup, and a stop of a
     lone worker (the common case) makes none."""
     opened: dict[int, int] = {}
+    unpinned: list[int] = []
     try:
         for pid in pids:
-            with contextlib.suppress(OSError):  # gone already; or out of fds: found next pass
+            try:
                 if leader is not None and pid == leader[0]:
                     # A dup: its supervision waits on the pidfd itself, and trio lets
                     # one task only wait on a descriptor.
                     opened[pid] = os.dup(leader[1])
                 else:
                     opened[pid] = os.pidfd_open(pid)
-        if any(leader is None or pid != leader[0] for pid in opened):
+            except OSError as exc:  # gone already (found next pass), or out of fds
+                if exc.errno in (errno.EMFILE, errno.ENFILE):
+                    unpinned.append(pid)
+        while others := [p for p in opened if leader is None or p != leader[0]]:
             try:
                 still = set(group.members())
-            except OSError:
-                still = set()  # unreadable: pin none, look again
+            except OSError as exc:
+                if exc.errno not in (errno.EMFILE, errno.ENFILE):
+                    still = {leader[0]} if leader is not None else set()  # pin none, look again
+                else:  # no descriptor left to read it with: give one pin back, go by pid
+                    os.close(opened.pop(others[-1]))
+                    unpinned.append(others[-1])
+                    continue
             for pid in [p for p in opened if p not in still]:
                 os.close(opened.pop(pid))
-        yield list(opened.values())
+            break
+        yield list(opened.values()), unpinned
     finally:
         for fd in opened.values():
             os.close(fd)
