@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import hashlib
 import os
 import signal
@@ -34,6 +35,8 @@ log = get_logger()
 
 #: Held while the daemon stands in a worker's cgroup to fork it.
 _FORK_LOCK = threading.Lock()
+#: How much of cgroup.procs one read asks for (a pid and its newline take at most 8 bytes).
+_PROCS_READ = 64 * 1024
 
 
 class CgroupsUnavailable(Exception):
@@ -104,11 +107,23 @@ class WorkerCgroup:
                     os.close(fd)
 
     def _listed(self) -> list[int]:
+        # Read twice a stop and once a spawn: bare system calls, at half the cost of a
+        # file object (about 15 us against 31 here, bench/README.md).
         try:
-            with open(self.path / "cgroup.procs", "rb") as f:
-                return [int(line) for line in f.read().split()]
+            fd = os.open(self._procs, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             return []
+        try:
+            listed = bytearray()
+            while chunk := os.read(fd, _PROCS_READ):
+                listed += chunk
+        finally:
+            os.close(fd)
+        return [int(pid) for pid in listed.split()]
+
+    @functools.cached_property
+    def _procs(self) -> bytes:
+        return os.fsencode(self.path / "cgroup.procs")
 
     def remove(self) -> bool:
         """Remove the (empty) cgroup; False if something still lives in it."""

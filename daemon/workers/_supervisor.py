@@ -138,7 +138,8 @@ class Supervisor:
         later: Callable[[Callable[[], None]], None] | None = None,
     ) -> None:
         self._launcher = launcher
-        #: Runs what an answer need not wait for (a log line) after it; else at once.
+        #: Runs what an answer need not wait for (a log line, an empty cgroup's removal)
+        #: after it; else at once.
         self._later = later or (lambda step: step())
         self._registry = registry
         self._ending = ending
@@ -280,11 +281,12 @@ class Supervisor:
                 live.watch = None
         live.returncode = returncode = process.reap()
         process.close()
-        self._launcher.released(process)
         del self._live[record.id]
         self._ending(record, live.journal, returncode, bytes(live.stdout_tail))
         live.ended.set()
         live.grown.set()
+        # Its tree is reaped, its cgroup empty: removing that waits for no answer.
+        self._later(functools.partial(self._release, record.id, process))
         self._later(
             functools.partial(
                 log.info,
@@ -294,6 +296,13 @@ class Supervisor:
                 exit_code=record.exit_code,
             )
         )
+
+    def _release(self, worker_id: str, process: WorkerProcess) -> None:
+        """Give back what an ended worker's launch took (its cgroup), unless the worker
+        was resumed meanwhile: its new attempt has the same cgroup, and removes it when it
+        ends. A crash before this leaves an empty cgroup, which the next start sweeps."""
+        if worker_id not in self._live:
+            self._launcher.released(process)
 
     @staticmethod
     async def _drain(live: LiveWorker, pipes_closed: trio.Event) -> None:
