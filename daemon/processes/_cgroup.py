@@ -222,28 +222,34 @@ async def end_cgroup(
     grace: float,
     graces: Graces | None = None,
     leader: tuple[int, int] | None = None,
+    *,
+    leader_termed: bool = False,
 ) -> int:
     """TERM all in the cgroup, cgroup.kill what is left after `grace`; how many were killed.
 
     Reads the cgroup again once each wave has exited, so what was forked
     meanwhile is signalled too; returns once the cgroup is empty. `leader`: the
-    worker's own (pid, pidfd), our unreaped child, so pinned already (see `_pinned`).
+    worker's own (pid, pidfd), our unreaped child, so pinned already (see `_pinned`);
+    `leader_termed`: it has had its TERM (`LocalLauncher.term_leader`), and gets no
+    second (to some programs a second means "quit now"). Unreaped until this returns,
+    its pid is no one else's, so the waves tell it by its pid.
     """
     termed_by_pid: set[int] = set()
+    if leader_termed and leader is not None:
+        termed_by_pid.add(leader[0])
     with (graces or Graces()).period(grace):
         while pids := group.members():
-            with _pinned(group, pids, leader) as (fds, unpinned):
-                for fd in fds:
-                    # Gone already, or not ours to signal (setuid): cgroup.kill is.
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        signal.pidfd_send_signal(fd, signal.SIGTERM)
+            with _pinned(group, pids, leader) as (pinned, unpinned):
+                for pid, fd in pinned.items():
+                    if pid not in termed_by_pid:
+                        term(fd)
                 for pid in unpinned:
                     if pid not in termed_by_pid:  # once each: a TERM is a request
                         termed_by_pid.add(pid)
                         _term_unpinned(pid, leader)
-                for fd in fds:
+                for fd in pinned.values():
                     await trio.lowlevel.wait_readable(fd)
-                if not fds:  # none could be pinned (out of fds?): never spin without yielding
+                if not pinned:  # none could be pinned (out of fds?): never spin without yielding
                     await trio.sleep(0.01)
         return 0
     killed: set[int] = set()
@@ -256,11 +262,18 @@ async def end_cgroup(
         except OSError as exc:
             log.error("cgroup.kill_failed", cgroup=str(group.path), error=str(exc))
         killed.update(pids)
-        with _pinned(group, pids, leader) as (fds, _):
+        with _pinned(group, pids, leader) as (pinned, _):
             with trio.move_on_after(1.0):
-                for fd in fds:
+                for fd in pinned.values():
                     await trio.lowlevel.wait_readable(fd)
     return len(killed)
+
+
+def term(pidfd: int) -> None:
+    """TERM a process through its pidfd. Gone already, or not ours to signal (setuid):
+    cgroup.kill is, after the grace."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        signal.pidfd_send_signal(pidfd, signal.SIGTERM)
 
 
 def _term_unpinned(pid: int, leader: tuple[int, int] | None) -> None:
@@ -279,8 +292,8 @@ def _term_unpinned(pid: int, leader: tuple[int, int] | None) -> None:
 @contextlib.contextmanager
 def _pinned(
     group: WorkerCgroup, pids: list[int], leader: tuple[int, int] | None = None
-) -> Iterator[tuple[list[int], list[int]]]:
-    """Pidfds of `pids` that are still in the cgroup once opened (so none was recycled),
+) -> Iterator[tuple[dict[int, int], list[int]]]:
+    """Pidfds (by pid) of `pids` still in the cgroup once opened (so none was recycled),
     and the pids none could be opened for, for want of a descriptor (EMFILE, ENFILE).
 
     The leader's is a dup of the pidfd it has had since its spawn: an unreaped child's
@@ -313,7 +326,7 @@ def _pinned(
             for pid in [p for p in opened if p not in still]:
                 os.close(opened.pop(pid))
             break
-        yield list(opened.values()), unpinned
+        yield opened, unpinned
     finally:
         for fd in opened.values():
             os.close(fd)

@@ -15,7 +15,7 @@ from collections.abc import Container, Mapping
 from typing import Protocol
 
 from .._logging import get_logger
-from ._cgroup import Cgroups, WorkerCgroup, end_cgroup
+from ._cgroup import Cgroups, WorkerCgroup, end_cgroup, term
 from ._process import WorkerProcess
 from ._tree import Graces, ProcessTable, end_marked, end_tree
 
@@ -54,11 +54,24 @@ class Launcher(Protocol):
         """Take over a worker a previous image started; ProcessLookupError if it is gone."""
         ...
 
+    def term_leader(self, process: WorkerProcess) -> bool:
+        """TERM the worker's own process now, as the stop is asked, where the rest of its
+        tree is found without it (its cgroup): its exit then overlaps the search. True if
+        sent (`end_tree` is then told, and sends it no second one)."""
+        ...
+
     async def end_tree(
-        self, worker_id: str, process: WorkerProcess, grace: float, *, hurried: bool = True
+        self,
+        worker_id: str,
+        process: WorkerProcess,
+        grace: float,
+        *,
+        hurried: bool = True,
+        leader_termed: bool = False,
     ) -> int:
         """TERM the worker's whole tree, KILL what is left after `grace`; how many were
-        killed. `hurried`: a hurried shutdown may cut the grace short."""
+        killed. `hurried`: a hurried shutdown may cut the grace short. `leader_termed`:
+        `term_leader` sent the worker's own process its TERM."""
         ...
 
     async def end_leftover_tree(
@@ -136,13 +149,29 @@ class LocalLauncher:
             pid, pid_start, stdout, stderr, cgroup=self._group(worker_id), stdin=stdin
         )
 
+    def term_leader(self, process: WorkerProcess) -> bool:
+        # Only where a cgroup finds the tree: a scan of /proc TERMs all it finds at once,
+        # the leader among them, and must not send it a second.
+        if process.cgroup is None or process.pidfd < 0:
+            return False
+        term(process.pidfd)
+        return True
+
     async def end_tree(
-        self, worker_id: str, process: WorkerProcess, grace: float, *, hurried: bool = True
+        self,
+        worker_id: str,
+        process: WorkerProcess,
+        grace: float,
+        *,
+        hurried: bool = True,
+        leader_termed: bool = False,
     ) -> int:
         graces = self.graces if hurried else None
         if process.cgroup is not None:
             leader = (process.pid, process.pidfd) if process.pidfd >= 0 else None
-            return await end_cgroup(process.cgroup, grace, graces, leader)
+            return await end_cgroup(
+                process.cgroup, grace, graces, leader, leader_termed=leader_termed
+            )
         return await end_tree(
             self.processes, process.pid, worker_id, process.starttime, grace, graces
         )

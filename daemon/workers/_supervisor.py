@@ -85,6 +85,8 @@ class LiveWorker:
     grown: trio.Event = field(default_factory=trio.Event)
     terminated: trio.Event = field(default_factory=trio.Event)
     terminating: bool = False
+    #: Its own process has had the TERM of the stop asked (`Supervisor._begin_stop`).
+    leader_termed: bool = False
     stdout_tail: bytearray = field(default_factory=bytearray)
     returncode: int | None = None  # once reaped
     #: A thread is shedding its journal's older pages from the page cache.
@@ -105,6 +107,7 @@ class LiveWorker:
         """Fresh per-supervision state for a (re)adopted worker; a stop asked before stands."""
         self.terminated = trio.Event()
         self.terminating = False
+        self.leader_termed = False
         self.watch = None
         if self.record.stop_reason is not None:
             self.stop_asked = True
@@ -378,7 +381,9 @@ class Supervisor:
         process = live.process
         assert process is not None
         try:
-            killed = await self._launcher.end_tree(live.record.id, process, live.record.grace)
+            killed = await self._launcher.end_tree(
+                live.record.id, process, live.record.grace, leader_termed=live.leader_termed
+            )
             if killed:
                 log.info("worker.killed", worker=live.record.id, processes=killed)
         finally:
@@ -438,8 +443,18 @@ class Supervisor:
 
     async def _stop(self, live: LiveWorker) -> None:
         """Carry out a stop asked: said in its journal, then its whole tree ended."""
-        self._journal_stopping(live)
+        self._begin_stop(live)
         await self._terminate(live)
+
+    def _begin_stop(self, live: LiveWorker) -> None:
+        """What a stop does at once, in the request that asks it (no task switch first):
+        say so in its journal, then TERM its own process where the launcher finds the rest
+        of its tree without it. The rest are found and TERMed while it exits: a run's
+        hundred stops have all their leaders exiting before the first tree is searched."""
+        self._journal_stopping(live)
+        process = live.process
+        if not live.terminating and not live.leader_termed and process is not None:
+            live.leader_termed = self._launcher.term_leader(process)
 
     def write_stdin(self, live: LiveWorker, data: bytes, *, eof: bool) -> int:
         """Write what the worker's stdin pipe takes of `data` now, never waiting for room
@@ -506,6 +521,7 @@ class Supervisor:
             if live is not None and not live.stop_asked:
                 live.stop_asked = True
                 if live.watch is not None:  # else its supervision, when it starts, stops it
+                    self._begin_stop(live)
                     live.watch.start_soon(self._stop, live)
 
     async def wait_ended(self, ids: list[str]) -> None:
