@@ -144,6 +144,7 @@ class Daemon:
             launcher,
             self.registry,
             ending=self._finish,
+            ending_together=self._finish_together,
             clock=clock,
             fault=self.fault,
             disk_trouble=self.problems.disk_failed,
@@ -236,6 +237,12 @@ class Daemon:
     ) -> None:
         """The supervisor's hand-over of an ending (made before the parts it needs)."""
         self.endings.finish(record, journal, returncode, stdout_tail, failure)
+
+    async def _finish_together(
+        self, record: WorkerRecord, journal: Journal, returncode: int | None, stdout_tail: bytes
+    ) -> None:
+        """`_finish`, in one transaction with the endings of the same scheduling batch."""
+        await self.endings.finish_together(record, journal, returncode, stdout_tail)
 
     def _ended(self) -> None:
         """A worker ended: its handle's expiry is due, and idle exit may look again."""
@@ -603,7 +610,7 @@ class Daemon:
         """Write to a live worker's stdin (see `Supervisor.write_stdin`)."""
         found = self.reader.lookup(worker_id)
         live = self.supervisor.get(worker_id)
-        if live is None:
+        if live is None or live.returncode is not None:  # reaped, its ending being written
             raise Refused(f"cannot send to worker {worker_id}: it has ended ({found.state})")
         return self.supervisor.write_stdin(live, data, eof=eof)
 

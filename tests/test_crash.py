@@ -240,3 +240,58 @@ async def test_kill_9_before_a_started_worker_is_written_down_leaves_no_orphan(
             assert (worker.name, worker.state) == ("sleeper", "interrupted")
             assert (await client.status(worker.id)).state == "interrupted"
         assert _worker_processes({worker.id}) == []
+
+
+# -- a run's endings, written together ------------------------------------------
+
+
+async def test_a_runs_stop_is_not_answered_before_its_last_ending_is_written(
+    daemon_dirs: DaemonProcess,
+) -> None:
+    """A run's stopped workers end within a few scheduling batches, each batch's endings
+    in one transaction (`GroupCommit`): the stop's answer still waits for every one of
+    them to be in the store. The daemon dies inside the last ending's transaction
+    (`die-in-ending:30`): no answer has gone out, and the next start finds the endings
+    written before `stopped`, that batch's `interrupted`, each with one wake."""
+    daemon_dirs.start(env={"SUBAGENTD_FAULT": "die-in-ending:30"})
+    with trio.fail_after(60):
+        async with AsyncClient(daemon_dirs.socket) as client:
+            run = await client.new_run()
+            ids = [(await client.spawn(["sleep", "60"], run=run)).id for _ in range(30)]
+        conn = await RawConnection.open(daemon_dirs.socket)
+        async with conn.stream:
+            await conn.send(p.StopRun(id=2, run=run))
+            assert await conn.receive() is None  # it died before answering
+        assert daemon_dirs.proc is not None
+        await trio.to_thread.run_sync(daemon_dirs.proc.wait, 30)
+        await trio.to_thread.run_sync(daemon_dirs.start)
+        async with AsyncClient(daemon_dirs.socket) as client:
+            states = {i: (await client.status(i)).state for i in ids}
+        # That transaction held its whole batch (perhaps all 30): found `interrupted`.
+        assert "interrupted" in states.values(), states
+        assert set(states.values()) <= {"stopped", "interrupted"}, states
+        woken = sorted((w.id, w.state) for w in await _pending_wakes(daemon_dirs, run))
+        assert woken == sorted(states.items())
+
+
+async def test_a_fault_in_one_ending_of_a_batch_costs_the_others_nothing(
+    daemon_dirs: DaemonProcess,
+) -> None:
+    """One ending's fault (injected inside the transaction) rolls back the batch it was
+    written with; the others are then written alone, and only the faulty worker ends
+    `failed`. Every worker wakes its run once, in memory and after a restart."""
+    daemon_dirs.start(env={"SUBAGENTD_FAULT": "record:doomed"})
+    with trio.fail_after(60):
+        async with AsyncClient(daemon_dirs.socket) as client:
+            run = await client.new_run()
+            fine = [(await client.spawn(["sleep", "60"], run=run)).id for _ in range(20)]
+            doomed = (await client.spawn(["sleep", "60"], run=run, name="doomed")).id
+            await client.stop_run(run)
+            states = {i: (await client.status(i)).state for i in [*fine, doomed]}
+            assert states == {**dict.fromkeys(fine, "stopped"), doomed: "failed"}
+        woken = sorted((w.id, w.state) for w in await _pending_wakes(daemon_dirs, run))
+        assert woken == sorted(states.items())
+        daemon_dirs.kill()
+        await trio.to_thread.run_sync(daemon_dirs.start)
+        again = sorted((w.id, w.state) for w in await _pending_wakes(daemon_dirs, run))
+        assert again == woken

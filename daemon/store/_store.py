@@ -392,18 +392,31 @@ class Store:
         transaction of the next change that does: else the disk's return would leave the
         store saying a worker that ended still runs (a restart would end it again as
         `interrupted`, and wake its parent twice)."""
-        if not change:
+        self.commit_all([(change, before_commit)], what, redo=redo)
+
+    def commit_all(
+        self,
+        changes: list[tuple[Change, Callable[[], None] | None]],
+        what: str,
+        *,
+        redo: bool = False,
+    ) -> None:
+        """`commit` for several changes, in order, in one transaction: each with what runs
+        once its writes are made. A fault in any rolls back all of them."""
+        changes = [(change, before_commit) for change, before_commit in changes if change]
+        if not changes:
             return
         try:
             with self.transaction(what) as db:
                 for earlier in self._unwritten:
                     _write(db, earlier)
-                _write(db, change)
-                if before_commit is not None:
-                    before_commit()
+                for change, before_commit in changes:
+                    _write(db, change)
+                    if before_commit is not None:
+                        before_commit()
         except StoreWriteFailed:
             if redo:
-                self._unwritten.append(change)
+                self._unwritten.extend(change for change, _ in changes)
                 self.on_unwritten()
             raise
         self._unwritten.clear()

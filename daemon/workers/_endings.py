@@ -10,12 +10,15 @@ import os
 import signal
 from collections.abc import Callable
 
+from subagentd.protocol import Wake
+
 from .._logging import get_logger
 from .._problems import Problems
 from ..core._registry import Registry, WorkerRecord
 from ..store._archive import STDOUT_TAIL_BYTES
 from ..store._journal import Journal
 from ..store._store import Change, Store
+from ..store._together import GroupCommit
 from ._mailbox import Mailbox
 from ._reader import Reader
 
@@ -50,6 +53,7 @@ class Endings:
         self._fault = fault
         self._faults = faults
         self._ended = ended
+        self._together = GroupCommit(store, "endings")
         #: Endings recorded in this daemon's life (for the `die-in-ending` fault).
         self._count = 0
 
@@ -63,6 +67,51 @@ class Endings:
     ) -> None:
         """Record a worker's ending; `failure`: its supervision failed (and says why), so
         it ends `failed` whatever its exit, even if an ending had begun before the fault."""
+        keep = self._close(record, journal, returncode, stdout_tail, failure)
+        self.record(
+            record,
+            stdout_tail,
+            keep_tail=keep,
+            before_commit=None if failure is not None else lambda: self._ending_faults(record),
+        )
+        self._ended()
+
+    async def finish_together(
+        self, record: WorkerRecord, journal: Journal, returncode: int | None, stdout_tail: bytes
+    ) -> None:
+        """`finish`, its transaction shared with the endings reached in the same scheduling
+        batch (`GroupCommit`); returns once it is written. The ending is made (its state,
+        its journal's last entry, its wake) when the batch is written, in the same step,
+        so no one sees it before the store has it."""
+        wakes: list[Wake | None] = []
+
+        def make() -> Change:
+            keep = self._close(record, journal, returncode, stdout_tail, None)
+            change, wake = self._written_down(record, stdout_tail, keep)
+            wakes.append(wake)
+            return change
+
+        try:
+            await self._together.commit(make, lambda: self._ending_faults(record))
+        except OSError as exc:
+            # Still delivered from memory; written with the next change that goes in.
+            self._problems.disk_failed("store (an ending)", exc)
+        else:
+            self._problems.disk_ok()
+        if any(wakes):
+            self._mailbox.announce()
+        self._ended()
+
+    def _close(
+        self,
+        record: WorkerRecord,
+        journal: Journal,
+        returncode: int | None,
+        stdout_tail: bytes,
+        failure: str | None,
+    ) -> bytes | None:
+        """Its terminal state, and its journal's last entry: the stdout tail to keep in the
+        store with its ending, if any."""
         if failure is None:
             self._fault("ending", record.name)
         now = self._clock()
@@ -81,19 +130,12 @@ class Endings:
         # Collect's tail is the journal's end; it is kept in the store, with the ending,
         # only where the journal would not answer as well: when it is long, or its newest
         # entries (all a reader keeps) hold less stdout.
-        keep = None
         if (
             journal.size > TAIL_KEPT_FROM_BYTES
             or journal.tail_bytes("stdout", STDOUT_TAIL_BYTES) != stdout_tail
         ):
-            keep = stdout_tail[-STDOUT_TAIL_BYTES:]
-        self.record(
-            record,
-            stdout_tail,
-            keep_tail=keep,
-            before_commit=None if failure is not None else lambda: self._ending_faults(record),
-        )
-        self._ended()
+            return stdout_tail[-STDOUT_TAIL_BYTES:]
+        return None
 
     def _ending_faults(self, record: WorkerRecord) -> None:
         """Inside an ending's transaction: the faults the tests inject there."""
@@ -113,6 +155,22 @@ class Endings:
         """Write an ended worker down in one transaction: its record's final state (and
         with it its retention) and one wake for its parent, so no crash leaves one without
         the other. The wake is in the store before anyone sees it."""
+        change, wake = self._written_down(record, stdout_tail, keep_tail)
+        try:
+            self._store.commit(change, "an ending", before_commit=before_commit, redo=True)
+        except OSError as exc:
+            # Still delivered from memory; written with the next change that goes in.
+            self._problems.disk_failed("store (an ending)", exc)
+        else:
+            self._problems.disk_ok()
+        if wake is not None:
+            self._mailbox.announce()
+
+    def _written_down(
+        self, record: WorkerRecord, stdout_tail: bytes | None, keep_tail: bytes | None
+    ) -> tuple[Change, Wake | None]:
+        """The change that writes an ended worker down, and the wake it posts (None: one
+        was posted before a fault, and is restated as it stands now)."""
         archive = self._reader.archive_of(record.id)
 
         def tail() -> bytes:
@@ -131,15 +189,7 @@ class Endings:
             change.wakes.append(wake)
         else:  # posted before a fault: as it stands now, wherever the fault left it
             change.restated = self._mailbox.restated(record)
-        try:
-            self._store.commit(change, "an ending", before_commit=before_commit, redo=True)
-        except OSError as exc:
-            # Still delivered from memory; written with the next change that goes in.
-            self._problems.disk_failed("store (an ending)", exc)
-        else:
-            self._problems.disk_ok()
-        if wake is not None:
-            self._mailbox.announce()
+        return change, wake
 
     def _note_failure(
         self, record: WorkerRecord, journal: Journal, failure: str, now: float

@@ -127,6 +127,15 @@ class Ending(Protocol):
     ) -> None: ...
 
 
+class EndingTogether(Protocol):
+    """`Ending`, written with the others reached in the same scheduling batch; returns
+    once it is in the store."""
+
+    async def __call__(
+        self, record: WorkerRecord, journal: Journal, returncode: int | None, stdout_tail: bytes
+    ) -> None: ...
+
+
 class Supervisor:
     def __init__(
         self,
@@ -134,6 +143,7 @@ class Supervisor:
         registry: Registry,
         *,
         ending: Ending,
+        ending_together: EndingTogether,
         clock: Callable[[], float],
         fault: Callable[[str, str], None],
         disk_trouble: Callable[[str, OSError], None],
@@ -146,6 +156,7 @@ class Supervisor:
         self._later = later or (lambda step: step())
         self._registry = registry
         self._ending = ending
+        self._ending_together = ending_together
         self._clock = clock
         self._fault = fault
         self._disk_trouble = disk_trouble
@@ -284,8 +295,11 @@ class Supervisor:
                 live.watch = None
         live.returncode = returncode = process.reap()
         process.close()
+        # Live until its ending is written, so whoever waits for it (a stop's answer, a
+        # wait, a reload's exec) waits for the write too.
+        with self._holding(), trio.CancelScope(shield=True):
+            await self._ending_together(record, live.journal, returncode, bytes(live.stdout_tail))
         del self._live[record.id]
-        self._ending(record, live.journal, returncode, bytes(live.stdout_tail))
         live.ended.set()
         live.grown.set()
         # Its tree is reaped, its cgroup empty: removing that waits for no answer.
