@@ -369,6 +369,8 @@ async def test_a_resume_names_the_agent_fields_edited_since_its_spawn_and_runs_t
             await client.stop(worker.id)
             same = await client.resume(worker.id)  # nothing changed: nothing said
             assert (same.attempt, same.changed) == (2, "")
+            # Its line first: a stop at once could end it before its echo.
+            await wait_output(client, worker.id, b"model=small hi\n" * 2)
             await client.stop(worker.id)
             daemon_dirs.config.write_text(AGENT % ("large", 900, "hello"))
             resumed = await client.resume(worker.id)

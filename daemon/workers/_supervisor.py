@@ -299,7 +299,7 @@ class Supervisor:
         # wait, a reload's exec) waits for the write too.
         with self._holding(), trio.CancelScope(shield=True):
             await self._ending_together(record, live.journal, returncode, bytes(live.stdout_tail))
-        del self._live[record.id]
+        self._let_go(live)
         live.ended.set()
         live.grown.set()
         # Its tree is reaped, its cgroup empty: removing that waits for no answer.
@@ -313,6 +313,12 @@ class Supervisor:
                 exit_code=record.exit_code,
             )
         )
+
+    def _let_go(self, live: LiveWorker) -> None:
+        """No longer live: unless a resume made it live again already (its ending written,
+        the worker may be resumed before this supervision's last step), as a new attempt."""
+        if self._live.get(live.record.id) is live:
+            del self._live[live.record.id]
 
     def _release(self, worker_id: str, process: WorkerProcess) -> None:
         """Give back what an ended worker's launch took (its cgroup), unless the worker
@@ -367,7 +373,7 @@ class Supervisor:
                 process.close()  # the pipes, if the fault came between the reap and their close
         except Exception:
             log.exception("worker.not_reaped", worker=record.id)
-        self._live.pop(record.id, None)
+        self._let_go(live)
         try:
             self._ending(
                 record, live.journal, live.returncode, bytes(live.stdout_tail), failure=why
