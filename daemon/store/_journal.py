@@ -127,7 +127,8 @@ class JournalIndex(msgspec.Struct, kw_only=True, frozen=True):
 
 
 class Journal:
-    """One worker's journal file. Open it with `create` or `open`.
+    """One worker's journal file. Open it with `create` or `open` (or `adopt`, across a
+    reload).
 
     It holds its descriptor for as long as it lives (closed when it is dropped,
     or by `release`): pages are read from the file the daemon verified, not from
@@ -218,10 +219,13 @@ class Journal:
         if (st.st_dev, st.st_ino) != (named.st_dev, named.st_ino) or not stat.S_ISREG(st.st_mode):
             raise JournalNotAdopted(f"descriptor {fd} is not the file at {path} (left open)")
         journal = cls(path, fd, writable=True)
-        try:
+        try:  # from here it is this journal's file: ours to close, and opened again
             journal._take_index(st, index)
+        except OSError as exc:
+            journal.release()
+            raise JournalNotAdopted(f"journal {path} cannot be read: {exc}") from None
         except BaseException:
-            journal.release()  # it is this journal's file: ours to close, and opened again
+            journal.release()
             raise
         return journal
 
