@@ -74,9 +74,10 @@ async def test_a_worker_that_exits_during_the_exec_is_reaped_and_wakes_once(
                     await client.stop(other.id)
 
 
-def misdescribe(how: str, handoff: Checkpoint) -> int:
+def misdescribe(how: str, handoff: Checkpoint, archives: Path) -> int:
     """Rewrite what the checkpoint says of the journals, as a worker could between its
-    write and the exec; how many workers' journals it misdescribes (the first ones)."""
+    write and the exec, or make it stale; how many workers' journals it misdescribes
+    (the first ones)."""
     first, second = handoff.live[0], handoff.live[1]
     assert first.journal is not None
     assert second.journal is not None
@@ -91,10 +92,13 @@ def misdescribe(how: str, handoff: Checkpoint) -> int:
     elif how == "a pipe":  # its stdout pipe, listed twice now
         assert first.stdout is not None
         first.journal.fd = first.stdout
+    elif how == "grown since":  # its worker wrote into it (half an entry): stale
+        with (archives / first.id / "journal").open("ab") as journal:
+            journal.write(b"\x00\x00\x00\x40torn")
     return 1
 
 
-@pytest.mark.parametrize("how", ["longer", "renumbered", "swapped", "a pipe"])
+@pytest.mark.parametrize("how", ["longer", "renumbered", "swapped", "a pipe", "grown since"])
 async def test_a_journal_the_checkpoint_misdescribes_is_opened_again_and_nothing_is_lost(
     autojump_clock: MockClock, short_tmp: Path, monkeypatch: pytest.MonkeyPatch, how: str
 ) -> None:
@@ -115,7 +119,7 @@ async def test_a_journal_the_checkpoint_misdescribes_is_opened_again_and_nothing
 
             async def adopt_misdescribed(daemon: Any, handoff: Checkpoint, *rest: Any) -> Any:
                 nonlocal misdescribed
-                misdescribed = misdescribe(how, handoff)
+                misdescribed = misdescribe(how, handoff, daemon.state_dir.archives)
                 return await real_adopt(daemon, handoff, *rest)
 
             def warning(event: str, **kw: Any) -> None:
