@@ -209,14 +209,18 @@ class InProcess:
         return self
 
     def _close_on_exec(self, checkpoint: Checkpoint) -> None:
-        """What the exec closes of the old image (its store, pidfds, live journals), and
-        its objects' hold on the descriptors carried, which the new image owns now."""
+        """What the exec closes of the old image (its store, pidfds, journals not carried),
+        and its objects' hold on the descriptors carried, which the new image owns now."""
         daemon = self.daemon
         daemon.store.close()
+        carried = {w.id for w in checkpoint.live if w.journal is not None}
         for live in daemon.supervisor.workers():
             assert live.process is not None
             os.close(live.process.pidfd)  # the new image opens its own; the pipes go on
-            live.journal.release()
+            if live.record.id in carried:
+                live.journal.detach()  # its descriptor is the new image's now
+            else:
+                live.journal.release()
         # (The ended journals its reader kept open close as the old image is collected.)
         assert self.control.sock.fileno() == checkpoint.listen_fd
         self.control.sock.detach()

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from subagentd.daemon.lifecycle._carried import Carried
 from subagentd.daemon.processes._process import ENTRY_BYTES
 from subagentd.daemon.store._journal import (
     CACHED_BYTES,
@@ -25,6 +26,8 @@ from subagentd.daemon.store._journal import (
     TAIL_READ_BYTES,
     Journal,
     JournalCorrupt,
+    JournalIndex,
+    JournalNotAdopted,
     read_tail,
 )
 
@@ -295,3 +298,75 @@ def test_a_torn_tail_answers_no_tail_without_reading_the_rest(tmp_path: Path) ->
     with open(journal.path, "ab") as f:
         f.write(b"\0\0\0\x30torn")
     assert read_tail(journal.path, "stdout", 100) == b""
+
+
+def _handed_over(journal: Journal) -> tuple[int, JournalIndex]:
+    """What a reload's exec would carry of `journal`: a descriptor of its own, its index."""
+    with Carried() as carried:  # left at once: given back, as a failed exec would
+        handed = journal.carry(carried)
+    assert handed is not None
+    return os.dup(handed[0]), handed[1]
+
+
+def test_a_journal_handed_over_with_its_index_reads_and_appends_as_if_opened(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "journal"
+    count = 3 * INDEX_STRIDE + 5  # an index of several offsets
+    before = _fill(path, count)
+    fd, index = _handed_over(before)
+    before.release()
+    journal = Journal.adopt(str(path), fd, index)
+    assert (journal.last_seq, journal.size) == (count, path.stat().st_size)
+    assert [e.seq for e in journal.read(0, 1000)] == list(range(1, count + 1))  # from the file
+    assert (
+        journal.read(2 * INDEX_STRIDE + 1, 1)[0].data == f"{2 * INDEX_STRIDE + 1:020d}\n".encode()
+    )
+    journal.append("stdout", b"after\n", 1000.0)
+    assert [e.data for e in journal.read(count, 10)] == [b"after\n"]
+    journal.release()
+    reopened = Journal.open(path, writable=False)  # verified whole: numbered on, undamaged
+    assert reopened.last_seq == count + 1
+
+
+@pytest.mark.parametrize(
+    "wrong", ["longer", "renumbered", "index", "last entry elsewhere", "linked", "read-only"]
+)
+def test_a_journal_handed_over_that_does_not_check_out_is_refused_and_closed(
+    tmp_path: Path, wrong: str
+) -> None:
+    path = tmp_path / "journal"
+    before = _fill(path, INDEX_STRIDE + 3)
+    fd, index = _handed_over(before)
+    before.release()
+    if wrong == "longer":
+        index = msgspec.structs.replace(index, size=index.size + 1)
+    elif wrong == "renumbered":
+        index = msgspec.structs.replace(index, last_seq=index.last_seq + 1)
+    elif wrong == "index":
+        index = msgspec.structs.replace(index, offsets=[0, 0])
+    elif wrong == "last entry elsewhere":
+        index = msgspec.structs.replace(index, last_offset=index.offsets[-1])
+    elif wrong == "linked":
+        os.link(path, tmp_path / "elsewhere")  # appending would write there too
+    else:
+        os.close(fd)
+        fd = os.open(path, os.O_RDONLY)
+    with pytest.raises(JournalNotAdopted, match=str(path)):
+        Journal.adopt(str(path), fd, index)
+    with pytest.raises(OSError, match="Bad file descriptor"):
+        os.fstat(fd)  # it was that journal's: closed (the caller opens it again)
+
+
+def test_a_descriptor_handed_over_that_is_not_the_journal_is_refused_and_left_open(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "journal"
+    before = _fill(path, 3)
+    fd, index = _handed_over(before)
+    before.release()
+    os.replace(_fill(tmp_path / "planted", 3).path, path)  # a worker renamed a file over it
+    with pytest.raises(JournalNotAdopted, match="is not the file at"):
+        Journal.adopt(str(path), fd, index)
+    os.fstat(fd)  # not this journal's: maybe another part's, so not closed
+    os.close(fd)

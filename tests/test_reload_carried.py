@@ -90,6 +90,10 @@ async def test_the_new_image_finds_each_carried_descriptor_once_in_the_checkpoin
             checkpoint["lock_fd"]: str(daemon_dirs.state_dir),
             **({lock_file_fd: str(daemon_dirs.state_dir / "lock")} if lock_file_fd else {}),
             **{w[stream]: "pipe:" for w in checkpoint["live"] for stream in ("stdout", "stderr")},
+            **{
+                w["journal"]["fd"]: str(daemon_dirs.state_dir / "archives" / w["id"] / "journal")
+                for w in checkpoint["live"]
+            },
             **{c["fd"]: "socket:" for c in checkpoint["requesters"]},
         }
         listed = [
@@ -97,9 +101,10 @@ async def test_the_new_image_finds_each_carried_descriptor_once_in_the_checkpoin
             checkpoint["lock_fd"],
             *([lock_file_fd] if lock_file_fd is not None else []),
             *(w[stream] for w in checkpoint["live"] for stream in ("stdout", "stderr")),
+            *(w["journal"]["fd"] for w in checkpoint["live"]),  # each journal's, not reopened
             *(c["fd"] for c in checkpoint["requesters"]),
         ]
-        assert len(listed) == len(set(listed)) == 2 + bool(lock_file_fd) + 3 * 2 + 1, checkpoint
+        assert len(listed) == len(set(listed)) == 2 + bool(lock_file_fd) + 3 * 3 + 1, checkpoint
         assert {w["pid"] for w in checkpoint["live"]} == {w.pid for w in workers}
         for fd, kind in what_is_where.items():
             target, inheritable = held[fd]

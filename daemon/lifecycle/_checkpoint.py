@@ -1,13 +1,16 @@
 """The checkpoint a reload hands to the next image: what the store cannot hold (each
-live worker's pid, start time and pipe descriptors, the listening socket, the lock,
-the connections that asked: each listed once, `Checkpoint.descriptors`) and the
-daemon's settings, versioned and written atomically, 0600.
+live worker's pid, start time, pipe descriptors and journal (its descriptor and
+verified index, and its stdout's end), the listening socket, the lock, the
+connections that asked: each listed once, `Checkpoint.descriptors`) and the daemon's
+settings, versioned and written atomically, 0600.
 
 Everything else the daemon knows (records, runs, wakes, tombstones, turn, fence) is in
 the store (`_store.py`), which the new image opens again; the old image writes its live
 workers' records there just before the checkpoint. Version 1, written by images before
 the store held them, carried the whole registry: still read, and what it carried taken
-into the store (`_legacy.import_checkpoint_v1`).
+into the store (`_legacy.import_checkpoint_v1`). Version 3 added the journals: an image
+that reads only 2 is handed a version 2 checkpoint, without them (`carries_journals`),
+as an image that knew nothing of them would leave their descriptors inheritable.
 """
 
 from __future__ import annotations
@@ -18,14 +21,25 @@ import msgspec
 
 from .._settings import Settings, decode_path, encode_path
 from ..store._files import read_regular, replace_file
+from ..store._journal import JournalIndex
 from ..store._legacy import CheckpointV1State
 
 #: The format written here. Bump on an incompatible change and keep reading the old.
-CHECKPOINT_VERSION = 2
+CHECKPOINT_VERSION = 3
+#: The format written for an image that does not read this one: the same, less what
+#: it added (see `carries_journals`).
+WRITES_VERSIONS = (2, 3)
 #: Every format this image reads (announced by `subagentd --check`).
-READS_VERSIONS = (1, 2)
+READS_VERSIONS = (1, 2, 3)
 #: Far above any real checkpoint (about a kilobyte a worker); a larger file is no checkpoint.
 CHECKPOINT_READ_LIMIT = 1024 * 1024 * 1024
+
+
+class CarriedJournal(msgspec.Struct, kw_only=True):
+    """A live worker's journal, open for appending: checked, not trusted (`Journal.adopt`)."""
+
+    fd: int
+    index: JournalIndex
 
 
 class CarriedWorker(msgspec.Struct, kw_only=True):
@@ -39,6 +53,12 @@ class CarriedWorker(msgspec.Struct, kw_only=True):
     #: The write end of its stdin, for a worker spawned with stdin open (None: an image
     #: before `send`, or a worker without one).
     stdin: int | None = None
+    #: Its journal (None: a version 2 checkpoint, or a journal not open for writing: the
+    #: new image opens it from its path and verifies it whole).
+    journal: CarriedJournal | None = None
+    #: The end of its stdout as supervision holds it (with `journal` alone: else the
+    #: journal opened again gives it).
+    stdout_tail: bytes = b""
 
 
 class CarriedConnection(msgspec.Struct, kw_only=True):
@@ -88,8 +108,15 @@ class Checkpoint(msgspec.Struct, kw_only=True):
             fds.append(self.lock_file_fd)
         for worker in self.live:
             fds += (fd for fd in (worker.stdout, worker.stderr, worker.stdin) if fd is not None)
+            if worker.journal is not None:
+                fds.append(worker.journal.fd)
         fds += (conn.fd for conn in self.requesters)
         return fds
+
+
+def carries_journals(version: int) -> bool:
+    """Whether a checkpoint of `version` carries the live workers' journals."""
+    return version >= 3
 
 
 class _Version(msgspec.Struct):

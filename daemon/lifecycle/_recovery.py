@@ -75,11 +75,18 @@ async def recover(
     )
     # What clients see: an earlier image may have taken it from a rewritten record.
     for record in daemon.registry.handles():
-        record.archive = str(daemon.reader.archive_of(record.id).path)
+        record.archive = _archive_at(daemon, record.id)
     for stone in daemon.registry.tombstones().values():
-        stone.archive = str(daemon.reader.archive_of(stone.id).path)
+        stone.archive = _archive_at(daemon, stone.id)
     log.info("recovery.done", retained=len(records), interrupted=interrupted)
     return interrupted
+
+
+def _archive_at(daemon: Daemon, worker_id: str) -> str:
+    """Where the state dir keeps the worker's archive, as `Reader.archive_of` says, as a
+    string (made for every record here, at every reload: pathlib's joins cost)."""
+    at = daemon.state_dir.archive_at(worker_id)
+    return at if at is not None else str(daemon.reader.archive_of(worker_id).path)  # NotFound
 
 
 async def _rebuild_alone(daemon: Daemon, archive: Archive) -> WorkerRecord | None:

@@ -5,9 +5,9 @@ The check runs `subagentd --check` in a child only when the image on disk may no
 be the image running (`_image.RunningImage`): an unchanged image is this very code,
 so the config and the state dir, all that can have changed, are checked in place.
 
-The old image keeps every worker alive across the exec: their pipes, the
-listening socket, the state-dir lock and the connections that asked are
-inherited descriptors, each handed in by its owner to one inventory
+The old image keeps every worker alive across the exec: their pipes and
+journals, the listening socket, the state-dir lock and the connections that
+asked are inherited descriptors, each handed in by its owner to one inventory
 (`_carried.Carried`) and listed once in the checkpoint, with the daemon's
 settings; the command line names only the checkpoint. Each pid stays our
 child, so the new image waits on it through a fresh pidfd. Signals are blocked
@@ -25,6 +25,7 @@ it held before.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
 import math
@@ -50,7 +51,7 @@ from ..processes._process import WorkerProcess, reap
 from ..serving._listener import ControlSocket
 from ..serving._notify import monotonic_usec, notify
 from ..store._archive import STDOUT_TAIL_BYTES, Archive
-from ..store._journal import Journal, JournalCorrupt
+from ..store._journal import Journal, JournalCorrupt, JournalNotAdopted
 from ..store._legacy import import_checkpoint_v1
 from ..store._statedir import ensure_private_dir
 from ..workers._agents import ConfigError, load_agents
@@ -58,9 +59,12 @@ from ..workers._supervisor import LiveWorker
 from ._carried import Carried
 from ._checkpoint import (
     CHECKPOINT_VERSION,
+    WRITES_VERSIONS,
     CarriedConnection,
+    CarriedJournal,
     CarriedWorker,
     Checkpoint,
+    carries_journals,
 )
 from ._image import RunningImage
 from ._recovery import recover
@@ -134,6 +138,9 @@ class Reloader:
         self.nursery: trio.Nursery | None = None  # where attempts run: set by the daemon
         #: This image's files as it starts serving: a reload into the same skips --check.
         self.image = RunningImage.stamped()
+        #: The checkpoint version the next image reads (its --check says; this one's own
+        #: when the image is unchanged).
+        self.next_version = CHECKPOINT_VERSION
 
     async def reload(self, requester: object | None, request_id: int) -> Reply | None:
         """Reload, or join the reload under way; None once the exec has happened (the new
@@ -214,6 +221,7 @@ class Reloader:
         and state dir, reading this checkpoint format and store schema; how it was
         checked (said in `reload.checked`)."""
         changed = self.image.changed_on_disk()
+        self.next_version = CHECKPOINT_VERSION
         if changed is None:
             self._check_in_place()
             return "image unchanged: config and state dir checked in place"
@@ -236,8 +244,9 @@ class Reloader:
             raise Refused(f"the new image refuses this reload: {'; '.join(problems)}")
 
     async def _check_in_a_child(self) -> None:
-        """Run the image on disk's `--check`: it must load, and read this checkpoint
-        version and the store's schema in use."""
+        """Run the image on disk's `--check`: it must load, and read a checkpoint version
+        this image writes (the newest it reads is written: `next_version`) and the
+        store's schema in use."""
         settings = self.settings
         command = image_command(
             "--check",
@@ -263,9 +272,11 @@ class Reloader:
             ]
             raise Refused(f"the new image refuses this reload: {'; '.join(errors) or said}")
         # The new image just reopens the store: it must read the schema in use.
-        refusal = image_refusal(result.stdout.decode(errors="replace"), self.daemon.store.version)
+        said = result.stdout.decode(errors="replace")
+        refusal = image_refusal(said, self.daemon.store.version)
         if refusal is not None:
             raise Refused(refusal)
+        self.next_version = max(set(WRITES_VERSIONS) & _versions_read(said, "checkpoint"))
 
     async def _wait_nothing_in_hand(self) -> None:
         """Return once no launch is in flight and supervision holds nothing an exec would
@@ -334,14 +345,16 @@ class Reloader:
             [live.record for live in daemon.supervisor.workers()], "a reload"
         )
         lock_fd, lock_file_fd = daemon.state_dir.carry(carried)
+        journals = carries_journals(self.next_version)
         return Checkpoint(
+            version=self.next_version,
             image_generation=daemon.image_generation,
             reloads=daemon.reloads,
             listen_fd=self.control.carry(carried),
             listen_owned=self.control.owned,
             lock_fd=lock_fd,
             lock_file_fd=lock_file_fd,
-            live=[_carried(live, carried) for live in daemon.supervisor.workers()],
+            live=[_carried(live, carried, journals) for live in daemon.supervisor.workers()],
             requesters=[
                 CarriedConnection(
                     fd=carried.carry(conn.fd, "a connection that asked for the reload"),
@@ -425,10 +438,14 @@ def _failure(exc: BaseException, stopped: Sequence[str] = ()) -> Error:
     return Error(id=0, code=code, message=message, stopped_by_reload=sorted(stopped))
 
 
-def _carried(live: LiveWorker, carried: Carried) -> CarriedWorker:
+def _carried(live: LiveWorker, carried: Carried, journals: bool) -> CarriedWorker:
+    """A live worker as the checkpoint carries it; `journals`: with its journal (one
+    the next image need not open and verify again: about half of adopting a thousand
+    `sleep` workers, and seconds for a thousand long journals)."""
     process = live.process
     assert process is not None, "no spawn is in flight once launches settled"
     stdout, stderr, stdin = process.carry(carried)
+    journal = live.journal.carry(carried) if journals else None
     return CarriedWorker(
         id=live.record.id,
         pid=process.pid,
@@ -436,6 +453,8 @@ def _carried(live: LiveWorker, carried: Carried) -> CarriedWorker:
         stdout=stdout,
         stderr=stderr,
         stdin=stdin,
+        journal=None if journal is None else CarriedJournal(fd=journal[0], index=journal[1]),
+        stdout_tail=b"" if journal is None else bytes(live.stdout_tail),
     )
 
 
@@ -454,12 +473,13 @@ def _answer(failure: Error | None, request_id: int) -> Reply | None:
 
 def image_refusal(check_output: str, schema_in_use: int) -> str | None:
     """Why a new image whose --check said `check_output` cannot take over, if it cannot:
-    it must read this image's checkpoint and the store's schema version in use."""
+    it must read a checkpoint version this image writes and the store's schema version
+    in use."""
     versions = _versions_read(check_output, "checkpoint")
-    if CHECKPOINT_VERSION not in versions:
+    if not versions & set(WRITES_VERSIONS):
         return (
-            f"the new image reads checkpoint versions {sorted(versions)}, not "
-            f"{CHECKPOINT_VERSION}; stop the daemon to change to it"
+            f"the new image reads checkpoint versions {sorted(versions)}, none of "
+            f"{list(WRITES_VERSIONS)}; stop the daemon to change to it"
         )
     schemas = _versions_read(check_output, "store schema")
     if schema_in_use not in schemas:
@@ -493,14 +513,22 @@ async def adopt(
     if checkpoint.v1_state is not None:  # an older image reloading into this one
         import_checkpoint_v1(daemon.store, checkpoint.v1_state, daemon.state_dir.archives)
     stopped = list(checkpoint.stopped_by_reload)
-    adopted: list[tuple[CarriedWorker, WorkerProcess, Journal]] = []
+    adopted: list[tuple[CarriedWorker, WorkerProcess, Journal, bytes]] = []
     # One query for every carried worker's record (each is held: it has not ended), not
     # one a worker; recovery takes the same rows, unless a stop below changed some.
     held = daemon.store.held_workers()
     readable = {record.id for record in held[0]}
+    journal_fds = _journal_descriptors(checkpoint)
     for carried in checkpoint.live:
         process: WorkerProcess | None = None
+        journal: Journal | None = None
         try:
+            archive = daemon.state_dir.archive_at(carried.id)
+            if archive is None:
+                raise _NoRecord(f"{carried.id!r} is not a worker id")
+            path = f"{archive}{os.sep}{Archive.JOURNAL}"
+            # First, so that whatever fails below closes its descriptor (as a journal's).
+            journal = _carried_journal(carried, path, journal_fds)
             if carried.id not in readable:
                 raise _NoRecord(f"worker {carried.id} has no readable record in the store")
             process = daemon.launcher.adopt(
@@ -511,30 +539,34 @@ async def adopt(
                 carried.stderr,
                 carried.stdin,
             )
-            # Verified whole while clients wait in the backlog: a million entries cost
-            # seconds of this reload (carrying the verified index would spare that).
-            journal = await daemon.reader.open_journal(
-                daemon.reader.archive_of(carried.id).file(Archive.JOURNAL), writable=True
-            )
+            if journal is not None:
+                stdout_tail = carried.stdout_tail[-STDOUT_TAIL_BYTES:]
+            else:
+                # Verified whole while clients wait in the backlog: a million entries
+                # cost seconds of this reload (what carrying the journal spares).
+                journal = await daemon.reader.open_journal(Path(path), writable=True)
+                stdout_tail = journal.tail_bytes("stdout", STDOUT_TAIL_BYTES)
         except (_NoRecord, OSError, JournalCorrupt) as exc:  # OSError: pid gone too
             log.error("reload.cannot_adopt", worker=carried.id, pid=carried.pid, error=str(exc))
             if process is not None:
                 os.close(process.pidfd)  # its pipes are closed by _stop_unadoptable
+            if journal is not None:
+                journal.release()
             await _stop_unadoptable(daemon, carried)
             stopped.append(carried.id)
             continue
-        adopted.append((carried, process, journal))
+        adopted.append((carried, process, journal, stdout_tail))
     await recover(
         daemon,
-        carried=frozenset(c.id for c, _, _ in adopted),
+        carried=frozenset(c.id for c, _, _, _ in adopted),
         unread=unread,
         held=held if stopped == checkpoint.stopped_by_reload else None,  # a stop writes
     )
-    for carried, process, journal in adopted:
+    for carried, process, journal, stdout_tail in adopted:
         live = LiveWorker(
             record=daemon.registry.worker(carried.id), journal=journal, process=process
         )
-        live.stdout_tail += journal.tail_bytes("stdout", STDOUT_TAIL_BYTES)
+        live.stdout_tail += stdout_tail
         daemon.supervisor.add(live)
     daemon.image_generation = checkpoint.image_generation + 1
     daemon.reloads = checkpoint.reloads + 1
@@ -543,6 +575,31 @@ async def adopt(
 
 class _NoRecord(Exception):
     pass
+
+
+def _journal_descriptors(checkpoint: Checkpoint) -> set[int]:
+    """The journal descriptors the checkpoint lists once, and only as a journal: one it
+    lists twice (a checkpoint rewritten in a worker's reach) is no journal's alone."""
+    listed = collections.Counter(checkpoint.descriptors())
+    return {
+        w.journal.fd for w in checkpoint.live if w.journal is not None and listed[w.journal.fd] == 1
+    }
+
+
+def _carried_journal(carried: CarriedWorker, path: str, journal_fds: set[int]) -> Journal | None:
+    """The worker's journal as the checkpoint carried it, if it checks out (`Journal.adopt`);
+    None (said in the log) to have it opened from `path` and verified whole instead."""
+    if carried.journal is None:
+        return None  # an image before journals were carried, or one not open for writing
+    fd = carried.journal.fd
+    try:
+        if fd not in journal_fds:
+            raise JournalNotAdopted(f"descriptor {fd} is listed twice in the checkpoint")
+        journal_fds.discard(fd)  # adopted once at most
+        return Journal.adopt(path, fd, carried.journal.index)
+    except JournalNotAdopted as exc:
+        log.warning("reload.journal_reopened", worker=carried.id, reason=str(exc))
+        return None
 
 
 async def _stop_unadoptable(daemon: Daemon, carried: CarriedWorker) -> None:

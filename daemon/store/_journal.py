@@ -12,7 +12,9 @@ and no entry is believed longer than the daemon ever writes one. Plain
 synchronous file I/O: the callers decide when to call it (a long journal's
 scan is worth a thread). `read_tail` reads a journal's newest entries from its
 end alone, however long the file: for what needs only the end of its stdout.
-A journal that grows long keeps only its end in the page cache (`shed`).
+A journal that grows long keeps only its end in the page cache (`shed`). A reload
+hands a live journal's descriptor and verified index to the next image (`carry`,
+`adopt`), which checks them against the file rather than scanning it again.
 """
 
 from __future__ import annotations
@@ -21,19 +23,25 @@ import collections
 import collections.abc
 import contextlib
 import errno
+import fcntl
+import itertools
 import os
+import stat
 import struct
 import weakref
 import zlib
 from array import array
 from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import msgspec
 
 from subagentd.protocol import Entry, EntryKind
 
 from ._files import SAFE_FLAGS, NotRegularFile, open_regular, short_write
+
+if TYPE_CHECKING:
+    from ..lifecycle._carried import Carried
 
 ENTRY_HEADER: Final = struct.Struct(">II")
 #: Every INDEX_STRIDE-th entry's offset is kept, so a page read seeks near its cursor.
@@ -101,22 +109,41 @@ class JournalTooLong(Exception):
     """A journal longer than its opener would verify where it stands (see Journal.open)."""
 
 
+class JournalNotAdopted(Exception):
+    """A journal handed across a reload that does not check out (see Journal.adopt): the
+    new image opens it from its path instead, verifying it whole."""
+
+
+class JournalIndex(msgspec.Struct, kw_only=True, frozen=True):
+    """What a verified journal knows of its file, handed to a reload's next image with
+    its descriptor, so that the file is neither reopened nor scanned again there."""
+
+    size: int
+    last_seq: int
+    #: Where the last entry begins (0 while there is none).
+    last_offset: int
+    #: The offset of seq 1, 1 + INDEX_STRIDE, 1 + 2 * INDEX_STRIDE, ...
+    offsets: list[int]
+
+
 class Journal:
-    """One worker's journal file. Open it with `create` or `open`.
+    """One worker's journal file. Open it with `create` or `open` (or `adopt`, across a
+    reload).
 
     It holds its descriptor for as long as it lives (closed when it is dropped,
     or by `release`): pages are read from the file the daemon verified, not from
     whatever a worker renamed over its name since.
     """
 
-    def __init__(self, path: Path, fd: int, *, writable: bool) -> None:
-        self.path = path
+    def __init__(self, path: Path | str, fd: int, *, writable: bool) -> None:
+        self._path = path  # a str where it is made a thousand at a time (adopt)
         self._fd = fd
         self._release = weakref.finalize(self, os.close, fd)
         self._writable = writable
         self._opened_writable = writable
         self._size = 0
         self._last_seq = 0
+        self._last_offset = 0  # where the last entry begins
         self._offsets = array("Q")  # offset of seq 1, 1 + STRIDE, 1 + 2*STRIDE, ...
         self._tail: collections.deque[Entry] = collections.deque()
         self._tail_bytes = 0
@@ -167,6 +194,86 @@ class Journal:
             raise
         return journal
 
+    @classmethod
+    def adopt(cls, path: str, fd: int, index: JournalIndex) -> Journal:
+        """The journal an earlier image held open for writing, handed across a reload's
+        exec as its descriptor and verified `index` (`carry`): neither reopened nor
+        scanned. The checkpoint that says so lies in the state dir, within a worker's
+        reach, so it is believed only as far as it checks out: `fd` is the regular file
+        at `path` (same device and inode; one link, open for appending), `index.size`
+        long, and its last entry whole, where the index says, numbered as it says. Else
+        JournalNotAdopted says why, and `fd` is closed if it is that file (else it is
+        left alone: another part may own it). What lies before the last entry is
+        verified as it is read, as for any open journal.
+
+        Its in-memory tail starts empty (reads before the entries appended from now on
+        are read from the file, verified): its stdout's end comes with the checkpoint.
+        """
+        try:
+            st = os.fstat(fd)
+            named = os.stat(path, follow_symlinks=False)
+        except OSError as exc:
+            raise JournalNotAdopted(
+                f"descriptor {fd} or {path} cannot be looked at: {exc}"
+            ) from None
+        if (st.st_dev, st.st_ino) != (named.st_dev, named.st_ino) or not stat.S_ISREG(st.st_mode):
+            raise JournalNotAdopted(f"descriptor {fd} is not the file at {path} (left open)")
+        journal = cls(path, fd, writable=True)
+        try:  # from here it is this journal's file: ours to close, and opened again
+            journal._take_index(st, index)
+        except OSError as exc:
+            journal.release()
+            raise JournalNotAdopted(f"journal {path} cannot be read: {exc}") from None
+        except BaseException:
+            journal.release()
+            raise
+        return journal
+
+    def _take_index(self, st: os.stat_result, index: JournalIndex) -> None:
+        """Check `index` against the file (`st`) and its last entry, then take it."""
+        size, last_seq, last, offsets = index.size, index.last_seq, index.last_offset, index.offsets
+        flags = fcntl.fcntl(self._fd, fcntl.F_GETFL)
+        problem = None
+        if st.st_nlink != 1:
+            problem = f"it has {st.st_nlink} links"
+        elif flags & (os.O_ACCMODE | os.O_APPEND) != os.O_RDWR | os.O_APPEND:
+            problem = "it is not open for appending"
+        elif st.st_size != size:
+            problem = f"it is {st.st_size} bytes long, not {size} as handed over"
+        elif not _index_fits(size, last_seq, last, offsets):
+            problem = f"its index ({last_seq} entries, the last at {last}) does not fit its size"
+        elif last_seq and not self._ends_with(last, size, last_seq):
+            problem = f"no whole entry {last_seq} ends it at byte {last}"
+        if problem is not None:
+            raise JournalNotAdopted(f"journal {self._path}: {problem}")
+        self._size, self._last_seq, self._last_offset = size, last_seq, last
+        self._offsets = array("Q", offsets)
+        self._shed_to = max(0, size - CACHED_BYTES)  # as `open` takes it
+
+    def _ends_with(self, offset: int, size: int, seq: int) -> bool:
+        """Whether one whole entry numbered `seq` lies from `offset` to `size`."""
+        raw = os.pread(self._fd, min(size - offset, ENTRY_HEADER.size + MAX_ENTRY_BODY), offset)
+        if len(raw) < ENTRY_HEADER.size:
+            return False
+        length, crc = ENTRY_HEADER.unpack_from(raw)
+        if ENTRY_HEADER.size + length != size - offset or len(raw) != size - offset:
+            return False
+        stored, _ = self._verify(memoryview(raw)[ENTRY_HEADER.size :], crc, seq)
+        return stored is not None
+
+    def carry(self, carried: Carried) -> tuple[int, JournalIndex] | None:
+        """Hand the descriptor and the index to a reload's exec (see `adopt`); None for a
+        journal not open for writing (the next image opens it from its path)."""
+        if not self._writable:
+            return None
+        fd = carried.carry(self._fd, f"journal {self._path}")
+        return fd, JournalIndex(
+            size=self._size,
+            last_seq=self._last_seq,
+            last_offset=self._last_offset,
+            offsets=self._offsets.tolist(),
+        )
+
     def _scan(self, size: int) -> int:
         """Index the file's first `size` bytes; return where the last whole entry ends."""
         window = _Window(self._fd, size, SCAN_WINDOW)
@@ -212,10 +319,15 @@ class Journal:
         if (entry.seq - 1) % INDEX_STRIDE == 0:
             self._offsets.append(offset)
         self._last_seq = entry.seq
+        self._last_offset = offset
         self._tail.append(entry)
         self._tail_bytes += len(entry.data) + ENTRY_COST
         while self._tail_bytes > TAIL_BYTES and len(self._tail) > 1:
             self._tail_bytes -= len(self._tail.popleft().data) + ENTRY_COST
+
+    @property
+    def path(self) -> Path:
+        return Path(self._path)
 
     @property
     def last_seq(self) -> int:
@@ -336,6 +448,12 @@ class Journal:
         """Close the descriptor now rather than when the journal is dropped."""
         self._writable = False
         self._release()
+
+    def detach(self) -> None:
+        """Let go of the descriptor without closing it: a reload's exec carried it to the
+        next image, which owns it now (the in-process tests' stand-in for the exec)."""
+        self._writable = False
+        self._release.detach()
 
 
 def read_tail(path: Path, kind: EntryKind, limit: int) -> bytes:
@@ -460,6 +578,18 @@ def _zeros(fd: int, offset: int, size: int) -> bool:
                 return False
             offset += len(chunk)
     return True
+
+
+def _index_fits(size: int, last_seq: int, last: int, offsets: list[int]) -> bool:
+    """Whether an index handed over could be a journal's of `size` bytes: one offset for
+    each INDEX_STRIDE entries, the first 0, rising, the last entry after them all."""
+    if last_seq <= 0:
+        return last_seq == 0 and size == 0 and last == 0 and not offsets
+    if len(offsets) != (last_seq - 1) // INDEX_STRIDE + 1 or offsets[0] != 0:
+        return False
+    if any(b <= a for a, b in itertools.pairwise(offsets)):
+        return False
+    return offsets[-1] <= last < size
 
 
 def _too_long(length: int) -> str:

@@ -182,6 +182,13 @@ class StateDir:
             return None  # never join a path from an id like "../x"
         return self.archives / worker_id
 
+    def archive_at(self, worker_id: str) -> str | None:
+        """`archive`, as a string: for where a thousand are made at once (a reload's
+        adoption, recovery), pathlib's joins cost about a fifth of adopting them."""
+        if not _WORKER_ID.fullmatch(worker_id):
+            return None
+        return f"{self.archives}{os.sep}{worker_id}"
+
 
 def _open_holder_file(dir_fd: int) -> int | None:
     """The file `lock` (created if missing), opened to be written in place; None if it is
