@@ -173,6 +173,15 @@ class Cgroups:
     def worker(self, worker_id: str) -> WorkerCgroup:
         return WorkerCgroup(self.base / worker_id, self.home)
 
+    def present(self) -> frozenset[str]:
+        """The names (worker ids) of the workers' cgroups there now: one listing for all."""
+        try:
+            return frozenset(
+                entry.name for entry in os.scandir(self.base) if entry.is_dir(follow_symlinks=False)
+            )
+        except FileNotFoundError:
+            return frozenset()
+
     def leftovers(self) -> list[WorkerCgroup]:
         """Worker cgroups present now (at a clean start: those a dead daemon left)."""
         try:

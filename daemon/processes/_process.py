@@ -189,7 +189,8 @@ class WorkerProcess:
         """Take over a worker handed across an exec: same pid (still our child), same pipes
         (close-on-exec again: see `_carried.take_back`).
 
-        `cgroup` is kept if it exists: the image before put the worker in it.
+        `cgroup`: the one the image before put the worker in, if it is there still (the
+        launcher looks, once for all it adopts).
 
         Raises ProcessLookupError if the pid is not a child of this process. A child
         unreaped keeps its pid, so no /proc read is needed to know it is the worker still
@@ -203,8 +204,6 @@ class WorkerProcess:
         except ChildProcessError as exc:
             os.close(pidfd)
             raise ProcessLookupError(f"pid {pid} is not this daemon's child") from exc
-        if cgroup is not None and not cgroup.exists():
-            cgroup = None  # spawned where its tree was found by scanning
         return cls(
             pid=pid,
             pidfd=pidfd,
