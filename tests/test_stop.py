@@ -330,8 +330,10 @@ async def test_a_stop_out_of_descriptors_still_terms_every_process_of_the_tree(
     assert tracking.proc is not None
     daemon_pid = tracking.proc.pid
     # The leader ignores TERM (its grace runs on); its two children end on it.
-    child = "(trap - TERM; exec sleep 600) & echo $!"  # TERM at its default again
-    tree = sh(f'trap "" TERM; {child}; {child}; while :; do wait; done')
+    # TERM at its default again, then its pid said: not before, or a TERM could come
+    # while the subshell still ignores it.
+    child = "(trap - TERM; exec sh -c 'echo $$; exec sleep 600') &"
+    tree = sh(f'trap "" TERM; {child} {child} while :; do wait; done')
     children: list[int] = []
     limits = resource.prlimit(daemon_pid, resource.RLIMIT_NOFILE)
     try:
@@ -355,6 +357,51 @@ async def test_a_stop_out_of_descriptors_still_terms_every_process_of_the_tree(
                         os.close(pin)
                 resource.prlimit(daemon_pid, resource.RLIMIT_NOFILE, limits)
                 assert (await client.status(worker.id)).stopping
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            resource.prlimit(daemon_pid, resource.RLIMIT_NOFILE, limits)
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("tracking", ["cgroup"], indirect=True)
+async def test_a_stop_asked_with_no_descriptor_left_waits_for_one_then_terms_the_tree(
+    tracking: DaemonProcess,
+) -> None:
+    """With not one descriptor to spare when the stop is asked, the leader still gets its
+    TERM (through the pidfd it has held since its spawn), and the rest of the tree theirs
+    once a descriptor is free again: the cgroup is read again until then. Never given up
+    (before, the read's EMFILE failed the worker's supervision: the tree was killed
+    without its grace and the worker ended `failed`)."""
+    assert tracking.proc is not None
+    daemon_pid = tracking.proc.pid
+    child = "(trap - TERM; exec sh -c 'echo $$; exec sleep 600') &"  # as above
+    tree = sh(f'trap "" TERM; {child} {child} while :; do wait; done')
+    children: list[int] = []
+    limits = resource.prlimit(daemon_pid, resource.RLIMIT_NOFILE)
+    try:
+        with trio.fail_after(30):
+            async with AsyncClient(tracking.socket) as client:
+                worker = await client.spawn(tree, grace=600)
+                assert worker.pid is not None
+                children.append(worker.pid)
+                out = await follow_stdout(client, worker.id, lambda out: out.count(b"\n") == 2)
+                children += [int(pid) for pid in out.split()]
+                pins = [os.pidfd_open(pid) for pid in children[1:]]
+                try:
+                    # Below what it holds: no descriptor can be opened, however many a
+                    # thread of its own was holding a moment ago.
+                    resource.prlimit(daemon_pid, resource.RLIMIT_NOFILE, (3, limits[1]))
+                    assert await client.stop(worker.id, wait=False)
+                    resource.prlimit(daemon_pid, resource.RLIMIT_NOFILE, limits)
+                    for pin in pins:  # each ends on its TERM, long before the grace
+                        await trio.lowlevel.wait_readable(pin)
+                finally:
+                    for pin in pins:
+                        os.close(pin)
+                view = await client.status(worker.id)
+                assert (view.state, view.stopping) == ("running", True), view
     finally:
         with contextlib.suppress(ProcessLookupError):
             resource.prlimit(daemon_pid, resource.RLIMIT_NOFILE, limits)

@@ -37,6 +37,8 @@ log = get_logger()
 _FORK_LOCK = threading.Lock()
 #: How much of cgroup.procs one read asks for (a pid and its newline take at most 8 bytes).
 _PROCS_READ = 64 * 1024
+#: Out of descriptors, a cgroup is read again after this.
+DESCRIPTOR_RETRY = 0.01
 
 
 class CgroupsUnavailable(Exception):
@@ -247,7 +249,7 @@ async def end_cgroup(
     if leader_termed and leader is not None:
         termed_by_pid.add(leader[0])
     with (graces or Graces()).period(grace):
-        while pids := group.members():
+        while pids := await _members(group):
             with _pinned(group, pids, leader) as (pinned, unpinned):
                 for pid, fd in pinned.items():
                     if pid not in termed_by_pid:
@@ -263,7 +265,7 @@ async def end_cgroup(
         return 0
     killed: set[int] = set()
     for _ in range(10):
-        pids = group.members()
+        pids = await _members(group)
         if not pids:
             break
         try:
@@ -276,6 +278,19 @@ async def end_cgroup(
                 for fd in pinned.values():
                     await trio.lowlevel.wait_readable(fd)
     return len(killed)
+
+
+async def _members(group: WorkerCgroup) -> list[int]:
+    """`group.members()`, read again every DESCRIPTOR_RETRY seconds while the daemon has no
+    descriptor to read it with (EMFILE, ENFILE): a stop asked then must wait for one,
+    not fail, which would leave the rest of the tree running past its grace."""
+    while True:
+        try:
+            return group.members()
+        except OSError as exc:
+            if exc.errno not in (errno.EMFILE, errno.ENFILE):
+                raise
+        await trio.sleep(DESCRIPTOR_RETRY)
 
 
 def term(pidfd: int) -> None:
