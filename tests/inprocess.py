@@ -300,6 +300,7 @@ class _Image:
                         reloader.nursery = tasks
                         await tasks.start(daemon.run)
                         await tasks.start(server.serve, listener)
+                        daemon.supervisor.serving()  # as `_serve.serve` does after READY=1
                         task_status.started(scope)
             finally:
                 done.set()

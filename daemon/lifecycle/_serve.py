@@ -192,6 +192,7 @@ async def serve(
                 await nursery.start(daemon.run)
                 await nursery.start(server.serve, listener, adopted)
                 notify("READY=1", f"MAINPID={os.getpid()}", "STATUS=serving")
+                daemon.supervisor.serving()
                 log.info(
                     "daemon.serving",
                     socket=str(settings.socket),

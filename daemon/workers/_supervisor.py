@@ -35,8 +35,8 @@ log = get_logger()
 PIPE_DRAIN_SECONDS = 1.0
 #: The pipes a worker's output comes on, each pumped into its journal by a task of its own.
 _PIPES: tuple[EntryKind, ...] = ("stdout", "stderr")
-#: Supervision (re)starts this many workers at a time, letting others run between: a
-#: reload's answer, and the connects waiting, need not wait for the first steps of a
+#: Supervision of adopted workers begins once the image serves, this many at a time,
+#: letting others run between: the first clients need not wait for the first steps of a
 #: thousand adopted workers' 3,000 tasks (~80 ms). Until its turn, a worker's output
 #: waits in its pipe, its exit as a zombie, and a stop asked is acted on when it comes.
 SUPERVISION_BATCH = 100
@@ -167,6 +167,8 @@ class Supervisor:
         #: Tasks holding what an exec would lose (see `wait_nothing_in_hand`).
         self._in_hand = Tally()
         self._launches = Tally()  # between registration and their supervise task
+        #: Set once the image serves: adopted workers' supervision waits for it.
+        self._serving = trio.Event()
 
     # -- what is live ----------------------------------------------------------
 
@@ -209,15 +211,23 @@ class Supervisor:
         """A worker whose process never started (or never will): no longer live."""
         self._live.pop(live.record.id, None)
 
+    def serving(self) -> None:
+        """The image serves (READY=1 sent): supervision of the adopted workers begins."""
+        self._serving.set()
+
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Host the workers' supervise tasks until cancelled, the adopted ones from the
-        start. A reload leaves them as they stand: see `wait_nothing_in_hand`."""
+        moment the image serves (`serving`): a reload's answer, and the connects waiting
+        in the backlog, wait for no adopted worker's first steps (1,000 workers' 3,000
+        tasks, ~30 ms). A reload leaves them as they stand: see `wait_nothing_in_hand`."""
         async with trio.open_nursery() as background:
             self._background = background
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 unsupervised = list(self._live.values())  # spawns from now: supervised
                 task_status.started()
+                if unsupervised:
+                    await self._serving.wait()
                 for n, live in enumerate(unsupervised):
                     if n and n % SUPERVISION_BATCH == 0:
                         # Serving goes on between batches: the reload's answer and the
