@@ -371,9 +371,9 @@ async def test_a_stop_asked_with_no_descriptor_left_waits_for_one_then_terms_the
 ) -> None:
     """With not one descriptor to spare when the stop is asked, the leader still gets its
     TERM (through the pidfd it has held since its spawn), and the rest of the tree theirs
-    once a descriptor is free again: the cgroup is read again until then. Never given up
-    (before, the read's EMFILE failed the worker's supervision: the tree was killed
-    without its grace and the worker ended `failed`)."""
+    once a descriptor is free again: the cgroup is read again until then, for up to a
+    second (before, the read's EMFILE failed the worker's supervision at once: the tree
+    was killed without its grace and the worker ended `failed`)."""
     assert tracking.proc is not None
     daemon_pid = tracking.proc.pid
     child = "(trap - TERM; exec sh -c 'echo $$; exec sleep 600') &"  # as above

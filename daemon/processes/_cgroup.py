@@ -37,8 +37,9 @@ log = get_logger()
 _FORK_LOCK = threading.Lock()
 #: How much of cgroup.procs one read asks for (a pid and its newline take at most 8 bytes).
 _PROCS_READ = 64 * 1024
-#: Out of descriptors, a cgroup is read again after this.
+#: Out of descriptors, a cgroup is read again after this, for at most the patience.
 DESCRIPTOR_RETRY = 0.01
+DESCRIPTOR_PATIENCE = 1.0
 
 
 class CgroupsUnavailable(Exception):
@@ -282,15 +283,20 @@ async def end_cgroup(
 
 async def _members(group: WorkerCgroup) -> list[int]:
     """`group.members()`, read again every DESCRIPTOR_RETRY seconds while the daemon has no
-    descriptor to read it with (EMFILE, ENFILE): a stop asked then must wait for one,
-    not fail, which would leave the rest of the tree running past its grace."""
+    descriptor to read it with (EMFILE, ENFILE): a stop asked in a moment of exhaustion
+    waits for one rather than fail the worker's supervision. Not for good: after
+    DESCRIPTOR_PATIENCE the error is raised (the supervision fails, and its tree is
+    ended as a failure's is), since a daemon whose descriptors are all held by workers,
+    this one's among them, would otherwise wait on forever."""
+    waited = 0.0
     while True:
         try:
             return group.members()
         except OSError as exc:
-            if exc.errno not in (errno.EMFILE, errno.ENFILE):
+            if exc.errno not in (errno.EMFILE, errno.ENFILE) or waited >= DESCRIPTOR_PATIENCE:
                 raise
         await trio.sleep(DESCRIPTOR_RETRY)
+        waited += DESCRIPTOR_RETRY
 
 
 def term(pidfd: int) -> None:
