@@ -243,8 +243,9 @@ class Supervisor:
 
     async def wait_nothing_in_hand(self) -> None:
         """Return once no task holds what an exec would lose: output read from a pipe
-        and not yet journaled (a write the disk refused, being tried again), or the
-        ending of a worker whose supervision failed.
+        and not yet journaled (a write the disk refused, being tried again), an ending
+        waiting for its batch's transaction (its process reaped already), or the ending
+        of a worker whose supervision failed.
 
         Every other supervision task parked at an await holds nothing that the
         journals, the store and the kernel do not (a pump journals what it read
