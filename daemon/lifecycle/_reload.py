@@ -519,43 +519,44 @@ async def adopt(
     held = daemon.store.held_workers()
     readable = {record.id for record in held[0]}
     journal_fds = _journal_descriptors(checkpoint)
-    for carried in checkpoint.live:
-        process: WorkerProcess | None = None
-        journal: Journal | None = None
-        try:
-            archive = daemon.state_dir.archive_at(carried.id)
-            if archive is None:
-                raise _NoRecord(f"{carried.id!r} is not a worker id")
-            path = f"{archive}{os.sep}{Archive.JOURNAL}"
-            # First, so that whatever fails below closes its descriptor (as a journal's).
-            journal = _carried_journal(carried, path, journal_fds)
-            if carried.id not in readable:
-                raise _NoRecord(f"worker {carried.id} has no readable record in the store")
-            process = daemon.launcher.adopt(
-                carried.id,
-                carried.pid,
-                carried.pid_start,
-                carried.stdout,
-                carried.stderr,
-                carried.stdin,
-            )
-            if journal is not None:
-                stdout_tail = carried.stdout_tail[-STDOUT_TAIL_BYTES:]
-            else:
-                # Verified whole while clients wait in the backlog: a million entries
-                # cost seconds of this reload (what carrying the journal spares).
-                journal = await daemon.reader.open_journal(Path(path), writable=True)
-                stdout_tail = journal.tail_bytes("stdout", STDOUT_TAIL_BYTES)
-        except (_NoRecord, OSError, JournalCorrupt) as exc:  # OSError: pid gone too
-            log.error("reload.cannot_adopt", worker=carried.id, pid=carried.pid, error=str(exc))
-            if process is not None:
-                os.close(process.pidfd)  # its pipes are closed by _stop_unadoptable
-            if journal is not None:
-                journal.release()
-            await _stop_unadoptable(daemon, carried)
-            stopped.append(carried.id)
-            continue
-        adopted.append((carried, process, journal, stdout_tail))
+    with daemon.launcher.adopting():
+        for carried in checkpoint.live:
+            process: WorkerProcess | None = None
+            journal: Journal | None = None
+            try:
+                archive = daemon.state_dir.archive_at(carried.id)
+                if archive is None:
+                    raise _NoRecord(f"{carried.id!r} is not a worker id")
+                path = f"{archive}{os.sep}{Archive.JOURNAL}"
+                # First, so that whatever fails below closes its descriptor (as a journal's).
+                journal = _carried_journal(carried, path, journal_fds)
+                if carried.id not in readable:
+                    raise _NoRecord(f"worker {carried.id} has no readable record in the store")
+                process = daemon.launcher.adopt(
+                    carried.id,
+                    carried.pid,
+                    carried.pid_start,
+                    carried.stdout,
+                    carried.stderr,
+                    carried.stdin,
+                )
+                if journal is not None:
+                    stdout_tail = carried.stdout_tail[-STDOUT_TAIL_BYTES:]
+                else:
+                    # Verified whole while clients wait in the backlog: a million entries
+                    # cost seconds of this reload (what carrying the journal spares).
+                    journal = await daemon.reader.open_journal(Path(path), writable=True)
+                    stdout_tail = journal.tail_bytes("stdout", STDOUT_TAIL_BYTES)
+            except (_NoRecord, OSError, JournalCorrupt) as exc:  # OSError: pid gone too
+                log.error("reload.cannot_adopt", worker=carried.id, pid=carried.pid, error=str(exc))
+                if process is not None:
+                    os.close(process.pidfd)  # its pipes are closed by _stop_unadoptable
+                if journal is not None:
+                    journal.release()
+                await _stop_unadoptable(daemon, carried)
+                stopped.append(carried.id)
+                continue
+            adopted.append((carried, process, journal, stdout_tail))
     await recover(
         daemon,
         carried=frozenset(c.id for c, _, _, _ in adopted),

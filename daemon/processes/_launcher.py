@@ -11,7 +11,8 @@ carries them), its output pipes, and the wait for its exit.
 
 from __future__ import annotations
 
-from collections.abc import Container, Mapping
+import contextlib
+from collections.abc import Container, Iterator, Mapping
 from typing import Protocol
 
 from .._logging import get_logger
@@ -52,6 +53,11 @@ class Launcher(Protocol):
         stdin: int | None = None,
     ) -> WorkerProcess:
         """Take over a worker a previous image started; ProcessLookupError if it is gone."""
+        ...
+
+    def adopting(self) -> contextlib.AbstractContextManager[None]:
+        """Around a reload's adoption of many workers (nothing spawned meanwhile): what
+        `adopt` looks up for each may be looked up once for all."""
         ...
 
     def term_leader(self, process: WorkerProcess) -> bool:
@@ -109,7 +115,7 @@ class LocalLauncher:
         self.graces = Graces()
         self.processes = ProcessTable()
         #: The workers' cgroups present, listed once for a reload's adoption of many (a
-        #: stat each was a quarter of adopting 1,000); forgotten once one is made or removed.
+        #: stat each was a quarter of adopting 1,000): only while `adopting`.
         self._present: frozenset[str] | None = None
 
     def _group(self, worker_id: str) -> WorkerCgroup | None:
@@ -120,9 +126,17 @@ class LocalLauncher:
         tree was found by scanning /proc)."""
         if self.cgroups is None:
             return None
-        if self._present is None:
-            self._present = self.cgroups.present()
-        return self.cgroups.worker(worker_id) if worker_id in self._present else None
+        group = self.cgroups.worker(worker_id)
+        present = worker_id in self._present if self._present is not None else group.exists()
+        return group if present else None
+
+    @contextlib.contextmanager
+    def adopting(self) -> Iterator[None]:
+        self._present = self.cgroups.present() if self.cgroups is not None else None
+        try:
+            yield
+        finally:
+            self._present = None
 
     async def start(
         self,
@@ -134,7 +148,6 @@ class LocalLauncher:
         stdin_path: str | None,
         stdin_open: bool = False,
     ) -> WorkerProcess:
-        self._present = None  # its cgroup is made here
         # On the event loop, not in a thread: a posix_spawn (vfork) costs less than the
         # hop to a thread and back (see _spawn), and blocks only until the exec.
         process = WorkerProcess.spawn(
@@ -207,7 +220,6 @@ class LocalLauncher:
 
     def released(self, process: WorkerProcess) -> None:
         if process.cgroup is not None:
-            self._present = None
             _remove(process.cgroup)
 
     async def sweep(self, live: Container[str]) -> None:
@@ -220,7 +232,6 @@ class LocalLauncher:
             if killed:
                 log.warning("cgroup.leftover_killed", cgroup=str(group.path), processes=killed)
             _remove(group)
-            self._present = None
 
     def close(self, *, anything_live: bool) -> None:
         if self.cgroups is not None and not anything_live:
