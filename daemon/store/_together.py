@@ -24,7 +24,6 @@ from ._store import Change, Store
 class _Handed:
     make: Callable[[], Change]
     before_commit: Callable[[], None] | None
-    change: Change | None = None
     written: trio.Event = field(default_factory=trio.Event)
     error: Exception | None = None
 
@@ -59,36 +58,35 @@ class GroupCommit:
 
     def _write(self, batch: list[_Handed]) -> None:
         try:
+            made: list[tuple[_Handed, Change]] = []
             for handed in batch:
                 try:
-                    handed.change = handed.make()
+                    made.append((handed, handed.make()))
                 except Exception as exc:
                     handed.error = exc
-            made = [h for h in batch if h.change is not None]
             try:
                 self._store.commit_all(
-                    [(h.change, h.before_commit) for h in made if h.change is not None],
+                    [(change, handed.before_commit) for handed, change in made],
                     self._what,
                     redo=True,
                 )
             except OSError as exc:  # the disk's: every change is kept, in order (redo)
-                for handed in made:
+                for handed, _ in made:
                     handed.error = exc
             except Exception as exc:
                 if len(made) == 1:
-                    made[0].error = exc
+                    made[0][0].error = exc
                 else:  # one change's fault rolled back all: each again, alone
                     self._write_alone(made)
         finally:
             for handed in batch:
                 handed.written.set()
 
-    def _write_alone(self, made: list[_Handed]) -> None:
-        for handed in made:
-            assert handed.change is not None
+    def _write_alone(self, made: list[tuple[_Handed, Change]]) -> None:
+        for handed, change in made:
             try:
                 self._store.commit(
-                    handed.change, self._what, before_commit=handed.before_commit, redo=True
+                    change, self._what, before_commit=handed.before_commit, redo=True
                 )
             except Exception as exc:
                 handed.error = exc
