@@ -320,6 +320,54 @@ async def test_a_stopped_leader_gets_one_term_while_the_rest_of_its_tree_is_foun
     assert (await tracked.status(worker.id)).state == "stopped"
 
 
+# A tree whose leader ignores TERM (its grace runs on) and whose two children end on it.
+# Each child sets TERM back to its default, then says its pid: not before, or a TERM
+# could come while the subshell still ignores it.
+_CHILD = "(trap - TERM; exec sh -c 'echo $$; exec sleep 600') &"
+_DEAF_LEADER = sh(f'trap "" TERM; {_CHILD} {_CHILD} while :; do wait; done')
+
+
+async def _stop_a_deaf_leader(tracking: DaemonProcess, *, spare: int | None) -> None:
+    """Spawn `_DEAF_LEADER` (grace 600 s), set the daemon's soft descriptor limit to
+    `spare` above what it holds (None: below it, so none can be opened), stop the worker
+    without waiting, give the limit back, and return once each child has ended: on its
+    TERM, since the grace is far off. The worker is still stopping then."""
+    assert tracking.proc is not None
+    daemon_pid = tracking.proc.pid
+    children: list[int] = []
+    limits = resource.prlimit(daemon_pid, resource.RLIMIT_NOFILE)
+    try:
+        with trio.fail_after(30):
+            async with AsyncClient(tracking.socket) as client:
+                worker = await client.spawn(_DEAF_LEADER, grace=600)
+                assert worker.pid is not None
+                children.append(worker.pid)  # killed at the end, with the rest
+                out = await follow_stdout(client, worker.id, lambda out: out.count(b"\n") == 2)
+                children += [int(pid) for pid in out.split()]
+                pins = [os.pidfd_open(pid) for pid in children[1:]]
+                try:
+                    held = len(os.listdir(f"/proc/{daemon_pid}/fd"))
+                    soft = 3 if spare is None else held + spare
+                    resource.prlimit(daemon_pid, resource.RLIMIT_NOFILE, (soft, limits[1]))
+                    assert await client.stop(worker.id, wait=False)
+                    if spare is None:
+                        resource.prlimit(daemon_pid, resource.RLIMIT_NOFILE, limits)
+                    for pin in pins:
+                        await trio.lowlevel.wait_readable(pin)
+                finally:
+                    for pin in pins:
+                        os.close(pin)
+                resource.prlimit(daemon_pid, resource.RLIMIT_NOFILE, limits)
+                view = await client.status(worker.id)
+                assert (view.state, view.stopping) == ("running", True), view
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            resource.prlimit(daemon_pid, resource.RLIMIT_NOFILE, limits)
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
 @pytest.mark.parametrize("tracking", ["cgroup"], indirect=True)
 async def test_a_stop_out_of_descriptors_still_terms_every_process_of_the_tree(
     tracking: DaemonProcess,
@@ -327,42 +375,8 @@ async def test_a_stop_out_of_descriptors_still_terms_every_process_of_the_tree(
     """A daemon with no descriptor to spare for a pidfd per process still TERMs each
     one at once, not only when the grace runs out (its leader through its own pidfd,
     the rest by the pid just read from the cgroup)."""
-    assert tracking.proc is not None
-    daemon_pid = tracking.proc.pid
-    # The leader ignores TERM (its grace runs on); its two children end on it.
-    # TERM at its default again, then its pid said: not before, or a TERM could come
-    # while the subshell still ignores it.
-    child = "(trap - TERM; exec sh -c 'echo $$; exec sleep 600') &"
-    tree = sh(f'trap "" TERM; {child} {child} while :; do wait; done')
-    children: list[int] = []
-    limits = resource.prlimit(daemon_pid, resource.RLIMIT_NOFILE)
-    try:
-        with trio.fail_after(30):
-            async with AsyncClient(tracking.socket) as client:
-                worker = await client.spawn(tree, grace=600)
-                assert worker.pid is not None
-                children.append(worker.pid)  # killed at the end, with the rest
-                out = await follow_stdout(client, worker.id, lambda out: out.count(b"\n") == 2)
-                children += [int(pid) for pid in out.split()]
-                # Room for two descriptors more: the leader's pin and one child's.
-                held = len(os.listdir(f"/proc/{daemon_pid}/fd"))
-                resource.prlimit(daemon_pid, resource.RLIMIT_NOFILE, (held + 2, limits[1]))
-                pins = [os.pidfd_open(pid) for pid in children[1:]]
-                try:
-                    assert await client.stop(worker.id, wait=False)
-                    for pin in pins:  # each ends on its TERM, long before the grace
-                        await trio.lowlevel.wait_readable(pin)
-                finally:
-                    for pin in pins:
-                        os.close(pin)
-                resource.prlimit(daemon_pid, resource.RLIMIT_NOFILE, limits)
-                assert (await client.status(worker.id)).stopping
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            resource.prlimit(daemon_pid, resource.RLIMIT_NOFILE, limits)
-        for pid in children:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+    # Room for two descriptors more: the leader's pin and one child's.
+    await _stop_a_deaf_leader(tracking, spare=2)
 
 
 @pytest.mark.parametrize("tracking", ["cgroup"], indirect=True)
@@ -374,40 +388,9 @@ async def test_a_stop_asked_with_no_descriptor_left_waits_for_one_then_terms_the
     once a descriptor is free again: the cgroup is read again until then, for up to a
     second (before, the read's EMFILE failed the worker's supervision at once: the tree
     was killed without its grace and the worker ended `failed`)."""
-    assert tracking.proc is not None
-    daemon_pid = tracking.proc.pid
-    child = "(trap - TERM; exec sh -c 'echo $$; exec sleep 600') &"  # as above
-    tree = sh(f'trap "" TERM; {child} {child} while :; do wait; done')
-    children: list[int] = []
-    limits = resource.prlimit(daemon_pid, resource.RLIMIT_NOFILE)
-    try:
-        with trio.fail_after(30):
-            async with AsyncClient(tracking.socket) as client:
-                worker = await client.spawn(tree, grace=600)
-                assert worker.pid is not None
-                children.append(worker.pid)
-                out = await follow_stdout(client, worker.id, lambda out: out.count(b"\n") == 2)
-                children += [int(pid) for pid in out.split()]
-                pins = [os.pidfd_open(pid) for pid in children[1:]]
-                try:
-                    # Below what it holds: no descriptor can be opened, however many a
-                    # thread of its own was holding a moment ago.
-                    resource.prlimit(daemon_pid, resource.RLIMIT_NOFILE, (3, limits[1]))
-                    assert await client.stop(worker.id, wait=False)
-                    resource.prlimit(daemon_pid, resource.RLIMIT_NOFILE, limits)
-                    for pin in pins:  # each ends on its TERM, long before the grace
-                        await trio.lowlevel.wait_readable(pin)
-                finally:
-                    for pin in pins:
-                        os.close(pin)
-                view = await client.status(worker.id)
-                assert (view.state, view.stopping) == ("running", True), view
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            resource.prlimit(daemon_pid, resource.RLIMIT_NOFILE, limits)
-        for pid in children:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+    # Below what it holds: no descriptor can be opened, however many a thread of its own
+    # was holding a moment ago; given back as soon as the stop is answered.
+    await _stop_a_deaf_leader(tracking, spare=None)
 
 
 def _procs(cgroup: Path) -> list[str]:
