@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import struct
+import subprocess
+import sys
 import time
 import zlib
 from pathlib import Path
@@ -15,6 +17,7 @@ from hypothesis import strategies as st
 
 from subagentd.daemon.lifecycle._carried import Carried
 from subagentd.daemon.processes._process import ENTRY_BYTES
+from subagentd.daemon.store._checksum import crc32
 from subagentd.daemon.store._journal import (
     CACHED_BYTES,
     INDEX_STRIDE,
@@ -194,6 +197,23 @@ def test_an_entry_is_written_byte_for_byte_as_its_whole_body_encodes(
         body = msgspec.msgpack.encode([seq, kind, at, data])
         expected += struct.pack(">II", len(body), zlib.crc32(body)) + body
     assert path.read_bytes() == expected
+
+
+@given(head=st.binary(max_size=300), data=st.binary(max_size=70_000))
+def test_the_journals_checksum_is_zlibs_crc32(head: bytes, data: bytes) -> None:
+    """ISA-L's sum (where installed) gives zlib's numbers, continued from a start as
+    `_record_head` continues it: journals written by either verify with the other."""
+    assert crc32(data, crc32(head)) == zlib.crc32(head + data)
+
+
+def test_without_isal_the_checksum_is_zlibs() -> None:
+    """The `fast` extra is optional: without python-isal the journal sums with zlib."""
+    probe = (
+        "import sys, zlib; sys.modules['isal'] = None; "
+        "from subagentd.daemon.store._checksum import crc32; "
+        "assert crc32 is zlib.crc32, crc32"
+    )
+    subprocess.run([sys.executable, "-c", probe], check=True, timeout=60)
 
 
 def test_a_shed_journal_reads_back_whole(tmp_path: Path) -> None:

@@ -29,7 +29,6 @@ import os
 import stat
 import struct
 import weakref
-import zlib
 from array import array
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
@@ -38,6 +37,7 @@ import msgspec
 
 from subagentd.protocol import Entry, EntryKind
 
+from ._checksum import crc32
 from ._files import SAFE_FLAGS, NotRegularFile, open_regular, short_write
 
 if TYPE_CHECKING:
@@ -304,7 +304,7 @@ class Journal:
     @staticmethod
     def _verify(body: bytes | memoryview, crc: int, seq: int | None) -> tuple[_Stored | None, str]:
         """The entry `body` holds if it is whole, and numbered `seq` (any, if None)."""
-        if zlib.crc32(body) != crc:
+        if crc32(body) != crc:
             return None, "checksum mismatch"
         try:
             stored = _decoder.decode(body)
@@ -531,7 +531,7 @@ def _record_head(seq: int, kind: EntryKind, at: float, data: bytes) -> bytes:
         start += _BIN16.pack(0xC5, size)
     else:
         start += _BIN32.pack(0xC6, size)
-    crc = zlib.crc32(data, zlib.crc32(start))
+    crc = crc32(data, crc32(start))
     return ENTRY_HEADER.pack(len(start) + size, crc) + start
 
 

@@ -7,7 +7,6 @@ hide, so none is given twice.
 from __future__ import annotations
 
 import os
-import zlib
 from pathlib import Path
 
 import msgspec
@@ -16,6 +15,7 @@ from subagentd.protocol import Wake
 
 from .._logging import get_logger
 from ..core._wakes import WakeQueue
+from ._checksum import crc32
 from ._files import NotRegularFile, read_regular
 from ._journal import ENTRY_HEADER
 from ._store import SEQ_SKIP_WITHOUT_FLOOR, Store
@@ -150,7 +150,7 @@ def _entry_at(
     if end > len(blob) or length == 0 or (limit is not None and length > limit):
         return None, end, False
     body = blob[offset + ENTRY_HEADER.size : end]
-    if zlib.crc32(body) != crc:
+    if crc32(body) != crc:
         return None, end, False
     try:
         return _decoder.decode(body), end, True
