@@ -20,6 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from subagentd.protocol import (
     default_config_path,
     default_socket_path,
@@ -32,6 +34,7 @@ from ._settings import DEFAULT_RELOAD_INTERVAL, Settings
 from .core._registry import DEFAULT_FINISHED_TTL, DEFAULT_KEEP_ARCHIVES_DAYS
 from .core._request_keys import DEFAULT_REQUEST_KEY_TTL
 from .lifecycle._checkpoint import READS_VERSIONS, Checkpoint, CheckpointUnreadable, read_checkpoint
+from .serving._listener import bound_for
 from .store._statedir import StateDirLocked, ensure_private_dir
 from .store._store import READS_VERSIONS as STORE_READS_VERSIONS
 from .store._store import StoreUnusable
@@ -165,6 +168,7 @@ def _take_over(path: Path, given: Callable[[], Settings], *, check_only: bool = 
     try:
         handoff = read_checkpoint(path)
         _check_its_place(handoff, path)
+        handoff = _its_socket(handoff)
     except CheckpointUnreadable as exc:
         configure_logging(given().log_format)
         # Without it this image knows neither its settings nor its descriptors: it
@@ -226,6 +230,28 @@ def _check_its_place(handoff: Checkpoint, path: Path) -> None:
         raise CheckpointUnreadable(
             f"{path} names the state dir {named}, not the one it lies in ({path.parent})"
         )
+
+
+def _its_socket(handoff: Checkpoint) -> Checkpoint:
+    """The checkpoint with the socket path the listening socket it hands over was made
+    for. A checkpoint rewritten in a worker's reach may name another file: serving it as
+    ours would tell workers a wrong path and, at exit, unlink that file. The socket
+    serves on either way; a path it cannot tell is kept, but never unlinked."""
+    if handoff.settings is None or not handoff.listen_owned:
+        return handoff  # activation: the service manager's file, never unlinked
+    named = handoff.settings.socket
+    try:
+        bound = bound_for(handoff.listen_fd)
+    except OSError:
+        return handoff  # no socket there: serve() says so
+    if bound == named:
+        return handoff
+    if bound is None:
+        log.error("reload.socket_unverified", socket=str(named), then="never unlinked")
+        return msgspec.structs.replace(handoff, listen_owned=False)
+    log.error("reload.socket_misnamed", named=str(named), bound_for=str(bound), then="serving it")
+    settings = msgspec.structs.replace(handoff.settings, socket=bound)
+    return msgspec.structs.replace(handoff, settings=settings)
 
 
 def _settings(args: argparse.Namespace) -> Settings:

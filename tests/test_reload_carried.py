@@ -4,6 +4,9 @@ the exec fails, exactly what it took given back."""
 
 from __future__ import annotations
 
+import fcntl
+import os
+import socket
 import subprocess
 from collections import Counter
 from pathlib import Path
@@ -15,7 +18,14 @@ import trio
 
 from subagentd import protocol as p
 from subagentd.client import AsyncClient
-from subagentd.daemon.lifecycle._checkpoint import CheckpointUnreadable, read_checkpoint
+from subagentd.daemon._settings import Settings
+from subagentd.daemon.lifecycle._checkpoint import (
+    Checkpoint,
+    CheckpointUnreadable,
+    read_checkpoint,
+    write_checkpoint,
+)
+from subagentd.daemon.serving._listener import bind_control_socket, bound_for
 from subagentd.protocol.errors import Refused
 
 from .conftest import BIN, DaemonProcess
@@ -221,3 +231,69 @@ def test_a_checkpoint_naming_a_state_dir_it_does_not_lie_in_is_not_followed(
     assert f"names the state dir {elsewhere}" in ran.stderr
     assert not elsewhere.exists()
     assert not daemon_dirs.socket.exists()
+
+
+def _handed_over(daemon_dirs: DaemonProcess, named_socket: Path) -> None:
+    """Start an image as a reload's exec would, handed a listening socket made for
+    `daemon_dirs.socket` and the locked state dir by a checkpoint naming `named_socket`."""
+    daemon_dirs.state_dir.mkdir(parents=True)
+    control = bind_control_socket(daemon_dirs.socket)
+    lock_fd = os.open(daemon_dirs.state_dir, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(lock_fd, fcntl.LOCK_EX)
+    listen_fd = control.sock.fileno()
+    settings = Settings(
+        socket=named_socket, state_dir=daemon_dirs.state_dir, config=daemon_dirs.config
+    )
+    checkpoint = daemon_dirs.state_dir / "checkpoint"
+    write_checkpoint(
+        checkpoint,
+        Checkpoint(
+            image_generation=1, reloads=0, listen_fd=listen_fd, lock_fd=lock_fd, live=[],
+            settings=settings,
+        ),
+    )  # fmt: skip
+    daemon_dirs.log_path = daemon_dirs.root / "daemon.log"
+    with open(daemon_dirs.log_path, "ab") as log:
+        daemon_dirs.proc = subprocess.Popen(
+            [str(BIN / "subagentd"), "--handoff", str(checkpoint)],
+            env=daemon_dirs.env,
+            pass_fds=(listen_fd, lock_fd),
+            stdout=log,
+            stderr=log,
+        )
+    control.sock.close()
+    os.close(lock_fd)
+
+
+async def test_a_checkpoint_naming_another_socket_file_neither_gives_it_out_nor_unlinks_it(
+    daemon_dirs: DaemonProcess, tmp_path: Path
+) -> None:
+    # Rewritten by a worker between a reload's write and its exec to name another file:
+    # the new image would tell its workers that path, and unlink that file at exit. It
+    # serves the socket it was handed under the path that socket was made for.
+    victim = tmp_path / "another-programs.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as other:
+        other.bind(str(victim))
+        _handed_over(daemon_dirs, victim)
+        with trio.fail_after(60):
+            async with AsyncClient(daemon_dirs.socket) as client:  # waits in the backlog
+                worker = await client.spawn(["sh", "-c", 'echo "at $SUBAGENTD_SOCKET"'])
+                seen = await wait_output(client, worker.id, b"\n")
+        assert seen == f"at {daemon_dirs.socket}\n".encode()
+        assert daemon_dirs.terminate() == 0
+        assert victim.exists()
+        assert not daemon_dirs.socket.exists()  # its own, unlinked as ever
+        assert "reload.socket_misnamed" in daemon_dirs.log()
+
+
+def test_the_socket_says_which_path_it_was_made_for(tmp_path: Path) -> None:
+    """`bound_for` reads the path back from the socket, never from a file: a socket bound
+    any other way (here, straight at its path) is one whose path it cannot tell."""
+    made = bind_control_socket(tmp_path / "run" / "s.sock")
+    with made.sock:
+        assert bound_for(made.sock.fileno()) == tmp_path / "run" / "s.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as plain:
+        plain.bind(str(tmp_path / "plain.sock"))
+        assert bound_for(plain.fileno()) is None
+    with open(tmp_path / "file", "wb") as file, pytest.raises(OSError, match="non-socket"):
+        bound_for(file.fileno())

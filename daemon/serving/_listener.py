@@ -66,7 +66,7 @@ def bind_control_socket(path: Path) -> ControlSocket:
         raise SocketInUse(
             f"a daemon already serves at {path}; stop it first or pass another --socket"
         )
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")  # what `bound_for` reads back
     with contextlib.suppress(FileNotFoundError):
         tmp.unlink()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -81,6 +81,24 @@ def bind_control_socket(path: Path) -> ControlSocket:
             tmp.unlink()
         raise
     return ControlSocket(sock, path)
+
+
+def bound_for(fd: int) -> Path | None:
+    """The path the listening socket `fd` was made for by `bind_control_socket`, read from
+    the socket itself: bound as `.NAME.PID` beside it, then renamed to NAME. None if its
+    bound name is not of that form. Raises OSError if `fd` is no socket."""
+    sock = socket.socket(fileno=fd)
+    try:
+        name = sock.getsockname()
+    finally:
+        sock.detach()
+    if not isinstance(name, str) or not name:
+        return None
+    bound = Path(name)
+    head, dot, pid = bound.name.rpartition(".")
+    if not (head.startswith(".") and len(head) > 1 and dot and pid.isdigit()):
+        return None
+    return bound.with_name(head[1:])
 
 
 def _answers(path: Path) -> bool:
