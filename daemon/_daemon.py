@@ -54,7 +54,8 @@ from .core._request_keys import (
 )
 from .lifecycle._resumable import frozen_agent, git_state
 from .processes._launcher import Launcher
-from .processes._process import DESCRIPTOR_ERRNOS, OutOfDescriptors, SpawnFailed
+from .processes._process import OutOfDescriptors, SpawnFailed
+from .processes._tree import DESCRIPTOR_ERRNOS
 from .store._archive import Archive, Snapshot, SpareArchives
 from .store._journal import Journal
 from .store._statedir import StateDir

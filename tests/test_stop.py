@@ -368,26 +368,28 @@ async def _stop_a_deaf_leader(tracking: DaemonProcess, *, spare: int | None) -> 
                 os.kill(pid, signal.SIGKILL)
 
 
-@pytest.mark.parametrize("tracking", ["cgroup"], indirect=True)
+@pytest.mark.parametrize("tracking", ["cgroup", "scan"], indirect=True)
 async def test_a_stop_out_of_descriptors_still_terms_every_process_of_the_tree(
     tracking: DaemonProcess,
 ) -> None:
     """A daemon with no descriptor to spare for a pidfd per process still TERMs each
     one at once, not only when the grace runs out (its leader through its own pidfd,
-    the rest by the pid just read from the cgroup)."""
+    the rest by the pid just read from the cgroup, or from /proc: a scan used to skip
+    every process it could not pin, and they ran on, TERM-less, for the whole grace)."""
     # Room for two descriptors more: the leader's pin and one child's.
     await _stop_a_deaf_leader(tracking, spare=2)
 
 
-@pytest.mark.parametrize("tracking", ["cgroup"], indirect=True)
+@pytest.mark.parametrize("tracking", ["cgroup", "scan"], indirect=True)
 async def test_a_stop_asked_with_no_descriptor_left_waits_for_one_then_terms_the_tree(
     tracking: DaemonProcess,
 ) -> None:
     """With not one descriptor to spare when the stop is asked, the leader still gets its
     TERM (through the pidfd it has held since its spawn), and the rest of the tree theirs
-    once a descriptor is free again: the cgroup is read again until then, for up to a
-    second (before, the read's EMFILE failed the worker's supervision at once: the tree
-    was killed without its grace and the worker ended `failed`)."""
+    once a descriptor is free again: the cgroup (or /proc) is read again until then, for
+    up to a second (before, the cgroup read's EMFILE failed the worker's supervision at
+    once: the tree was killed without its grace and the worker ended `failed`; a /proc
+    scan took the processes it could not read for gone)."""
     # Below what it holds: no descriptor can be opened, however many a thread of its own
     # was holding a moment ago; given back as soon as the stop is answered.
     await _stop_a_deaf_leader(tracking, spare=None)

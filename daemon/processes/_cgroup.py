@@ -29,7 +29,7 @@ from pathlib import Path
 import trio
 
 from .._logging import get_logger
-from ._tree import Graces
+from ._tree import DESCRIPTOR_ERRNOS, Graces, patiently
 
 log = get_logger()
 
@@ -37,9 +37,6 @@ log = get_logger()
 _FORK_LOCK = threading.Lock()
 #: How much of cgroup.procs one read asks for (a pid and its newline take at most 8 bytes).
 _PROCS_READ = 64 * 1024
-#: Out of descriptors, a cgroup is read again after this, for at most the patience.
-DESCRIPTOR_RETRY = 0.01
-DESCRIPTOR_PATIENCE = 1.0
 
 
 class CgroupsUnavailable(Exception):
@@ -282,21 +279,13 @@ async def end_cgroup(
 
 
 async def _members(group: WorkerCgroup) -> list[int]:
-    """`group.members()`, read again every DESCRIPTOR_RETRY seconds while the daemon has no
-    descriptor to read it with (EMFILE, ENFILE): a stop asked in a moment of exhaustion
-    waits for one rather than fail the worker's supervision. Not for good: after
-    DESCRIPTOR_PATIENCE the error is raised (the supervision fails, and its tree is
-    ended as a failure's is), since a daemon whose descriptors are all held by workers,
-    this one's among them, would otherwise wait on forever."""
-    waited = 0.0
-    while True:
-        try:
-            return group.members()
-        except OSError as exc:
-            if exc.errno not in (errno.EMFILE, errno.ENFILE) or waited >= DESCRIPTOR_PATIENCE:
-                raise
-        await trio.sleep(DESCRIPTOR_RETRY)
-        waited += DESCRIPTOR_RETRY
+    """`group.members()`, read `patiently` while the daemon has no descriptor to read it
+    with."""
+
+    async def read() -> list[int]:
+        return group.members()
+
+    return await patiently(read)
 
 
 def term(pidfd: int) -> None:
@@ -341,13 +330,13 @@ def _pinned(
                 else:
                     opened[pid] = os.pidfd_open(pid)
             except OSError as exc:  # gone already (found next pass), or out of fds
-                if exc.errno in (errno.EMFILE, errno.ENFILE):
+                if exc.errno in DESCRIPTOR_ERRNOS:
                     unpinned.append(pid)
         while others := [p for p in opened if leader is None or p != leader[0]]:
             try:
                 still = set(group.members())
             except OSError as exc:
-                if exc.errno not in (errno.EMFILE, errno.ENFILE):
+                if exc.errno not in DESCRIPTOR_ERRNOS:
                     still = {leader[0]} if leader is not None else set()  # pin none, look again
                 else:  # no descriptor left to read it with: give one pin back, go by pid
                     os.close(opened.pop(others[-1]))

@@ -24,7 +24,7 @@ import trio
 from ..store._files import open_regular
 from . import _spawn
 from ._cgroup import WorkerCgroup
-from ._tree import read_stat
+from ._tree import DESCRIPTOR_ERRNOS, read_stat
 
 if TYPE_CHECKING:
     from ..lifecycle._carried import Carried
@@ -40,7 +40,6 @@ PIPE_BYTES = 1024 * 1024
 
 
 #: What a call that makes a descriptor raises when the daemon has none to spare.
-DESCRIPTOR_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE})
 
 
 class SpawnFailed(Exception):
@@ -145,12 +144,16 @@ class WorkerProcess:
                 os.close(fd)
         # The child is ours and unreaped, so its pid cannot be recycled before
         # the pidfd pins it.
+        pidfd = -1
         try:
             pidfd = os.pidfd_open(pid)
+            stat = read_stat(pid)  # its start time: OSError only for want of a descriptor
         except OSError as exc:
             # Unwatchable, so it must not run on: end it before anyone relies on it.
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
+            if pidfd >= 0:
+                os.close(pidfd)
             for end in (out_r, err_r, stdin_w):
                 if end is not None:
                     os.close(end)
@@ -160,7 +163,6 @@ class WorkerProcess:
             if exc.errno in DESCRIPTOR_ERRNOS:
                 raise OutOfDescriptors(exc) from exc
             raise SpawnFailed(f"cannot watch {argv[0]!r} (pid {pid}): {exc}") from exc
-        stat = read_stat(pid)
         assert stat is not None, "an unreaped child always has a /proc entry"
         for end in (out_r, err_r, stdin_w):
             if end is not None:

@@ -7,22 +7,56 @@ the worker id they inherited in their environment (by which alone a tree
 whose leader is not known is found, see `end_marked`). Read straight from /proc:
 one read of /proc/PID/stat gives parent, group, session and start time
 together. Signals go through pidfds opened and then checked against the start
-time seen in the scan, so a recycled pid is never signalled.
+time seen in the scan, so a recycled pid is never signalled. Out of descriptors
+(EMFILE, ENFILE), a scan is not believed empty: it is made again until one is
+free (`patiently`), and a process found that no pidfd can be opened for is
+signalled by its pid.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import trio
 
 from .._logging import get_logger
 
 log = get_logger()
+
+T = TypeVar("T")
+
+#: The errors of a process with no descriptor to spare, or a system with none.
+DESCRIPTOR_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE})
+#: Out of descriptors, a read of a tree's processes is made again after this, for at
+#: most the patience.
+DESCRIPTOR_RETRY = 0.01
+DESCRIPTOR_PATIENCE = 1.0
+#: How soon a tree whose processes no descriptor was left to pin is scanned again.
+UNPINNED_LOOK_AGAIN = 0.05
+
+
+async def patiently(read: Callable[[], Awaitable[T]]) -> T:
+    """`read()`, made again every DESCRIPTOR_RETRY seconds while the daemon has no
+    descriptor to make it with: a stop asked in a moment of exhaustion waits for one
+    rather than fail the worker's supervision, or find no process to signal. Not for
+    good: after DESCRIPTOR_PATIENCE the error is raised (the supervision fails, and its
+    tree is ended as a failure's is), since a daemon whose descriptors are all held by
+    workers, this one's among them, would otherwise wait on forever."""
+    waited = 0.0
+    while True:
+        try:
+            return await read()
+        except OSError as exc:
+            if exc.errno not in DESCRIPTOR_ERRNOS or waited >= DESCRIPTOR_PATIENCE:
+                raise
+        await trio.sleep(DESCRIPTOR_RETRY)
+        waited += DESCRIPTOR_RETRY
 
 
 @dataclass(eq=False)
@@ -59,10 +93,14 @@ class ProcStat:
 
 
 def read_stat(pid: int) -> ProcStat | None:
+    """The process `pid` as /proc says now; None if it is gone. Raises OSError for want
+    of a descriptor (DESCRIPTOR_ERRNOS): a process unread is not a process gone."""
     # os.open/os.read, not open(): no file object per process on a hot path.
     try:
         fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
+    except OSError as exc:
+        if exc.errno in DESCRIPTOR_ERRNOS:
+            raise
         return None
     try:
         raw = os.read(fd, 4096)
@@ -90,10 +128,14 @@ def scan() -> dict[int, ProcStat]:
 
 
 def _carries(pid: int, marker: bytes) -> bool:
+    """Whether `pid` inherited `marker` in its environment; raises OSError for want of a
+    descriptor to read it with (as `read_stat`)."""
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
             return marker in f.read().split(b"\0")
-    except OSError:
+    except OSError as exc:
+        if exc.errno in DESCRIPTOR_ERRNOS:
+            raise
         return False
 
 
@@ -185,23 +227,41 @@ def _with_descendants(table: dict[int, ProcStat], roots: set[int]) -> list[ProcS
 
 
 class Pinned:
-    """Pidfds of processes checked to be the ones scanned; closed on exit."""
+    """Pidfds of processes checked to be the ones scanned, closed on exit; and the pids
+    of those no descriptor was left to pin (`unpinned`), which are signalled by pid."""
 
     def __init__(self, members: Iterable[ProcStat]) -> None:
         self.fds: list[int] = []
+        self._pids: list[int] = []  # each fd's
+        self.unpinned: list[int] = []
         for stat in members:
             try:
                 fd = os.pidfd_open(stat.pid)
-            except OSError:
-                continue  # already gone
-            now = read_stat(stat.pid)
+            except OSError as exc:
+                if exc.errno in DESCRIPTOR_ERRNOS:
+                    self.unpinned.append(stat.pid)
+                continue  # else gone already
+            try:
+                now = read_stat(stat.pid)
+            except OSError:  # no descriptor to check it with: by its pid, as the rest
+                os.close(fd)
+                self.unpinned.append(stat.pid)
+                continue
             if now is None or now.starttime != stat.starttime:
                 os.close(fd)  # the pid was recycled between the scan and the open
                 continue
             self.fds.append(fd)
+            self._pids.append(stat.pid)
 
-    def signal(self, sig: signal.Signals) -> None:
-        for fd in self.fds:
+    def signal(self, sig: signal.Signals, *, sent: set[int] | None = None) -> None:
+        """Send `sig` to each process (once per pid in `sent`: to some programs a second
+        TERM means "quit now"); to an unpinned one by its pid. The one risk, a pid freed
+        and reused in the moments since the scan, is taken only for those."""
+        for pid, fd in zip(self._pids, self.fds, strict=True):
+            if sent is not None:
+                if pid in sent:
+                    continue
+                sent.add(pid)
             try:
                 signal.pidfd_send_signal(fd, sig)
             except ProcessLookupError:
@@ -210,15 +270,27 @@ class Pinned:
                 # A setuid program the worker ran: not ours to signal. Only a
                 # cgroup (cgroup.kill) can end it; the stop goes on without it.
                 log.warning("tree.cannot_signal", pidfd=fd, signal=sig.name)
+        for pid in self.unpinned:
+            if sent is not None:
+                if pid in sent:
+                    continue
+                sent.add(pid)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
 
     async def wait_exited(self) -> None:
+        """Until every pinned process has exited; a moment only if none is pinned (the
+        caller scans again), so no wait spins without yielding."""
         for fd in self.fds:
             await trio.lowlevel.wait_readable(fd)
+        if self.unpinned and not self.fds:
+            await trio.sleep(UNPINNED_LOOK_AGAIN)
 
     def close(self) -> None:
         for fd in self.fds:
             os.close(fd)
         self.fds.clear()
+        self._pids.clear()
 
     def __enter__(self) -> Pinned:
         return self
@@ -260,19 +332,22 @@ async def end_marked(processes: ProcessTable, worker_id: str, grace: float) -> i
 async def _end_all(
     find: Callable[[], Awaitable[list[ProcStat]]], grace: float, graces: Graces | None
 ) -> int:
-    members = await find()
-    with Pinned(members) as pinned:
-        pinned.signal(signal.SIGTERM)
-        with (graces or Graces()).period(grace):
-            await pinned.wait_exited()
+    termed: set[int] = set()
+    with (graces or Graces()).period(grace):
+        # Scanned again once each wave has exited: what was forked meanwhile, and what no
+        # descriptor was left to pin, get their TERM too.
+        while members := [m for m in await patiently(find) if m.state != "Z"]:
+            with Pinned(members) as pinned:
+                pinned.signal(signal.SIGTERM, sent=termed)
+                await pinned.wait_exited()
     killed = 0
     for _ in range(10):
-        members = [m for m in await find() if m.state != "Z"]
+        members = [m for m in await patiently(find) if m.state != "Z"]
         if not members:
             break
         with Pinned(members) as pinned:
             pinned.signal(signal.SIGKILL)
-            killed += len(pinned.fds)
+            killed += len(pinned.fds) + len(pinned.unpinned)
             with trio.move_on_after(1.0):
                 await pinned.wait_exited()
     return killed
