@@ -340,6 +340,7 @@ async def _end_all(
             with Pinned(members) as pinned:
                 pinned.signal(signal.SIGTERM, sent=termed)
                 await pinned.wait_exited()
+        return 0  # all gone within the grace: the scan that said so is the last
     killed = 0
     for _ in range(10):
         members = [m for m in await patiently(find) if m.state != "Z"]
