@@ -74,20 +74,6 @@ log = get_logger()
 RELOAD_RETRY = 0.2
 #: What a spawn refused for want of file descriptors is told to wait.
 DESCRIPTORS_RETRY = 1.0
-#: Fault injection for the tests of the fault boundaries, read once at start:
-#: SUBAGENTD_FAULT="point:target,...". `ending:N`, `pump:N` and `record:N` raise in the
-#: supervision of a worker named N (as its ending begins, once a chunk of its output is
-#: journaled, inside its ending's transaction: rolled back), `expire:N` as its handle expires,
-#: `die-in-ending:N` kills the daemon (SIGKILL) inside the ending's transaction of the
-#: Nth worker to end (counted from 1 in this daemon's life),
-#: `resume:N` as a resume of it has reopened its record;
-#: `reload:early` raises as the first reload begins;
-#: `lose-answer:N` reloads the daemon (SIGHUP to itself) once a spawn of a worker named N
-#: is written down and started, and never sends that spawn's answer: the reload's pause
-#: ends the request, as when an answer is lost in a reload;
-#: `die-before-start-written:N` kills the daemon (SIGKILL) once a worker named N runs and
-#: its spawn is answered, before its start (pid, journal entry) is written down.
-FAULT_ENV = "SUBAGENTD_FAULT"
 #: How often, and how many times, `lose-answer` asks for its reload (one refused `busy`,
 #: the last reload a moment ago, is asked again).
 LOSE_ANSWER_EVERY = 0.25
@@ -109,12 +95,6 @@ class InjectedFault(Exception):
     """Raised where SUBAGENTD_FAULT asks: a stand-in for any unexpected exception."""
 
 
-def read_faults(spec: str) -> frozenset[tuple[str, str]]:
-    """The (point, target) pairs of a SUBAGENTD_FAULT value."""
-    pairs = (item.partition(":") for item in spec.split(","))
-    return frozenset((point, target) for point, _, target in pairs if point)
-
-
 class Daemon:
     def __init__(
         self,
@@ -130,7 +110,7 @@ class Daemon:
         faults: frozenset[tuple[str, str]] = frozenset(),
     ) -> None:
         self.state_dir = state_dir
-        #: Where to raise InjectedFault (see FAULT_ENV); empty but in tests.
+        #: Where to raise InjectedFault (see _settings.FAULT_ENV); empty but in tests.
         self.faults = faults
         #: How workers' processes are started and their trees ended (the port).
         self.launcher = launcher

@@ -30,7 +30,7 @@ from subagentd.protocol import (
 )
 
 from ._logging import configure_logging, get_logger
-from ._settings import DEFAULT_RELOAD_INTERVAL, Settings
+from ._settings import DEFAULT_RELOAD_INTERVAL, FAULT_ENV, Settings, read_faults
 from .core._registry import DEFAULT_FINISHED_TTL, DEFAULT_KEEP_ARCHIVES_DAYS
 from .core._request_keys import DEFAULT_REQUEST_KEY_TTL
 from .lifecycle._checkpoint import READS_VERSIONS, Checkpoint, CheckpointUnreadable, read_checkpoint
@@ -288,6 +288,9 @@ def check(settings: Settings) -> int:
         ensure_private_dir(settings.state_dir)
     except OSError as exc:
         problems.append(f"state dir {settings.state_dir}: {exc}")
+    if ("check", "hold") in read_faults(os.environ.get(FAULT_ENV, "")):
+        with open(settings.state_dir / "hold-check", "rb") as fifo:  # until its writer closes
+            fifo.read()
     print(f"subagentd {package_version()}")
     print(f"config: {settings.config} ({len(agents)} agents)")
     print(f"state dir: {settings.state_dir}")

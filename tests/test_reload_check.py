@@ -17,8 +17,8 @@ from subagentd import protocol as p
 from subagentd.client import AsyncClient
 
 from .conftest import DaemonProcess
+from .helpers import RawConnection, sh, wait_output
 from .helpers import reload_on_own_connection as reload
-from .helpers import sh, wait_output
 
 
 def checks(daemon: DaemonProcess) -> list[str]:
@@ -109,3 +109,40 @@ async def test_a_broken_config_refuses_a_reload_into_the_same_image(
         reply = await reload(daemon)
         assert isinstance(reply, p.ReloadReply), reply
         assert checks(daemon) == ["image unchanged: config and state dir checked in place"]
+
+
+@pytest.mark.parametrize("touched", ["subagentd.daemon.lifecycle._reload"], indirect=True)
+async def test_a_spawn_while_the_check_child_runs_is_answered_not_told_reloading(
+    daemon_dirs: DaemonProcess, touched: Path
+) -> None:
+    """The check runs before the fence: the old image serves on meanwhile, spawns
+    included (they were refused `reloading` for the child's few hundred ms)."""
+    daemon_dirs.start(env={"SUBAGENTD_FAULT": "check:hold"})
+    hold = daemon_dirs.state_dir / "hold-check"
+    os.mkfifo(hold)
+    os.utime(touched)  # the image on disk changed: the reload runs its --check child
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            replies: list[p.Reply] = []
+
+            async def reload_and_keep() -> None:
+                replies.append(await reload(daemon_dirs))
+
+            nursery.start_soon(reload_and_keep)
+            # Opened once the child holds its read end; it reads until this end closes.
+            holding = await trio.to_thread.run_sync(os.open, hold, os.O_WRONLY)
+            try:
+                conn = await RawConnection.open(daemon_dirs.socket)
+                async with conn.stream:
+                    await conn.send(p.Spawn(id=2, argv=sh("echo up; sleep 600")))
+                    spawned = await conn.receive()
+                assert isinstance(spawned, p.WorkerReply), spawned
+            finally:
+                os.close(holding)
+        [reply] = replies
+        assert isinstance(reply, p.ReloadReply), reply
+        assert reply.carried_live == 1
+        [how] = checks(daemon_dirs)
+        assert how.startswith("--check in a child: "), how
+        async with AsyncClient(daemon_dirs.socket) as client:
+            await client.stop(spawned.worker.id)

@@ -31,6 +31,7 @@ import gc
 import math
 import os
 import signal
+import subprocess
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractAsyncContextManager
@@ -47,6 +48,7 @@ from subagentd.protocol.errors import Busy, ErrorCode, Refused
 from .._daemon import Daemon
 from .._logging import get_logger
 from .._settings import Settings
+from ..processes._cgroup import outside_workers
 from ..processes._process import WorkerProcess, reap
 from ..serving._listener import ControlSocket
 from ..serving._notify import monotonic_usec, notify
@@ -189,14 +191,13 @@ class Reloader:
         """Check, pause, exec. Each step that changes something is a scope that undoes it
         if what follows fails, so a failure undoes exactly what was done."""
         daemon = self.daemon
+        daemon.fault("reload", "early", once=True)
+        # Before the fence: the old image serves on, spawns too, while a changed image's
+        # --check child runs (a few hundred ms).
+        log.info("reload.checking")
+        how = await self._check_new_image()
         daemon.reloading = True
         try:
-            daemon.fault("reload", "early", once=True)
-            # A spawn in flight may have the daemon standing in its worker's
-            # cgroup to fork it: the check's child must not be born there.
-            await daemon.supervisor.launches_settled()
-            log.info("reload.checking")
-            how = await self._check_new_image()
             if self.no_carry:
                 attempt.stopped_by_reload = await self._stop_uncarriable()
             log.info("reload.checked", check=how)
@@ -257,14 +258,21 @@ class Reloader:
             "--socket",
             str(settings.socket),
         )
-        with trio.move_on_after(CHECK_TIMEOUT) as timer:
-            result = await trio.run_process(
-                command, capture_stdout=True, capture_stderr=True, check=False
-            )
+        # Forked in a thread while spawns go on: never while the daemon stands in a
+        # worker's cgroup to fork that worker (the check would be born in it).
+        child = await trio.to_thread.run_sync(_start_check, command)
+        try:
+            with trio.move_on_after(CHECK_TIMEOUT) as timer:
+                stdout, stderr = await trio.to_thread.run_sync(
+                    child.communicate, abandon_on_cancel=True
+                )
+        finally:
+            if child.returncode is None:
+                child.kill()  # the abandoned communicate() then reaps it
         if timer.cancelled_caught:
             raise Refused(f"the new image's --check did not finish within {CHECK_TIMEOUT} s")
-        if result.returncode != 0:
-            said = result.stderr.decode(errors="replace").strip()
+        if child.returncode != 0:
+            said = stderr.decode(errors="replace").strip()
             errors = [
                 line.removeprefix("error: ")
                 for line in said.splitlines()
@@ -272,7 +280,7 @@ class Reloader:
             ]
             raise Refused(f"the new image refuses this reload: {'; '.join(errors) or said}")
         # The new image just reopens the store: it must read the schema in use.
-        said = result.stdout.decode(errors="replace")
+        said = stdout.decode(errors="replace")
         refusal = image_refusal(said, self.daemon.store.version)
         if refusal is not None:
             raise Refused(refusal)
@@ -572,6 +580,14 @@ async def adopt(
     daemon.image_generation = checkpoint.image_generation + 1
     daemon.reloads = checkpoint.reloads + 1
     return len(daemon.supervisor), stopped
+
+
+def _start_check(command: list[str]) -> subprocess.Popen[bytes]:
+    """The new image's --check, started (in a thread) outside every worker's cgroup."""
+    with outside_workers():
+        return subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
 
 
 class _NoRecord(Exception):

@@ -20,9 +20,9 @@ import trio
 from subagentd.protocol import package_version
 from subagentd.protocol.errors import RemoteError
 
-from .._daemon import FAULT_ENV, Daemon, read_faults
+from .._daemon import Daemon
 from .._logging import get_logger
-from .._settings import Settings
+from .._settings import FAULT_ENV, Settings, read_faults
 from ..processes._cgroup import Cgroups, CgroupsUnavailable
 from ..processes._launcher import LocalLauncher
 from ..serving._listener import ControlSocket, activated_socket, bind_control_socket

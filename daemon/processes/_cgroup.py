@@ -39,6 +39,14 @@ _FORK_LOCK = threading.Lock()
 _PROCS_READ = 64 * 1024
 
 
+@contextlib.contextmanager
+def outside_workers() -> Iterator[None]:
+    """What a thread forks inside this block is born where the daemon lives: no worker's
+    fork stands in its cgroup meanwhile (`WorkerCgroup.born_in` waits for it)."""
+    with _FORK_LOCK:
+        yield
+
+
 class CgroupsUnavailable(Exception):
     """No cgroup of ours to put workers in; the message says why."""
 
