@@ -198,6 +198,9 @@ class Reloader:
         how = await self._check_new_image()
         daemon.reloading = True
         try:
+            # Every launch in flight (a run's resume holds one for all its heads) is
+            # waited for, however long: the fence refuses new ones meanwhile.
+            await daemon.supervisor.launches_settled()
             if self.no_carry:
                 attempt.stopped_by_reload = await self._stop_uncarriable()
             log.info("reload.checked", check=how)

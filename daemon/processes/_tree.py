@@ -329,6 +329,17 @@ async def end_marked(processes: ProcessTable, worker_id: str, grace: float) -> i
     return await _end_all(find, grace, None)
 
 
+def _running(stat: ProcStat) -> bool:
+    """Whether a process found still runs: a zombie has exited, unless only its main
+    thread has (pthread_exit) and others run on, which a signal still ends."""
+    if stat.state != "Z":
+        return True
+    try:
+        return len(os.listdir(f"/proc/{stat.pid}/task")) > 1
+    except OSError:
+        return False
+
+
 async def _end_all(
     find: Callable[[], Awaitable[list[ProcStat]]], grace: float, graces: Graces | None
 ) -> int:
@@ -336,14 +347,14 @@ async def _end_all(
     with (graces or Graces()).period(grace):
         # Scanned again once each wave has exited: what was forked meanwhile, and what no
         # descriptor was left to pin, get their TERM too.
-        while members := [m for m in await patiently(find) if m.state != "Z"]:
+        while members := [m for m in await patiently(find) if _running(m)]:
             with Pinned(members) as pinned:
                 pinned.signal(signal.SIGTERM, sent=termed)
                 await pinned.wait_exited()
         return 0  # all gone within the grace: the scan that said so is the last
     killed = 0
     for _ in range(10):
-        members = [m for m in await patiently(find) if m.state != "Z"]
+        members = [m for m in await patiently(find) if _running(m)]
         if not members:
             break
         with Pinned(members) as pinned:
