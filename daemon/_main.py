@@ -242,7 +242,7 @@ def _its_socket(handoff: Checkpoint) -> Checkpoint:
     named = handoff.settings.socket
     try:
         bound = bound_for(handoff.listen_fd)
-    except OSError:
+    except (OSError, ValueError):  # ValueError: a negative descriptor
         return handoff  # no socket there: serve() says so
     if bound == named:
         return handoff

@@ -257,11 +257,18 @@ class Pinned:
         """Send `sig` to each process (once per pid in `sent`: to some programs a second
         TERM means "quit now"); to an unpinned one by its pid. The one risk, a pid freed
         and reused in the moments since the scan, is taken only for those."""
+
+        def first_time(pid: int) -> bool:
+            if sent is None:
+                return True
+            if pid in sent:
+                return False
+            sent.add(pid)
+            return True
+
         for pid, fd in zip(self._pids, self.fds, strict=True):
-            if sent is not None:
-                if pid in sent:
-                    continue
-                sent.add(pid)
+            if not first_time(pid):
+                continue
             try:
                 signal.pidfd_send_signal(fd, sig)
             except ProcessLookupError:
@@ -270,11 +277,7 @@ class Pinned:
                 # A setuid program the worker ran: not ours to signal. Only a
                 # cgroup (cgroup.kill) can end it; the stop goes on without it.
                 log.warning("tree.cannot_signal", pidfd=fd, signal=sig.name)
-        for pid in self.unpinned:
-            if sent is not None:
-                if pid in sent:
-                    continue
-                sent.add(pid)
+        for pid in filter(first_time, self.unpinned):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, sig)
 
