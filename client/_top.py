@@ -23,13 +23,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import signal
 import sys
 import termios
 import time
 import tty
-import unicodedata
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -40,7 +38,9 @@ import trio
 from subagentd.protocol import TERMINAL_STATES, Entry, Page, WorkerView
 from subagentd.protocol.errors import NotFound, RemoteError, TransportError
 
+from . import _text
 from ._async import AsyncClient
+from ._text import ESCAPE
 
 if TYPE_CHECKING:
     from rich.console import Console, RenderableType
@@ -66,18 +66,11 @@ ENDED_KEPT = 50
 FOLLOW_LINES = 500
 
 _OUTPUT = ("stdout", "stderr")
-# CSI (colours, cursor moves), OSC (titles, hyperlinks: to BEL or ST), and any other ESC pair.
-_ESCAPE = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]?|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?|\x1b.?", re.S)
-# Control, format (bidi overrides, zero-width), separators, surrogates, private use, unassigned.
-_UNPRINTABLE = {"Cc", "Cf", "Zl", "Zp", "Cs", "Co", "Cn"}
 
 
 def printable(text: str, limit: int = LINE_CHARS) -> str:
-    """`text` as it may reach a terminal: escape sequences removed, a tab as a space,
-    any other control or formatting character as ``?``; at most `limit` characters."""
-    text = _ESCAPE.sub("", text[: limit * 4]).replace("\t", " ")
-    kept = ["?" if unicodedata.category(char) in _UNPRINTABLE else char for char in text[:limit]]
-    return "".join(kept)
+    """`text` as it may reach a terminal (`_text.printable`), at most `limit` characters."""
+    return _text.printable(text, limit)
 
 
 def last_line(entries: Sequence[Entry]) -> str | None:
@@ -477,7 +470,7 @@ def keys(data: str) -> Iterator[str]:
             yield _SEQUENCES[known]
             at += len(known)
         elif data[at] == "\x1b" and at + 1 < len(data) and data[at + 1] in "[O":
-            end = _ESCAPE.match(data, at)
+            end = ESCAPE.match(data, at)
             at = end.end() if end else len(data)
         else:
             yield "escape" if data[at] == "\x1b" else data[at]
