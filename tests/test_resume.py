@@ -163,7 +163,7 @@ async def test_resume_run_restarts_the_highest_unfinished_workers(daemon: Daemon
             assert (await client.status(child.id)).state == "stopped"
             with pytest.raises(RunStopped):  # a resume carries workers on, not the run
                 await client.spawn(["true"], run=run)
-            await client.request(p.ReopenRun(id=0, run=run))
+            await client.reopen_run(run)
             await client.spawn(["true"], run=run)  # started again, explicitly
             await client.stop_run(run)
         async with AsyncClient(daemon.socket) as client:

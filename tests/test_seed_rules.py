@@ -13,7 +13,7 @@ import pytest
 import trio
 
 from subagentd import protocol as p
-from subagentd.client import AsyncClient, NotFound, RunStopped
+from subagentd.client import AsyncClient, Client, NotFound, RunStopped
 from subagentd.protocol.errors import Refused
 
 from .conftest import BIN, DaemonProcess
@@ -114,11 +114,11 @@ async def test_reopen_run_starts_a_stopped_run_again_nested_ones_with_it(
             inner = await client.new_run(outer=outer)
             await client.stop_run(outer)
             with pytest.raises(RunStopped, match=f"nested in run {outer}"):
-                await client.request(p.ReopenRun(id=0, run=inner))
+                await client.reopen_run(inner)
             with pytest.raises(NotFound):
-                await client.request(p.ReopenRun(id=0, run="r-nope"))
-            assert isinstance(await client.request(p.ReopenRun(id=0, run=outer)), p.Done)
-            await client.request(p.ReopenRun(id=0, run=outer))  # not stopped: done, nothing
+                await client.reopen_run("r-nope")
+            await client.reopen_run(outer)
+            await client.reopen_run(outer)  # not stopped: done, nothing to do
             for run in (outer, inner):
                 worker = await client.spawn(["true"], run=run)
                 assert (await client.wait(worker.id)).state == "finished"
@@ -136,6 +136,11 @@ async def test_reopen_run_starts_a_stopped_run_again_nested_ones_with_it(
             assert stopped_again.is_set()
 
 
+def _reopen_blocking(daemon: DaemonProcess, run: str) -> None:
+    with Client(daemon.socket, timeout=30) as blocking:
+        blocking.reopen_run(run)
+
+
 async def test_a_runs_stop_outlives_a_resume_and_a_crash_and_its_reopening_does_too(
     daemon: DaemonProcess,
 ) -> None:
@@ -147,7 +152,7 @@ async def test_a_runs_stop_outlives_a_resume_and_a_crash_and_its_reopening_does_
             await client.stop_run(kept)
             await client.stop_run(reopened)
             await client.resume(worker.id)
-            await client.request(p.ReopenRun(id=0, run=reopened))
+        await trio.to_thread.run_sync(_reopen_blocking, daemon, reopened)  # the twin, likewise
         daemon.kill()
         await trio.to_thread.run_sync(daemon.start)
         async with AsyncClient(daemon.socket) as client:
