@@ -341,3 +341,19 @@ async def test_a_worker_finds_the_daemons_subagentctl_though_the_path_it_got_lac
         info = json.loads(out.split("\n", 1)[1].rsplit("rc=", 1)[0])
         assert info["protocol"] == p.PROTOCOL_VERSION
     assert "its own subagentctl\n" in own_out  # its PATH wins: the daemon's comes last
+
+
+@pytest.mark.parametrize(
+    ("run", "code"),
+    [("", "not_found"), ("r" * 257, "invalid"), (5, "invalid"), (None, "invalid")],
+)
+async def test_a_hostile_run_to_reopen_is_refused_and_the_daemon_serves_on(
+    daemon: DaemonProcess, run: object, code: str
+) -> None:
+    with trio.fail_after(30):
+        reply = await ask_raw(daemon, {"op": "reopen_run", "id": 2, "run": run})
+        assert isinstance(reply, p.Error), reply
+        assert (reply.id, reply.code) == (2, code), reply
+        if code == "invalid":
+            assert "$.run" in reply.message
+        assert isinstance(await ask(daemon, p.Info(id=0)), p.InfoReply)
