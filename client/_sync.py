@@ -25,6 +25,7 @@ from subagentd.protocol import (
     GrepResult,
     Page,
     ReloadReply,
+    ReopenRun,
     Reply,
     Request,
     ResumableRun,
@@ -206,6 +207,12 @@ class Client:
         """A new live attempt of a run: its highest unfinished workers carry on; answers them
         (each with ``changed``, as `resume`)."""
         return self._call(_core.resume_run(run_id))
+
+    def reopen_run(self, run_id: str) -> None:
+        """Start a stopped run again: it and the runs nested in it take spawns once more.
+        A resume never does (stopping is one-way); this is the explicit way back.
+        `RunStopped` while a run it is nested in is stopped, `NotFound` for an unknown run."""
+        self.request(ReopenRun(id=0, run=run_id))
 
     def latest_resumable(self, cwd: str | os.PathLike[str] | None = None) -> ResumableRun:
         """The newest run started in ``cwd`` (default: this process's; however named: it is

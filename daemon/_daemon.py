@@ -61,7 +61,7 @@ from .store._journal import Journal
 from .store._statedir import StateDir
 from .store._store import STORE_NAME, Change, LaunchState, Store
 from .workers._agents import AgentDef, ConfigError, load_agents
-from .workers._command import Launch, inherited_env, resolve
+from .workers._command import Launch, inherited_env, own_bin_dir, resolve
 from .workers._endings import Endings
 from .workers._mailbox import Mailbox
 from .workers._reader import Reader
@@ -197,6 +197,8 @@ class Daemon:
         self._spares_wanted = trio.Event()
         #: What every worker inherits of the daemon's environment (read once: it never changes).
         self.inherited_env = inherited_env(os.environ)
+        #: The daemon's own bin directory, put last on every worker's PATH (`subagentctl`).
+        self.tools = own_bin_dir()
         #: Set and replaced whenever something happens that idle exit must notice.
         self.activity = trio.Event()
         self.load_config()
@@ -315,6 +317,7 @@ class Daemon:
             config_path=self.config_path,
             config_error=self.config_error,
             inherited=self.inherited_env,
+            tools=self.tools,
         )
         if request.parent is not None and not self.registry.holds(request.parent):
             ended = self.reader.lookup(request.parent)  # released: it has ended
@@ -677,6 +680,21 @@ class Daemon:
                 event.set()
         log.info("run.stop_asked", run=run_id, stopped=stopped, already=already)
         return Stopping(stopped=stopped, already=already)
+
+    def reopen_run(self, run_id: str) -> list[str]:
+        """Start a stopped run again (and the runs nested in it): the one way a stop is
+        undone. Written before it is answered; a store that cannot take it leaves them
+        stopped."""
+        opened = self.registry.reopen_run(run_id)
+        if opened:
+            try:
+                self.save_runs(opened)
+            except BaseException:
+                for run in opened:
+                    self.registry.run(run).stopped = True
+                raise
+        log.info("run.reopened", run=run_id, opened=opened)
+        return opened
 
     async def wait_run_ended(self, run_id: str) -> None:
         """Return once every live worker of a run (and of the runs nested in it) has ended

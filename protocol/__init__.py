@@ -58,6 +58,7 @@ from ._messages import OutputKind as OutputKind
 from ._messages import Page as Page
 from ._messages import Reload as Reload
 from ._messages import ReloadReply as ReloadReply
+from ._messages import ReopenRun as ReopenRun
 from ._messages import Reply as Reply
 from ._messages import Request as Request
 from ._messages import ResultReply as ResultReply

@@ -652,8 +652,10 @@ class WaitRunStopped(Request[Done], tag="wait_run_stopped"):
 class Resume(Request[WorkerReply], tag="resume"):
     """Carry an ended (not finished) worker on from its snapshot: same id, next attempt.
 
-    Only ``timeout`` may be given again; ``input``, ``argv`` or ``model`` are
-    refused with `frozen` (the snapshot holds what the worker was given).
+    Only ``timeout`` may be given again. Every other field a spawn takes is declared here
+    only to be refused by name with `frozen` when given (the snapshot holds what the
+    worker was given, its record where it belongs): left undeclared, it would be an
+    unknown key, which a decoder ignores, and the resume would go ahead without it.
     """
 
     worker: Id
@@ -661,14 +663,32 @@ class Resume(Request[WorkerReply], tag="resume"):
     input: Input | None = None
     argv: Argv | None = None
     model: Name | None = None
+    env: Env | None = None
+    cwd: PathText | None = None
+    grace: Grace | None = None
+    agent: Name | None = None
+    name: Name | None = None
+    run: Id | None = None
+    parent: Id | None = None
+    stdin_open: bool | None = None
     #: As `Spawn.key`: a repeat answers the attempt the first one started.
     key: RequestKey | None = None
 
     for_workers = True
     again_after_reloading = True
 
+    #: The fields refused when given: all but `worker`, `timeout` and `key`.
+    FROZEN: ClassVar[tuple[str, ...]] = (
+        "input", "argv", "model", "env", "cwd", "grace", "agent", "name", "run", "parent",
+        "stdin_open",
+    )  # fmt: skip
+
     def resendable(self) -> bool:
         return self.key is not None
+
+    def given_again(self) -> list[str]:
+        """The fields given that only a spawn takes, in declaration order."""
+        return [field for field in self.FROZEN if getattr(self, field) is not None]
 
 
 class ResumeRun(Request[WorkerList], tag="resume_run"):
@@ -677,6 +697,16 @@ class ResumeRun(Request[WorkerList], tag="resume_run"):
     run: Id
 
     again_after_reloading = True
+
+
+class ReopenRun(Request[Done], tag="reopen_run"):
+    """Start a stopped run again: it and the runs nested in it take spawns once more.
+
+    The one way a stop is undone: a resume (`resume`, `resume_run`) carries workers on
+    and leaves their stopped run refusing every spawn but the resumed workers' own.
+    """
+
+    run: Id
 
 
 class LatestResumable(Request[Latest], tag="latest_resumable"):
@@ -757,6 +787,7 @@ ClientMessage = (
     | Reload
     | Resume
     | ResumeRun
+    | ReopenRun
     | LatestResumable
     | Grep
     | WaitFor

@@ -85,6 +85,7 @@ KEPT_FROM_WORKERS: list[p.ClientMessage] = [
     p.ClearFence(id=1),
     p.Reload(id=1),
     p.ResumeRun(id=1, run="r-1"),
+    p.ReopenRun(id=1, run="r-1"),
     p.LatestResumable(id=1, cwd="/src"),
 ]
 ANY_WORKER_MAY: list[p.ClientMessage] = [

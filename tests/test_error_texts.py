@@ -169,6 +169,8 @@ async def _user_refusals(conn: RawConnection, refusals: Refusals, daemon: Daemon
     await ask(conn, "resume_run: unknown", p.ResumeRun(id=0, run="r-nope"))
     await ask(conn, "resume_run: live", p.ResumeRun(id=0, run=running.run))
     await ask(conn, "resume_run: ended well", p.ResumeRun(id=0, run=finished.run))
+    await ask(conn, "resume: env again", p.Resume(id=0, worker=stopped.id, env={"A": "1"}))
+    await ask(conn, "reopen_run: unknown", p.ReopenRun(id=0, run="r-nope"))
     await ask(conn, "latest_resumable: none", p.LatestResumable(id=0, cwd="/no/such/dir"))
     await ask(conn, "hello: a second", p.Hello(id=0))
 
@@ -222,6 +224,7 @@ async def _worker_refusals(
             p.ClearFence(id=0),
             p.Reload(id=0),
             p.ResumeRun(id=0, run=boss.run),
+            p.ReopenRun(id=0, run=boss.run),
             p.LatestResumable(id=0, cwd="/"),
         ]
         assert {type(r) for r in kept_from_workers} == {

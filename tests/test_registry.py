@@ -150,8 +150,10 @@ def test_holds_park_until_every_result_is_collected() -> None:
 
 
 class RegistryMachine(RuleBasedStateMachine):
-    """Any interleaving of spawns, stops, run stops and endings keeps the stop
-    promises: nothing in a stopped scope is left running, nothing outside it is touched."""
+    """Any interleaving of spawns, stops, run stops, endings, resumes and reopenings keeps
+    the stop promises: nothing in a stopped scope is left running but what was resumed
+    since (and what that delegated), nothing outside it is touched, and a stopped run takes
+    no spawn but a resumed attempt's own delegations until `reopen_run`."""
 
     workers = Bundle("workers")
     runs = Bundle("runs")
@@ -161,6 +163,8 @@ class RegistryMachine(RuleBasedStateMachine):
         self.reg = _registry()
         self.stopped_roots: set[str] = set()
         self.stopped_runs: set[str] = set()
+        #: Workers resumed (reopened) at some point, and what they delegated.
+        self.carried_on: set[str] = set()
 
     @rule(target=runs, outer=st.none() | runs)
     def new_run(self, outer: str | None) -> str:
@@ -181,11 +185,39 @@ class RegistryMachine(RuleBasedStateMachine):
     @rule(target=workers, parent=workers)
     def delegate(self, parent: str) -> str:
         record = self.reg.worker(parent)
-        if record.ended or record.stop_reason is not None or self.reg.run_stopped(record.run):
+        if record.ended or record.stop_reason is not None:
             with pytest.raises(RunStopped):
                 _spawn(self.reg, parent=parent)
             return _spawn(self.reg).id
-        return _spawn(self.reg, parent=parent).id
+        if self.reg.run_stopped(record.run):
+            # Live and not stopping in a stopped run: only a resumed attempt is.
+            assert parent in self.carried_on
+        child = _spawn(self.reg, parent=parent).id
+        if parent in self.carried_on:
+            self.carried_on.add(child)
+        return child
+
+    @rule(worker=workers)
+    def resume(self, worker: str) -> None:
+        record = self.reg.worker(worker)
+        if not record.ended:
+            return
+        stopped = self.reg.run_stopped(record.run)
+        self.reg.reopen(record, 2.0, None)
+        assert self.reg.run_stopped(record.run) == stopped  # a resume never opens a run
+        self.carried_on.add(worker)
+
+    @rule(run=runs)
+    def reopen_run(self, run: str) -> None:
+        outer = self.reg.run(run).outer
+        if outer is not None and self.reg.run_stopped(outer):
+            with pytest.raises(RunStopped):
+                self.reg.reopen_run(run)
+            return
+        self.reg.reopen_run(run)
+        for r in self.reg.runs_within(run):
+            assert not self.reg.run_stopped(r)
+            self.stopped_runs.discard(r)
 
     @rule(worker=workers)
     def stop(self, worker: str) -> None:
@@ -219,13 +251,13 @@ class RegistryMachine(RuleBasedStateMachine):
         for root in self.stopped_roots:
             for w in self.reg.subtree(root):
                 record = self.reg.worker(w)
-                assert record.ended or record.stop_reason is not None
+                assert record.ended or record.stop_reason is not None or w in self.carried_on
         for run in self.stopped_runs:
             for r in self.reg.runs_within(run):
                 assert self.reg.run_stopped(r)
                 for w in self.reg._run_members[r]:
                     record = self.reg.worker(w)
-                    assert record.ended or record.stop_reason is not None
+                    assert record.ended or record.stop_reason is not None or w in self.carried_on
 
     @invariant()
     def a_stopped_worker_never_ends_finished(self) -> None:

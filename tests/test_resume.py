@@ -11,7 +11,7 @@ import pytest
 import trio
 
 from subagentd import protocol as p
-from subagentd.client import AsyncClient, NotFound, _core
+from subagentd.client import AsyncClient, NotFound, RunStopped, _core
 
 from .conftest import BIN, DaemonProcess
 from .helpers import RawConnection, sh, wait_output
@@ -161,7 +161,10 @@ async def test_resume_run_restarts_the_highest_unfinished_workers(daemon: Daemon
         async with AsyncClient(daemon.socket) as client:
             assert (await client.status(finished.id)).attempt == 1
             assert (await client.status(child.id)).state == "stopped"
-            await client.spawn(["true"], run=run)  # the run is live again
+            with pytest.raises(RunStopped):  # a resume carries workers on, not the run
+                await client.spawn(["true"], run=run)
+            await client.reopen_run(run)
+            await client.spawn(["true"], run=run)  # started again, explicitly
             await client.stop_run(run)
         async with AsyncClient(daemon.socket) as client:
             good = await client.new_run()

@@ -320,6 +320,10 @@ class Registry:
     ) -> WorkerRecord:
         """A new worker in state `starting`. Refuses with `run_stopped` into a stopped run.
 
+        A stopped run refuses every spawn but the delegation of a worker of it that is
+        live and not being stopped: its stop asked every worker it had to stop, so such a
+        worker is one the user resumed since (or one that worker delegated), and what it
+        delegates is that resumed work's, not a new start of the run (`reopen_run` is).
         Under a cancelled launch fence the worker is born already asked to stop
         (``stop_reason == "fence"``): the shell never starts its process.
         """
@@ -346,8 +350,11 @@ class Registry:
             run_record.implicit = True
         else:
             run_record = self.run(run)
-        if self.run_stopped(run_record.id):
-            raise RunStopped(f"run {run_record.id} was stopped; it starts no new workers")
+        if parent is None and self.run_stopped(run_record.id):
+            raise RunStopped(
+                f"run {run_record.id} was stopped; it starts no new workers "
+                "(a resume carries its workers on, not the run: reopen_run starts it again)"
+            )
         worker_id = self._fresh_id("w")
         record = WorkerRecord(
             id=worker_id,
@@ -596,7 +603,8 @@ class Registry:
         """The next attempt of an ended worker: same id, run, parent and token.
 
         `record` may come from the archive when its handle was released: it is
-        taken back into memory. Its run is live again.
+        taken back into memory. Its run stays as it is: a stopped run still refuses
+        every spawn but this attempt's own delegations (see `register`).
         """
         if record.id not in self._workers:
             self.restore_worker(record)
@@ -610,20 +618,39 @@ class Registry:
         record.collected = record.expired = False
         record.timeout = timeout
         record.turn = self.turn
-        self.reopen_run(record.run, now)
         return record
 
-    def reopen_run(self, run_id: str, now: float) -> None:
-        """Make a stopped run live again (a resume is an explicit wish to carry on)."""
-        if run_id not in self._runs:
-            self._runs[run_id] = RunRecord(id=run_id, outer=None, created_at=now)
-            self._run_members[run_id] = []
-            self._inner_runs[run_id] = []
-        self._runs[run_id].stopped = False
+    def reopen_run(self, run_id: str) -> list[str]:
+        """Start a stopped run again: it and the runs nested in it take spawns from now on
+        (the one way a stop is undone; a resume is not). The runs that were stopped, sorted.
+        Refused with `run_stopped` while a run it is nested in is stopped."""
+        run = self.run(run_id)
+        if run.outer is not None and self.run_stopped(run.outer):
+            raise RunStopped(
+                f"run {run_id} is nested in run {run.outer}, which is stopped: "
+                "reopen the outer run to start it again"
+            )
+        opened = []
+        for current in self.runs_within(run_id):
+            if self._runs[current].stopped:
+                self._runs[current].stopped = False
+                opened.append(current)
+        return sorted(opened)
 
     def restore_worker(self, record: WorkerRecord) -> None:
-        """Take a worker back into memory from its archived record."""
-        self.reopen_run(record.run, record.started_at)
+        """Take a worker back into memory from its archived record. A run no longer held
+        (an implicit run goes with its last worker) comes back stopped if its stop is what
+        ended this worker: a resume never opens a stopped run again."""
+        if record.run not in self._runs:
+            self._runs[record.run] = RunRecord(
+                id=record.run,
+                outer=None,
+                created_at=record.started_at,
+                stopped=record.stop_reason == "run",
+                implicit=True,
+            )
+            self._run_members[record.run] = []
+            self._inner_runs[record.run] = []
         self._workers[record.id] = record
         self._by_token[record.token] = record.id
         self._children.setdefault(record.id, [])

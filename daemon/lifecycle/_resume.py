@@ -26,7 +26,7 @@ from ..store._files import NotRegularFile
 from ..store._journal import Journal
 from ..store._store import Change
 from ..workers._agents import AgentDef, ConfigError, load_agents
-from ..workers._command import real_dir
+from ..workers._command import launch_problem, real_dir, worker_environment
 from ..workers._supervisor import LiveWorker
 from ._resumable import RESUMABLE, changes_since_spawn, check_branch, read_snapshot
 
@@ -76,6 +76,7 @@ class Resumer:
         self._check_resumable(found.id, found.state)
         archive = self.daemon.reader.archive_of(found.id)
         snapshot = read_snapshot(archive, worker_id)
+        self._check_runnable(snapshot, worker_id)
         check_branch(snapshot, worker_id)
         record = self.daemon.registry.handle(worker_id) or self.daemon.store.worker(worker_id)
         if record is None:
@@ -118,8 +119,8 @@ class Resumer:
         self.daemon.supervisor.add(live)
         try:
             self.daemon.fault("resume", record.name)
-            # The new attempt, its run live again, its key, in one transaction; the last
-            # attempt's stdout tail no longer ends its stdout.
+            # The new attempt, its run (taken back into memory, as stopped as it was), its
+            # key, in one transaction; the last attempt's stdout tail no longer ends its stdout.
             change = Change(
                 workers=[record],
                 tails={record.id: b""},
@@ -138,7 +139,7 @@ class Resumer:
             journal.append("note", note.encode(), self.daemon.clock())
             live.stdout_tail += journal.tail_bytes("stdout", STDOUT_TAIL_BYTES)
             stdin = str(archive.file(Archive.INPUT)) if snapshot.has_input else None
-            base_env = self.daemon.inherited_env | snapshot.env
+            base_env = self._environment(snapshot)
             return await self.daemon.launch(
                 live, snapshot.argv, snapshot.cwd, base_env, stdin, stdin_open=snapshot.stdin_open
             )
@@ -149,6 +150,21 @@ class Resumer:
                 why = f"attempt {record.attempt} failed to start ({type(exc).__name__}: {exc})"
                 self.daemon.end_unstarted(live, why)
             raise
+
+    def _environment(self, snapshot: Snapshot) -> dict[str, str]:
+        """The environment an attempt starts with, as a spawn's is made: the daemon's
+        inherited one, the frozen env on top, the daemon's bin directory last on PATH."""
+        return worker_environment(self.daemon.inherited_env, snapshot.env, self.daemon.tools)
+
+    def _check_runnable(self, snapshot: Snapshot, worker_id: str) -> None:
+        """Refuse, before anything runs (no attempt, no wake), a resume whose frozen command
+        could not start now: its working directory gone, its program no longer found. A
+        spawn is refused for the same before it is registered."""
+        if problem := launch_problem(snapshot.argv, snapshot.cwd, self._environment(snapshot)):
+            raise Refused(
+                f"worker {worker_id} cannot be resumed: {problem}; "
+                "put it back to resume, or start afresh"
+            )
 
     async def _open_journal(self, worker_id: str, archive: Archive) -> Journal:
         """The journal, verified for writing in a thread (as long as its worker made
@@ -196,10 +212,10 @@ class Resumer:
         if not unfinished:
             raise Refused(f"run {run_id} ended well: every worker finished")
         heads = [r for r in unfinished.values() if r.parent not in unfinished]
-        for record in heads:
-            check_branch(
-                read_snapshot(self.daemon.reader.archive_of(record.id), record.id), record.id
-            )
+        for record in heads:  # every head that would be refused refuses the run: none runs
+            snapshot = read_snapshot(self.daemon.reader.archive_of(record.id), record.id)
+            self._check_runnable(snapshot, record.id)
+            check_branch(snapshot, record.id)
         return sorted(heads, key=lambda r: (r.started_at, r.id))
 
     async def resume_run(self, run_id: str) -> list[Resumption]:
@@ -211,7 +227,6 @@ class Resumer:
         """
         self._check_fence()
         heads = self._resumable_heads(run_id)
-        self.daemon.registry.reopen_run(run_id, self.daemon.clock())
         with self.daemon.supervisor.launching(), trio.CancelScope(shield=True):
             resumed = [await self._resume_one(record.id, None) for record in heads]
         return resumed

@@ -48,6 +48,7 @@ from subagentd.protocol import (
     NewRun,
     Page,
     Reload,
+    ReopenRun,
     Reply,
     ResultReply,
     Resume,
@@ -628,16 +629,7 @@ class Server:
                 conn.session.acked(seqs)
                 return Done(id=rid)
             case Resume(worker=worker, timeout=timeout):
-                given = [
-                    name
-                    for name, value in (
-                        ("input", request.input),
-                        ("argv", request.argv),
-                        ("model", request.model),
-                    )
-                    if value is not None
-                ]
-                if given:
+                if given := request.given_again():
                     raise Frozen(
                         f"a resume runs what worker {worker}'s snapshot froze at spawn: "
                         f"{', '.join(given)} cannot be given again (only timeout can)"
@@ -671,6 +663,9 @@ class Server:
             case Reload():
                 assert self.reloader is not None
                 return await self.reloader.reload(conn, rid)
+            case ReopenRun(run=run):
+                daemon.reopen_run(run)
+                return Done(id=rid)
             case ResumeRun(run=run):
                 every = await self.resumer.resume_run(run)
                 return WorkerList(
