@@ -20,7 +20,7 @@ from trio.testing import MockClock
 from subagentd import protocol as p
 from subagentd.client import Client
 from subagentd.daemon.core._registry import WorkerRecord
-from subagentd.daemon.core._request_keys import USER, KeyRecord, RequestKeys
+from subagentd.daemon.core._request_keys import USER, KeyRecord, RequestKeys, asked_key
 from subagentd.daemon.store._store import MIGRATIONS, SCHEMA_VERSION, STORE_NAME, Change, Store
 from subagentd.protocol.errors import Busy, Invalid
 
@@ -353,3 +353,26 @@ def test_keys_read_back_from_the_store_are_held_to_the_ttl_and_count() -> None:
     dropped = keys.load(kept, now=KEY_TTL + 2)
     assert sorted(dropped) == [(USER, "old"), (USER, "older-than-the-newest")]
     assert keys.find(USER, "newest", now=KEY_TTL + 2) == kept[2]
+
+
+class _SpawnOfALaterVersion(p.Spawn, tag="spawn"):
+    """A spawn as a later version declares it: one more field, with a default."""
+
+    later: int = 0
+
+
+@pytest.mark.parametrize("caller", [None, "w-parent"])
+def test_a_field_a_later_version_adds_changes_no_keys_digest(caller: str | None) -> None:
+    # Across an upgrade reload, a keyed spawn sent again is decoded with the new image's
+    # fields: left at their defaults, they must not make it "a different request".
+    asked = {"id": 1, "argv": ["true"], "key": "k", "env": {"A": "1"}, "input": b"in"}
+    now = asked_key(p.Spawn(**asked), caller)  # type: ignore[arg-type]
+    later = asked_key(_SpawnOfALaterVersion(**asked), caller)  # type: ignore[arg-type]
+    assert now is not None
+    assert later is not None
+    assert later.digest == now.digest
+    # ...while a field given other than its default is still part of what was asked.
+    given = asked_key(_SpawnOfALaterVersion(**asked, later=1), caller)  # type: ignore[arg-type]
+    assert given is not None
+    assert given.digest != now.digest
+    assert asked_key(p.Spawn(**asked | {"env": {"A": "2"}}), caller) != now  # type: ignore[arg-type]

@@ -64,10 +64,30 @@ def asked_key(request: Spawn | Resume, caller: str | None) -> AskedKey | None:
     # input (up to 8 MiB) is hashed as it is, after the rest, not copied into an encoding.
     given = request.input
     rest = msgspec.structs.replace(request, id=1, key=None, input=None if given is None else b"")
-    digest = hashlib.sha256(_encoder.encode(rest))  # sha256: the fastest here (SHA-NI)
+    digest = hashlib.sha256(_encoder.encode(_asked(rest)))  # sha256: the fastest here (SHA-NI)
     if given is not None:
         digest.update(given)
     return AskedKey(caller or USER, request.key, digest.digest()[:16])
+
+
+def _asked(request: Spawn | Resume) -> tuple[str, dict[str, object]]:
+    """What `request` asks: its op and the fields it gives other than their defaults. A
+    field left at its default is not part of the digest, so a field a later version adds
+    (with a default, as every new field has) changes no digest: a keyed request sent again
+    across an upgrade reload still matches the key its first sending made."""
+    given = {}
+    for field in msgspec.structs.fields(request):
+        value = getattr(request, field.name)
+        if field.default is not msgspec.NODEFAULT:
+            default = field.default
+        elif field.default_factory is not msgspec.NODEFAULT:
+            default = field.default_factory()
+        else:
+            given[field.name] = value
+            continue
+        if value != default:
+            given[field.name] = value
+    return str(request.__struct_config__.tag), given
 
 
 class RequestKeys:
