@@ -20,6 +20,8 @@ from typing import Any
 
 import pytest
 
+from subagentd.client._text import PrintableStream
+
 from .conftest import DaemonProcess
 from .test_cli import CTL, js, js_lines, ok, said, spawn
 
@@ -283,3 +285,13 @@ def test_help_says_the_exit_statuses_where_watch_writes_and_hides_what_resume_re
     # Still parsed, to be sent and refused by the daemon by name (tests/test_client_reload.py).
     refused = daemon.ctl("resume", "w-nope", "--model", "large")
     assert refused.returncode == 1, said(refused)
+
+
+def test_a_stream_holds_only_an_unfinished_escape_and_only_so_long() -> None:
+    stream = PrintableStream()
+    assert stream.feed(b"a\x1b[3") == "a"  # a colour's start: more may come
+    assert stream.feed(b"1mb\x1b[\xd0\x96") == "b\u0416"  # a malformed one is not waited for
+    assert stream.feed(b"\x1b]0;" + b"t" * PrintableStream.HOLD) == ""  # let go, unfinished
+    assert stream.feed(b"\x07c") == "?c"
+    assert stream.feed(b"d\xe2\x80") == "d"
+    assert stream.end() == "\ufffd"  # the stream ended in the middle of a character
