@@ -60,6 +60,9 @@ REFRESH = 1.0
 PAGES_PER_FRAME = 64
 #: Entries read from a journal's end for its last line (an entry holds up to 256 KiB).
 TAIL_ENTRIES = 4
+#: Pages of `TAIL_ENTRIES` a row may read back, over all frames, for a journal that ends
+#: in entries other than output (state changes, notes, stdin) before a line is found.
+LOOK_BACK = 8
 #: Of a last line, the characters kept (the table cuts it to the column).
 LINE_CHARS = 400
 #: Workers that ended while shown, kept on screen in their final state.
@@ -117,6 +120,10 @@ class JournalTail:
     cursor: int = 0
     #: The journal will never grow again (its worker ended): nothing more is asked.
     complete: bool = False
+    #: While no line of output is found: the oldest seq read, to look back from (0: none).
+    back_from: int = 0
+    #: Pages read looking back, at most `LOOK_BACK`.
+    looked_back: int = 0
 
     async def advance(self, daemon: AsyncClient, budget: Budget, want: int) -> list[Entry]:
         """The newest entries after the cursor, at most `want`: those between are skipped.
@@ -552,8 +559,28 @@ class Reader:
         except RemoteError:
             return  # its journal is gone or damaged: the line shown stays
         line = last_line(entries)
+        if line is None and view.id not in screen.lines:
+            if entries:
+                tail.back_from = entries[0].seq
+            with contextlib.suppress(RemoteError):
+                line = await self._look_back(tail, budget)
         if line is not None:
             screen.lines[view.id] = line
+
+    async def _look_back(self, tail: JournalTail, budget: Budget) -> str | None:
+        """A line of output from before what `advance` read, for a row that shows none yet:
+        its journal may end in a few entries of other kinds (a stop's states, a resume's
+        note, what `send` wrote). At most `LOOK_BACK` pages, over all frames."""
+        while tail.back_from > 1 and tail.looked_back < LOOK_BACK:
+            since = max(0, tail.back_from - 1 - TAIL_ENTRIES)
+            page = await budget.page(self.daemon, tail.worker_id, since, tail.back_from - 1 - since)
+            tail.looked_back += 1
+            older = [entry for entry in page.entries if entry.seq < tail.back_from]
+            tail.back_from = older[0].seq if older else 0
+            if (line := last_line(older)) is not None:
+                tail.back_from = 0
+                return line
+        return None
 
     async def _follow(self, follow: Follow, budget: Budget) -> None:
         try:

@@ -26,6 +26,7 @@ import trio
 
 from subagentd.client import AsyncClient, WorkerView
 from subagentd.client._top import (
+    TAIL_ENTRIES,
     Act,
     Budget,
     JournalTail,
@@ -514,6 +515,29 @@ async def test_top_shows_the_last_output_of_an_ended_worker_with_a_long_journal(
             done = await trio.to_thread.run_sync(lambda: once(daemon, "--all"))
             assert done.returncode == 0, done.stderr
             assert row(done.stdout, ended.id).endswith("three"), done.stdout
+
+
+async def test_top_looks_back_past_a_journals_last_entries_that_are_not_output(
+    daemon: DaemonProcess,
+) -> None:
+    """A worker's journal may end in entries of other kinds (here what `send` wrote): the
+    last line of output shown is the one before them."""
+    with trio.fail_after(60):
+        async with AsyncClient(daemon.socket) as client:
+            reader = await client.spawn(
+                sh("echo last words; cat >/dev/null"), name="reader", stdin_open=True
+            )
+            await wait_output(client, reader.id, b"last words")
+            for text in ("one\n", "two\n", "three\n", "four\n", "five\n", "six\n"):
+                await client.send(reader.id, text)
+            await client.send(reader.id, "", eof=True)
+            await client.wait(reader.id)
+            page = await client.watch_page(reader.id, 0, 100)
+            kinds = [entry.kind for entry in page.entries]
+            assert "stdout" not in kinds[-TAIL_ENTRIES - 4 :], kinds  # past the merged pages
+            done = await trio.to_thread.run_sync(lambda: once(daemon, "--all"))
+            assert done.returncode == 0, done.stderr
+            assert row(done.stdout, reader.id).endswith("last words"), done.stdout
 
 
 async def test_the_last_line_of_a_long_journal_costs_a_few_pages(daemon: DaemonProcess) -> None:
