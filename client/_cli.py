@@ -3,8 +3,10 @@
 Each command asks the daemon and hands the answer to an `Output`: `Human`
 prints for a person, `Json` prints for programs the shapes protocol/README.md fixes
 (a view as on the wire; fields may be added, never renamed).
-Exit status: 0 done, 1 refused or not found, 2 usage, 3 no daemon, 4 no line matched
-(grep; wait --for: the worker ended first), 5 timed out (wait --for), 130 Ctrl-C.
+What `Human` prints passes through the one sanitiser (`_text`): tables, fields, previews,
+matched lines and messages always; a worker's output (watch, collect) when it goes to a
+terminal, while to a pipe or a file, or with --raw, it is the bytes as written.
+Exit status: `EXIT_STATUS`.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
-from typing import Any, BinaryIO, Protocol
+from typing import Any, BinaryIO, Protocol, TextIO
 
 import msgspec
 
@@ -52,6 +54,7 @@ from subagentd.protocol.errors import (
 
 from . import _core, _top
 from ._sync import Client
+from ._text import PrintableStream, printable, printable_lines
 
 EXIT_OK = 0
 EXIT_REFUSED = 1
@@ -62,6 +65,19 @@ EXIT_TIMED_OUT = 5  # wait --for: the timeout passed first
 SEND_PATIENCE = 10.0
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what any filter whose reader went away exits with
+EXIT_STATUS = (
+    "Exit status: 0 done; 1 refused or not found; 2 usage; 3 no daemon at the socket; "
+    "4 no line matched (grep; wait --for: the worker ended first); 5 timed out (wait --for); "
+    "130 interrupted (Ctrl-C); 141 the reader of its output went away."
+)
+#: How a worker's own text reaches a person, and where its bytes stay for a program.
+CLEAN_TEXT = (
+    "What a worker wrote or named is shown cleaned: escape sequences removed, other control "
+    "and formatting characters as ?, so it cannot drive your terminal. Tables, fields, "
+    "previews, matched lines and messages are always cleaned; a worker's output (watch, "
+    "collect) is cleaned on a terminal and written as the bytes it wrote to a pipe or a "
+    "file, or with --raw. --json carries every string raw (JSON escapes it)."
+)
 
 WORKER_FIELDS = (
     "id",
@@ -80,16 +96,6 @@ WORKER_FIELDS = (
 )
 WAKE_FIELDS = ("id", "run", "parent", "state", "exit_code", "preview")
 RELOAD_FIELDS = ("image_generation", "carried_live", "stopped_by_reload")
-INFO_FIELDS = (
-    "version",
-    "protocol",
-    "pid",
-    "image_generation",
-    "reloads",
-    "workers",
-    "holds_park",
-    "problems",
-)
 
 
 # -- output --------------------------------------------------------------------
@@ -108,6 +114,7 @@ class Output(Protocol):
     def turn(self, turn: int) -> None: ...
     def fence(self, epoch: int | None) -> None: ...
     def entry(self, entry: Entry) -> None: ...
+    def entries_end(self) -> None: ...
     def wake(self, wake: Wake) -> None: ...
     def no_wakes(self, parent: str) -> None: ...
     def result(self, result: WorkerResult) -> None: ...
@@ -120,7 +127,17 @@ class Output(Protocol):
 
 
 class Human:
-    """Output for a person: a line, a table or key: value lines; a watch as the raw bytes."""
+    """Output for a person: a line, a table or key: value lines, each cleaned (`printable`);
+    a worker's output cleaned on a terminal, as its bytes elsewhere or when `raw`."""
+
+    def __init__(self, raw: bool = False) -> None:
+        self.raw = raw
+        #: Each output stream of a watch, cleaned across the journal's entries.
+        self._streams = {"stdout": PrintableStream(), "stderr": PrintableStream()}
+
+    def _cleans(self, stream: TextIO) -> bool:
+        """Whether a worker's output written to `stream` is cleaned: it reaches a person."""
+        return not self.raw and stream.isatty()
 
     def worker(self, view: WorkerView) -> None:
         _print_fields(
@@ -144,19 +161,20 @@ class Human:
         )
 
     def spawned(self, view: WorkerView) -> None:
-        print(f"{view.id} (run {view.run})")
+        worker_id = printable(view.id)
+        print(f"{worker_id} (run {printable(view.run)})")
         if view.state in TERMINAL_STATES:
             # Registered but never run: a cancelled launch fence, or an exec that failed.
             print(
-                f"subagentctl: {view.id} is already {view.state}; "
-                f"`subagentctl watch {view.id}` says why",
+                f"subagentctl: {worker_id} is already {view.state}; "
+                f"`subagentctl watch {worker_id}` says why",
                 file=sys.stderr,
             )
 
     def resumed(self, view: Resumed) -> None:
         self.spawned(view)
         if view.changed:  # it runs its snapshot all the same
-            print(f"  changed since its spawn: {view.changed}")
+            print(f"  changed since its spawn: {printable(view.changed)}")
 
     def latest(self, answer: ResumableRun) -> None:
         _print_fields(
@@ -170,13 +188,13 @@ class Human:
 
     def ended(self, view: WorkerView) -> None:
         exit_code = "" if view.exit_code is None else f", exit code {view.exit_code}"
-        print(f"{view.id} {view.state}{exit_code}")
+        print(f"{printable(view.id)} {view.state}{exit_code}")
 
     def workers(self, views: list[WorkerView]) -> None:
-        rows = [("ID", "RUN", "STATE", "PID", "EXIT", "NAME")]
-        rows += [
-            (w.id, w.run, _state(w), _or_dash(w.pid), _or_dash(w.exit_code), w.name) for w in views
-        ]
+        rows = [["ID", "RUN", "STATE", "PID", "EXIT", "NAME"]]
+        for w in views:
+            values = (w.id, w.run, _state(w), _or_dash(w.pid), _or_dash(w.exit_code), w.name)
+            rows.append([printable(value) for value in values])
         # Every column but the last, the free-form name, is padded to its widest cell.
         widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]) - 1)]
         for *cells, name in rows:
@@ -184,21 +202,21 @@ class Human:
             print("  ".join([*padded, name]))
 
     def run(self, run_id: str) -> None:
-        print(run_id)
+        print(printable(run_id))
 
     def stopped(self, ids: list[str], already_stopping: list[str]) -> None:
         _said_stopping(already_stopping)
         if not ids and not already_stopping:
             print("nothing was left running to stop", file=sys.stderr)
         for worker_id in ids:
-            print(worker_id)
+            print(printable(worker_id))
 
     def cancelled(self, ids: list[str], already_stopping: list[str]) -> None:
         _said_stopping(already_stopping)
         if not ids and not already_stopping:
             print("nothing was left running to cancel", file=sys.stderr)
         for worker_id in ids:
-            print(worker_id)
+            print(printable(worker_id))
 
     def turn(self, turn: int) -> None:
         print(turn)
@@ -209,13 +227,22 @@ class Human:
 
     def entry(self, entry: Entry) -> None:
         match entry.kind:
-            case "stdout":
-                _write(sys.stdout.buffer, entry.data)
-            case "stderr":
-                _write(sys.stderr.buffer, entry.data)
+            case "stdout" | "stderr" as kind:
+                stream = sys.stdout if kind == "stdout" else sys.stderr
+                if self._cleans(stream):
+                    _write(stream.buffer, self._streams[kind].feed(entry.data).encode())
+                else:
+                    _write(stream.buffer, entry.data)
             case kind:
-                line = b"[%s] %s" % (kind.encode(), entry.data.rstrip(b"\n"))
-                _write(sys.stderr.buffer, line + b"\n")
+                line = b"[%s] %s\n" % (kind.encode(), entry.data.rstrip(b"\n"))
+                if self._cleans(sys.stderr):
+                    line = printable_lines(line.decode(errors="replace")).encode()
+                _write(sys.stderr.buffer, line)
+
+    def entries_end(self) -> None:
+        for kind, stream in (("stdout", sys.stdout), ("stderr", sys.stderr)):
+            if self._cleans(stream):
+                _write(stream.buffer, self._streams[kind].end().encode())
 
     def wake(self, wake: Wake) -> None:
         words = [wake.id, wake.state, f"exit={_or_dash(wake.exit_code)}"]
@@ -224,10 +251,10 @@ class Human:
         print(" ".join(words), flush=True)  # flushed before it is acknowledged
 
     def no_wakes(self, parent: str) -> None:
-        print(f"no wakes pending for {parent}", file=sys.stderr)
+        print(f"no wakes pending for {printable(parent)}", file=sys.stderr)
 
     def result(self, result: WorkerResult) -> None:
-        text = result.result
+        text = printable_lines(result.result) if self._cleans(sys.stdout) else result.result
         sys.stdout.write(text if not text or text.endswith("\n") else text + "\n")
 
     def info(self, info: DaemonInfo) -> None:
@@ -252,11 +279,11 @@ class Human:
         stopped = ", ".join(reply.stopped_by_reload) or "none"
         print(
             f"image generation {reply.image_generation}: carried {reply.carried_live} live, "
-            f"stopped by reload: {stopped}"
+            f"stopped by reload: {printable(stopped)}"
         )
 
     def error(self, exc: RemoteError | ProtocolError) -> None:
-        print(f"subagentctl: {exc}", file=sys.stderr)
+        _said(exc)
 
     def grep_found(self, found: GrepResult) -> None:
         """As grep -n prints: `N:line` for a match, `N-line` around it, `--` between."""
@@ -288,19 +315,16 @@ class Human:
 
     def sent(self, worker_id: str, written: int, eof: bool) -> None:
         closed = ", then closed its stdin" if eof else ""
-        print(f"{worker_id}: wrote {written} bytes{closed}")
+        print(f"{printable(worker_id)}: wrote {written} bytes{closed}")
 
 
 class Json:
     """Output for a program: one JSON document per answer, one line per entry when streaming."""
 
     def worker(self, view: WorkerView) -> None:
-        _dump({field: getattr(view, field) for field in WORKER_FIELDS})
+        _dump(msgspec.to_builtins(view))  # as on the wire: every field `status` shows, and more
 
-    spawned = ended = worker
-
-    def resumed(self, view: Resumed) -> None:
-        _dump({**{field: getattr(view, field) for field in WORKER_FIELDS}, "changed": view.changed})
+    spawned = ended = resumed = worker
 
     def latest(self, answer: ResumableRun) -> None:
         _dump(msgspec.to_builtins(answer))  # run, resumable, reason, from
@@ -328,6 +352,9 @@ class Json:
         data = entry.data.decode(errors="replace")
         _dump({"seq": entry.seq, "kind": entry.kind, "data": data, "at": entry.at})
 
+    def entries_end(self) -> None:
+        pass  # each entry was a whole line
+
     def wake(self, wake: Wake) -> None:
         _dump({field: getattr(wake, field) for field in WAKE_FIELDS})
 
@@ -338,7 +365,7 @@ class Json:
         _dump(msgspec.structs.asdict(result))
 
     def info(self, info: DaemonInfo) -> None:
-        _dump({field: getattr(info, field) for field in INFO_FIELDS})
+        _dump(msgspec.to_builtins(info))  # every field the daemon answers, as `info` shows them
 
     def reloaded(self, reply: ReloadReply) -> None:
         _dump({field: getattr(reply, field) for field in RELOAD_FIELDS})
@@ -355,7 +382,7 @@ class Json:
         _dump(msgspec.to_builtins(found))
 
     def waited_for(self, waited: WaitForResult) -> None:
-        worker = {field: getattr(waited.worker, field) for field in WORKER_FIELDS}
+        worker = msgspec.to_builtins(waited.worker)
         _dump({"outcome": waited.outcome, "line": waited.line, "worker": worker})
 
     def sent(self, worker_id: str, written: int, eof: bool) -> None:
@@ -373,10 +400,14 @@ def _write(stream: BinaryIO, data: bytes) -> None:
 
 
 def _one_line(text: str) -> str:
-    """`text` on one line: newlines and other control characters escaped as Python writes them,
-    so a worker's output can neither break the line nor drive the terminal."""
-    text = text.rstrip()
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    """`text` on one line, cleaned by the one sanitiser (`printable`): its line breaks
+    written ``\\n`` so that a preview of several lines still reads as them."""
+    return printable(text.rstrip().replace("\n", "\\n"))
+
+
+def _said(exc: BaseException) -> None:
+    """An error on stderr, cleaned: a daemon's message may quote a worker's name or text."""
+    print(f"subagentctl: {printable_lines(str(exc))}", file=sys.stderr)
 
 
 def _state(view: WorkerView) -> str:
@@ -388,12 +419,12 @@ def _said_stopping(ids: list[str]) -> None:
     """Workers a stop or cancel reached whose stop was already in flight: on stderr, so
     stdout still lists only the ids this one stopped."""
     for worker_id in ids:
-        print(f"{worker_id} already stopping", file=sys.stderr)
+        print(f"{printable(worker_id)} already stopping", file=sys.stderr)
 
 
 def _print_fields(fields: Iterable[tuple[str, object]]) -> None:
     for key, value in fields:
-        print(f"{key}: {_or_dash(value)}")
+        print(f"{key}: {printable(_or_dash(value))}")
 
 
 def _or_dash(value: object) -> str:
@@ -461,6 +492,7 @@ def stop(daemon: Client, args: argparse.Namespace, out: Output) -> None:
 def watch(daemon: Client, args: argparse.Namespace, out: Output) -> None:
     for entry in daemon.watch(args.worker, since=args.since, follow=args.follow):
         out.entry(entry)
+    out.entries_end()
 
 
 def events(daemon: Client, args: argparse.Namespace, out: Output) -> None:
@@ -604,6 +636,8 @@ def _resumed(workers: list[Resumed], out: Output) -> None:
         out.resumed(worker)
 
 
+RAW_HELP = "write the worker's bytes as they are, even to a terminal (they may drive it)"
+
 #: A command; what it returns, if anything, is its exit status.
 Command = Callable[[Client, argparse.Namespace, Output], int | None]
 
@@ -619,17 +653,15 @@ def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(
         prog="subagentctl",
         description="Control subagentd: spawn, watch, stop and collect supervised workers.",
+        epilog=f"{CLEAN_TEXT} {EXIT_STATUS}",
     )
     top.add_argument(
         "--socket",
         metavar="PATH",
         help="the daemon's socket (default: $SUBAGENTD_SOCKET, else the per-user runtime dir)",
     )
-    top.add_argument(
-        "--json",
-        action="store_true",
-        help="print JSON: one document per answer, one line per entry when streaming",
-    )
+    json_help = "print JSON: one document per answer, one line per entry when streaming"
+    top.add_argument("--json", action="store_true", help=json_help)
     commands = top.add_subparsers(metavar="COMMAND", required=True)
 
     def command(
@@ -639,6 +671,8 @@ def parser() -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=summary, description=description)
         # The parser too, so that a check argparse cannot express reports with this command's usage.
         sub.set_defaults(command=run, parser=sub)
+        # After the command as before it; not given here, the one before it stands.
+        sub.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help=json_help)
         return sub
 
     sub = command(
@@ -711,12 +745,22 @@ def parser() -> argparse.ArgumentParser:
         "--no-wait", action="store_true", help="return without waiting for the processes to exit"
     )
 
-    sub = command("watch", watch, "Print a worker's journal: its output, state changes and notes.")
+    sub = command(
+        "watch",
+        watch,
+        "Print a worker's journal: its output, state changes and notes.",
+        "Its stdout goes to stdout; its stderr, and the journal's other entries as lines "
+        "`[state] ...`, `[note] ...`, `[stdin] ...`, go to stderr, so stdout holds only what "
+        "it wrote to its stdout. On a terminal that output is cleaned of escape sequences "
+        "and control characters; to a pipe or a file, or with --raw, it is the bytes the "
+        "worker wrote. --json prints every entry (seq, kind, data, at) on stdout, one line each.",
+    )
     sub.add_argument("worker", metavar="ID")
     sub.add_argument("--since", metavar="N", type=int, default=0, help="start after cursor N")
     sub.add_argument(
         "-f", "--follow", action="store_true", help="keep printing until the worker ends"
     )
+    sub.add_argument("--raw", action="store_true", help=RAW_HELP)
 
     sub = command(
         "events",
@@ -740,9 +784,17 @@ def parser() -> argparse.ArgumentParser:
         help="keep printing wakes as workers end, until Ctrl-C",
     )
 
-    sub = command("collect", collect, "Print a worker's result and mark it collected.")
+    sub = command(
+        "collect",
+        collect,
+        "Print a worker's result and mark it collected.",
+        "On a terminal the result is cleaned of escape sequences and control characters; "
+        "to a pipe or a file (`collect W > result.txt`), or with --raw, it is printed as "
+        "the worker wrote it. --json prints id, state, exit_code and result (raw).",
+    )
     sub.add_argument("worker", metavar="ID")
     sub.add_argument("--wait", action="store_true", help="wait for the worker to end first")
+    sub.add_argument("--raw", action="store_true", help=RAW_HELP)
 
     sub = command(
         "wait",
@@ -910,9 +962,10 @@ def parser() -> argparse.ArgumentParser:
         "key, the command answers the attempt the first run started, not refused as running "
         "(default: a new random key, so a reload never makes a second worker)",
     )
-    sub.add_argument("--input", metavar="TEXT", help="refused: the snapshot holds its input")
-    sub.add_argument("--model", metavar="M", help="refused: the snapshot holds its model")
-    sub.add_argument("argv", nargs="*", metavar="CMD", help="refused: the snapshot holds it")
+    # Parsed only to be sent and refused by the daemon (frozen), so not offered in --help.
+    sub.add_argument("--input", help=argparse.SUPPRESS)
+    sub.add_argument("--model", help=argparse.SUPPRESS)
+    sub.add_argument("argv", nargs="*", help=argparse.SUPPRESS)
 
     command("info", info, "Show the daemon's version, pid, reloads and workers by state.")
 
@@ -926,7 +979,12 @@ def parser() -> argparse.ArgumentParser:
     )
     sub.add_argument("--run", metavar="R", help="only the workers of run R")
     sub.add_argument("--all", action="store_true", help="ended workers too")
-    sub.add_argument("--once", action="store_true", help="print one frame and exit (for scripts)")
+    sub.add_argument(
+        "--once",
+        action="store_true",
+        help="print one frame and exit (for scripts): on a terminal as wide as it, else as "
+        "wide as what it shows ($COLUMNS, if set); with --json, the frame as one JSON document",
+    )
     sub.add_argument(
         "--interval",
         metavar="S",
@@ -971,15 +1029,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is live_view:
         if not 0.05 <= args.interval <= 3600:
             args.parser.error("--interval: from 0.05 to 3600 seconds")
+        if args.json and not args.once:
+            args.parser.error("--json: only with --once (a live view is drawn, not printed)")
         return _top.main(
-            args.socket, run=args.run, show_all=args.all, once=args.once, interval=args.interval
+            args.socket,
+            run=args.run,
+            show_all=args.all,
+            once=args.once,
+            interval=args.interval,
+            as_json=args.json,
         )
-    out: Output = Json() if args.json else Human()
+    out: Output = Json() if args.json else Human(raw=getattr(args, "raw", False))
     try:
         with Client(args.socket) as daemon:
             status = args.command(daemon, args, out)
     except TransportError as exc:
-        print(f"subagentctl: {exc}", file=sys.stderr)
+        _said(exc)
         return EXIT_NO_DAEMON
     except (RemoteError, ProtocolError) as exc:
         out.error(exc)

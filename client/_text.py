@@ -13,11 +13,16 @@ Pure: no I/O.
 
 from __future__ import annotations
 
+import codecs
 import re
 import unicodedata
 
 #: CSI (colours, cursor moves), OSC (titles, hyperlinks: to BEL or ST), and any other ESC pair.
 ESCAPE = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]?|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?|\x1b.?", re.S)
+#: An escape sequence whole: what `ESCAPE` takes but with its end (a stream's chunk may not).
+_WHOLE_ESCAPE = re.compile(
+    r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[^\[\]]", re.S
+)
 # Control, format (bidi overrides, zero-width), separators, surrogates, private use, unassigned.
 _UNPRINTABLE = frozenset({"Cc", "Cf", "Zl", "Zp", "Cs", "Co", "Cn"})
 
@@ -49,3 +54,39 @@ def printable_lines(text: str) -> str:
 def printable_bytes(data: bytes) -> str:
     """A worker's bytes as `printable_lines` text (invalid UTF-8 as U+FFFD)."""
     return printable_lines(data.decode("utf-8", errors="replace"))
+
+
+class PrintableStream:
+    """One stream of a worker's bytes (its stdout, say) as `printable_lines` text, chunk by
+    chunk as a journal hands it over: a character or an escape sequence cut between two
+    chunks is held back until the next completes it, so neither shows as debris (an OSC
+    title's text, a U+FFFD). At most `HOLD` characters are held; `end` gives what is."""
+
+    #: An unfinished escape sequence longer than this is let go (and removed, unfinished).
+    HOLD = 4096
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._held = ""
+
+    def feed(self, data: bytes) -> str:
+        """The text of `data` that can be shown now."""
+        text = self._held + self._decoder.decode(data)
+        self._held = ""
+        start = text.rfind("\x1b")
+        if start != -1 and len(text) - start <= self.HOLD and _unfinished(text, start):
+            text, self._held = text[:start], text[start:]
+        return printable_lines(text)
+
+    def end(self) -> str:
+        """What is still held, as it may be shown: the stream ended there."""
+        text, self._held = self._held + self._decoder.decode(b"", final=True), ""
+        return printable_lines(text)
+
+
+def _unfinished(text: str, start: int) -> bool:
+    """Whether the escape sequence at `start` runs to the end of `text` without its end: more
+    of it may come (a malformed one, cut short by what follows, is not waited for)."""
+    found = ESCAPE.match(text, start)
+    assert found is not None  # ESCAPE matches any ESC
+    return found.end() == len(text) and not _WHOLE_ESCAPE.fullmatch(text, start)

@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+import msgspec
 import trio
 
 from subagentd.protocol import TERMINAL_STATES, Entry, Page, WorkerView
@@ -44,6 +45,7 @@ from ._text import ESCAPE
 
 if TYPE_CHECKING:
     from rich.console import Console, RenderableType
+    from rich.text import Text
 
 EXIT_OK = 0
 EXIT_REFUSED = 1
@@ -58,6 +60,9 @@ REFRESH = 1.0
 PAGES_PER_FRAME = 64
 #: Entries read from a journal's end for its last line (an entry holds up to 256 KiB).
 TAIL_ENTRIES = 4
+#: Pages of `TAIL_ENTRIES` a row may read back, over all frames, for a journal that ends
+#: in entries other than output (state changes, notes, stdin) before a line is found.
+LOOK_BACK = 8
 #: Of a last line, the characters kept (the table cuts it to the column).
 LINE_CHARS = 400
 #: Workers that ended while shown, kept on screen in their final state.
@@ -74,13 +79,13 @@ def printable(text: str, limit: int = LINE_CHARS) -> str:
 
 
 def last_line(entries: Sequence[Entry]) -> str | None:
-    """The last non-blank line of output among `entries` (None: they hold none); a line
-    not yet ended by a newline counts."""
+    """The last line of output among `entries` that shows something (None: they hold none),
+    as written, without the whitespace around it; a line not yet ended by a newline counts.
+    It is shown through `printable`; `--json` carries it as it is."""
     data = b"".join(entry.data[-LINE_CHARS * 4 :] for entry in entries if entry.kind in _OUTPUT)
     for line in reversed(data.decode("utf-8", errors="replace").splitlines()):
-        shown = printable(line).strip()
-        if shown:
-            return shown
+        if printable(line).strip():
+            return line.strip()
     return None
 
 
@@ -115,25 +120,33 @@ class JournalTail:
     cursor: int = 0
     #: The journal will never grow again (its worker ended): nothing more is asked.
     complete: bool = False
+    #: While no line of output is found: the oldest seq read, to look back from (0: none).
+    back_from: int = 0
+    #: Pages read looking back, at most `LOOK_BACK`.
+    looked_back: int = 0
 
     async def advance(self, daemon: AsyncClient, budget: Budget, want: int) -> list[Entry]:
-        """The newest entries after the cursor, at most `want`: those between are skipped."""
+        """The newest entries after the cursor, at most `want`: those between are skipped.
+        All or nothing: a budget spent half way leaves the cursor where it was."""
         if self.complete:
             return []
-        page = await budget.page(daemon, self.worker_id, self.cursor, want)
-        self.complete = page.complete
-        if not page.entries:
+        first = await budget.page(daemon, self.worker_id, self.cursor, want)
+        if not first.entries:
+            self.complete = first.complete
             return []
-        self.cursor = page.next
         # A page may be short of `want` by its byte bound, not the end: ask what follows.
-        if page.complete or not await self._exists(daemon, budget, self.cursor + 1):
-            return page.entries
-        end = await self._find_end(daemon, budget, self.cursor + 1)
-        page = await budget.page(daemon, self.worker_id, max(end - want, self.cursor), want)
-        self.complete = page.complete
-        if page.entries:
-            self.cursor = page.next
-        return page.entries
+        if first.complete or not await self._exists(daemon, budget, first.next + 1):
+            self.cursor, self.complete = first.next, first.complete
+            return first.entries
+        end = await self._find_end(daemon, budget, first.next + 1)
+        last = await budget.page(daemon, self.worker_id, max(end - want, first.next), want)
+        self.cursor = last.next if last.entries else first.next
+        self.complete = last.complete
+        entries = last.entries
+        if not entries or entries[0].seq == first.entries[-1].seq + 1:
+            # The two pages meet: the newest `want` may begin in the first.
+            entries = [*first.entries, *entries][-want:]
+        return entries
 
     async def _exists(self, daemon: AsyncClient, budget: Budget, seq: int) -> bool:
         return bool((await budget.page(daemon, self.worker_id, seq - 1, 1)).entries)
@@ -287,27 +300,120 @@ class Screen:
 
 KEYS = "up/down select  s stop  r stop run  f follow  q quit"
 
+COLUMNS = ("STATE", "RUN", "WORKER", "NAME", "AGE", "PID", "LAST OUTPUT")
+_RIGHT = frozenset({"AGE", "PID"})
+#: Widths a column never goes below while shown, so that a row changing (a state, an age,
+#: a pid) moves nothing: the common states to "timed_out"; ages to "99d23h"; Linux's
+#: largest pid, 4194304 (PID_MAX_LIMIT).
+LEAST = {"STATE": 9, "AGE": 6, "PID": 7}
+#: Widths a column never goes above: what is wider is cut (with an ellipsis).
+MOST = {"RUN": 14, "NAME": 20, "LAST OUTPUT": LINE_CHARS}
+#: What the last output asks of a screen when the table is fitted to it: it gets the rest,
+#: but how much it wants is not what it says this frame, so the other columns do not move
+#: from one frame to the next as it changes.
+LAST_WANTED = 24
+#: In order, what gives way when the table is wider than the screen: a column cut down to
+#: a width, or left out whole (0). Ids, the PID and the state keep their width to the end:
+#: a column is left out before it is cut to a digit.
+GIVE_WAY = (
+    ("RUN", 0),
+    ("LAST OUTPUT", 8),
+    ("NAME", 8),
+    ("LAST OUTPUT", 0),
+    ("NAME", 0),
+    ("AGE", 0),
+    ("PID", 0),
+    ("STATE", 0),
+)
+GAP = 2
 
-def frame(screen: Screen, now: float, height: int, *, live: bool = True) -> RenderableType:
+
+def widths(cells: Sequence[Sequence[str]], width: int | None) -> dict[str, int]:
+    """The columns shown and their widths, for rows of `cells` (one string per column of
+    `COLUMNS`) on a screen `width` cells wide; None: as wide as the cells ask, nothing cut."""
+    from rich.cells import cell_len
+
+    asked = {}
+    for at, title in enumerate(COLUMNS):
+        widest = max([cell_len(title), *(cell_len(row[at]) for row in cells)])
+        asked[title] = max(min(widest, MOST.get(title, widest)), LEAST.get(title, 0))
+    if width is None:
+        return asked
+    shown = asked | {"LAST OUTPUT": LAST_WANTED}
+
+    def over() -> int:
+        return sum(shown.values()) + GAP * (len(shown) - 1) - width
+
+    for title, least in GIVE_WAY:
+        if over() <= 0:
+            break
+        if title not in shown:
+            continue
+        if least:
+            shown[title] = max(least, shown[title] - over())
+        else:
+            del shown[title]
+    if "NAME" in shown and over() < 0:  # what a dropped last output left: the name's again
+        shown["NAME"] = min(asked["NAME"], shown["NAME"] - over())
+    if "LAST OUTPUT" in shown:
+        shown["LAST OUTPUT"] = max(1, shown["LAST OUTPUT"] - over())
+    return shown
+
+
+def frame(
+    screen: Screen, now: float, height: int, width: int | None, *, live: bool = True
+) -> RenderableType:
+    """What the screen shows: `frame_lines` as one renderable."""
     from rich.console import Group
 
+    return Group(*frame_lines(screen, now, height, width, live=live))
+
+
+def frame_lines(
+    screen: Screen, now: float, height: int, width: int | None, *, live: bool = True
+) -> list[Text]:
+    """The lines of one frame, each at most `width` cells (None: as long as it is)."""
     if screen.follow is not None:
-        return _follow_frame(screen, screen.follow, height)
+        lines = _follow_lines(screen, screen.follow, height)
+    else:
+        rows = screen.rows()
+        scope = f"run {screen.run}" if screen.run else "all runs"
+        running = sum(1 for row in rows if row.view.state not in TERMINAL_STATES)
+        lines = [_line(f"subagentd top: {scope}, {running} running, {len(rows)} shown", "bold")]
+        if live:
+            lines.append(_line(_footer(screen), "bold" if screen.asking else "dim"))
+        if not rows:
+            lines.append(_line("no workers" + (f" in run {screen.run}" if screen.run else "")))
+        else:
+            shown = _window(screen, rows, height - 4 if live else len(rows))
+            lines += _table(screen, shown, now, width, pad=live)
+    if width is not None:
+        for line in lines:
+            line.truncate(width, overflow="ellipsis")
+    return lines
+
+
+def document(screen: Screen, now: float) -> dict[str, object]:
+    """One frame for a program (`top --once --json`): every worker shown, in the tree's
+    order, as `subagentctl --json status` prints it, with its depth in the tree and its
+    last line of output as written (null: none yet); `now` is when it was read."""
     rows = screen.rows()
-    scope = f"run {screen.run}" if screen.run else "all runs"
-    running = sum(1 for row in rows if row.view.state not in TERMINAL_STATES)
-    title = _line(f"subagentd top: {scope}, {running} running, {len(rows)} shown", "bold")
-    parts: list[RenderableType] = [title]
-    if live:
-        parts.append(_line(_footer(screen), "bold" if screen.asking else "dim"))
-    if not rows:
-        parts.append(_line("no workers" + (f" in run {screen.run}" if screen.run else "")))
-        return Group(*parts)
-    parts.append(_table(screen, _window(screen, rows, height - 4 if live else len(rows)), now))
-    return Group(*parts)
+    return {
+        "run": screen.run,
+        "at": now,
+        "running": sum(1 for row in rows if row.view.state not in TERMINAL_STATES),
+        "workers": [
+            {
+                **msgspec.to_builtins(row.view),
+                "depth": row.depth,
+                "last_output": screen.lines.get(row.view.id),
+            }
+            for row in rows
+        ],
+    }
 
 
-def _line(text: str, style: str = "") -> RenderableType:
+def _line(text: str, style: str = "") -> Text:
     """One line of the screen, cut rather than wrapped on a narrow terminal."""
     from rich.text import Text
 
@@ -333,41 +439,60 @@ def _window(screen: Screen, rows: list[Row], height: int) -> list[Row]:
     return rows[first : first + height]
 
 
-def _table(screen: Screen, rows: list[Row], now: float) -> RenderableType:
-    from rich.table import Table
+def _table(
+    screen: Screen, rows: list[Row], now: float, width: int | None, *, pad: bool
+) -> list[Text]:
+    """The header and `rows`, laid out by `widths` (not by rich's Table, whose widths move
+    with what the cells hold and which cuts every column alike when the screen is narrow)."""
     from rich.text import Text
 
-    table = Table(box=None, pad_edge=False, expand=True, show_edge=False)
-    table.add_column("STATE", no_wrap=True, min_width=8, max_width=11)
-    table.add_column("RUN", no_wrap=True, max_width=14, overflow="ellipsis")
-    table.add_column("WORKER", no_wrap=True, min_width=8, overflow="ellipsis")
-    table.add_column("NAME", no_wrap=True, max_width=20, overflow="ellipsis")
-    table.add_column("AGE", no_wrap=True, justify="right")
-    table.add_column("PID", no_wrap=True, justify="right")
-    table.add_column("LAST OUTPUT", no_wrap=True, ratio=1, overflow="ellipsis")
+    cells = []
     for row in rows:
         view = row.view
-        state = state_of(view)
         ended_at = view.ended_at if view.ended_at is not None else now
-        table.add_row(
-            Text(state, style=_STATE_STYLES.get(state, "")),
-            Text(view.run),
-            Text("  " * row.depth + view.id),
-            Text(printable(view.name, 60)),
-            Text(age(ended_at - view.started_at)),
-            Text("" if view.pid is None else str(view.pid)),
-            Text(screen.lines.get(view.id, "")),
-            style="reverse" if view.id == screen.selected else None,
+        cells.append(
+            (
+                state_of(view),
+                printable(view.run, 60),
+                "  " * row.depth + printable(view.id, 60),
+                printable(view.name, 60),
+                age(ended_at - view.started_at),
+                "" if view.pid is None else str(view.pid),
+                printable(screen.lines.get(view.id, "")),
+            )
         )
-    return table
+    shown = widths(cells, width)
+
+    def laid_out(values: Sequence[str], styles: Sequence[str]) -> Text:
+        line = Text(no_wrap=True, overflow="ellipsis")
+        for at, title in enumerate(COLUMNS):
+            if title not in shown:
+                continue
+            cell = Text(values[at], style=styles[at])
+            room = shown[title]
+            cell.truncate(room, overflow="ellipsis")
+            if title in _RIGHT:
+                cell.pad_left(room - cell.cell_len)
+            elif title != COLUMNS[-1] or pad:
+                cell.pad_right(room - cell.cell_len)
+            if len(line):
+                line.append(" " * GAP)
+            line.append_text(cell)
+        return line
+
+    lines = [laid_out(COLUMNS, ["bold"] * len(COLUMNS))]
+    for row, values in zip(rows, cells, strict=True):
+        line = laid_out(values, [_STATE_STYLES.get(values[0], ""), *[""] * (len(COLUMNS) - 1)])
+        if row.view.id == screen.selected:
+            line.stylize("reverse")
+        lines.append(line)
+    return lines
 
 
 _STATE_STYLES = {"running": "green", "stopping": "yellow", "failed": "red", "timed_out": "red"}
 
 
-def _follow_frame(screen: Screen, follow: Follow, height: int) -> RenderableType:
-    from rich.console import Group
-
+def _follow_lines(screen: Screen, follow: Follow, height: int) -> list[Text]:
     view = next((r.view for r in screen.rows() if r.view.id == follow.worker_id), None)
     state = "gone" if view is None else state_of(view)
     problem = f"  [{follow.problem}]" if follow.problem else ""
@@ -375,7 +500,7 @@ def _follow_frame(screen: Screen, follow: Follow, height: int) -> RenderableType
         f"following {follow.worker_id} ({state})  f or Esc: back  q: quit{problem}", "bold"
     )
     shown = follow.shown()[-max(1, height - 1) :]
-    return Group(head, *(_line(line) for line in shown))
+    return [head, *(_line(line) for line in shown)]
 
 
 # -- reading the daemon ----------------------------------------------------------------
@@ -434,8 +559,28 @@ class Reader:
         except RemoteError:
             return  # its journal is gone or damaged: the line shown stays
         line = last_line(entries)
+        if line is None and view.id not in screen.lines:
+            if entries:
+                tail.back_from = entries[0].seq
+            with contextlib.suppress(RemoteError):
+                line = await self._look_back(tail, budget)
         if line is not None:
             screen.lines[view.id] = line
+
+    async def _look_back(self, tail: JournalTail, budget: Budget) -> str | None:
+        """A line of output from before what `advance` read, for a row that shows none yet:
+        its journal may end in a few entries of other kinds (a stop's states, a resume's
+        note, what `send` wrote). At most `LOOK_BACK` pages, over all frames."""
+        while tail.back_from > 1 and tail.looked_back < LOOK_BACK:
+            since = max(0, tail.back_from - 1 - TAIL_ENTRIES)
+            page = await budget.page(self.daemon, tail.worker_id, since, tail.back_from - 1 - since)
+            tail.looked_back += 1
+            older = [entry for entry in page.entries if entry.seq < tail.back_from]
+            tail.back_from = older[0].seq if older else 0
+            if (line := last_line(older)) is not None:
+                tail.back_from = 0
+                return line
+        return None
 
     async def _follow(self, follow: Follow, budget: Budget) -> None:
         try:
@@ -561,7 +706,8 @@ class Top:
                 nursery.start_soon(self._redraw_on_resize)
                 while not self.screen.quit:
                     await self.reader.read(self.screen, self.height() - 4)
-                    live.update(frame(self.screen, time.time(), self.height()), refresh=True)
+                    shown = frame(self.screen, time.time(), self.height(), self.console.width)
+                    live.update(shown, refresh=True)
                     with trio.move_on_after(self.interval):
                         await self._wake.wait()
                     self._wake = trio.Event()
@@ -600,7 +746,7 @@ class Top:
 
 
 async def _top(
-    socket: str | None, run: str | None, show_all: bool, once: bool, interval: float
+    socket: str | None, run: str | None, show_all: bool, once: bool, interval: float, as_json: bool
 ) -> None:
     from rich.console import Console
 
@@ -608,14 +754,31 @@ async def _top(
         reader = Reader(daemon, run, show_all)
         try:
             if once:
-                console = Console(highlight=False, soft_wrap=False)
                 screen = Screen(run=run)
                 await reader.read(screen, height=10**6)
-                console.print(frame(screen, time.time(), 10**6, live=False))
+                _print_once(screen, time.time(), as_json)
                 return
             await Top(daemon, reader, Console(highlight=False), interval).run()
         except* TransportError as lost:
             raise DaemonGone(lost.exceptions[0]) from lost
+
+
+def _print_once(screen: Screen, now: float, as_json: bool) -> None:
+    """`top --once`: the frame on a terminal as wide as it; elsewhere as wide as what it
+    shows ($COLUMNS, if set, cuts it), with no padding; with `as_json`, `document`."""
+    from rich.console import Console
+
+    if as_json:
+        sys.stdout.write(msgspec.json.encode(document(screen, now)).decode() + "\n")
+        return
+    console = Console(highlight=False, soft_wrap=False)
+    if console.is_terminal:
+        console.print(frame(screen, now, 10**6, console.width, live=False))
+        return
+    columns = os.environ.get("COLUMNS", "")
+    width = int(columns) if columns.isdecimal() and int(columns) > 0 else None
+    for line in frame_lines(screen, now, 10**6, width, live=False):
+        sys.stdout.write(line.plain.rstrip() + "\n")
 
 
 class DaemonGone(Exception):
@@ -649,6 +812,7 @@ def main(
     show_all: bool = False,
     once: bool = False,
     interval: float = REFRESH,
+    as_json: bool = False,
 ) -> int:
     """`subagentctl top`: the exit status (README.md, "Watching live: top")."""
     try:
@@ -666,15 +830,17 @@ def main(
         )
         return EXIT_USAGE
     try:
-        _unwrapped(trio.run, _top, socket, run, show_all, once, interval)
+        _unwrapped(trio.run, _top, socket, run, show_all, once, interval, as_json)
     except DaemonGone as exc:
-        print(f"subagentctl: top: the daemon went away: {exc}", file=sys.stderr)
+        print(
+            f"subagentctl: top: the daemon went away: {printable(str(exc), 1000)}", file=sys.stderr
+        )
         return EXIT_NO_DAEMON
     except TransportError as exc:
-        print(f"subagentctl: {exc}", file=sys.stderr)
+        print(f"subagentctl: {printable(str(exc), 1000)}", file=sys.stderr)
         return EXIT_NO_DAEMON
     except RemoteError as exc:
-        print(f"subagentctl: {exc}", file=sys.stderr)
+        print(f"subagentctl: {printable(str(exc), 1000)}", file=sys.stderr)
         return EXIT_REFUSED
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED

@@ -233,8 +233,9 @@ def test_ctl_events_prints_one_line_a_wake_for_a_person(daemon: DaemonProcess) -
     assert daemon.ctl("wait", child).returncode == 0
     shown = daemon.ctl("events", "--worker", parent)
     assert shown.returncode == 0, _said(shown)
-    # The output is escaped onto one line: it can neither break it nor colour the terminal.
-    assert shown.stdout == f"{child} failed exit=2 line one\\n\\x1b[31mline two\n"
+    # The output is cleaned onto one line (its newlines as \n, the colour taken out): it can
+    # neither break the line nor colour the terminal.
+    assert shown.stdout == f"{child} failed exit=2 line one\\nline two\n"
     again = daemon.ctl("events", "--worker", parent)
     assert (again.returncode, again.stdout) == (0, ""), _said(again)
     assert again.stderr == f"no wakes pending for worker {parent}\n"

@@ -9,6 +9,7 @@ bounded by `trio.fail_after`. What the daemon did (a worker stopped) is asked of
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import re
 import shlex
@@ -25,6 +26,7 @@ import trio
 
 from subagentd.client import AsyncClient, WorkerView
 from subagentd.client._top import (
+    TAIL_ENTRIES,
     Act,
     Budget,
     JournalTail,
@@ -35,6 +37,7 @@ from subagentd.client._top import (
     press,
     printable,
     tree,
+    widths,
 )
 
 from .conftest import BIN, DaemonProcess
@@ -92,9 +95,18 @@ async def top_pane(
 ) -> AsyncIterator[Pane]:
     """`subagentctl top ARGS` running in a detached pane; its exit status is printed
     there as EXIT=N once it ends."""
+    command = shlex.join([CTL, "top", "--interval", "0.2", *args])
+    async with shell_pane(daemon, f"{command}; echo EXIT=$?", width, height) as pane:
+        yield pane
+
+
+@asynccontextmanager
+async def shell_pane(
+    daemon: DaemonProcess, script: str, width: int = 140, height: int = 30
+) -> AsyncIterator[Pane]:
+    """`script` run by the shell in a detached pane, which stays once it ends."""
     # A server of its own each: one just killed may still hold its socket's name.
     pane = Pane(daemon.root / f"tmux-{next(_PANES)}.sock")
-    command = shlex.join([CTL, "top", "--interval", "0.2", *args])
     env = daemon.env | {"TERM": "xterm-256color"}
     env.pop("TMUX", None)
     assert TMUX is not None
@@ -111,7 +123,7 @@ async def top_pane(
             str(width),
             "-y",
             str(height),
-            f"{command}; echo EXIT=$?; sleep 600",
+            f"{script}; sleep 600",
         ],
         env=env,
     )
@@ -273,14 +285,20 @@ async def test_top_output_cannot_drive_the_terminal_and_a_narrow_one_still_draws
 ) -> None:
     with trio.fail_after(60):
         async with AsyncClient(daemon.socket) as client:
-            hostile = await client.spawn(sh(HOSTILE + "; exec sleep 300"), name="\033[2Jevil")
+            hostile = await client.spawn(
+                sh(HOSTILE + "; exec sleep 300"), name="\033[2J\033]0;pwned\007ev\u202eil\r\007"
+            )
             await wait_output(client, hostile.id, b"end")
             async with top_pane(daemon) as pane:
                 text = await pane.shown(lambda t: HOSTILE_SHOWN in t, "the hostile line, cleaned")
                 assert "pwned" not in await pane.tmux("display-message", "-p", "#{pane_title}")
                 assert "subagentd top" in text.splitlines()[0], text  # not cleared away
-                assert "?[2Jevil" not in text
-                assert "evil" in row(text, hostile.id)
+                assert "?[2J" not in text
+                assert "ev?il??" in row(text, hostile.id)
+                # No colour reached the pane either: its cells carry no attribute.
+                styled = await pane.tmux("capture-pane", "-p", "-e", "-t", "top")
+                hostile_row = next(line for line in styled.splitlines() if "ev?il" in line)
+                assert not re.search(r"\x1b\[(?:[0-9;]*;)?31[;m]", hostile_row), hostile_row
             async with top_pane(daemon, width=24, height=6) as narrow:
                 text = await narrow.shown(lambda t: "running" in t, "a row in 24 columns")
                 assert all(len(line) <= 24 for line in text.splitlines()), text
@@ -288,6 +306,71 @@ async def test_top_output_cannot_drive_the_terminal_and_a_narrow_one_still_draws
                 await narrow.shown(lambda t: "subagentd" in t or "subag" in t, "drawn again")
                 await narrow.keys("q")
                 await narrow.shown(lambda t: "EXIT=0" in t, "quit in 12 columns")
+
+
+@needs_tmux
+async def test_top_at_60_columns_keeps_ids_and_pids_whole_and_still_across_frames(
+    daemon: DaemonProcess,
+) -> None:
+    """RUN and the last output give way first; the columns stay where they are from one
+    frame to the next while the last output changes length."""
+    flip = "while :; do echo x; sleep 0.3; echo a much longer line of output; sleep 0.3; done"
+    with trio.fail_after(60):
+        async with AsyncClient(daemon.socket) as client:
+            parent = await client.spawn(sh(flip), name="parent")
+            child = await client.spawn(sh(SLEEPER), name="child", run=parent.run, parent=parent.id)
+            views = [parent, child]
+            async with top_pane(daemon, width=60, height=12) as pane:
+
+                def rows(text: str) -> list[str]:
+                    return [next(line for line in text.splitlines() if v.id in line) for v in views]
+
+                def places(text: str) -> list[tuple[int, int]]:
+                    return [(line.index(v.id), line.index(str(v.pid))) for line, v in
+                            zip(rows(text), views, strict=True)]  # fmt: skip
+
+                def showing(end: str) -> Callable[[str], bool]:
+                    return lambda t: all(v.id in t for v in views) and rows(t)[0].endswith(end)
+
+                short = await pane.shown(showing(" x"), "the short line")
+                long = await pane.shown(showing("…"), "the long line, cut")
+                for text in (short, long):
+                    assert all(len(line) <= 60 for line in text.splitlines()), text
+                    assert all(
+                        f" {v.pid} " in line for line, v in zip(rows(text), views, strict=True)
+                    )
+                    assert "RUN" not in text, text
+                    assert parent.run not in text, text
+                assert places(short) == places(long), (short, long)
+                assert places(short)[1][0] == places(short)[0][0] + 2  # the tree kept
+
+
+@needs_tmux
+async def test_the_cli_prints_no_byte_that_drives_the_terminal(daemon: DaemonProcess) -> None:
+    """ls, status, watch, events, grep and collect in a real terminal, of a worker named and
+    writing to clear it, retitle it and colour it: the pane keeps its title, what was on
+    it before, and no colour."""
+    name = "\033[2J\033]0;pwned\007ev\u202eil\r\007"
+    with trio.fail_after(60):
+        async with AsyncClient(daemon.socket) as client:
+            hostile = await client.spawn(sh(HOSTILE), name=name)
+            await client.wait(hostile.id)
+            commands = [
+                ["ls", "--all"], ["status", hostile.id], ["watch", hostile.id],
+                ["events", "--run", hostile.run], ["grep", hostile.id, "RED"],
+                ["collect", hostile.id],
+            ]  # fmt: skip
+            script = "echo BEFORE && " + " && ".join(shlex.join([CTL, *c]) for c in commands)
+            async with shell_pane(daemon, f"{script}; done=$?; echo; echo EXIT=$done") as pane:
+                text = await pane.shown(lambda t: "EXIT=" in t, "every command done")
+                assert "BEFORE" in text, text  # not cleared
+                assert "EXIT=0" in text, text
+                assert text.count(HOSTILE_SHOWN) == 4, text  # watch, events, grep, collect
+                assert "ev?il??" in text, text
+                title = await pane.tmux("display-message", "-p", "#{pane_title}")
+                assert "pwned" not in title, title
+                styled = await pane.tmux("capture-pane", "-p", "-e", "-t", "top")
+                assert not re.search(r"\x1b\[(?:[0-9;]*;)?31[;m]", styled), styled
 
 
 # -- one frame, for scripts -----------------------------------------------------------------
@@ -367,6 +450,94 @@ async def test_top_once_cleans_what_workers_write_and_fits_a_narrow_terminal(
             narrow = await trio.to_thread.run_sync(lambda: once(daemon, columns=20))
             assert narrow.returncode == 0, narrow.stderr
             assert all(len(line) <= 20 for line in narrow.stdout.splitlines()), narrow.stdout
+
+
+async def test_top_once_json_prints_one_frame_with_every_worker_and_its_raw_last_line(
+    daemon: DaemonProcess,
+) -> None:
+    with trio.fail_after(60):
+        async with AsyncClient(daemon.socket) as client:
+            parent = await client.spawn(sh(HOSTILE + "; exec sleep 300"), name="parent")
+            child = await client.spawn(sh(SLEEPER), name="child", run=parent.run, parent=parent.id)
+            await wait_output(client, parent.id, b"end")
+            await wait_output(client, child.id, b"started")
+            done = await trio.to_thread.run_sync(lambda: once(daemon, "--json"))
+            assert done.returncode == 0, done.stderr
+            (line,) = done.stdout.splitlines()  # one document, one line
+            frame = json.loads(line)
+            assert (frame["run"], frame["running"]) == (None, 2)
+            workers = frame["workers"]
+            assert [(w["id"], w["depth"]) for w in workers] == [(parent.id, 0), (child.id, 1)]
+            assert workers[0]["last_output"].startswith("ok \x1b[31mRED")  # as written
+            assert workers[0]["argv"] == sh(HOSTILE + "; exec sleep 300")
+            assert workers[1]["last_output"] == "started"
+            assert workers[1]["pid"] == child.pid
+            live = await trio.to_thread.run_sync(lambda: daemon.ctl("top", "--json"))
+            assert live.returncode == 2, live
+            assert "--json: only with --once" in live.stderr
+
+
+async def test_top_once_piped_is_as_wide_as_what_it_shows(daemon: DaemonProcess) -> None:
+    """Not padded to 80 columns, and the last output not cut to a few characters."""
+    long = "a line of output longer than eighty columns, " * 3
+    with trio.fail_after(60):
+        async with AsyncClient(daemon.socket) as client:
+            talker = await client.spawn(sh(f"echo '{long}'; exec sleep 300"), name="t")
+            await wait_output(client, talker.id, b"columns")
+            env = {k: v for k, v in daemon.env.items() if k not in ("COLUMNS", "LINES")}
+            done = await trio.to_thread.run_sync(
+                lambda: subprocess.run(
+                    [CTL, "top", "--once"], env=env, capture_output=True, text=True, timeout=30
+                )
+            )
+            assert done.returncode == 0, done.stderr
+            assert long.strip() in row(done.stdout, talker.id), done.stdout
+            assert all(line == line.rstrip() for line in done.stdout.splitlines()), done.stdout
+            header = next(line for line in done.stdout.splitlines() if "LAST OUTPUT" in line)
+            assert header.endswith("LAST OUTPUT"), header
+
+
+async def test_top_shows_the_last_output_of_an_ended_worker_with_a_long_journal(
+    daemon: DaemonProcess,
+) -> None:
+    """Five entries or more: the last page alone held none of its output."""
+    with trio.fail_after(60):
+        async with AsyncClient(daemon.socket) as client:
+            ended = await client.spawn(
+                sh("echo one; sleep 0.2; echo two; sleep 0.2; echo three"), name="ended"
+            )
+            await client.wait(ended.id)
+            page = await client.watch_page(ended.id, 0, 100)
+            kinds = [entry.kind for entry in page.entries]
+            assert kinds == ["state", "stdout", "stdout", "stdout", "state"], kinds
+            entries = await JournalTail(ended.id).advance(client, Budget(), 4)
+            assert last_line(entries) == "three"
+            done = await trio.to_thread.run_sync(lambda: once(daemon, "--all"))
+            assert done.returncode == 0, done.stderr
+            assert row(done.stdout, ended.id).endswith("three"), done.stdout
+
+
+async def test_top_looks_back_past_a_journals_last_entries_that_are_not_output(
+    daemon: DaemonProcess,
+) -> None:
+    """A worker's journal may end in entries of other kinds (here what `send` wrote): the
+    last line of output shown is the one before them."""
+    with trio.fail_after(60):
+        async with AsyncClient(daemon.socket) as client:
+            reader = await client.spawn(
+                sh("echo last words; cat >/dev/null"), name="reader", stdin_open=True
+            )
+            await wait_output(client, reader.id, b"last words")
+            for text in ("one\n", "two\n", "three\n", "four\n", "five\n", "six\n"):
+                await client.send(reader.id, text)
+            await client.send(reader.id, "", eof=True)
+            await client.wait(reader.id)
+            page = await client.watch_page(reader.id, 0, 100)
+            kinds = [entry.kind for entry in page.entries]
+            assert "stdout" not in kinds[-TAIL_ENTRIES - 4 :], kinds  # past the merged pages
+            done = await trio.to_thread.run_sync(lambda: once(daemon, "--all"))
+            assert done.returncode == 0, done.stderr
+            assert row(done.stdout, reader.id).endswith("last words"), done.stdout
 
 
 async def test_the_last_line_of_a_long_journal_costs_a_few_pages(daemon: DaemonProcess) -> None:
@@ -486,3 +657,37 @@ def test_an_unusable_interval_is_refused_naming_it(daemon: DaemonProcess, interv
     )  # fmt: skip
     assert ran.returncode == 2, ran
     assert "--interval" in ran.stderr
+
+
+def test_columns_give_way_in_order_and_never_cut_an_id_or_a_pid() -> None:
+    def cells(last: str) -> list[tuple[str, ...]]:
+        return [
+            ("running", "r-63062eb0d9", "w-3fdd3ae2ce", "parent", "30s", "14647", last),
+            ("stopping", "r-63062eb0d9", "  w-df03feb553", "a name of twenty-five c", "2s", "", ""),
+        ]
+
+    wide = widths(cells("x"), 140)
+    assert list(wide) == ["STATE", "RUN", "WORKER", "NAME", "AGE", "PID", "LAST OUTPUT"]
+    assert (wide["WORKER"], wide["PID"], wide["NAME"]) == (14, 7, 20)
+    assert sum(wide.values()) + 2 * 6 == 140  # the last output takes the rest
+    assert "RUN" not in widths(cells("x"), 90)  # the first to go
+    assert widths(cells("x"), 76) == {
+        "STATE": 9, "WORKER": 14, "NAME": 20, "AGE": 6, "PID": 7, "LAST OUTPUT": 10,
+    }  # fmt: skip
+    # The name shrinks, for the last output to keep 8.
+    assert widths(cells("x"), 70) == {
+        "STATE": 9, "WORKER": 14, "NAME": 16, "AGE": 6, "PID": 7, "LAST OUTPUT": 8,
+    }  # fmt: skip
+    at_60 = widths(cells("x"), 60)  # then the last output goes, and the name has its room
+    assert at_60 == {"STATE": 9, "WORKER": 14, "NAME": 16, "AGE": 6, "PID": 7}
+    at_40 = widths(cells("x"), 40)
+    assert at_40 == {"STATE": 9, "WORKER": 14, "PID": 7}
+    assert list(widths(cells("x"), 25)) == ["STATE", "WORKER"]
+    for width in (140, 90, 60, 40, 25):  # what the last output says moves no column
+        short, long = widths(cells("x"), width), widths(cells("y" * 300), width)
+        assert {k: v for k, v in short.items() if k != "LAST OUTPUT"} == {
+            k: v for k, v in long.items() if k != "LAST OUTPUT"
+        }
+        assert short == long
+    piped = widths(cells("y" * 1000), None)  # as wide as the cells, to a bound
+    assert (piped["LAST OUTPUT"], piped["NAME"], piped["RUN"]) == (400, 20, 12)
