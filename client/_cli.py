@@ -113,6 +113,7 @@ class Output(Protocol):
     def cancelled(self, ids: list[str], already_stopping: list[str]) -> None: ...
     def turn(self, turn: int) -> None: ...
     def fence(self, epoch: int | None) -> None: ...
+    def reopened(self, run: str) -> None: ...
     def entry(self, entry: Entry) -> None: ...
     def entries_end(self) -> None: ...
     def wake(self, wake: Wake) -> None: ...
@@ -224,6 +225,9 @@ class Human:
     def fence(self, epoch: int | None) -> None:
         if epoch is not None:  # a cleared fence is said by the exit status alone
             print(epoch)
+
+    def reopened(self, run: str) -> None:
+        print(f"run {printable(run)} reopened: it accepts spawns again")
 
     def entry(self, entry: Entry) -> None:
         match entry.kind:
@@ -347,6 +351,9 @@ class Json:
 
     def fence(self, epoch: int | None) -> None:
         _dump({"epoch": epoch})
+
+    def reopened(self, run: str) -> None:
+        _dump({"run": run, "reopened": True})
 
     def entry(self, entry: Entry) -> None:
         data = entry.data.decode(errors="replace")
@@ -583,6 +590,11 @@ def fence(daemon: Client, args: argparse.Namespace, out: Output) -> None:
         out.fence(None)
     else:
         out.fence(daemon.set_fence())
+
+
+def reopen(daemon: Client, args: argparse.Namespace, out: Output) -> None:
+    daemon.reopen_run(args.run)
+    out.reopened(args.run)
 
 
 def reload(daemon: Client, args: argparse.Namespace, out: Output) -> None:
@@ -900,6 +912,16 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="remove the fence instead: later spawns start as usual (--json prints epoch null)",
     )
+
+    sub = command(
+        "reopen",
+        reopen,
+        "Start a stopped run again: it (and the runs nested in it) accepts spawns again.",
+        "A stopped run stays stopped, resumes included (a resumed worker runs, and may "
+        "delegate, but nothing else may spawn in the run) until this is asked. Refused "
+        "while a run it is nested in is stopped. A worker's own subagentctl may not.",
+    )
+    sub.add_argument("run", metavar="RUN")
 
     command(
         "reload",

@@ -357,3 +357,24 @@ async def test_a_hostile_run_to_reopen_is_refused_and_the_daemon_serves_on(
         if code == "invalid":
             assert "$.run" in reply.message
         assert isinstance(await ask(daemon, p.Info(id=0)), p.InfoReply)
+
+
+def test_subagentctl_reopen_starts_a_stopped_run_again(daemon: DaemonProcess) -> None:
+    run = daemon.ctl("--json", "new-run")
+    assert run.returncode == 0, run.stderr
+    run_id = json.loads(run.stdout)["run"]
+    assert daemon.ctl("stop", "--run", run_id).returncode == 0
+    refused = daemon.ctl("spawn", "--run", run_id, "--", "true")
+    assert refused.returncode == 1
+    assert "run_stopped" in refused.stderr
+    reopened = daemon.ctl("reopen", run_id)
+    assert reopened.returncode == 0, reopened.stderr
+    assert reopened.stdout == f"run {run_id} reopened: it accepts spawns again\n"
+    assert json.loads(daemon.ctl("reopen", run_id, "--json").stdout) == {
+        "run": run_id,
+        "reopened": True,
+    }
+    assert daemon.ctl("spawn", "--run", run_id, "--", "true").returncode == 0
+    unknown = daemon.ctl("reopen", "r-nope")
+    assert unknown.returncode == 1
+    assert "not_found" in unknown.stderr
