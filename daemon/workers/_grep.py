@@ -5,7 +5,9 @@ but what it found; the reader decides where it runs (a big page in a thread). Li
 its stdout and its stderr each split on its own (an entry may end mid-line; the line
 goes on in that stream's next entry), numbered together from 1 in the order they were
 completed. A line longer than MAX_LINE_BYTES is cut into pieces of that length, so no
-worker makes the daemon hold an unbounded line.
+worker makes the daemon hold an unbounded line. The matches a scanner keeps are held to
+the answer's bytes (`_answers`): past them it keeps no more, so no worker's output makes
+a grep's answer, or what the daemon holds to build it, larger than that.
 
 Patterns are RE2's (google-re2): matching takes time linear in the text whatever the
 pattern, which is what lets a worker's client, or a worker, hand the daemon any pattern;
@@ -24,8 +26,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from subagentd.protocol import Entry, GrepMatch, OutputKind
+from subagentd.protocol import DEFAULT_ANSWER_BYTES, Entry, GrepMatch, OutputKind
 from subagentd.protocol.errors import Invalid
+
+from ._answers import ANSWER_COST, cut_match, match_cost, text_cost
 
 #: A line is cut into pieces this long: no line the daemon holds is longer.
 MAX_LINE_BYTES = 16 * 1024
@@ -62,18 +66,28 @@ class _Found:
 
 @dataclass
 class LineScanner:
-    """Lines of a worker's output matched against one compiled pattern, fed in order."""
+    """Lines of a worker's output matched against one compiled pattern, fed in order.
+
+    Only lines numbered after `since` are matched (the earlier ones are counted, and are
+    context). The matches kept cost at most `max_bytes` in an answer: the first match
+    alone over it is cut to fit (`GrepMatch.cut`), and a later one that would not fit,
+    with the context it is owed, is left for the next answer."""
 
     pattern: Any
     before: int = 0
     after: int = 0
     limit: int = 1
+    since: int = 0
+    max_bytes: int = DEFAULT_ANSWER_BYTES
     #: Bytes of output fed so far: what a bound on one request's work counts.
     scanned: int = 0
     line_no: int = 0
     matches: list[GrepMatch] = field(default_factory=list)
-    #: A match beyond `limit` was found (so `matches` is not all of them).
+    #: A match beyond `limit` or `max_bytes` was found, or the first match was cut (so
+    #: `matches` is not all there is): the next answer starts after the last of them.
     more: bool = False
+    #: What the matches kept cost in an answer, the answer's own cost included.
+    size: int = ANSWER_COST
     _partial: dict[str, bytearray] = field(
         default_factory=lambda: {kind: bytearray() for kind in _OUTPUT}
     )
@@ -131,28 +145,54 @@ class LineScanner:
         raw = batch.lines
         if not raw:
             return
-        for found in self._owed:
-            taken = [_text(line) for line in raw[: found.owed]]
-            found.match.after += taken
-            found.owed -= len(taken)
-        self._owed = [found for found in self._owed if found.owed]
+        self._give_context(raw)
         if not self.more:
-            for index in self._matching(raw):
+            for index in self._matching(raw, max(0, self.since - self.line_no)):
                 if len(self.matches) >= self.limit:
                     self.more = True
                     break
                 self._found(index, batch.kind_of(index), raw)
+                if self.more:
+                    break
         self.line_no += len(raw)
         if self.before:
             self._recent.extend(_text(line) for line in raw[-self.before :])
             while len(self._recent) > self.before:
                 self._recent.popleft()
 
-    def _matching(self, lines: list[bytes]) -> Iterable[int]:
-        """The indexes of the lines that match, in order: one search of them all."""
+    def _give_context(self, raw: list[bytes]) -> None:
+        """The lines after matches still owed them, while they fit in the answer."""
+        for found in self._owed:
+            for line in raw[: found.owed]:
+                text = _text(line)
+                cost = text_cost(text)
+                if self.size + cost > self.max_bytes:
+                    self._over(found.match)
+                    return
+                found.match.after.append(text)
+                found.owed -= 1
+                self.size += cost
+        self._owed = [found for found in self._owed if found.owed]
+
+    def _over(self, match: GrepMatch) -> None:
+        """`match` grew past the answer's bytes with its context: the first is cut there,
+        a later one goes to the next answer, and so does every match after it."""
+        index = next(i for i, kept in enumerate(self.matches) if kept is match)
+        if index == 0:
+            match.cut = True
+            index = 1
+        del self.matches[index:]
+        self._owed = []
+        self.more = True
+
+    def _matching(self, lines: list[bytes], first: int) -> Iterable[int]:
+        """The indexes of the lines from `first` on that match, in order: one search of
+        them all."""
+        if first >= len(lines):
+            return
         buffer = b"\n".join(lines)
         starts = list(itertools.accumulate((len(line) + 1 for line in lines[:-1]), initial=0))
-        position = 0
+        position = starts[first]
         while position <= len(buffer):
             found = self.pattern.search(buffer, position)
             if found is None:
@@ -177,7 +217,14 @@ class LineScanner:
             before=before,
             after=after,
         )
+        cost = match_cost(match)
+        if self.size + cost > self.max_bytes:
+            self.more = True
+            if not self.matches:  # alone too big: cut, so that every answer goes on
+                self.matches.append(cut_match(match, self.max_bytes - self.size))
+            return
         self.matches.append(match)
+        self.size += cost
         if len(after) < self.after:
             self._owed.append(_Found(match, self.after - len(after)))
 

@@ -17,6 +17,7 @@ from typing import Protocol
 import trio
 
 from subagentd.protocol import (
+    DEFAULT_ANSWER_BYTES,
     TERMINAL_STATES,
     Collect,
     Entry,
@@ -34,11 +35,12 @@ from subagentd.protocol.errors import Busy, Invalid, NotFound, Refused
 from ..core._registry import Registry, Tombstone, WorkerRecord
 from ..store._archive import Archive
 from ..store._files import NotRegularFile
-from ..store._journal import Journal, JournalCorrupt, JournalTooLong
+from ..store._journal import PAGE_BYTES, Journal, JournalCorrupt, JournalTooLong
 from ..store._statedir import StateDir
 from ..store._store import Store
+from ._answers import fit_entries
 from ._grep import LineScanner, compile_pattern
-from ._supervisor import Supervisor
+from ._supervisor import LiveWorker, Supervisor
 
 #: A journal up to this long is verified on the event loop (a few ms at the worst:
 #: entries are at least ~20 bytes and cost ~5 us each); a longer one in a thread.
@@ -140,40 +142,88 @@ class Reader:
             self._releases().collected(worker_id)
         return _result(found, text)
 
-    async def watch_page(self, worker_id: str, since: int, limit: int) -> Page:
+    async def watch_page(
+        self,
+        worker_id: str,
+        since: int,
+        limit: int,
+        max_bytes: int = DEFAULT_ANSWER_BYTES,
+        offset: int = 0,
+    ) -> Page:
+        """The entries after `since` (`offset` bytes into the first already sent) that fit
+        in `max_bytes` of answer: whole entries, or a piece of one alone over it."""
         if since < 0 or limit < 1:
             raise Invalid(f"{op(Watch)} needs since >= 0 and limit >= 1, not {since} and {limit}")
+        journal, live, entries = await self._entries(
+            worker_id, since, min(limit, MAX_PAGE_ENTRIES), min(max_bytes, PAGE_BYTES)
+        )
+        if offset and not (entries and offset < len(entries[0].data)):
+            raise Invalid(
+                f"{op(Watch)}'s offset {offset} is not within entry {since + 1} of worker "
+                f"{worker_id}: send the next_offset of the page before, with its next as since"
+            )
+        page = fit_entries(entries, since, offset, max_bytes)
+        more = page.next_offset > 0 or page.next < journal.last_seq
+        return Page(
+            id=0,
+            entries=page.entries,
+            next=page.next,
+            next_offset=page.next_offset,
+            complete=live is None and not more,
+            truncated=more,
+        )
+
+    async def _entries(
+        self, worker_id: str, since: int, limit: int, data_bytes: int
+    ) -> tuple[Journal, LiveWorker | None, list[Entry]]:
+        """Whole entries after `since`: at most `limit`, and about `data_bytes` of data
+        (always one, if there is one); with the worker's journal, and its live self if any."""
         found = self.lookup(worker_id)
         live = self._supervisor.get(worker_id)
         journal = live.journal if live is not None else await self._ended_journal(found)
         try:
-            entries = journal.read(since, min(limit, MAX_PAGE_ENTRIES))
+            return journal, live, journal.read(since, limit, data_bytes)
         except JournalCorrupt as exc:
             raise _damaged(found.id, exc) from None
-        cursor = entries[-1].seq if entries else since
-        complete = live is None and cursor >= journal.last_seq
-        return Page(id=0, entries=entries, next=cursor, complete=complete)
 
     async def grep(
-        self, worker_id: str, pattern: str, *, before: int, after: int, limit: int
+        self,
+        worker_id: str,
+        pattern: str,
+        *,
+        before: int,
+        after: int,
+        limit: int,
+        since: int = 0,
+        max_bytes: int = DEFAULT_ANSWER_BYTES,
     ) -> GrepResult:
-        """The lines of the worker's output that match, from the start of its journal,
-        scanning at most MAX_GREP_SCAN_BYTES of it; an unended last line counts."""
-        scanner = LineScanner(compile_pattern(pattern), before=before, after=after, limit=limit)
+        """The lines of the worker's output after line `since` that match, with their
+        context, in `max_bytes` of answer; from the start of its journal, scanning at most
+        MAX_GREP_SCAN_BYTES of it; an unended last line counts."""
+        scanner = LineScanner(
+            compile_pattern(pattern),
+            before=before,
+            after=after,
+            limit=limit,
+            since=since,
+            max_bytes=max_bytes,
+        )
         self.lookup(worker_id)
         cursor = 0
         bounded = False
         while not scanner.done:
-            page = await self.watch_page(worker_id, cursor, MAX_PAGE_ENTRIES)
-            await self._scan(scanner, page.entries)
-            if page.complete or not page.entries:
+            *_, entries = await self._entries(worker_id, cursor, MAX_PAGE_ENTRIES, PAGE_BYTES)
+            await self._scan(scanner, entries)
+            if not entries:
                 break
-            cursor = page.next
+            cursor = entries[-1].seq
             if scanner.scanned >= MAX_GREP_SCAN_BYTES:
                 bounded = True
                 break
         scanner.finish()
-        return GrepResult(matches=scanner.matches, truncated=scanner.more or bounded)
+        matches = scanner.matches
+        go_on = matches[-1].line_no if scanner.more and matches else None
+        return GrepResult(matches=matches, truncated=scanner.more or bounded, next=go_on)
 
     async def wait_for(self, worker_id: str, pattern: str, seconds: float) -> WaitForResult:
         """Once a line of the worker's output matches (what it wrote so far first, then what
@@ -192,16 +242,20 @@ class Reader:
         while True:
             live = self._supervisor.get(worker_id)
             grown = live.grown if live is not None else None
-            page = await self.watch_page(worker_id, cursor, MAX_PAGE_ENTRIES)
-            await self._scan(scanner, page.entries)
-            if page.complete:
+            journal, live, entries = await self._entries(
+                worker_id, cursor, MAX_PAGE_ENTRIES, PAGE_BYTES
+            )
+            await self._scan(scanner, entries)
+            if entries:
+                cursor = entries[-1].seq
+            complete = live is None and cursor >= journal.last_seq
+            if complete:
                 scanner.finish()
             if scanner.matches:
                 return "matched"
-            if page.complete:
+            if complete:
                 return "ended"
-            cursor = page.next
-            if not page.entries and grown is not None:
+            if not entries and grown is not None:
                 await grown.wait()
             else:
                 await trio.lowlevel.checkpoint()  # a worker writing fast starves no one
@@ -272,9 +326,15 @@ class Reader:
         self._journals.pop(worker_id, None)
 
     async def follow(
-        self, worker_id: str, since: int, limit: int, send: Callable[[Page], Awaitable[None]]
+        self,
+        worker_id: str,
+        since: int,
+        limit: int,
+        send: Callable[[Page], Awaitable[None]],
+        max_bytes: int = DEFAULT_ANSWER_BYTES,
+        offset: int = 0,
     ) -> None:
-        """Send pages from `since` as the journal grows, until it is complete.
+        """Send pages from `since` (and `offset`) as the journal grows, until it is complete.
 
         Each page is read when the previous one has been sent, so a follower
         that does not read holds back only itself: nothing is buffered for it.
@@ -283,12 +343,12 @@ class Reader:
         while True:
             live = self._supervisor.get(worker_id)
             grown = live.grown if live is not None else None
-            page = await self.watch_page(worker_id, cursor, limit)
+            page = await self.watch_page(worker_id, cursor, limit, max_bytes, offset)
             if page.entries or page.complete:
                 await send(page)
             if page.complete:
                 return
-            cursor = page.next
+            cursor, offset = page.next, page.next_offset
             if not page.entries and grown is not None:
                 await grown.wait()
 
