@@ -7,6 +7,7 @@ through the trio client and through subagentctl, however many reloads came meanw
 
 from __future__ import annotations
 
+import subprocess
 import time
 
 import pytest
@@ -149,23 +150,21 @@ async def test_subagentctl_wait_for_keeps_its_deadline_across_two_reloads(
             worker = await client.spawn(["sleep", "1000"])
             async with trio.open_nursery() as nursery:
                 start = time.monotonic()
-                done = []
+                done: list[tuple[subprocess.CompletedProcess[str], float]] = []
 
                 async def wait() -> None:
-                    done.append(
-                        await trio.to_thread.run_sync(
-                            lambda: daemon.ctl(
-                                "wait", worker.id, "--for", "never", "--timeout", str(TIMEOUT)
-                            )
+                    waited = await trio.to_thread.run_sync(
+                        lambda: daemon.ctl(
+                            "wait", worker.id, "--for", "never", "--timeout", str(TIMEOUT)
                         )
                     )
-                    done.append(time.monotonic())
+                    done.append((waited, time.monotonic()))
 
                 nursery.start_soon(wait)
                 await reload_twice_while_waiting(daemon)
                 last_reload = time.monotonic() - start
             await client.stop(worker.id)
-    waited, finished = done
+    [(waited, finished)] = done
     assert waited.returncode == 5, waited.stderr  # timed out
     assert "timed out" in waited.stderr
     took = finished - start
