@@ -307,3 +307,21 @@ async def test_an_offset_not_within_its_entry_is_refused_invalid(
     assert (answer.id, answer.code) == (2, "invalid")
     assert "offset" in answer.message
     assert piece.entries[0].data == first.data[1:]  # within it: the rest of it
+
+
+@pytest.mark.parametrize("since", [-1, 2**63, 1.5, "3", None], ids=repr)
+async def test_a_hostile_grep_since_is_refused_invalid_naming_it(
+    connect: Connect, client: AsyncClient, since: object
+) -> None:
+    with trio.fail_after(30):
+        worker = await client.spawn(["echo", "hi"])
+        await client.wait(worker.id)
+        conn = await connect()
+        request = {"op": "grep", "id": 2, "worker": worker.id, "pattern": "h", "since": since}
+        await conn.stream.send_all(p.frame(msgspec.msgpack.encode(request)))
+        answer = await conn.receive()
+        beyond = await client.grep(worker.id, "h", since=p.MAX_INT)
+    assert isinstance(answer, p.Error)
+    assert (answer.id, answer.code) == (2, "invalid")
+    assert "$.since" in answer.message
+    assert (beyond.matches, beyond.truncated, beyond.next) == ([], False, None)
