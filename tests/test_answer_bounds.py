@@ -5,6 +5,7 @@ byte and every match once, in order."""
 
 from __future__ import annotations
 
+import itertools
 import re
 
 from hypothesis import given, settings
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 
 from subagentd import protocol as p
 from subagentd.daemon.workers._answers import cut_match, fit_entries, match_cost
-from subagentd.daemon.workers._grep import LineScanner, compile_pattern
+from subagentd.daemon.workers._grep import Checkpoint, LineScanner, compile_pattern
 from subagentd.protocol import Entry, GrepMatch
 
 #: The widest ids and cursors msgpack can carry: what costs most in an answer.
@@ -130,3 +131,50 @@ def test_a_match_is_cut_to_its_room_at_a_characters_boundary() -> None:
     assert tight.line == wide
     assert len(tight.before) + len(tight.after) == 5  # the farthest one left out
     assert re.fullmatch("é+", cut_match(match, 300).line)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    text=st.text(alphabet="ab\n\r", max_size=400).map(str.encode),
+    cuts=st.lists(st.integers(min_value=0, max_value=500), max_size=40),
+    streams=st.lists(st.sampled_from(["stdout", "stderr", "note"]), min_size=41, max_size=41),
+    before=st.integers(min_value=0, max_value=4),
+    after=st.integers(min_value=0, max_value=4),
+    since=st.integers(min_value=0, max_value=60),
+    every=st.integers(min_value=1, max_value=40),
+)
+def test_a_scan_from_a_checkpoint_answers_as_one_from_the_start(
+    text: bytes,
+    cuts: list[int],
+    streams: list[str],
+    before: int,
+    after: int,
+    since: int,
+    every: int,
+) -> None:
+    points = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
+    entries = [
+        Entry(seq=i + 1, kind=streams[i], data=text[a:b], at=0.0)  # type: ignore[arg-type]
+        for i, (a, b) in enumerate(itertools.pairwise(points))
+    ]
+
+    def scan(start: Checkpoint | None) -> LineScanner:
+        scanner = LineScanner(
+            compile_pattern("a|^$"), before=before, after=after, limit=10_000, since=since
+        )
+        scanner.checkpoint_every = every
+        rest = entries
+        if start is not None:
+            scanner.start_at(start)
+            rest = [entry for entry in entries if entry.seq > start.seq]
+        for entry in rest:
+            scanner.feed([entry])
+        scanner.finish()
+        return scanner
+
+    whole = scan(None)
+    usable = [mark for mark in whole.checkpoints if mark.line_no + before <= since]
+    for mark in usable:
+        again = scan(mark)
+        assert again.matches == whole.matches
+        assert (again.line_no, again.scanned) == (whole.line_no, whole.scanned)

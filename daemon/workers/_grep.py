@@ -35,6 +35,9 @@ from ._answers import ANSWER_COST, cut_match, match_cost, text_cost
 MAX_LINE_BYTES = 16 * 1024
 #: What RE2 may use to compile one pattern (its default): a bigger program is refused.
 PATTERN_MEMORY = 8 * 1024 * 1024
+#: A scanner marks a place to start again from (a `Checkpoint`) at most once per this
+#: many bytes of output: a grep going on from its cursor starts at the nearest.
+CHECKPOINT_BYTES = 1024 * 1024
 
 _OUTPUT: tuple[OutputKind, ...] = ("stdout", "stderr")
 
@@ -56,6 +59,17 @@ def compile_pattern(pattern: str) -> Any:
         raise Invalid(
             f"pattern: {reason} (patterns are RE2 syntax: no backreferences or lookaround)"
         ) from None
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """A place in a journal where a scan may start again exactly as if it had read it from
+    the start: after entry `seq`, where neither stream has an unended line, `line_no`
+    lines and `scanned` bytes of output in. Only lines after it can be context then."""
+
+    seq: int
+    line_no: int
+    scanned: int
 
 
 @dataclass
@@ -93,6 +107,22 @@ class LineScanner:
     )
     _recent: collections.deque[str] = field(default_factory=collections.deque)
     _owed: list[_Found] = field(default_factory=list)
+    #: Places passed where a later scan of the same journal may start (see `Checkpoint`),
+    #: at most one per `checkpoint_every` bytes of output.
+    checkpoints: list[Checkpoint] = field(default_factory=list)
+    checkpoint_every: int = CHECKPOINT_BYTES
+    _marked: int = 0
+
+    def start_at(self, checkpoint: Checkpoint) -> None:
+        """Scan on from `checkpoint` (a place a scan of the same journal passed): feed the
+        entries after its seq. Only what `since` asks for comes out the same: matches
+        after the checkpoint's line plus `before`."""
+        assert checkpoint.line_no + self.before <= self.since
+        self.line_no, self.scanned, self._marked = (
+            checkpoint.line_no,
+            checkpoint.scanned,
+            checkpoint.scanned,
+        )
 
     @property
     def done(self) -> bool:
@@ -107,6 +137,12 @@ class LineScanner:
             if entry.kind == "stdout" or entry.kind == "stderr":
                 self.scanned += len(entry.data)
                 batch.add(entry.kind, self._split(entry.kind, entry.data))
+                if self.scanned - self._marked >= self.checkpoint_every and not any(
+                    self._partial.values()
+                ):
+                    line_no = self.line_no + len(batch.lines)
+                    self.checkpoints.append(Checkpoint(entry.seq, line_no, self.scanned))
+                    self._marked = self.scanned
         self._take(batch)
 
     def finish(self) -> None:

@@ -8,6 +8,7 @@ at once, the most recently read); verifying a long one runs in a thread of its o
 
 from __future__ import annotations
 
+import bisect
 import collections
 import functools
 from collections.abc import Awaitable, Callable
@@ -39,7 +40,7 @@ from ..store._journal import PAGE_BYTES, Journal, JournalCorrupt, JournalTooLong
 from ..store._statedir import StateDir
 from ..store._store import Store
 from ._answers import fit_entries
-from ._grep import LineScanner, compile_pattern
+from ._grep import CHECKPOINT_BYTES, Checkpoint, LineScanner, compile_pattern
 from ._supervisor import LiveWorker, Supervisor
 
 #: A journal up to this long is verified on the event loop (a few ms at the worst:
@@ -59,6 +60,8 @@ MAX_GREP_SCAN_BYTES = 64 * 1024 * 1024
 INLINE_SCAN_BYTES = 64 * 1024
 #: Greps and wait-fors searching in threads at once.
 SCANS = 2
+#: Places to start a grep again kept for one journal: one a MiB of the scan's bound.
+MAX_CHECKPOINTS = MAX_GREP_SCAN_BYTES // CHECKPOINT_BYTES
 
 
 class Releases(Protocol):
@@ -79,6 +82,10 @@ class Reader:
         self._supervisor = supervisor
         self._retention: Releases | None = None
         self._journals: collections.OrderedDict[str, Journal] = collections.OrderedDict()
+        #: Where greps of a journal may start again (the most recently searched first).
+        self._checkpoints: collections.OrderedDict[str, list[Checkpoint]] = (
+            collections.OrderedDict()
+        )
         #: Threads verifying journals (see open_journal): their own, so a worker's huge
         #: journal read by many requests holds these and never those a spawn needs.
         self._journal_scans = trio.CapacityLimiter(JOURNAL_SCANS)
@@ -198,8 +205,9 @@ class Reader:
         max_bytes: int = DEFAULT_ANSWER_BYTES,
     ) -> GrepResult:
         """The lines of the worker's output after line `since` that match, with their
-        context, in `max_bytes` of answer; from the start of its journal, scanning at most
-        MAX_GREP_SCAN_BYTES of it; an unended last line counts."""
+        context, in `max_bytes` of answer; from the start of its journal (or, going on,
+        from a checkpoint an earlier grep of it passed), scanning at most
+        MAX_GREP_SCAN_BYTES of it from the start; an unended last line counts."""
         scanner = LineScanner(
             compile_pattern(pattern),
             before=before,
@@ -210,6 +218,9 @@ class Reader:
         )
         self.lookup(worker_id)
         cursor = 0
+        if (start := self._checkpoint_before(worker_id, since - before)) is not None:
+            scanner.start_at(start)  # a grep going on: not from the journal's start again
+            cursor = start.seq
         bounded = False
         while not scanner.done:
             *_, entries = await self._entries(worker_id, cursor, MAX_PAGE_ENTRIES, PAGE_BYTES)
@@ -221,9 +232,28 @@ class Reader:
                 bounded = True
                 break
         scanner.finish()
+        self._keep_checkpoints(worker_id, scanner.checkpoints)
         matches = scanner.matches
         go_on = matches[-1].line_no if scanner.more and matches else None
         return GrepResult(matches=matches, truncated=scanner.more or bounded, next=go_on)
+
+    def _checkpoint_before(self, worker_id: str, line_no: int) -> Checkpoint | None:
+        """The last place a grep of this journal passed where a scan may start again and
+        still have every line after `line_no`."""
+        marks = self._checkpoints.get(worker_id, [])
+        index = bisect.bisect_right([mark.line_no for mark in marks], line_no)
+        return marks[index - 1] if index else None
+
+    def _keep_checkpoints(self, worker_id: str, found: list[Checkpoint]) -> None:
+        """Remember where a grep of this journal may start again (a journal only grows, so
+        they hold as long as it does); for the most recently searched journals."""
+        marks = {mark.seq: mark for mark in self._checkpoints.pop(worker_id, [])}
+        marks.update((mark.seq, mark) for mark in found)
+        self._checkpoints[worker_id] = sorted(marks.values(), key=lambda mark: mark.seq)[
+            -MAX_CHECKPOINTS:
+        ]
+        while len(self._checkpoints) > OPEN_JOURNALS:
+            self._checkpoints.popitem(last=False)
 
     async def wait_for(self, worker_id: str, pattern: str, seconds: float) -> WaitForResult:
         """Once a line of the worker's output matches (what it wrote so far first, then what
@@ -324,6 +354,7 @@ class Reader:
     def forget_journal(self, worker_id: str) -> None:
         """Its worker runs again (a resume): the read-only view would go stale."""
         self._journals.pop(worker_id, None)
+        self._checkpoints.pop(worker_id, None)
 
     async def follow(
         self,
