@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import re
 
+import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -178,3 +179,45 @@ def test_a_scan_from_a_checkpoint_answers_as_one_from_the_start(
         again = scan(mark)
         assert again.matches == whole.matches
         assert (again.line_no, again.scanned) == (whole.line_no, whole.scanned)
+
+
+class _OldPage(msgspec.Struct, tag="page", tag_field="op"):
+    """`Page` as a client before max_bytes knew it."""
+
+    id: int
+    entries: list[Entry]
+    next: int
+    complete: bool
+
+
+class _OldGrepMatch(msgspec.Struct):
+    line_no: int
+    kind: str
+    line: str
+    before: list[str] = []
+    after: list[str] = []
+
+
+class _OldGrepResult(msgspec.Struct):
+    matches: list[_OldGrepMatch]
+    truncated: bool = False
+
+
+def test_old_peers_read_the_new_answers_and_send_requests_the_daemon_reads() -> None:
+    entry = Entry(seq=4, kind="stdout", data=b"piece", at=1.0)
+    page = p.Page(id=3, entries=[entry], next=3, complete=False, next_offset=5, truncated=True)
+    old = msgspec.msgpack.decode(p.encode(page)[p.HEADER.size :], type=_OldPage)
+    assert (old.entries, old.next, old.complete) == ([entry], 3, False)
+    match = GrepMatch(line_no=2, kind="stdout", line="x", cut=True)
+    result = p.GrepResult(matches=[match], truncated=True, next=2)
+    older = msgspec.msgpack.decode(msgspec.msgpack.encode(result), type=_OldGrepResult)
+    assert ([m.line for m in older.matches], older.truncated) == (["x"], True)
+    # An old client's requests leave the new fields out: the defaults hold.
+    watch = p.client_decoder.decode(msgspec.msgpack.encode({"op": "watch", "id": 2, "worker": "w"}))
+    grep = p.client_decoder.decode(
+        msgspec.msgpack.encode({"op": "grep", "id": 3, "worker": "w", "pattern": "x"})
+    )
+    assert isinstance(watch, p.Watch)
+    assert isinstance(grep, p.Grep)
+    assert (watch.max_bytes, watch.offset) == (p.DEFAULT_ANSWER_BYTES, 0)
+    assert (grep.max_bytes, grep.since) == (p.DEFAULT_ANSWER_BYTES, 0)
