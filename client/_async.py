@@ -24,6 +24,7 @@ from typing import Self, TypeVar
 import trio
 
 from subagentd.protocol import (
+    DEFAULT_ANSWER_BYTES,
     DaemonInfo,
     Entry,
     GrepResult,
@@ -157,16 +158,36 @@ class AsyncClient:
         """Stop a whole run; answers the ids stopped, sorted."""
         return await self._call(_core.stop_run(run_id, wait))
 
-    async def watch_page(self, worker_id: str, since: int = 0, limit: int = 1000) -> Page:
-        return await self._call(_core.watch_page(worker_id, since, limit))
+    async def watch_page(
+        self,
+        worker_id: str,
+        since: int = 0,
+        limit: int = 1000,
+        *,
+        max_bytes: int = DEFAULT_ANSWER_BYTES,
+        offset: int = 0,
+    ) -> Page:
+        """One page of the journal: the entries after ``since`` (``offset`` bytes into the
+        first already read), at most ``limit`` of them in at most ``max_bytes`` (1 KiB to
+        8 MiB); an entry alone over that comes in pieces. Go on from the page's ``next`` and
+        ``next_offset``; its ``truncated`` says more is there already."""
+        return await self._call(
+            _core.watch_page(worker_id, since, limit, max_bytes=max_bytes, offset=offset)
+        )
 
     async def watch(
-        self, worker_id: str, since: int = 0, follow: bool = False
+        self,
+        worker_id: str,
+        since: int = 0,
+        follow: bool = False,
+        *,
+        max_bytes: int = DEFAULT_ANSWER_BYTES,
     ) -> AsyncGenerator[Entry, None]:
         """The journal's entries after ``since``: those there now, or with ``follow`` all until
         the worker ends. To leave a followed watch early and have its stream aborted at once,
-        iterate inside ``contextlib.aclosing(daemon.watch(...))``."""
-        cursor = _core.JournalCursor(worker_id, since, follow=follow)
+        iterate inside ``contextlib.aclosing(daemon.watch(...))``. ``max_bytes``: of each
+        page; an entry over it comes in pieces, one after the other under its seq."""
+        cursor = _core.JournalCursor(worker_id, since, follow=follow, max_bytes=max_bytes)
         if not follow:
             while not cursor.done:
                 for entry in cursor.take(await self.request(cursor.request())):
@@ -275,14 +296,53 @@ class AsyncClient:
         return await self._call(_core.wait(worker_id))
 
     async def grep(
-        self, worker_id: str, pattern: str, *, before: int = 0, after: int = 0, limit: int = 100
+        self,
+        worker_id: str,
+        pattern: str,
+        *,
+        before: int = 0,
+        after: int = 0,
+        limit: int = 100,
+        since: int = 0,
+        max_bytes: int = DEFAULT_ANSWER_BYTES,
     ) -> GrepResult:
         """The lines of the worker's output matching ``pattern`` (RE2 syntax), searched in the
         daemon, each with ``before`` and ``after`` lines of context; at most ``limit``
-        matches. ``truncated`` in the answer: a bound was hit, there may be more."""
+        matches (up to 1000) in at most ``max_bytes`` (1 KiB to 8 MiB), only on lines
+        after line ``since``. ``truncated`` in the answer: a bound was hit, there may be
+        more; go on with ``since`` set to its ``next`` (None: nothing more to be had).
+        `grep_all` does that up to any number of matches."""
         return await self._call(
-            _core.grep(worker_id, pattern, before=before, after=after, limit=limit)
+            _core.grep(
+                worker_id,
+                pattern,
+                before=before,
+                after=after,
+                limit=limit,
+                since=since,
+                max_bytes=max_bytes,
+            )
         )
+
+    async def grep_all(
+        self,
+        worker_id: str,
+        pattern: str,
+        *,
+        before: int = 0,
+        after: int = 0,
+        limit: int = 100,
+        max_bytes: int = DEFAULT_ANSWER_BYTES,
+    ) -> GrepResult:
+        """As `grep`, going on answer by answer (each of at most ``max_bytes``) until
+        ``limit`` matches in all (any number) or nothing more is to be had; one result
+        with every match, ``truncated`` and ``next`` as the last answer said them."""
+        cursor = _core.GrepCursor(
+            worker_id, pattern, before=before, after=after, limit=limit, max_bytes=max_bytes
+        )
+        while not cursor.done:
+            cursor.take(await self.request(cursor.request()))
+        return cursor.result()
 
     async def wait_for(
         self,
@@ -400,7 +460,7 @@ class AsyncClient:
         # Under the lock: the frame goes out on the socket the conversation stood on when it
         # was opened, and a reconnect sends again exactly what was opened before it.
         async with self._sending:
-            request_id, frame = self._conn.send(request, again=again)
+            request_id, frame = self._conn.send(request, again=again, now=trio.current_time())
             if frame is not None:
                 await self._send_locked(frame)
         return request_id
@@ -473,7 +533,7 @@ class AsyncClient:
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             self._conn.connection_lost(exc)
         else:
-            self._conn.receive_data(data)
+            self._conn.receive_data(data, now=trio.current_time())
             for frame in self._conn.outgoing():
                 await self._send_frame(frame)
         self._arrivals.unpark_all()
@@ -500,7 +560,7 @@ class AsyncClient:
                     pause = min(pause * 2, _core.RECONNECT_PAUSE_MAX)
                     continue
                 self._stream = stream
-                for frame in self._conn.reconnected(rest):
+                for frame in self._conn.reconnected(rest, now=trio.current_time()):
                     await self._send_locked(frame)
                 break
         self._arrivals.unpark_all()

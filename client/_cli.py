@@ -301,10 +301,9 @@ class Human:
             for offset, line in enumerate(match.after, start=1):
                 print(f"{match.line_no + offset}-{_one_line(line)}")
         if found.truncated:
+            reached = "--max" if found.next is not None else "the 64 MiB a grep scans"
             print(
-                "subagentctl: there may be more matches (the limit, or the 64 MiB a grep "
-                "scans, was reached)",
-                file=sys.stderr,
+                f"subagentctl: there may be more matches ({reached} was reached)", file=sys.stderr
             )
 
     def waited_for(self, waited: WaitForResult) -> None:
@@ -529,7 +528,8 @@ def wait(daemon: Client, args: argparse.Namespace, out: Output) -> int | None:
 
 
 def grep(daemon: Client, args: argparse.Namespace, out: Output) -> int:
-    found = daemon.grep(
+    # Answer by answer (each bounded in bytes by the daemon), up to --max matches in all.
+    found = daemon.grep_all(
         args.worker, args.pattern, before=args.before, after=args.after, limit=args.max
     )
     out.grep_found(found)
@@ -835,10 +835,13 @@ def parser() -> argparse.ArgumentParser:
         "Print the lines of a worker's output matching PATTERN, searched in the daemon.",
         "PATTERN is RE2 syntax (no backreferences or lookaround; linear time). stdout and "
         "stderr are split into lines each on its own and numbered together in journal "
-        "order; printed as grep -n does (N:match, N-context, -- between groups). A grep "
-        "scans at most 64 MiB of the journal from its start; when that or --max is reached "
-        "it says there may be more. Exit 0 if a line matched, 4 if none did. --json prints "
-        "matches (line_no, kind, line, before, after) and truncated.",
+        "order; printed as grep -n does (N:match, N-context, -- between groups). The daemon "
+        "answers in parts of at most 2 MiB, which grep asks for one after the other; a "
+        "match too long for one (its context, or the line itself) is cut. A grep scans at "
+        "most 64 MiB of the journal from its start; when that or --max is reached it says "
+        "there may be more. Exit 0 if a line matched, 4 if none did. --json prints matches "
+        "(line_no, kind, line, before, after, cut), truncated and next (the line to go on "
+        "after).",
     )
     sub.add_argument("worker", metavar="ID")
     sub.add_argument("pattern", metavar="PATTERN")
@@ -849,7 +852,7 @@ def parser() -> argparse.ArgumentParser:
         "-A", dest="after", metavar="N", type=int, default=0, help="N lines after each match"
     )
     sub.add_argument(
-        "--max", metavar="N", type=int, default=100, help="at most N matches (default 100)"
+        "--max", metavar="N", type=int, default=100, help="at most N matches in all (default 100)"
     )
 
     sub = command(

@@ -20,6 +20,8 @@ from typing import Generic, NoReturn, TypeVar
 import msgspec
 
 from subagentd.protocol import (
+    DEFAULT_ANSWER_BYTES,
+    MAX_GREP_MATCHES,
     Abort,
     Ack,
     BeginTurn,
@@ -33,6 +35,7 @@ from subagentd.protocol import (
     Error,
     FrameDecoder,
     Grep,
+    GrepMatch,
     GrepResult,
     Hello,
     Info,
@@ -263,8 +266,18 @@ def stop_run(run_id: str, wait: bool = True) -> Call[list[str]]:
     return _call(StopRun(id=0, run=run_id, wait=wait), stopped)
 
 
-def watch_page(worker_id: str, since: int = 0, limit: int = 1000) -> Call[Page]:
-    return _call(Watch(id=0, worker=worker_id, since=since, limit=limit), _itself)
+def watch_page(
+    worker_id: str,
+    since: int = 0,
+    limit: int = 1000,
+    *,
+    max_bytes: int = DEFAULT_ANSWER_BYTES,
+    offset: int = 0,
+) -> Call[Page]:
+    request = Watch(
+        id=0, worker=worker_id, since=since, limit=limit, max_bytes=max_bytes, offset=offset
+    )
+    return _call(request, _itself)
 
 
 def collect(worker_id: str, wait: bool = False) -> Call[WorkerResult]:
@@ -276,9 +289,25 @@ def wait(worker_id: str) -> Call[WorkerView]:
 
 
 def grep(
-    worker_id: str, pattern: str, *, before: int = 0, after: int = 0, limit: int = 100
+    worker_id: str,
+    pattern: str,
+    *,
+    before: int = 0,
+    after: int = 0,
+    limit: int = 100,
+    since: int = 0,
+    max_bytes: int = DEFAULT_ANSWER_BYTES,
 ) -> Call[GrepResult]:
-    request = Grep(id=0, worker=worker_id, pattern=pattern, before=before, after=after, limit=limit)
+    request = Grep(
+        id=0,
+        worker=worker_id,
+        pattern=pattern,
+        before=before,
+        after=after,
+        limit=limit,
+        since=since,
+        max_bytes=max_bytes,
+    )
     return _call(request, lambda reply: reply.result)
 
 
@@ -403,24 +432,98 @@ class JournalCursor:
 
     Unfollowed, the reading is a snapshot: one Watch per page until a page comes
     back empty or complete. Followed, one Watch whose stream of pages ends with
-    the complete one.
+    the complete one. Each page holds at most ``max_bytes``; an entry alone over it
+    comes in pieces, each under the entry's seq (``offset``: the bytes of entry
+    ``since + 1`` already taken).
     """
 
-    def __init__(self, worker_id: str, since: int = 0, *, follow: bool = False) -> None:
+    def __init__(
+        self,
+        worker_id: str,
+        since: int = 0,
+        *,
+        follow: bool = False,
+        max_bytes: int = DEFAULT_ANSWER_BYTES,
+    ) -> None:
         self.worker_id = worker_id
         self.since = since
+        self.offset = 0
         self.follow = follow
+        self.max_bytes = max_bytes
         self.done = False
 
     def request(self) -> Watch:
-        return Watch(id=0, worker=self.worker_id, since=self.since, follow=self.follow)
+        return Watch(
+            id=0,
+            worker=self.worker_id,
+            since=self.since,
+            follow=self.follow,
+            max_bytes=self.max_bytes,
+            offset=self.offset,
+        )
 
     def take(self, reply: Reply) -> list[Entry]:
         """The entries of the next page, advancing the cursor past them."""
         page = expect(reply, Watch.answered_by())
-        self.since = page.next
+        self.since, self.offset = page.next, page.next_offset
         self.done = page.complete or (not self.follow and not page.entries)
         return page.entries
+
+
+class GrepCursor:
+    """Where one grep going on page by page stands: a Grep per answer, each from the
+    ``next`` of the one before, until ``limit`` matches in all (any number: each answer
+    asks for at most `MAX_GREP_MATCHES`) or an answer with nothing after it; `matches`
+    gathers them, ``truncated`` whether more may be there."""
+
+    def __init__(
+        self,
+        worker_id: str,
+        pattern: str,
+        *,
+        before: int = 0,
+        after: int = 0,
+        limit: int = 100,
+        max_bytes: int = DEFAULT_ANSWER_BYTES,
+    ) -> None:
+        self.worker_id = worker_id
+        self.pattern = pattern
+        self.before = before
+        self.after = after
+        self.limit = limit
+        self.max_bytes = max_bytes
+        self.since = 0
+        self.matches: list[GrepMatch] = []
+        self.truncated = False
+        self.next: int | None = None
+        self.done = False
+
+    def request(self) -> Grep:
+        return Grep(
+            id=0,
+            worker=self.worker_id,
+            pattern=self.pattern,
+            before=self.before,
+            after=self.after,
+            limit=min(self.limit - len(self.matches), MAX_GREP_MATCHES),
+            since=self.since,
+            max_bytes=self.max_bytes,
+        )
+
+    def take(self, reply: Reply) -> list[GrepMatch]:
+        """The matches of the next answer, advancing the cursor past them."""
+        found = expect(reply, Grep.answered_by()).result
+        self.matches += found.matches
+        self.truncated, self.next = found.truncated, found.next
+        if found.next is None or len(self.matches) >= self.limit:
+            self.done = True
+        else:
+            self.since = found.next
+        return found.matches
+
+    def result(self) -> GrepResult:
+        """Every match taken, as one answer: ``next`` to go on past them, if there is more."""
+        return GrepResult(matches=self.matches, truncated=self.truncated, next=self.next)
 
 
 class WakeSubscription:
@@ -486,6 +589,28 @@ class _Open:
     again: Callable[[], Request[Reply]] | None
     stream: bool
     sent: bool
+    # When a wait-for's time runs out, on the shell's clock: sent again, it asks for what
+    # is left of it (`time_left`), not the whole time again.
+    deadline: float | None = None
+
+
+def time_left(deadline: float, now: float) -> float:
+    """The seconds from `now` to `deadline`, never below 0 (a wait-for's 0: look once)."""
+    return max(0.0, deadline - now)
+
+
+def deadline_of(request: Request[Reply], now: float | None) -> float | None:
+    """When `request`'s own time runs out, if it has one (a wait-for's `timeout`), from
+    `now`, the moment it is first sent on the shell's clock."""
+    if not isinstance(request, WaitFor) or request.timeout <= 0:
+        return None
+    return _now(now) + request.timeout
+
+
+def _now(now: float | None) -> float:
+    if now is None:
+        raise TypeError("a wait-for keeps its deadline: pass the shell's clock as now=")
+    return now
 
 
 @dataclass(frozen=True, slots=True)
@@ -544,13 +669,20 @@ class Connection:
         return self._reconnecting
 
     def send(
-        self, request: Request[Reply], *, again: Callable[[], Request[Reply]] | None = None
+        self,
+        request: Request[Reply],
+        *,
+        again: Callable[[], Request[Reply]] | None = None,
+        now: float | None = None,
     ) -> tuple[int, bytes | None]:
         """Open `request` under a fresh id; answers (id, the frame to send). The frame is
         None while reconnecting: the request goes out on the new connection.
 
         ``again``: the request to send instead on a new connection, for a stream
-        that must carry on from its cursor rather than start over.
+        that must carry on from its cursor rather than start over. ``now``: the shell's
+        clock, which a request with a time of its own (a wait-for) needs: its deadline
+        is fixed here, and a repeat asks only for the time left (`receive_data`,
+        `reconnected`, given ``now`` then).
         """
         if self._closed:
             self._raise_closed()
@@ -559,7 +691,9 @@ class Connection:
         self._inboxes[request_id] = deque()
         if again is None and request.resendable():
             again = functools.partial(_same, request)
-        self._open[request_id] = _Open(request, again, request.streams(), not self._reconnecting)
+        self._open[request_id] = _Open(
+            request, again, request.streams(), not self._reconnecting, deadline_of(request, now)
+        )
         if self._reconnecting:
             if isinstance(request, Ack):
                 # Delivered on the old connection, these wakes cannot be acknowledged on a new
@@ -584,8 +718,9 @@ class Connection:
         # The Abort's own id is never opened, so its Done is dropped with the request's stragglers.
         return encode(Abort(id=self._take_id(), request=request_id))
 
-    def receive_data(self, data: bytes) -> None:
-        """Take what the socket returned, split anywhere; b"" means the daemon closed."""
+    def receive_data(self, data: bytes, *, now: float | None = None) -> None:
+        """Take what the socket returned, split anywhere; b"" means the daemon closed.
+        ``now``: the shell's clock (see `send`)."""
         if self._closed or self._reconnecting:
             return
         if not data:
@@ -597,7 +732,7 @@ class Connection:
                 reply = _decode(body)
                 if reply is None:
                     continue
-                if isinstance(reply, Error) and self._sent_again(reply):
+                if isinstance(reply, Error) and self._sent_again(reply, now):
                     continue
                 if (inbox := self._inboxes.get(reply.id)) is not None:
                     inbox.append(reply)
@@ -617,7 +752,7 @@ class Connection:
         frames, self._outgoing = self._outgoing, []
         return frames
 
-    def _sent_again(self, reply: Reply) -> bool:
+    def _sent_again(self, reply: Reply, now: float | None) -> bool:
         """Whether `reply` is a `reloading` answer to an open request that may be sent again,
         and was (queued in `outgoing`, under the same id: the caller never notices)."""
         if not (isinstance(reply, Error) and reply.code == Reloading.code and reply.id != 0):
@@ -632,7 +767,7 @@ class Connection:
         if entry.stream:
             # Pages not yet taken come again from the cursor, which has not passed them.
             self._inboxes[reply.id].clear()
-        again = entry.again()
+        again = _again(entry, now)
         self._outgoing.append(encode(msgspec.structs.replace(again, id=reply.id)))
         return True
 
@@ -642,9 +777,9 @@ class Connection:
         if not self._closed and not self._reconnecting:
             self._ended(exc)
 
-    def reconnected(self, rest: bytes = b"") -> list[bytes]:
+    def reconnected(self, rest: bytes = b"", *, now: float | None = None) -> list[bytes]:
         """A new connection said welcome (`rest`: what came after it): the frames to send on
-        it, in order, before anything else."""
+        it, in order, before anything else. ``now``: the shell's clock (see `send`)."""
         self._frames = FrameDecoder()
         self._reconnecting = False
         self._cause = None
@@ -654,14 +789,16 @@ class Connection:
                 entry.again is None or (self._inboxes[request_id] and not entry.stream)
             ):
                 continue  # answered already (or failed with the old connection)
-            request = entry.request if not entry.sent else entry.again()  # type: ignore[misc]
+            # Made while reconnecting, a request goes out now for the first time; its time
+            # has been running since it was made all the same.
+            request = _again(entry, now) if entry.sent else _in_time(entry, entry.request, now)
             if entry.sent and entry.stream:
                 # Pages not yet taken come again from the cursor, which has not passed them.
                 self._inboxes[request_id].clear()
             entry.sent = True
             frames.append(encode(msgspec.structs.replace(request, id=request_id)))
         if rest:
-            self.receive_data(rest)
+            self.receive_data(rest, now=now)
         return frames + self.outgoing()
 
     def reconnect_failed(self, exc: Exception) -> None:
@@ -742,6 +879,20 @@ class Connection:
 
 def _same(request: Request[Reply]) -> Request[Reply]:
     return request
+
+
+def _again(entry: _Open, now: float | None) -> Request[Reply]:
+    """What to send again for `entry`: its `again`, asking for the time left of its own
+    (a wait-for's), never the whole time a second time."""
+    assert entry.again is not None
+    return _in_time(entry, entry.again(), now)
+
+
+def _in_time(entry: _Open, request: Request[Reply], now: float | None) -> Request[Reply]:
+    """`request` asking, if it has a time of its own, only for what is left of `entry`'s."""
+    if entry.deadline is None or not isinstance(request, WaitFor):
+        return request
+    return msgspec.structs.replace(request, timeout=time_left(entry.deadline, _now(now)))
 
 
 class Handshake:

@@ -19,6 +19,7 @@ from types import TracebackType
 from typing import Self, TypeVar
 
 from subagentd.protocol import (
+    DEFAULT_ANSWER_BYTES,
     DaemonInfo,
     Entry,
     Error,
@@ -165,15 +166,35 @@ class Client:
         """Stop a whole run; answers the ids stopped, sorted."""
         return self._call(_core.stop_run(run_id, wait))
 
-    def watch_page(self, worker_id: str, since: int = 0, limit: int = 1000) -> Page:
-        return self._call(_core.watch_page(worker_id, since, limit))
+    def watch_page(
+        self,
+        worker_id: str,
+        since: int = 0,
+        limit: int = 1000,
+        *,
+        max_bytes: int = DEFAULT_ANSWER_BYTES,
+        offset: int = 0,
+    ) -> Page:
+        """One page of the journal: the entries after ``since`` (``offset`` bytes into the
+        first already read), at most ``limit`` of them in at most ``max_bytes`` (1 KiB to
+        8 MiB); an entry alone over that comes in pieces. Go on from the page's ``next`` and
+        ``next_offset``; its ``truncated`` says more is there already."""
+        return self._call(
+            _core.watch_page(worker_id, since, limit, max_bytes=max_bytes, offset=offset)
+        )
 
     def watch(
-        self, worker_id: str, since: int = 0, follow: bool = False
+        self,
+        worker_id: str,
+        since: int = 0,
+        follow: bool = False,
+        *,
+        max_bytes: int = DEFAULT_ANSWER_BYTES,
     ) -> Generator[Entry, None, None]:
         """The journal's entries after ``since``: those there now, or with ``follow`` all until
-        the worker ends. Leaving a followed watch early aborts its stream."""
-        cursor = _core.JournalCursor(worker_id, since, follow=follow)
+        the worker ends. Leaving a followed watch early aborts its stream. ``max_bytes``: of
+        each page; an entry over it comes in pieces, one after the other under its seq."""
+        cursor = _core.JournalCursor(worker_id, since, follow=follow, max_bytes=max_bytes)
         if not follow:
             while not cursor.done:
                 yield from cursor.take(self.request(cursor.request()))
@@ -229,12 +250,53 @@ class Client:
         return self._call(_core.wait(worker_id))
 
     def grep(
-        self, worker_id: str, pattern: str, *, before: int = 0, after: int = 0, limit: int = 100
+        self,
+        worker_id: str,
+        pattern: str,
+        *,
+        before: int = 0,
+        after: int = 0,
+        limit: int = 100,
+        since: int = 0,
+        max_bytes: int = DEFAULT_ANSWER_BYTES,
     ) -> GrepResult:
         """The lines of the worker's output matching ``pattern`` (RE2 syntax), searched in the
         daemon, each with ``before`` and ``after`` lines of context; at most ``limit``
-        matches. ``truncated`` in the answer: a bound was hit, there may be more."""
-        return self._call(_core.grep(worker_id, pattern, before=before, after=after, limit=limit))
+        matches (up to 1000) in at most ``max_bytes`` (1 KiB to 8 MiB), only on lines
+        after line ``since``. ``truncated`` in the answer: a bound was hit, there may be
+        more; go on with ``since`` set to its ``next`` (None: nothing more to be had).
+        `grep_all` does that up to any number of matches."""
+        return self._call(
+            _core.grep(
+                worker_id,
+                pattern,
+                before=before,
+                after=after,
+                limit=limit,
+                since=since,
+                max_bytes=max_bytes,
+            )
+        )
+
+    def grep_all(
+        self,
+        worker_id: str,
+        pattern: str,
+        *,
+        before: int = 0,
+        after: int = 0,
+        limit: int = 100,
+        max_bytes: int = DEFAULT_ANSWER_BYTES,
+    ) -> GrepResult:
+        """As `grep`, going on answer by answer (each of at most ``max_bytes``) until
+        ``limit`` matches in all (any number) or nothing more is to be had; one result
+        with every match, ``truncated`` and ``next`` as the last answer said them."""
+        cursor = _core.GrepCursor(
+            worker_id, pattern, before=before, after=after, limit=limit, max_bytes=max_bytes
+        )
+        while not cursor.done:
+            cursor.take(self.request(cursor.request()))
+        return cursor.result()
 
     def wait_for(
         self,
@@ -387,7 +449,7 @@ class Client:
         if self._conn.reconnecting:
             self._reconnect()
             sock = self._connected()
-        request_id, frame = self._conn.send(request, again=again)
+        request_id, frame = self._conn.send(request, again=again, now=time.monotonic())
         if frame is not None:
             try:
                 _sendall(sock, frame)
@@ -413,7 +475,7 @@ class Client:
             except OSError as exc:
                 conn.connection_lost(exc)
             else:
-                conn.receive_data(data)
+                conn.receive_data(data, now=time.monotonic())
                 for frame in conn.outgoing():
                     try:
                         self._connected().sendall(frame)
@@ -441,7 +503,7 @@ class Client:
                 continue
             self._sock = sock
             try:
-                for frame in self._conn.reconnected(rest):
+                for frame in self._conn.reconnected(rest, now=time.monotonic()):
                     sock.sendall(frame)
             except OSError as exc:
                 self._conn.connection_lost(exc)

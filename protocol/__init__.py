@@ -6,7 +6,9 @@ The daemon and both clients import this package; it imports nothing of theirs.
 from ._framing import HEADER as HEADER
 from ._framing import FrameDecoder as FrameDecoder
 from ._framing import frame as frame
+from ._messages import DEFAULT_ANSWER_BYTES as DEFAULT_ANSWER_BYTES
 from ._messages import MAX_ACK_WAKES as MAX_ACK_WAKES
+from ._messages import MAX_ANSWER_BYTES as MAX_ANSWER_BYTES
 from ._messages import MAX_ARG_BYTES as MAX_ARG_BYTES
 from ._messages import MAX_ARGS as MAX_ARGS
 from ._messages import MAX_CONTEXT_LINES as MAX_CONTEXT_LINES
@@ -22,9 +24,11 @@ from ._messages import MAX_PATH_LENGTH as MAX_PATH_LENGTH
 from ._messages import MAX_PATTERN_LENGTH as MAX_PATTERN_LENGTH
 from ._messages import MAX_SEND_BYTES as MAX_SEND_BYTES
 from ._messages import MAX_TIMEOUT as MAX_TIMEOUT
+from ._messages import MIN_ANSWER_BYTES as MIN_ANSWER_BYTES
 from ._messages import TERMINAL_STATES as TERMINAL_STATES
 from ._messages import Abort as Abort
 from ._messages import Ack as Ack
+from ._messages import AnswerBytes as AnswerBytes
 from ._messages import Argv as Argv
 from ._messages import BeginTurn as BeginTurn
 from ._messages import Cancel as Cancel

@@ -71,6 +71,13 @@ MAX_CONTEXT_LINES = 100
 MAX_GREP_MATCHES = 1000
 #: What one send may write to a worker's stdin: a pipe takes 64 KiB at once anyway.
 MAX_SEND_BYTES = 1024 * 1024
+#: The bytes of one answer built from a worker's output (a watch page, a grep's result),
+#: as its msgpack body counts them: a request's `max_bytes` is 1 KiB to 8 MiB (half the
+#: frame limit), 2 MiB unless asked (more than any journal entry holds, so a client that
+#: does not ask never sees an entry split).
+MIN_ANSWER_BYTES = 1024
+MAX_ANSWER_BYTES = 8 * 1024 * 1024
+DEFAULT_ANSWER_BYTES = 2 * 1024 * 1024
 
 #: A request id: 1 and up (id 0 marks an event, never a request).
 RequestId = Annotated[int, msgspec.Meta(ge=1, le=MAX_INT)]
@@ -97,6 +104,8 @@ Env = Annotated[
 Input = Annotated[bytes, msgspec.Meta(max_length=MAX_INPUT_BYTES)]
 Pattern = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_PATTERN_LENGTH)]
 ContextLines = Annotated[int, msgspec.Meta(ge=0, le=MAX_CONTEXT_LINES)]
+#: A bound on an answer's bytes (see `MAX_ANSWER_BYTES`): an int, nothing else.
+AnswerBytes = Annotated[int, msgspec.Meta(ge=MIN_ANSWER_BYTES, le=MAX_ANSWER_BYTES)]
 #: An idempotency key: 1 to 128 printable ASCII characters, no space (see `Spawn.key`).
 RequestKey = Annotated[
     str, msgspec.Meta(min_length=1, max_length=MAX_KEY_LENGTH, pattern=r"^[!-~]+$")
@@ -175,14 +184,21 @@ class GrepMatch(msgspec.Struct, kw_only=True):
     line: str
     before: list[str] = []
     after: list[str] = []
+    #: Alone over the answer's `max_bytes`, the match was cut to fit: context lines left
+    #: out (the nearest kept), and the line itself cut if even it was too long.
+    cut: bool = False
 
 
 class GrepResult(msgspec.Struct, kw_only=True):
-    """A grep's answer. ``truncated``: a bound was hit (the matches asked for, or the bytes
-    of journal one grep scans), so there may be more matches than these."""
+    """A grep's answer. ``truncated``: a bound was hit (the matches asked for, the answer's
+    bytes, or the bytes of journal one grep scans), so there may be more matches than
+    these. ``next``: where to go on, sent as the next grep's ``since`` (the line number of
+    the last match here); None when going on would find nothing more: searched to the
+    end, or stopped by the scan's bound (then ``truncated``)."""
 
     matches: list[GrepMatch]
     truncated: bool = False
+    next: int | None = None
 
 
 WaitOutcome = Literal["matched", "ended", "timed_out"]
@@ -283,11 +299,19 @@ class Stopped(Reply, tag="stopped"):
 
 
 class Page(Reply, tag="page"):
-    """Journal entries after a cursor. ``complete``: the journal will never grow again."""
+    """Journal entries after a cursor. ``complete``: the journal will never grow again.
+
+    The next page is asked with ``since=next`` and ``offset=next_offset``: ``next_offset``
+    is not 0 only when the page ends with a piece of entry ``next + 1`` (an entry alone
+    over the watch's `max_bytes`, sent in pieces under its own seq), and counts the bytes
+    of its data sent so far. ``truncated``: the page stopped at a bound (its `max_bytes`
+    or `limit`) with more of the journal already there: ask again at once."""
 
     entries: list[Entry]
     next: int
     complete: bool
+    next_offset: int = 0
+    truncated: bool = False
 
 
 class ResultReply(Reply, tag="result"):
@@ -530,6 +554,11 @@ class Watch(Request[Page], tag="watch"):
     since: Count = 0
     follow: bool = False
     limit: Annotated[int, msgspec.Meta(ge=1, le=MAX_INT)] = 1000
+    #: At most this many bytes a page (see `Page`); an entry alone over it comes in pieces.
+    max_bytes: AnswerBytes = DEFAULT_ANSWER_BYTES
+    #: Bytes of entry ``since + 1`` already read: a page's ``next_offset``; less than
+    #: that entry's length.
+    offset: Count = 0
 
     for_workers = True
 
@@ -565,13 +594,17 @@ class Wait(Request[WorkerReply], tag="wait"):
 class Grep(Request[GrepReply], tag="grep"):
     """The lines of a worker's output matching ``pattern`` (RE2 syntax: no backreferences
     or lookaround, linear time), searched in the daemon, with ``before`` and ``after``
-    lines of context; at most ``limit`` matches, and a bounded scan (see `GrepResult`)."""
+    lines of context; at most ``limit`` matches and ``max_bytes`` of answer, and a bounded
+    scan (see `GrepResult`). ``since``: only matches on lines after it (a result's
+    ``next``, to go on); the lines up to it still count, and are context."""
 
     worker: Id
     pattern: Pattern
     before: ContextLines = 0
     after: ContextLines = 0
     limit: Annotated[int, msgspec.Meta(ge=1, le=MAX_GREP_MATCHES)] = 100
+    since: Count = 0
+    max_bytes: AnswerBytes = DEFAULT_ANSWER_BYTES
 
     for_workers = True
 
@@ -582,7 +615,8 @@ class Grep(Request[GrepReply], tag="grep"):
 class WaitFor(Request[WaitForReply], tag="wait_for"):
     """Answered once a line of the worker's output matches ``pattern`` (its output so far
     first, then what comes), once it ends, or after ``timeout`` seconds, whichever is
-    first. Sent again across a reload, its timeout starts again."""
+    first. Sent again across a reload, it carries the time left (the clients keep one
+    deadline, fixed when they first sent it), never the time first asked."""
 
     worker: Id
     pattern: Pattern

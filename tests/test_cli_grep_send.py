@@ -18,8 +18,18 @@ def test_grep_prints_as_grep_n_does_and_exits_4_when_nothing_matches(
     assert printed.stdout == "2-b\n3:hit 1\n4-c\n--\n6-e\n7:hit 2\n"
     found = js(daemon, "grep", worker["id"], "hit", "--max", "1")
     assert found == {
-        "matches": [{"line_no": 3, "kind": "stdout", "line": "hit 1", "before": [], "after": []}],
+        "matches": [
+            {
+                "line_no": 3,
+                "kind": "stdout",
+                "line": "hit 1",
+                "before": [],
+                "after": [],
+                "cut": False,
+            }
+        ],
         "truncated": True,
+        "next": 3,
     }
     none = daemon.ctl("grep", worker["id"], "nothing")
     assert (none.returncode, none.stdout) == (4, ""), said(none)

@@ -599,10 +599,11 @@ class Server:
                         await daemon.wait_stopped(worker)
                 return reply
             case Watch(worker=worker, since=since, limit=limit, follow=follow):
+                bounds = (request.max_bytes, request.offset)
                 if follow:
-                    await daemon.reader.follow(worker, since, limit, _sender(conn, rid))
+                    await daemon.reader.follow(worker, since, limit, _sender(conn, rid), *bounds)
                     return None
-                page = await daemon.reader.watch_page(worker, since, limit)
+                page = await daemon.reader.watch_page(worker, since, limit, *bounds)
                 page.id = rid
                 return page
             case Collect(worker=worker, wait=wait):
@@ -611,7 +612,13 @@ class Server:
                 return WorkerReply(id=rid, worker=await daemon.reader.wait(worker))
             case Grep(worker=worker, pattern=pattern, before=before, after=after, limit=limit):
                 found = await daemon.reader.grep(
-                    worker, pattern, before=before, after=after, limit=limit
+                    worker,
+                    pattern,
+                    before=before,
+                    after=after,
+                    limit=limit,
+                    since=request.since,
+                    max_bytes=request.max_bytes,
                 )
                 return GrepReply(id=rid, result=found)
             case Send(worker=worker, data=data, eof=eof):

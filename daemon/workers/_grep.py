@@ -5,7 +5,9 @@ but what it found; the reader decides where it runs (a big page in a thread). Li
 its stdout and its stderr each split on its own (an entry may end mid-line; the line
 goes on in that stream's next entry), numbered together from 1 in the order they were
 completed. A line longer than MAX_LINE_BYTES is cut into pieces of that length, so no
-worker makes the daemon hold an unbounded line.
+worker makes the daemon hold an unbounded line. The matches a scanner keeps are held to
+the answer's bytes (`_answers`): past them it keeps no more, so no worker's output makes
+a grep's answer, or what the daemon holds to build it, larger than that.
 
 Patterns are RE2's (google-re2): matching takes time linear in the text whatever the
 pattern, which is what lets a worker's client, or a worker, hand the daemon any pattern;
@@ -24,13 +26,18 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from subagentd.protocol import Entry, GrepMatch, OutputKind
+from subagentd.protocol import DEFAULT_ANSWER_BYTES, Entry, GrepMatch, OutputKind
 from subagentd.protocol.errors import Invalid
+
+from ._answers import ANSWER_COST, cut_match, match_cost, text_cost
 
 #: A line is cut into pieces this long: no line the daemon holds is longer.
 MAX_LINE_BYTES = 16 * 1024
 #: What RE2 may use to compile one pattern (its default): a bigger program is refused.
 PATTERN_MEMORY = 8 * 1024 * 1024
+#: A scanner marks a place to start again from (a `Checkpoint`) at most once per this
+#: many bytes of output: a grep going on from its cursor starts at the nearest.
+CHECKPOINT_BYTES = 1024 * 1024
 
 _OUTPUT: tuple[OutputKind, ...] = ("stdout", "stderr")
 
@@ -54,6 +61,17 @@ def compile_pattern(pattern: str) -> Any:
         ) from None
 
 
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """A place in a journal where a scan may start again exactly as if it had read it from
+    the start: after entry `seq`, where neither stream has an unended line, `line_no`
+    lines and `scanned` bytes of output in. Only lines after it can be context then."""
+
+    seq: int
+    line_no: int
+    scanned: int
+
+
 @dataclass
 class _Found:
     match: GrepMatch
@@ -62,23 +80,49 @@ class _Found:
 
 @dataclass
 class LineScanner:
-    """Lines of a worker's output matched against one compiled pattern, fed in order."""
+    """Lines of a worker's output matched against one compiled pattern, fed in order.
+
+    Only lines numbered after `since` are matched (the earlier ones are counted, and are
+    context). The matches kept cost at most `max_bytes` in an answer: the first match
+    alone over it is cut to fit (`GrepMatch.cut`), and a later one that would not fit,
+    with the context it is owed, is left for the next answer."""
 
     pattern: Any
     before: int = 0
     after: int = 0
     limit: int = 1
+    since: int = 0
+    max_bytes: int = DEFAULT_ANSWER_BYTES
     #: Bytes of output fed so far: what a bound on one request's work counts.
     scanned: int = 0
     line_no: int = 0
     matches: list[GrepMatch] = field(default_factory=list)
-    #: A match beyond `limit` was found (so `matches` is not all of them).
+    #: A match beyond `limit` or `max_bytes` was found, or the first match was cut (so
+    #: `matches` is not all there is): the next answer starts after the last of them.
     more: bool = False
+    #: What the matches kept cost in an answer, the answer's own cost included.
+    size: int = ANSWER_COST
     _partial: dict[str, bytearray] = field(
         default_factory=lambda: {kind: bytearray() for kind in _OUTPUT}
     )
     _recent: collections.deque[str] = field(default_factory=collections.deque)
     _owed: list[_Found] = field(default_factory=list)
+    #: Places passed where a later scan of the same journal may start (see `Checkpoint`),
+    #: at most one per `checkpoint_every` bytes of output.
+    checkpoints: list[Checkpoint] = field(default_factory=list)
+    checkpoint_every: int = CHECKPOINT_BYTES
+    _marked: int = 0
+
+    def start_at(self, checkpoint: Checkpoint) -> None:
+        """Scan on from `checkpoint` (a place a scan of the same journal passed): feed the
+        entries after its seq. Only what `since` asks for comes out the same: matches
+        after the checkpoint's line plus `before`."""
+        assert checkpoint.line_no + self.before <= self.since
+        self.line_no, self.scanned, self._marked = (
+            checkpoint.line_no,
+            checkpoint.scanned,
+            checkpoint.scanned,
+        )
 
     @property
     def done(self) -> bool:
@@ -93,6 +137,12 @@ class LineScanner:
             if entry.kind == "stdout" or entry.kind == "stderr":
                 self.scanned += len(entry.data)
                 batch.add(entry.kind, self._split(entry.kind, entry.data))
+                if self.scanned - self._marked >= self.checkpoint_every and not any(
+                    self._partial.values()
+                ):
+                    line_no = self.line_no + len(batch.lines)
+                    self.checkpoints.append(Checkpoint(entry.seq, line_no, self.scanned))
+                    self._marked = self.scanned
         self._take(batch)
 
     def finish(self) -> None:
@@ -131,28 +181,54 @@ class LineScanner:
         raw = batch.lines
         if not raw:
             return
-        for found in self._owed:
-            taken = [_text(line) for line in raw[: found.owed]]
-            found.match.after += taken
-            found.owed -= len(taken)
-        self._owed = [found for found in self._owed if found.owed]
+        self._give_context(raw)
         if not self.more:
-            for index in self._matching(raw):
+            for index in self._matching(raw, max(0, self.since - self.line_no)):
                 if len(self.matches) >= self.limit:
                     self.more = True
                     break
                 self._found(index, batch.kind_of(index), raw)
+                if self.more:
+                    break
         self.line_no += len(raw)
         if self.before:
             self._recent.extend(_text(line) for line in raw[-self.before :])
             while len(self._recent) > self.before:
                 self._recent.popleft()
 
-    def _matching(self, lines: list[bytes]) -> Iterable[int]:
-        """The indexes of the lines that match, in order: one search of them all."""
+    def _give_context(self, raw: list[bytes]) -> None:
+        """The lines after matches still owed them, while they fit in the answer."""
+        for found in self._owed:
+            for line in raw[: found.owed]:
+                text = _text(line)
+                cost = text_cost(text)
+                if self.size + cost > self.max_bytes:
+                    self._over(found.match)
+                    return
+                found.match.after.append(text)
+                found.owed -= 1
+                self.size += cost
+        self._owed = [found for found in self._owed if found.owed]
+
+    def _over(self, match: GrepMatch) -> None:
+        """`match` grew past the answer's bytes with its context: the first is cut there,
+        a later one goes to the next answer, and so does every match after it."""
+        index = next(i for i, kept in enumerate(self.matches) if kept is match)
+        if index == 0:
+            match.cut = True
+            index = 1
+        del self.matches[index:]
+        self._owed = []
+        self.more = True
+
+    def _matching(self, lines: list[bytes], first: int) -> Iterable[int]:
+        """The indexes of the lines from `first` on that match, in order: one search of
+        them all."""
+        if first >= len(lines):
+            return
         buffer = b"\n".join(lines)
         starts = list(itertools.accumulate((len(line) + 1 for line in lines[:-1]), initial=0))
-        position = 0
+        position = starts[first]
         while position <= len(buffer):
             found = self.pattern.search(buffer, position)
             if found is None:
@@ -177,7 +253,14 @@ class LineScanner:
             before=before,
             after=after,
         )
+        cost = match_cost(match)
+        if self.size + cost > self.max_bytes:
+            self.more = True
+            if not self.matches:  # alone too big: cut, so that every answer goes on
+                self.matches.append(cut_match(match, self.max_bytes - self.size))
+            return
         self.matches.append(match)
+        self.size += cost
         if len(after) < self.after:
             self._owed.append(_Found(match, self.after - len(after)))
 

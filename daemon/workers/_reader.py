@@ -8,6 +8,7 @@ at once, the most recently read); verifying a long one runs in a thread of its o
 
 from __future__ import annotations
 
+import bisect
 import collections
 import functools
 from collections.abc import Awaitable, Callable
@@ -17,6 +18,7 @@ from typing import Protocol
 import trio
 
 from subagentd.protocol import (
+    DEFAULT_ANSWER_BYTES,
     TERMINAL_STATES,
     Collect,
     Entry,
@@ -34,11 +36,12 @@ from subagentd.protocol.errors import Busy, Invalid, NotFound, Refused
 from ..core._registry import Registry, Tombstone, WorkerRecord
 from ..store._archive import Archive
 from ..store._files import NotRegularFile
-from ..store._journal import Journal, JournalCorrupt, JournalTooLong
+from ..store._journal import PAGE_BYTES, Journal, JournalCorrupt, JournalTooLong
 from ..store._statedir import StateDir
 from ..store._store import Store
-from ._grep import LineScanner, compile_pattern
-from ._supervisor import Supervisor
+from ._answers import fit_entries
+from ._grep import CHECKPOINT_BYTES, Checkpoint, LineScanner, compile_pattern
+from ._supervisor import LiveWorker, Supervisor
 
 #: A journal up to this long is verified on the event loop (a few ms at the worst:
 #: entries are at least ~20 bytes and cost ~5 us each); a longer one in a thread.
@@ -57,6 +60,8 @@ MAX_GREP_SCAN_BYTES = 64 * 1024 * 1024
 INLINE_SCAN_BYTES = 64 * 1024
 #: Greps and wait-fors searching in threads at once.
 SCANS = 2
+#: Places to start a grep again kept for one journal: one a MiB of the scan's bound.
+MAX_CHECKPOINTS = MAX_GREP_SCAN_BYTES // CHECKPOINT_BYTES
 
 
 class Releases(Protocol):
@@ -77,6 +82,10 @@ class Reader:
         self._supervisor = supervisor
         self._retention: Releases | None = None
         self._journals: collections.OrderedDict[str, Journal] = collections.OrderedDict()
+        #: Where greps of a journal may start again (the most recently searched first).
+        self._checkpoints: collections.OrderedDict[str, list[Checkpoint]] = (
+            collections.OrderedDict()
+        )
         #: Threads verifying journals (see open_journal): their own, so a worker's huge
         #: journal read by many requests holds these and never those a spawn needs.
         self._journal_scans = trio.CapacityLimiter(JOURNAL_SCANS)
@@ -140,40 +149,111 @@ class Reader:
             self._releases().collected(worker_id)
         return _result(found, text)
 
-    async def watch_page(self, worker_id: str, since: int, limit: int) -> Page:
+    async def watch_page(
+        self,
+        worker_id: str,
+        since: int,
+        limit: int,
+        max_bytes: int = DEFAULT_ANSWER_BYTES,
+        offset: int = 0,
+    ) -> Page:
+        """The entries after `since` (`offset` bytes into the first already sent) that fit
+        in `max_bytes` of answer: whole entries, or a piece of one alone over it."""
         if since < 0 or limit < 1:
             raise Invalid(f"{op(Watch)} needs since >= 0 and limit >= 1, not {since} and {limit}")
+        journal, live, entries = await self._entries(
+            worker_id, since, min(limit, MAX_PAGE_ENTRIES), min(max_bytes, PAGE_BYTES)
+        )
+        if offset and not (entries and offset < len(entries[0].data)):
+            raise Invalid(
+                f"{op(Watch)}'s offset {offset} is not within entry {since + 1} of worker "
+                f"{worker_id}: send the next_offset of the page before, with its next as since"
+            )
+        page = fit_entries(entries, since, offset, max_bytes)
+        more = page.next_offset > 0 or page.next < journal.last_seq
+        return Page(
+            id=0,
+            entries=page.entries,
+            next=page.next,
+            next_offset=page.next_offset,
+            complete=live is None and not more,
+            truncated=more,
+        )
+
+    async def _entries(
+        self, worker_id: str, since: int, limit: int, data_bytes: int
+    ) -> tuple[Journal, LiveWorker | None, list[Entry]]:
+        """Whole entries after `since`: at most `limit`, and about `data_bytes` of data
+        (always one, if there is one); with the worker's journal, and its live self if any."""
         found = self.lookup(worker_id)
         live = self._supervisor.get(worker_id)
         journal = live.journal if live is not None else await self._ended_journal(found)
         try:
-            entries = journal.read(since, min(limit, MAX_PAGE_ENTRIES))
+            return journal, live, journal.read(since, limit, data_bytes)
         except JournalCorrupt as exc:
             raise _damaged(found.id, exc) from None
-        cursor = entries[-1].seq if entries else since
-        complete = live is None and cursor >= journal.last_seq
-        return Page(id=0, entries=entries, next=cursor, complete=complete)
 
     async def grep(
-        self, worker_id: str, pattern: str, *, before: int, after: int, limit: int
+        self,
+        worker_id: str,
+        pattern: str,
+        *,
+        before: int,
+        after: int,
+        limit: int,
+        since: int = 0,
+        max_bytes: int = DEFAULT_ANSWER_BYTES,
     ) -> GrepResult:
-        """The lines of the worker's output that match, from the start of its journal,
-        scanning at most MAX_GREP_SCAN_BYTES of it; an unended last line counts."""
-        scanner = LineScanner(compile_pattern(pattern), before=before, after=after, limit=limit)
+        """The lines of the worker's output after line `since` that match, with their
+        context, in `max_bytes` of answer; from the start of its journal (or, going on,
+        from a checkpoint an earlier grep of it passed), scanning at most
+        MAX_GREP_SCAN_BYTES of it from the start; an unended last line counts."""
+        scanner = LineScanner(
+            compile_pattern(pattern),
+            before=before,
+            after=after,
+            limit=limit,
+            since=since,
+            max_bytes=max_bytes,
+        )
         self.lookup(worker_id)
         cursor = 0
+        if (start := self._checkpoint_before(worker_id, since - before)) is not None:
+            scanner.start_at(start)  # a grep going on: not from the journal's start again
+            cursor = start.seq
         bounded = False
         while not scanner.done:
-            page = await self.watch_page(worker_id, cursor, MAX_PAGE_ENTRIES)
-            await self._scan(scanner, page.entries)
-            if page.complete or not page.entries:
+            *_, entries = await self._entries(worker_id, cursor, MAX_PAGE_ENTRIES, PAGE_BYTES)
+            await self._scan(scanner, entries)
+            if not entries:
                 break
-            cursor = page.next
+            cursor = entries[-1].seq
             if scanner.scanned >= MAX_GREP_SCAN_BYTES:
                 bounded = True
                 break
         scanner.finish()
-        return GrepResult(matches=scanner.matches, truncated=scanner.more or bounded)
+        self._keep_checkpoints(worker_id, scanner.checkpoints)
+        matches = scanner.matches
+        go_on = matches[-1].line_no if scanner.more and matches else None
+        return GrepResult(matches=matches, truncated=scanner.more or bounded, next=go_on)
+
+    def _checkpoint_before(self, worker_id: str, line_no: int) -> Checkpoint | None:
+        """The last place a grep of this journal passed where a scan may start again and
+        still have every line after `line_no`."""
+        marks = self._checkpoints.get(worker_id, [])
+        index = bisect.bisect_right([mark.line_no for mark in marks], line_no)
+        return marks[index - 1] if index else None
+
+    def _keep_checkpoints(self, worker_id: str, found: list[Checkpoint]) -> None:
+        """Remember where a grep of this journal may start again (a journal only grows, so
+        they hold as long as it does); for the most recently searched journals."""
+        marks = {mark.seq: mark for mark in self._checkpoints.pop(worker_id, [])}
+        marks.update((mark.seq, mark) for mark in found)
+        self._checkpoints[worker_id] = sorted(marks.values(), key=lambda mark: mark.seq)[
+            -MAX_CHECKPOINTS:
+        ]
+        while len(self._checkpoints) > OPEN_JOURNALS:
+            self._checkpoints.popitem(last=False)
 
     async def wait_for(self, worker_id: str, pattern: str, seconds: float) -> WaitForResult:
         """Once a line of the worker's output matches (what it wrote so far first, then what
@@ -192,16 +272,20 @@ class Reader:
         while True:
             live = self._supervisor.get(worker_id)
             grown = live.grown if live is not None else None
-            page = await self.watch_page(worker_id, cursor, MAX_PAGE_ENTRIES)
-            await self._scan(scanner, page.entries)
-            if page.complete:
+            journal, live, entries = await self._entries(
+                worker_id, cursor, MAX_PAGE_ENTRIES, PAGE_BYTES
+            )
+            await self._scan(scanner, entries)
+            if entries:
+                cursor = entries[-1].seq
+            complete = live is None and cursor >= journal.last_seq
+            if complete:
                 scanner.finish()
             if scanner.matches:
                 return "matched"
-            if page.complete:
+            if complete:
                 return "ended"
-            cursor = page.next
-            if not page.entries and grown is not None:
+            if not entries and grown is not None:
                 await grown.wait()
             else:
                 await trio.lowlevel.checkpoint()  # a worker writing fast starves no one
@@ -270,11 +354,18 @@ class Reader:
     def forget_journal(self, worker_id: str) -> None:
         """Its worker runs again (a resume): the read-only view would go stale."""
         self._journals.pop(worker_id, None)
+        self._checkpoints.pop(worker_id, None)
 
     async def follow(
-        self, worker_id: str, since: int, limit: int, send: Callable[[Page], Awaitable[None]]
+        self,
+        worker_id: str,
+        since: int,
+        limit: int,
+        send: Callable[[Page], Awaitable[None]],
+        max_bytes: int = DEFAULT_ANSWER_BYTES,
+        offset: int = 0,
     ) -> None:
-        """Send pages from `since` as the journal grows, until it is complete.
+        """Send pages from `since` (and `offset`) as the journal grows, until it is complete.
 
         Each page is read when the previous one has been sent, so a follower
         that does not read holds back only itself: nothing is buffered for it.
@@ -283,12 +374,12 @@ class Reader:
         while True:
             live = self._supervisor.get(worker_id)
             grown = live.grown if live is not None else None
-            page = await self.watch_page(worker_id, cursor, limit)
+            page = await self.watch_page(worker_id, cursor, limit, max_bytes, offset)
             if page.entries or page.complete:
                 await send(page)
             if page.complete:
                 return
-            cursor = page.next
+            cursor, offset = page.next, page.next_offset
             if not page.entries and grown is not None:
                 await grown.wait()
 
