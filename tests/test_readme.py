@@ -1,0 +1,322 @@
+"""Every example in README.md runs as shown, each block against a fresh daemon.
+
+How README.md writes an example so that this runs it (a reader still reads a
+terminal session):
+
+- A ```console block is a shell session: a line `$ COMMAND` is run, with the
+  lines right under it that start `> ` as its continuation (a here-document, a
+  long line, as a terminal shows them); the lines under those, up to the next
+  `$ `, are what it prints, stdout and stderr together. The commands of a block
+  run one after another in one bash, so `cd`, variables and `$?` carry on.
+- What differs from run to run is written as a reader would see it, and matched
+  loosely: ids (`w-` or `r-` and ten hex digits) and numbers of five digits or
+  more (pids, times) stand for whatever the daemon printed in their place the
+  first time they are shown, and for that same value wherever they come again
+  in the block, commands included (`subagentctl stop w-2f293a3f0d` stops the
+  worker the earlier `spawn` printed). `...` in a line matches any text on that
+  line; a line that is only `...` matches any number of lines, none included.
+  Runs of spaces match runs of spaces (a table's columns widen with its values),
+  and trailing spaces are ignored.
+- ```console noexec marks a block that cannot run here (it installs, or talks
+  to a systemd manager), visibly, in the fence; keep those few.
+- A ```python block is run as a script (the venv's python), and must exit 0;
+  ```python noexec skips one. Other blocks (json, toml, text) are not run.
+
+Each block runs in a fresh temporary directory, with HOME a fresh directory
+in it, the venv's bin first on PATH, and SUBAGENTD_SOCKET the socket of a
+daemon of its own (tests/conftest.py), started with that HOME's
+`~/.config/subagentd/agents.toml` as its config, so a block may write one and
+reload. A failing block prints the command, then a diff of what the README
+shows against what ran, so a block is fixed from the message alone.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import trio
+
+from .conftest import BIN, DaemonProcess
+
+README = Path(__file__).parent.parent / "README.md"
+#: The whole of one block; a command that hangs shows as the one without its output.
+BLOCK_TIMEOUT = 120.0
+#: Printed by the shell after each command's output, so the outputs can be told apart.
+MARK = "\x1ereadme-step\x1e"
+
+_FENCE = re.compile(r"^```(\S*)[ \t]*(.*)$")
+#: What varies from run to run: worker and run ids, and numbers of five digits or more.
+_VARYING = re.compile(r"\b(?P<id>[wr]-[0-9a-f]{10})\b|(?<![\w.-])(?P<number>\d{5,})(?!\w)")
+_ELLIPSIS = "..."
+
+
+@dataclass(frozen=True)
+class Block:
+    """One fenced block of the README: its language, its flags and its text."""
+
+    line: int  # of the opening fence, 1-based
+    lang: str
+    flags: frozenset[str]
+    text: str
+
+    @property
+    def runs(self) -> bool:
+        return self.lang in {"console", "python"} and "noexec" not in self.flags
+
+
+@dataclass(frozen=True)
+class Step:
+    """A command of a console block and what the README shows it print."""
+
+    line: int
+    command: str
+    expected: list[str]
+
+
+def fenced_blocks(markdown: str) -> list[Block]:
+    """The blocks fenced by ``` at the start of a line, in order."""
+    found: list[Block] = []
+    lines = markdown.splitlines()
+    i = 0
+    while i < len(lines):
+        opening = _FENCE.match(lines[i])
+        if opening is None:
+            i += 1
+            continue
+        start = i
+        i += 1
+        body: list[str] = []
+        while i < len(lines) and not lines[i].startswith("```"):
+            body.append(lines[i])
+            i += 1
+        if i == len(lines):
+            raise AssertionError(f"README.md:{start + 1}: a ``` block that never closes")
+        lang, flags = opening.group(1), frozenset(opening.group(2).split())
+        found.append(Block(start + 1, lang, flags, "\n".join(body) + "\n"))
+        i += 1
+    return found
+
+
+def session_steps(block: Block) -> list[Step]:
+    """A console block's commands, each with the lines shown under it."""
+    steps: list[Step] = []
+    lines = block.text.splitlines()
+    i = 0
+    while i < len(lines):
+        number = block.line + 1 + i
+        text = lines[i]
+        if not text.startswith("$ "):
+            raise AssertionError(
+                f"README.md:{number}: output before any `$ ` command in a console block: {text!r}"
+            )
+        command = text[2:]
+        i += 1
+        while i < len(lines) and (lines[i] == ">" or lines[i].startswith("> ")):
+            command += "\n" + lines[i][2:]
+            i += 1
+        expected: list[str] = []
+        while i < len(lines) and not lines[i].startswith("$ "):
+            expected.append(lines[i])
+            i += 1
+        steps.append(Step(number, command, expected))
+    return steps
+
+
+@dataclass
+class Bindings:
+    """What each varying value the README shows stood for in this run."""
+
+    values: dict[str, str] = field(default_factory=dict)
+
+    def apply(self, text: str) -> str:
+        """`text` with every bound value replaced by what it stood for."""
+        return _VARYING.sub(lambda m: self.values.get(m.group(0), m.group(0)), text)
+
+    def copy(self) -> Bindings:
+        return Bindings(dict(self.values))
+
+
+def _line_pattern(expected: str, bindings: Bindings) -> tuple[re.Pattern[str], list[str]]:
+    """A regular expression for one expected line, and the unbound values its groups bind."""
+    parts: list[str] = []
+    groups: list[str] = []
+    pos = 0
+    tokens = re.compile(re.escape(_ELLIPSIS) + "|" + _VARYING.pattern)
+    for match in tokens.finditer(expected):
+        parts.append(_literal(expected[pos : match.start()]))
+        token = match.group(0)
+        if token == _ELLIPSIS:
+            parts.append(".*?")
+        elif token in bindings.values:
+            parts.append(re.escape(bindings.values[token]))
+        elif token in groups:
+            parts.append(f"(?P=v{groups.index(token)})")
+        else:
+            shape = rf"{token[:2]}[0-9a-f]{{10}}" if match.group("id") else r"\d+"
+            parts.append(f"(?P<v{len(groups)}>{shape})")
+            groups.append(token)
+        pos = match.end()
+    parts.append(_literal(expected[pos:]))
+    return re.compile("".join(parts)), groups
+
+
+def _literal(text: str) -> str:
+    return " +".join(re.escape(piece) for piece in re.split(r" {1,}", text))
+
+
+def match_output(expected: list[str], actual: list[str], bindings: Bindings) -> Bindings | None:
+    """The bindings under which `actual` is what `expected` shows; None if it is not."""
+    expected = [line.rstrip() for line in expected]
+    actual = [line.rstrip() for line in actual]
+
+    def at(e: int, a: int, bound: Bindings) -> Bindings | None:
+        if e == len(expected):
+            return bound if a == len(actual) else None
+        if expected[e] == _ELLIPSIS:
+            for skip in range(a, len(actual) + 1):
+                if (found := at(e + 1, skip, bound)) is not None:
+                    return found
+            return None
+        if a == len(actual):
+            return None
+        pattern, groups = _line_pattern(expected[e], bound)
+        line = pattern.fullmatch(actual[a])
+        if line is None:
+            return None
+        more = bound.copy()
+        for i, token in enumerate(groups):
+            value = line.group(f"v{i}")
+            if _VARYING.fullmatch(token).group("id") and value in more.values.values():  # type: ignore[union-attr]
+                return None  # two ids the README tells apart are one here
+            more.values[token] = value
+        return at(e + 1, a + 1, more)
+
+    return at(0, 0, bindings)
+
+
+def _failure(block: Block, step: Step, actual: list[str], bindings: Bindings) -> str:
+    shown = [bindings.apply(line) for line in step.expected]
+    diff = difflib.unified_diff(shown, actual, "README.md", "ran", lineterm="", n=20)
+    return (
+        f"README.md:{step.line}: the block of line {block.line} printed other than it shows\n"
+        f"$ {bindings.apply(step.command)}\n" + "\n".join(diff)
+    )
+
+
+def _environment(daemon: DaemonProcess, home: Path) -> dict[str, str]:
+    env = {
+        k: v for k, v in daemon.env.items() if not k.startswith("XDG_") and k != "PYTHONPATH"
+    }
+    env |= {
+        "HOME": str(home),
+        "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', os.defpath)}",
+        "SUBAGENTD_SOCKET": str(daemon.socket),
+        "TMPDIR": str(home.parent),
+        "COLUMNS": "100",
+    }
+    return env
+
+
+async def _run_console(block: Block, daemon: DaemonProcess, where: Path, home: Path) -> None:
+    steps = session_steps(block)
+    bindings = Bindings()
+    # One shell for the block, so variables, `cd` and `$?` carry from one command to the
+    # next; each command is written to it once the one before has printed, since it may
+    # name an id that one printed. The shell reads its stdin a byte at a time (a pipe), and
+    # each command's own stdin is /dev/null, so no command reads the next.
+    shell = await trio.lowlevel.open_process(
+        ["bash", "--noprofile", "--norc"],
+        cwd=where,
+        env=_environment(daemon, home),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    assert shell.stdin is not None and shell.stdout is not None
+    end = f"\n{MARK}\n".encode()
+    buffer = b""
+    try:
+        with trio.fail_after(BLOCK_TIMEOUT):
+            for step in steps:
+                command = bindings.apply(step.command)
+                await shell.stdin.send_all(
+                    f"{{ {command}\n}} </dev/null 2>&1\n"
+                    f"__readme_status=$?; printf '\\n{MARK}\\n'; (exit $__readme_status)\n".encode()
+                )
+                while end not in buffer:
+                    more = await shell.stdout.receive_some()
+                    if not more:
+                        raise AssertionError(
+                            f"README.md:{step.line}: the shell exited at `{command}`:\n"
+                            + buffer.decode("utf-8", errors="replace")
+                        )
+                    buffer += more
+                printed, _, buffer = buffer.partition(end)
+                # The mark begins with a newline, for output that ends without one.
+                text = printed.decode("utf-8", errors="replace").removesuffix("\n")
+                actual = text.split("\n") if text else []
+                matched = match_output(step.expected, actual, bindings)
+                if matched is None:
+                    raise AssertionError(_failure(block, step, actual, bindings))
+                bindings = matched
+    finally:
+        with trio.CancelScope(shield=True):
+            await shell.stdin.aclose()
+            with trio.move_on_after(10):
+                await shell.wait()
+            if shell.returncode is None:
+                shell.kill()
+                await shell.wait()
+
+
+async def _run_python(block: Block, daemon: DaemonProcess, where: Path, home: Path) -> None:
+    script = where / f"readme_{block.line}.py"
+    script.write_text(block.text)
+    with trio.move_on_after(BLOCK_TIMEOUT) as scope:
+        done = await trio.run_process(
+            [str(BIN / "python"), str(script)],
+            cwd=where,
+            env=_environment(daemon, home),
+            stdin=subprocess.DEVNULL,
+            capture_stdout=True,
+            stderr=subprocess.STDOUT,
+            check=False,
+        )
+    if scope.cancelled_caught:
+        raise AssertionError(
+            f"README.md:{block.line}: the python example did not end within {BLOCK_TIMEOUT:.0f} s"
+        )
+    if done.returncode != 0:
+        raise AssertionError(
+            f"README.md:{block.line}: the python example exited {done.returncode}:\n"
+            + done.stdout.decode("utf-8", errors="replace")
+        )
+
+
+_BLOCKS = fenced_blocks(README.read_text())
+
+
+@pytest.mark.parametrize(
+    "block",
+    [b for b in _BLOCKS if b.runs],
+    ids=[f"README.md:{b.line}-{b.lang}" for b in _BLOCKS if b.runs],
+)
+async def test_readme_example_runs_as_shown(
+    block: Block, daemon_dirs: DaemonProcess, tmp_path: Path
+) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    daemon_dirs.config = home / ".config" / "subagentd" / "agents.toml"
+    daemon_dirs.start(env={"PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', os.defpath)}"})
+    where = tmp_path / "work"
+    where.mkdir()
+    if block.lang == "console":
+        await _run_console(block, daemon_dirs, where, home)
+    else:
+        await _run_python(block, daemon_dirs, where, home)
