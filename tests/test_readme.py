@@ -22,12 +22,14 @@ terminal session):
 - A ```python block is run as a script (the venv's python), and must exit 0;
   ```python noexec skips one. Other blocks (json, toml, text) are not run.
 
-Each block runs in a fresh temporary directory, with HOME a fresh directory
-in it, the venv's bin first on PATH, and SUBAGENTD_SOCKET the socket of a
-daemon of its own (tests/conftest.py), started with that HOME's
-`~/.config/subagentd/agents.toml` as its config, so a block may write one and
-reload. A failing block prints the command, then a diff of what the README
-shows against what ran, so a block is fixed from the message alone.
+Each block runs in a fresh temporary directory (also its TMPDIR), with HOME a
+fresh directory in it, the venv's bin first on PATH, no XDG_* variables, and
+SUBAGENTD_SOCKET the socket of a daemon of its own (tests/conftest.py), started
+with that HOME's `~/.config/subagentd/agents.toml` as its config (and that PATH,
+so its workers find subagentctl too), so a block may write one and reload. Output is read from a pipe, as `| cat` would (Python
+unbuffered, so stdout and stderr interleave as on a terminal). A failing block
+prints the command, then a diff of what the README shows against what ran, so
+a block is fixed from the message alone.
 """
 
 from __future__ import annotations
@@ -210,17 +212,20 @@ def _failure(block: Block, step: Step, actual: list[str], bindings: Bindings) ->
 
 
 def _environment(daemon: DaemonProcess, home: Path) -> dict[str, str]:
+    """What a block runs with: a reader's shell, with nothing of this machine's own."""
     env = {
-        k: v for k, v in daemon.env.items() if not k.startswith("XDG_") and k != "PYTHONPATH"
+        k: v
+        for k, v in daemon.env.items()
+        if not k.startswith("XDG_") and k not in {"PYTHONPATH", "COLUMNS", "LINES"}
     }
-    env |= {
+    return env | {
         "HOME": str(home),
         "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', os.defpath)}",
         "SUBAGENTD_SOCKET": str(daemon.socket),
         "TMPDIR": str(home.parent),
-        "COLUMNS": "100",
+        # Lines in the order a terminal shows them: Python writes a pipe in blocks else.
+        "PYTHONUNBUFFERED": "1",
     }
-    return env
 
 
 async def _run_console(block: Block, daemon: DaemonProcess, where: Path, home: Path) -> None:
@@ -238,7 +243,8 @@ async def _run_console(block: Block, daemon: DaemonProcess, where: Path, home: P
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
-    assert shell.stdin is not None and shell.stdout is not None
+    assert shell.stdin is not None
+    assert shell.stdout is not None
     end = f"\n{MARK}\n".encode()
     buffer = b""
     try:
@@ -320,3 +326,122 @@ async def test_readme_example_runs_as_shown(
         await _run_console(block, daemon_dirs, where, home)
     else:
         await _run_python(block, daemon_dirs, where, home)
+
+
+# The runner itself: each rule of the format above, and that a difference fails.
+
+#: What a ```console noexec block may run: installs and a systemd user manager's commands.
+CANNOT_RUN_HERE = ("make ", "pip ", "systemctl --user ")
+
+
+def _match(expected: str, actual: str) -> Bindings | None:
+    return match_output(expected.splitlines(), actual.splitlines(), Bindings())
+
+
+def test_a_line_that_differs_fails_the_match() -> None:
+    assert _match("w-91ae740dbe stopped", "w-0123456789 stopped") is not None
+    assert _match("w-91ae740dbe stopped", "w-0123456789 finished") is None
+    assert _match("one\ntwo", "one") is None
+    assert _match("one", "one\ntwo") is None
+
+
+def test_an_id_stands_for_the_same_value_wherever_it_comes_again() -> None:
+    bound = _match("w-91ae740dbe (run r-c984d0b756)", "w-0123456789 (run r-aaaaaaaaaa)")
+    assert bound is not None
+    assert bound.apply("subagentctl stop w-91ae740dbe --run r-c984d0b756") == (
+        "subagentctl stop w-0123456789 --run r-aaaaaaaaaa"
+    )
+    assert match_output(["w-91ae740dbe"], ["w-0123456789"], bound) is not None
+    assert match_output(["w-91ae740dbe"], ["w-9999999999"], bound) is None
+    assert _match("w-91ae740dbe w-91ae740dbe", "w-0123456789 w-9999999999") is None
+
+
+def test_two_ids_the_readme_tells_apart_are_two_ids() -> None:
+    assert _match("w-91ae740dbe\nw-2f293a3f0d", "w-0123456789\nw-0123456789") is None
+    assert _match("w-91ae740dbe\nw-2f293a3f0d", "w-0123456789\nw-9876543210") is not None
+    assert _match("w-91ae740dbe", "r-0123456789") is None  # a run's id is not a worker's
+
+
+def test_a_pid_matches_any_number_but_a_short_number_only_itself() -> None:
+    assert _match("pid=18649 wrote 13 bytes", "pid=702 wrote 13 bytes") is not None
+    assert _match("pid=18649 wrote 13 bytes", "pid=702 wrote 14 bytes") is None
+    assert _match("pid=18649", "pid=x") is None
+
+
+def test_an_ellipsis_line_matches_any_lines_or_none() -> None:
+    assert _match("a\n...\nz", "a\nz") is not None
+    assert _match("a\n...\nz", "a\nb\nc\nz") is not None
+    assert _match("a\n...\nz", "a\nb\nc") is None
+    assert _match("...", "") is not None
+
+
+def test_an_ellipsis_in_a_line_matches_within_that_line_only() -> None:
+    assert _match("exit=0 tick 1...tick 3", r"exit=0 tick 1\ntick 2\ntick 3") is not None
+    assert _match("a...z", "a\nz") is None
+    assert _match('{"id":"w-91ae740dbe",...}', '{"id":"w-0123456789","pid":7}') is not None
+
+
+def test_runs_of_spaces_match_runs_of_spaces_and_trailing_ones_are_ignored() -> None:
+    assert _match("ID    PID  NAME", "ID  PID      NAME   ") is not None
+    assert _match("ID PID", "IDPID") is None
+
+
+def test_a_session_reads_as_commands_with_their_output() -> None:
+    block = Block(10, "console", frozenset(), "$ cat <<'EOF'\n> a\n>\n> EOF\na\n\n$ true\n")
+    steps = session_steps(block)
+    assert [(s.line, s.command, s.expected) for s in steps] == [
+        (11, "cat <<'EOF'\na\n\nEOF", ["a", ""]),
+        (17, "true", []),
+    ]
+    with pytest.raises(AssertionError, match=r"README.md:11: output before any"):
+        session_steps(Block(10, "console", frozenset(), "hello\n$ true\n"))
+
+
+def test_fences_are_found_with_their_flags_and_an_open_one_is_an_error() -> None:
+    found = fenced_blocks("text\n```console noexec\n$ make run\n```\n```python\nx = 1\n```\n")
+    assert [(b.line, b.lang, b.runs) for b in found] == [(2, "console", False), (5, "python", True)]
+    with pytest.raises(AssertionError, match="never closes"):
+        fenced_blocks("```console\n$ true\n")
+
+
+def test_the_blocks_that_do_not_run_are_the_few_that_cannot_here() -> None:
+    for block in _BLOCKS:
+        if block.lang == "console" and not block.runs:
+            for step in session_steps(block):
+                assert step.command.startswith(CANNOT_RUN_HERE), (
+                    f"README.md:{step.line}: `{step.command}` is in a noexec block but could "
+                    "run here: move it to a block that runs"
+                )
+    assert sum(b.runs for b in _BLOCKS) >= 10
+
+
+def test_no_example_hides_from_the_runner_in_an_indented_block() -> None:
+    fenced = False
+    for number, line in enumerate(README.read_text().splitlines(), start=1):
+        fenced ^= line.startswith("```")
+        assert fenced or not line.startswith("    $ "), (
+            f"README.md:{number}: a shell example indented, which nothing runs: "
+            "write it as a ```console block"
+        )
+
+
+async def test_a_block_that_prints_otherwise_fails_with_the_diff(
+    daemon_dirs: DaemonProcess, tmp_path: Path
+) -> None:
+    block = Block(
+        1,
+        "console",
+        frozenset(),
+        "$ subagentctl spawn -- sleep 60\nw-91ae740dbe (run r-c984d0b756)\n"
+        "$ subagentctl stop w-91ae740dbe\nw-91ae740dbe\n"
+        "$ subagentctl status w-nope\nsubagentctl: not_found: no such worker\n",
+    )
+    daemon_dirs.start()
+    (tmp_path / "home").mkdir()
+    with pytest.raises(AssertionError) as failed:
+        await _run_console(block, daemon_dirs, tmp_path, tmp_path / "home")
+    message = str(failed.value)
+    assert message.startswith("README.md:6: the block of line 1 printed other than it shows\n")
+    assert "$ subagentctl status w-nope\n" in message
+    assert "-subagentctl: not_found: no such worker\n" in message
+    assert "+subagentctl: not_found: no worker 'w-nope'" in message
