@@ -26,10 +26,11 @@ Each block runs in a fresh temporary directory (also its TMPDIR), with HOME a
 fresh directory in it, the venv's bin first on PATH, no XDG_* variables, and
 SUBAGENTD_SOCKET the socket of a daemon of its own (tests/conftest.py), started
 with that HOME's `~/.config/subagentd/agents.toml` as its config (and that PATH,
-so its workers find subagentctl too), so a block may write one and reload. Output is read from a pipe, as `| cat` would (Python
-unbuffered, so stdout and stderr interleave as on a terminal). A failing block
-prints the command, then a diff of what the README shows against what ran, so
-a block is fixed from the message alone.
+so its workers find subagentctl too): a block may write one and reload. Output
+is read from a pipe, as `| cat` would (Python unbuffered, so stdout and stderr
+interleave as on a terminal). A failing block prints the command, then a diff
+of what the README shows against what ran, so a block is fixed from the
+message alone.
 """
 
 from __future__ import annotations
