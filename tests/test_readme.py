@@ -19,8 +19,9 @@ terminal session):
   and trailing spaces are ignored.
 - ```console noexec marks a block that cannot run here (it installs, or talks
   to a systemd manager), visibly, in the fence; keep those few.
-- A ```python block is run as a script (the venv's python), and must exit 0;
-  ```python noexec skips one. Other blocks (json, toml, text) are not run.
+- A ```python block is run as a script (the venv's python), and must exit 0.
+  A ```toml block is an agents.toml: `subagentd --check` must take it. Either
+  skips with `noexec` too. Other blocks (json, text) are not run.
 
 Each block runs in a fresh temporary directory (also its TMPDIR), with HOME a
 fresh directory in it, the venv's bin first on PATH, no XDG_* variables, and
@@ -70,7 +71,7 @@ class Block:
 
     @property
     def runs(self) -> bool:
-        return self.lang in {"console", "python"} and "noexec" not in self.flags
+        return self.lang in {"console", "python", "toml"} and "noexec" not in self.flags
 
 
 @dataclass(frozen=True)
@@ -306,6 +307,23 @@ async def _run_python(block: Block, daemon: DaemonProcess, where: Path, home: Pa
         )
 
 
+async def _check_agents_toml(block: Block, daemon: DaemonProcess, where: Path, home: Path) -> None:
+    config = where / "agents.toml"
+    config.write_text(block.text)
+    with trio.fail_after(BLOCK_TIMEOUT):
+        done = await trio.run_process(
+            [str(BIN / "subagentd"), "--check", "--config", str(config)],
+            cwd=where,
+            env=_environment(daemon, home),
+            capture_stdout=True,
+            stderr=subprocess.STDOUT,
+            check=False,
+        )
+    said = done.stdout.decode("utf-8", errors="replace")
+    if done.returncode != 0 or "(0 agents)" in said:
+        raise AssertionError(f"README.md:{block.line}: subagentd --check refuses it:\n{said}")
+
+
 _BLOCKS = fenced_blocks(README.read_text())
 
 
@@ -325,8 +343,10 @@ async def test_readme_example_runs_as_shown(
     where.mkdir()
     if block.lang == "console":
         await _run_console(block, daemon_dirs, where, home)
-    else:
+    elif block.lang == "python":
         await _run_python(block, daemon_dirs, where, home)
+    else:
+        await _check_agents_toml(block, daemon_dirs, where, home)
 
 
 # The runner itself: each rule of the format above, and that a difference fails.

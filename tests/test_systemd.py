@@ -64,11 +64,6 @@ def test_installed_units_pass_systemd_analyze_verify_and_run_this_install(tmp_pa
     assert "subagentd" not in checked.stderr, checked.stderr  # no warning about our units
 
 
-def test_the_shipped_units_were_for_one_install_only() -> None:
-    # What this replaced: units naming ~/.local/bin, which verify fails anywhere else.
-    assert not (Path(__file__).parent.parent / "systemd" / "subagentd.service").exists()
-
-
 def test_install_units_goes_to_systemds_user_dir_by_default(tmp_path: Path) -> None:
     done = install_units(home=tmp_path)
     assert done.returncode == 0, done.stderr
