@@ -278,7 +278,7 @@ def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     sub.add_argument(
         "--dir",
         metavar="D",
-        type=Path,
+        type=_directory,
         help="write them here (default: $XDG_CONFIG_HOME/systemd/user, else "
         "~/.config/systemd/user)",
     )
@@ -288,6 +288,12 @@ def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="replace unit files (or symlinks) there that differ from this install's",
     )
     sub.set_defaults(command=install_units, parser=sub)
+
+
+def _directory(text: str) -> Path:
+    if not text:
+        raise argparse.ArgumentTypeError("give a directory (an empty one would be this one)")
+    return Path(text)
 
 
 def install_units(args: argparse.Namespace) -> int:

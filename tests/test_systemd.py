@@ -156,6 +156,19 @@ def test_an_unwritable_dir_is_refused_with_the_reason(tmp_path: Path) -> None:
     assert f"{tmp_path / 'file'} is not a directory" in refused.stderr
 
 
+def test_an_empty_or_overlong_dir_is_refused_and_nothing_is_written(tmp_path: Path) -> None:
+    empty = subprocess.run(
+        [CTL, "install-units", "--dir", ""], cwd=tmp_path, capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert empty.returncode == 2
+    assert "--dir: give a directory" in empty.stderr
+    long = install_units("--dir", str(tmp_path / ("d" * 300)))
+    assert long.returncode == 1
+    assert "File name too long" in long.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def _install_named(tmp_path: Path, name: str) -> Path:
     """This install's two commands, linked into a directory named `name`."""
     bin_dir = tmp_path / name
