@@ -21,7 +21,7 @@ terminal session):
   to a systemd manager), visibly, in the fence; keep those few.
 - A ```python block is run as a script (the venv's python), and must exit 0.
   A ```toml block is an agents.toml: `subagentd --check` must take it. Either
-  skips with `noexec` too. Other blocks (json, text) are not run.
+  skips with `noexec` too. A ```json block must parse; other blocks are text.
 
 Each block runs in a fresh temporary directory (also its TMPDIR), with HOME a
 fresh directory in it, the venv's bin first on PATH, no XDG_* variables, and
@@ -37,6 +37,7 @@ message alone.
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import re
 import subprocess
@@ -445,6 +446,16 @@ def test_the_blocks_that_do_not_run_are_the_few_that_cannot_here() -> None:
                     "run here: move it to a block that runs"
                 )
     assert sum(b.runs for b in _BLOCKS) >= 10
+
+
+def test_every_json_example_parses() -> None:
+    shown = [b for b in _BLOCKS if b.lang == "json"]
+    assert shown, "the MCP host configuration is a json block"
+    for block in shown:
+        try:
+            json.loads(block.text)
+        except json.JSONDecodeError as exc:
+            raise AssertionError(f"README.md:{block.line}: not JSON: {exc}") from None
 
 
 def test_no_example_hides_from_the_runner_in_an_indented_block() -> None:
