@@ -238,7 +238,9 @@ def _environment(daemon: DaemonProcess, home: Path) -> dict[str, str]:
     }
 
 
-async def _run_console(block: Block, daemon: DaemonProcess, where: Path, home: Path) -> None:
+async def _run_console(
+    block: Block, daemon: DaemonProcess, where: Path, home: Path, within: float = BLOCK_TIMEOUT
+) -> None:
     steps = session_steps(block)
     bindings = Bindings()
     # One shell for the block, so variables, `cd` and `$?` carry from one command to the
@@ -257,8 +259,9 @@ async def _run_console(block: Block, daemon: DaemonProcess, where: Path, home: P
     assert shell.stdout is not None
     end = f"\n{MARK}\n".encode()
     buffer = b""
+    command = ""
     try:
-        with trio.fail_after(BLOCK_TIMEOUT):
+        with trio.fail_after(within):
             for step in steps:
                 command = bindings.apply(step.command)
                 await shell.stdin.send_all(
@@ -281,6 +284,11 @@ async def _run_console(block: Block, daemon: DaemonProcess, where: Path, home: P
                 if matched is None:
                     raise AssertionError(_failure(block, step, actual, bindings))
                 bindings = matched
+    except trio.TooSlowError:
+        raise AssertionError(
+            f"README.md:{step.line}: `{command}` did not end within the block's "
+            f"{within:g} s; it printed:\n" + buffer.decode("utf-8", errors="replace")
+        ) from None
     finally:
         with trio.CancelScope(shield=True):
             await shell.stdin.aclose()
@@ -488,3 +496,17 @@ async def test_a_block_that_prints_otherwise_fails_with_the_diff(
     assert "$ subagentctl status w-nope\n" in message
     assert "-subagentctl: not_found: no such worker\n" in message
     assert "+subagentctl: not_found: no worker 'w-nope'" in message
+
+
+async def test_a_command_that_hangs_fails_naming_it(
+    daemon_dirs: DaemonProcess, tmp_path: Path
+) -> None:
+    block = Block(1, "console", frozenset(), "$ echo before\nbefore\n$ echo half; sleep 600\n")
+    daemon_dirs.start()
+    (tmp_path / "home").mkdir()
+    with trio.fail_after(30), pytest.raises(AssertionError) as failed:
+        await _run_console(block, daemon_dirs, tmp_path, tmp_path / "home", within=2)
+    assert str(failed.value) == (
+        "README.md:4: `echo half; sleep 600` did not end within the block's 2 s; "
+        "it printed:\nhalf\n"
+    )
