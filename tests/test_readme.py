@@ -297,6 +297,7 @@ async def _run_console(
             if shell.returncode is None:
                 shell.kill()
                 await shell.wait()
+            await shell.stdout.aclose()
 
 
 async def _run_python(block: Block, daemon: DaemonProcess, where: Path, home: Path) -> None:
