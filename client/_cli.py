@@ -993,6 +993,9 @@ def parser() -> argparse.ArgumentParser:
     sub.add_argument("argv", nargs="*", help=argparse.SUPPRESS)
 
     command("info", info, "Show the daemon's version, pid, reloads and workers by state.")
+    from . import _units  # install-units: needs no daemon, so main runs it before connecting
+
+    _units.add_command(commands)
 
     sub = command(
         "top",
@@ -1027,6 +1030,11 @@ def live_view(daemon: Client, args: argparse.Namespace, out: Output) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    from . import _units
+
+    if args.command is _units.install_units:  # needs no daemon: before any connect
+        written: int = _units.install_units(args)  # (`is` leaves it Any to mypy)
+        return written
     if args.command is spawn and not args.argv and args.agent is None:
         args.parser.error("give a command after -- or an --agent")
     if args.command is spawn and args.stdin == "open" and args.input is not None:
