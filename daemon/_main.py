@@ -38,7 +38,7 @@ from .serving._listener import bound_for
 from .store._statedir import StateDirLocked, ensure_private_dir
 from .store._store import READS_VERSIONS as STORE_READS_VERSIONS
 from .store._store import StoreUnusable
-from .workers._agents import ConfigError, load_agents
+from .workers._agents import AgentDef, ConfigError, load_agents
 
 if TYPE_CHECKING:
     import argparse
@@ -279,11 +279,12 @@ def check(settings: Settings) -> int:
         importlib.import_module("subagentd.daemon.lifecycle._serve")
     except Exception as exc:
         problems.append(f"the install does not import: {exc!r}")
+    agents: dict[str, AgentDef] | None
     try:
         agents = load_agents(settings.config)
     except ConfigError as exc:
         problems.append(str(exc))
-        agents = {}
+        agents = None
     try:
         ensure_private_dir(settings.state_dir)
     except OSError as exc:
@@ -292,7 +293,9 @@ def check(settings: Settings) -> int:
         with open(settings.state_dir / "hold-check", "rb") as fifo:  # until its writer closes
             fifo.read()
     print(f"subagentd {package_version()}")
-    print(f"config: {settings.config} ({len(agents)} agents)")
+    print(
+        f"config: {settings.config} ({'unusable' if agents is None else f'{len(agents)} agents'})"
+    )
     print(f"state dir: {settings.state_dir}")
     print(f"reads checkpoint versions: {', '.join(map(str, READS_VERSIONS))}")
     print(f"reads store schema versions: {', '.join(map(str, STORE_READS_VERSIONS))}")

@@ -384,3 +384,22 @@ def test_a_daemon_number_that_is_not_zero_or_more_is_refused_naming_it(
     assert ran.returncode == 2, ran
     assert flag in ran.stderr, ran.stderr
     assert not daemon_dirs.state_dir.exists()  # refused before anything was written
+
+
+@pytest.mark.parametrize(
+    ("command", "said"),
+    [
+        ('["run", "{modl}"]', "agents.writer.command: unknown placeholder {modl}: only {model}"),
+        ('["run", "{model"]', "agents.writer.command: not a template: "),
+        ('["run", "{0}"]', "agents.writer.command: "),
+    ],
+)
+def test_a_broken_command_template_is_named_by_file_agent_and_placeholder(
+    daemon_dirs: DaemonProcess, command: str, said: str
+) -> None:
+    daemon_dirs.config.write_text(f'[agents.writer]\ncommand = {command}\nmodel = "m"\n')
+    checked = _check(daemon_dirs)
+    assert checked.returncode == 1, checked
+    assert f"{daemon_dirs.config}: {said}" in checked.stderr, checked.stderr
+    assert "KeyError" not in checked.stderr
+    assert "Traceback" not in checked.stderr

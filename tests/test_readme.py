@@ -337,7 +337,7 @@ async def _check_agents_toml(block: Block, daemon: DaemonProcess, where: Path, h
             check=False,
         )
     said = done.stdout.decode("utf-8", errors="replace")
-    if done.returncode != 0 or "(0 agents)" in said:
+    if done.returncode != 0 or "(0 agents)" in said or "(unusable)" in said:
         raise AssertionError(f"README.md:{block.line}: subagentd --check refuses it:\n{said}")
 
 

@@ -43,8 +43,16 @@ class AgentDef(msgspec.Struct, forbid_unknown_fields=True):
     def render(self) -> list[str]:
         try:
             return [part.format(model=self.model) for part in self.command]
-        except (KeyError, IndexError, ValueError) as exc:
-            raise ConfigError(f"command template {self.command!r}: {exc!r}") from exc
+        except KeyError as exc:
+            raise ConfigError(
+                f"command: unknown placeholder {{{exc.args[0]}}}: only {{model}} is filled in "
+                "(write {{ and }} for a literal brace)"
+            ) from exc
+        except (IndexError, ValueError) as exc:
+            raise ConfigError(
+                f"command: not a template: {exc} (only {{model}} is filled in; write {{{{ and "
+                "}} for a literal brace)"
+            ) from exc
 
 
 class AgentsFile(msgspec.Struct, forbid_unknown_fields=True):
@@ -95,7 +103,11 @@ def load_agents(path: Path) -> dict[str, AgentDef]:
             key = f"agents.{name}{where.rstrip('`')}" if where else f"agents.{name}"
             raise ConfigError(f"{path}: {key}: {message}") from exc
     for name, agent in agents.items():
-        if problem := command_problem(agent.render(), agent.env):
+        try:
+            argv = agent.render()
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: agents.{name}.{exc}") from exc
+        if problem := command_problem(argv, agent.env):
             raise ConfigError(f"{path}: agents.{name}: {problem}")
     return agents
 
