@@ -89,7 +89,16 @@ INFO_FIELDS = (
     "workers",
     "holds_park",
     "problems",
+    "authority",
+    "caller",
 )
+#: What `info` says of each way of deciding whom a connection acts as.
+AUTHORITY_MEANS = {
+    "kernel": "kernel (a process inside a worker's cgroup acts as that worker, whatever "
+    "token it gives or omits; only one outside every worker's acts for the user)",
+    "token": "token (advisory: no cgroups, so a connection is whom its token says, and a "
+    "worker's process that omits its token acts for the user)",
+}
 
 
 # -- output --------------------------------------------------------------------
@@ -242,6 +251,8 @@ class Human:
                 ("workers", counts or "none"),
                 ("holds_park", info.holds_park),
                 ("tree_tracking", info.tree_tracking),
+                ("authority", AUTHORITY_MEANS.get(info.authority, info.authority)),
+                ("caller", info.caller or "the user"),
                 ("socket", info.socket),
                 ("state_dir", info.state_dir),
                 *(("problem", problem) for problem in info.problems),

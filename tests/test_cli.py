@@ -50,6 +50,8 @@ INFO_FIELDS = {
     "workers",
     "holds_park",
     "problems",  # added after DESIGN's list: fields may be added, never renamed
+    "authority",
+    "caller",
 }
 SCOPE_FORMS = ("`all`", "`turn:G`", "`run:R`", "`worker:W`")
 

@@ -1,6 +1,8 @@
 """The control socket's server: the trio shell around each connection's `Session`.
 
-Each connection is checked with SO_PEERCRED (only the daemon's own uid gets in); its
+Each connection is checked with SO_PEERCRED (only the daemon's own uid gets in) and,
+where workers have cgroups, placed: the kernel says which worker's cgroup its peer is in,
+if any, and the hello then makes it that worker (`_authority.caller_at_hello`). Its
 bytes go to its `Session` (`_session.py`: the hello, ids in flight and their limit,
 aborts, wakes delivered, its share of the frame budget, what a reload is owed), and
 this shell does what the session answers: send, close, or run a request, inline or in
@@ -93,6 +95,8 @@ from ..core._request_keys import asked_key
 from ..core._session import Close, Release, Session
 from ..lifecycle._reload import Handover, Reloader, owed_by_connection
 from ..lifecycle._resume import Resumer
+from ..processes._cgroup import SO_PEERPIDFD, PeerUnplaced
+from ..processes._tree import patiently
 from ..store._store import StoreWriteFailed
 
 log = get_logger()
@@ -351,7 +355,10 @@ class Server:
             os.close(fds.pop(conn))
         return {
             conn: Handover(
-                fd, unread=conn.session.unread(), delivered=frozenset(conn.session.delivered)
+                fd,
+                unread=conn.session.unread(),
+                delivered=frozenset(conn.session.delivered),
+                caller=conn.session.caller,
             )
             for conn, fd in fds.items()
         }
@@ -415,6 +422,7 @@ class Server:
             daemon_version=package_version(),
             frame_limit=self.frame_limit,
             welcomed=adopted is not None,
+            caller=adopted.caller if adopted is not None else None,
             unread=adopted.unread if adopted is not None else b"",
             delivered=adopted.delivered if adopted is not None else (),
         )
@@ -445,8 +453,9 @@ class Server:
         log.debug("conn.closed")
 
     async def _admit(self, conn: Connection) -> bool:
+        sock = conn.stream.socket
         pid, uid, _gid = _PEERCRED.unpack(
-            conn.stream.socket.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+            sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
         )
         if uid != os.getuid():
             log.warning("conn.refused", peer_uid=uid, peer_pid=pid)
@@ -456,6 +465,37 @@ class Server:
                 )
             )
             return False
+        launcher = self.daemon.launcher
+        if launcher.authority == "token":
+            return True
+
+        async def place() -> str | None:
+            pidfd = _peer_pidfd(sock)
+            try:
+                return launcher.worker_of_process(pid, pidfd)
+            finally:
+                if pidfd is not None:
+                    os.close(pidfd)
+
+        try:
+            # Out of descriptors (the pidfd, the read of /proc), waited for a moment.
+            conn.session.within = await patiently(place)
+        except (PeerUnplaced, OSError) as exc:
+            # Fail closed: a peer that cannot be placed may be inside a worker.
+            why = str(exc) if isinstance(exc, PeerUnplaced) else exc.strerror or str(exc)
+            log.warning("conn.unplaced", peer_pid=pid, error=why)
+            await conn.refuse(
+                Error(
+                    id=0,
+                    code=ErrorCode.FORBIDDEN,
+                    message=f"cannot tell whether this connection comes from inside a "
+                    f"worker ({why}), so it may not act for anyone; connect again from a "
+                    "process that stays to talk",
+                )
+            )
+            return False
+        if conn.session.within is not None:
+            bind_contextvars(peer_within=conn.session.within)
         return True
 
     async def _serve_requests(self, conn: Connection) -> None:
@@ -580,7 +620,7 @@ class Server:
         rid = request.id
         match request:
             case Info():  # first: the round trip a client makes most, to see the daemon is there
-                return InfoReply(id=rid, info=daemon.info())
+                return InfoReply(id=rid, info=daemon.info(caller))
             case Spawn():
                 return WorkerReply(id=rid, worker=await daemon.spawn(request, caller))
             case ListWorkers(all=include_ended, run=run, after=after, limit=limit):
@@ -718,6 +758,21 @@ async def _read(stream: trio.SocketStream) -> bytes:
             continue  # woken for nothing: wait again
         except OSError as exc:  # ECONNRESET: the client is gone
             raise trio.BrokenResourceError(str(exc)) from exc
+
+
+def _peer_pidfd(sock: trio.socket.SocketType) -> int | None:
+    """A pidfd of the socket's peer (SO_PEERPIDFD), None where the kernel gives none (before
+    Linux 6.5): the peer is then known by its pid alone. Raises PeerUnplaced if the peer
+    is gone, OSError (EMFILE) if no descriptor is left for it."""
+    try:
+        pidfd: int = sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
+    except OSError as exc:
+        if exc.errno in (errno.ENOPROTOOPT, errno.EINVAL):
+            return None
+        if exc.errno == errno.ESRCH:
+            raise PeerUnplaced("the process that connected has exited") from exc
+        raise
+    return pidfd
 
 
 def _duplicates(conns: list[Connection]) -> dict[Connection, int]:
