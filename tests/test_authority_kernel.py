@@ -11,6 +11,7 @@ its journal and checks what is still running.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -21,6 +22,9 @@ import trio
 
 from subagentd import protocol as p
 from subagentd.client import AsyncClient, Client
+from subagentd.daemon.core._authority import caller_at_hello
+from subagentd.daemon.processes._cgroup import Cgroups, PeerUnplaced, peer_cgroup
+from subagentd.protocol.errors import Forbidden
 
 from .conftest import BIN, DaemonProcess
 from .helpers import RawConnection, paged_stdout, sh, wait_output
@@ -345,3 +349,119 @@ async def test_without_cgroups_info_says_scoping_is_by_token_and_advisory(
     assert [d["caller"] for d in documents] == [me.id, None]
     assert all(d["authority"] == "token" for d in documents)
     assert sibling_now.state == "running"
+
+
+# -- the pieces, called as they are: placing a process, and the hello's decision -------
+
+WORKERS = Cgroups(
+    Path("/sys/fs/cgroup/user.slice/subagentd.service/subagentd-0123456789ab"),
+    home=Path("/sys/fs/cgroup/user.slice/subagentd.service"),
+    listed_as="/user.slice/subagentd.service/subagentd-0123456789ab",
+)
+#: A host with the v1 hierarchies mounted and the v2 one beside them ("unified"): the v1
+#: lines say nothing of workers, whatever their paths.
+HYBRID = """\
+9:name=systemd:/user.slice/subagentd.service/subagentd-0123456789ab/w-decoy
+4:memory:/process_api/96d3014c531e5ec7cc6a69126282a700
+1:cpu:/
+0::{}
+"""
+
+
+@pytest.mark.parametrize(
+    ("path", "worker"),
+    [
+        ("/user.slice/subagentd.service/subagentd-0123456789ab/w-1234567890", "w-1234567890"),
+        # What the worker made below its own cgroup is still its.
+        ("/user.slice/subagentd.service/subagentd-0123456789ab/w-1234567890/mine", "w-1234567890"),
+        # A cgroup removed under it: still the worker's, never the user's.
+        (
+            "/user.slice/subagentd.service/subagentd-0123456789ab/w-1234567890 (deleted)",
+            "w-1234567890",
+        ),
+        ("/user.slice/subagentd.service", None),  # the daemon's own: outside every worker's
+        ("/user.slice/subagentd.service/subagentd-0123456789ab", None),  # in no worker's
+        ("/user.slice/subagentd.service/subagentd-ba9876543210/w-1234567890", None),  # another
+        ("/", None),
+        ("/../../user.slice/subagentd.service/subagentd-0123456789ab/w-x", None),  # another ns
+        # Never listed so; were it, the connection would act as no one, never the user.
+        ("/user.slice/subagentd.service/subagentd-0123456789ab/../w-1234567890", ".."),
+    ],
+)
+@pytest.mark.parametrize("layout", ["v2", "hybrid"])
+def test_a_process_is_placed_by_its_cgroup_v2_line_alone(
+    path: str, worker: str | None, layout: str
+) -> None:
+    listing = f"0::{path}\n" if layout == "v2" else HYBRID.format(path)
+    assert WORKERS.worker_of(listing) == worker
+
+
+@pytest.mark.parametrize(
+    "listing",
+    ["", "\n", "4:memory:/user.slice/subagentd.service/subagentd-0123456789ab/w-1\n", "0:x:/\n"],
+)
+def test_a_listing_without_a_cgroup_v2_line_places_no_one(listing: str) -> None:
+    with pytest.raises(PeerUnplaced, match="names no cgroup v2"):
+        WORKERS.worker_of(listing)
+
+
+def test_the_workers_cgroup_of_a_daemon_at_the_hierarchys_root_is_found_as_listed() -> None:
+    # This machine's test daemon: v1 hierarchies, its v2 cgroup the root of "unified".
+    at_root = Cgroups(
+        Path("/sys/fs/cgroup/unified/subagentd-0123456789ab"),
+        home=Path("/sys/fs/cgroup/unified"),
+        listed_as="/subagentd-0123456789ab",
+    )
+    assert at_root.worker_of(HYBRID.format("/subagentd-0123456789ab/w-1")) == "w-1"
+    assert at_root.worker_of(HYBRID.format("/")) is None
+
+
+async def test_a_peer_that_exited_is_never_placed_by_a_pid_that_may_be_another_s() -> None:
+    with trio.fail_after(30):
+        process = await trio.lowlevel.open_process(["sleep", "60"])
+        pidfd = os.pidfd_open(process.pid)
+        try:
+            assert "0::" in peer_cgroup(process.pid, pidfd)  # alive: read
+            process.kill()
+            await trio.lowlevel.wait_readable(pidfd)
+            # A zombie still reads; but it has exited, and its pid is no proof of it.
+            with pytest.raises(PeerUnplaced, match="exited as its cgroup was read"):
+                peer_cgroup(process.pid, pidfd)
+            await process.wait()
+            with pytest.raises(PeerUnplaced, match="has exited"):
+                peer_cgroup(process.pid, None)
+        finally:
+            os.close(pidfd)
+
+
+TOKENS = {"t-own": "w-own", "t-other": "w-other"}
+
+
+@pytest.mark.parametrize(
+    ("token", "within", "caller"),
+    [
+        (None, None, None),  # outside every worker, no token: the user
+        ("t-other", None, "w-other"),  # outside, a worker's token: that worker, as ever
+        (None, "w-own", "w-own"),  # inside, its token dropped: still the worker
+        ("t-own", "w-own", "w-own"),  # inside, its own token: fine
+        (None, "w-released", "w-released"),  # inside a cgroup of a worker no longer known
+    ],
+)
+def test_whom_a_connection_acts_as(token: str | None, within: str | None, caller: str) -> None:
+    assert caller_at_hello(token, within, TOKENS.get) == caller
+
+
+@pytest.mark.parametrize(
+    ("token", "within", "why"),
+    [
+        ("t-other", "w-own", "inside worker w-own's cgroup.*may not present worker w-other's"),
+        ("t-nobody", "w-own", "token is not known"),
+        ("t-nobody", None, "token is not known"),
+        ("", None, "token is not known"),
+    ],
+)
+def test_a_token_a_connection_may_not_give_is_refused(
+    token: str, within: str | None, why: str
+) -> None:
+    with pytest.raises(Forbidden, match=why):
+        caller_at_hello(token, within, TOKENS.get)
