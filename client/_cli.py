@@ -925,7 +925,13 @@ def parser() -> argparse.ArgumentParser:
     sub.add_argument("--model", metavar="M", help="refused: the snapshot holds its model")
     sub.add_argument("argv", nargs="*", metavar="CMD", help="refused: the snapshot holds it")
 
-    command("info", info, "Show the daemon's version, pid, reloads and workers by state.")
+    command(
+        "info",
+        info,
+        "Show the daemon's version, pid, reloads and workers by state.",
+        "Also how authority is decided (kernel: by cgroups; token: advisory) and whom this "
+        "connection acts as (caller: a worker's id, or the user).",
+    )
 
     sub = command(
         "top",
