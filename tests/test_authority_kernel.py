@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -28,6 +29,7 @@ from subagentd.protocol.errors import Forbidden
 
 from .conftest import BIN, DaemonProcess
 from .helpers import RawConnection, paged_stdout, sh, wait_output
+from .test_limits import _leave_free, _limit_descriptors
 
 CTL = BIN / "subagentctl"
 PYTHON = sys.executable
@@ -349,6 +351,49 @@ async def test_without_cgroups_info_says_scoping_is_by_token_and_advisory(
     assert [d["caller"] for d in documents] == [me.id, None]
     assert all(d["authority"] == "token" for d in documents)
     assert sibling_now.state == "running"
+
+
+async def test_a_connection_no_descriptor_is_left_to_place_is_refused_not_made_the_user(
+    kernel: DaemonProcess,
+) -> None:
+    assert kernel.proc is not None
+    pid = kernel.proc.pid
+    held: list[socket.socket] = []
+    welcomed: list[RawConnection] = []
+    with trio.fail_after(30):
+        try:
+            limit = _limit_descriptors(pid, spare=12)
+            # Placing a peer takes two descriptors for a moment (its pidfd, the read of
+            # /proc/PID/cgroup) besides the connection's own: leave the daemon two.
+            await trio.to_thread.run_sync(_leave_free, pid, limit, 2, held, kernel.socket)
+            # (A descriptor the daemon held for a moment as they were counted may leave it
+            # one more: a connection welcomed is held too, and the next one tried.)
+            refusal: p.DaemonMessage | None = None
+            while not isinstance(refusal, p.Error):
+                conn = await RawConnection.open(kernel.socket, hello=False)
+                welcomed.append(conn)
+                await conn.send(p.Hello(id=1))
+                refusal = await conn.receive()
+            assert await conn.receive() is None  # and closed
+            held.pop().close()  # one more free: it is placed, and acts for the user
+            conn = await RawConnection.open(kernel.socket, hello=False)
+            try:
+                await conn.send(p.Hello(id=1))
+                welcome = await conn.receive()
+            finally:
+                await conn.stream.aclose()
+        finally:
+            for sock in held:
+                sock.close()
+            for raw in welcomed:
+                await raw.stream.aclose()
+
+    assert isinstance(refusal, p.Error), refusal
+    assert refusal.code == "forbidden"
+    assert "cannot tell whether this connection comes from inside a worker" in refusal.message
+    assert "Too many open files" in refusal.message
+    assert isinstance(welcome, p.Welcome)
+    assert welcome.worker is None
 
 
 # -- the pieces, called as they are: placing a process, and the hello's decision -------
