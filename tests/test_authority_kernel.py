@@ -479,6 +479,12 @@ async def test_a_peer_that_exited_is_never_placed_by_a_pid_that_may_be_another_s
             os.close(pidfd)
 
 
+@pytest.mark.parametrize("pid", [0, -1])
+def test_a_peer_with_no_pid_the_daemon_can_see_is_not_placed(pid: int) -> None:
+    with pytest.raises(PeerUnplaced, match="no pid in the daemon's pid namespace"):
+        peer_cgroup(pid, None)
+
+
 TOKENS = {"t-own": "w-own", "t-other": "w-other"}
 
 

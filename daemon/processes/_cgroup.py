@@ -209,7 +209,8 @@ class Cgroups:
                 break
         else:
             raise PeerUnplaced("its /proc/PID/cgroup names no cgroup v2")
-        # A cgroup removed under a process that has since left it reads "<path> (deleted)".
+        # A cgroup removed while a process is still listed in it (a zombie) may read
+        # "<path> (deleted)": still where that process was.
         parts = _parts(path.removesuffix(" (deleted)"))
         depth = len(self._listed_as)
         if len(parts) <= depth or parts[:depth] != self._listed_as:
@@ -274,6 +275,8 @@ def peer_cgroup(pid: int, pidfd: int | None) -> str:
     (a kernel before 6.5), a peer that exited, and whose pid was given to another process
     in the moment since its connect, would be read as that process: the one race left.
     """
+    if pid <= 0:  # SO_PEERCRED's word for a peer in a pid namespace the daemon cannot see
+        raise PeerUnplaced("the process that connected has no pid in the daemon's pid namespace")
     try:
         with open(f"/proc/{pid}/cgroup") as f:
             listing = f.read()

@@ -453,9 +453,8 @@ class Server:
         log.debug("conn.closed")
 
     async def _admit(self, conn: Connection) -> bool:
-        sock = conn.stream.socket
         pid, uid, _gid = _PEERCRED.unpack(
-            sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+            conn.stream.socket.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
         )
         if uid != os.getuid():
             log.warning("conn.refused", peer_uid=uid, peer_pid=pid)
@@ -465,9 +464,16 @@ class Server:
                 )
             )
             return False
+        return await self._place(conn, pid)
+
+    async def _place(self, conn: Connection, pid: int) -> bool:
+        """Where workers have cgroups, find which worker's (if any) the peer `pid` is in, for
+        the hello to make the connection that worker; False if refused: where it cannot
+        be told, the connection is not let in as the user (it fails closed)."""
         launcher = self.daemon.launcher
         if launcher.authority == "token":
             return True
+        sock = conn.stream.socket
 
         async def place() -> str | None:
             pidfd = _peer_pidfd(sock)
@@ -478,25 +484,29 @@ class Server:
                     os.close(pidfd)
 
         try:
-            # Out of descriptors (the pidfd, the read of /proc), waited for a moment.
+            # Out of descriptors (for the pidfd, the read of /proc), waited for a moment.
             conn.session.within = await patiently(place)
-        except (PeerUnplaced, OSError) as exc:
-            # Fail closed: a peer that cannot be placed may be inside a worker.
-            why = str(exc) if isinstance(exc, PeerUnplaced) else exc.strerror or str(exc)
-            log.warning("conn.unplaced", peer_pid=pid, error=why)
-            await conn.refuse(
-                Error(
-                    id=0,
-                    code=ErrorCode.FORBIDDEN,
-                    message=f"cannot tell whether this connection comes from inside a "
-                    f"worker ({why}), so it may not act for anyone; connect again from a "
-                    "process that stays to talk",
-                )
-            )
-            return False
+        except PeerUnplaced as exc:
+            return await self._unplaced(conn, pid, f"{exc}; connect from the process that talks")
+        except OSError as exc:
+            why = f"where its peer runs could not be read: {exc.strerror or exc}; try again"
+            return await self._unplaced(conn, pid, why)
         if conn.session.within is not None:
             bind_contextvars(peer_within=conn.session.within)
         return True
+
+    @staticmethod
+    async def _unplaced(conn: Connection, pid: int, why: str) -> bool:
+        log.warning("conn.unplaced", peer_pid=pid, error=why)
+        await conn.refuse(
+            Error(
+                id=0,
+                code=ErrorCode.FORBIDDEN,
+                message=f"cannot tell whether this connection comes from inside a worker, "
+                f"so it may act for no one ({why})",
+            )
+        )
+        return False
 
     async def _serve_requests(self, conn: Connection) -> None:
         try:
