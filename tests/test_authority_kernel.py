@@ -29,6 +29,7 @@ from subagentd.protocol.errors import Forbidden
 
 from .conftest import BIN, DaemonProcess
 from .helpers import RawConnection, paged_stdout, sh, wait_output
+from .inprocess import in_process
 from .test_limits import _leave_free, _limit_descriptors
 
 CTL = BIN / "subagentctl"
@@ -315,6 +316,35 @@ async def test_a_reload_keeps_a_caller_the_kernel_decided(
         "stop forbidden",
     ]
     assert sibling_now.state == "running"
+
+
+async def test_a_connection_handed_over_keeps_whom_its_hello_made_it(short_tmp: Path) -> None:
+    """What a reload keeps (the connection that asked) is handed over with whom it acts
+    as, not made the user by the handing: the old image's pause, then the serving of it
+    again (a reload that failed gives it back so, as the new image takes it after the
+    exec). Only the user may ask for a reload, so the server is asked here directly."""
+    async with in_process(short_tmp) as d, d.client() as client:
+        worker = await client.spawn(sh('echo "$SUBAGENTD_TOKEN"; exec sleep 60'))
+        token = (await wait_output(client, worker.id, b"\n")).decode().strip()
+        conn = RawConnection(await trio.open_unix_socket(str(d.socket)))
+        try:
+            await conn.send(p.Hello(id=1, token=token))
+            welcome = await conn.receive()
+            assert isinstance(welcome, p.Welcome)
+            assert welcome.worker == worker.id
+            [held] = [c for c in d.server._open if c.session.caller == worker.id]
+            kept = await d.server.pause([(held, 1)])
+            assert [handover.caller for handover in kept.values()] == [worker.id]
+            d.server.resume(list(kept.values()))
+            await conn.send(p.NewRun(id=2))
+            answer = await conn.receive()
+        finally:
+            await conn.stream.aclose()
+        await client.stop(worker.id)
+
+    assert isinstance(answer, p.Error), answer
+    assert answer.code == "forbidden"
+    assert f"acts as worker {worker.id}" in answer.message
 
 
 async def test_without_cgroups_info_says_scoping_is_by_token_and_advisory(
