@@ -24,6 +24,7 @@ import trio
 from subagentd import protocol as p
 from subagentd.client import AsyncClient, Client
 from subagentd.daemon.core._authority import caller_at_hello
+from subagentd.daemon.core._session import Close, Session
 from subagentd.daemon.processes._cgroup import Cgroups, PeerUnplaced, peer_cgroup
 from subagentd.protocol.errors import Forbidden
 
@@ -549,3 +550,29 @@ def test_a_token_a_connection_may_not_give_is_refused(
 ) -> None:
     with pytest.raises(Forbidden, match=why):
         caller_at_hello(token, within, TOKENS.get)
+
+
+def hello_in(within: str | None, token: str | None) -> tuple[Session, p.Reply | Close | None]:
+    """A session placed `within` a worker's cgroup (None: outside every worker's), fed a
+    hello with `token`; the session and what it answers."""
+    session = Session(TOKENS.get, pid=4242, daemon_version="9.9", frame_limit=1 << 20)
+    session.within = within
+    session.receive(p.encode(p.Hello(id=1, token=token)))
+    event = session.next_event()
+    assert event is None or isinstance(event, p.Reply | Close)
+    return session, event
+
+
+def test_a_session_placed_in_a_workers_cgroup_welcomes_it_as_that_worker() -> None:
+    session, welcome = hello_in("w-own", None)
+    assert isinstance(welcome, p.Welcome)
+    assert welcome.worker == session.caller == "w-own"
+
+
+def test_a_session_placed_in_a_workers_cgroup_closes_on_another_workers_token() -> None:
+    session, closed = hello_in("w-own", "t-other")
+    assert isinstance(closed, Close)
+    assert closed.error.code == "forbidden"
+    assert "may not present worker w-other's token" in closed.error.message
+    assert not session.welcomed
+    assert session.caller is None
