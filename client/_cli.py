@@ -96,6 +96,13 @@ WORKER_FIELDS = (
 )
 WAKE_FIELDS = ("id", "run", "parent", "state", "exit_code", "preview")
 RELOAD_FIELDS = ("image_generation", "carried_live", "stopped_by_reload")
+#: What `info` says of each way of deciding whom a connection acts as.
+AUTHORITY_MEANS = {
+    "kernel": "kernel (a process inside a worker's cgroup acts as that worker, whatever "
+    "token it gives or omits; only one outside every worker's acts for the user)",
+    "token": "token (advisory: no cgroups, so a connection is whom its token says, and a "
+    "worker's process that omits its token acts for the user)",
+}
 
 
 # -- output --------------------------------------------------------------------
@@ -273,6 +280,8 @@ class Human:
                 ("workers", counts or "none"),
                 ("holds_park", info.holds_park),
                 ("tree_tracking", info.tree_tracking),
+                ("authority", AUTHORITY_MEANS.get(info.authority, info.authority)),
+                ("caller", info.caller or "the user"),
                 ("socket", info.socket),
                 ("state_dir", info.state_dir),
                 *(("problem", problem) for problem in info.problems),
@@ -992,7 +1001,13 @@ def parser() -> argparse.ArgumentParser:
     sub.add_argument("--model", help=argparse.SUPPRESS)
     sub.add_argument("argv", nargs="*", help=argparse.SUPPRESS)
 
-    command("info", info, "Show the daemon's version, pid, reloads and workers by state.")
+    command(
+        "info",
+        info,
+        "Show the daemon's version, pid, reloads and workers by state.",
+        "Also how authority is decided (kernel: by cgroups; token: advisory) and whom this "
+        "connection acts as (caller: a worker's id, or the user).",
+    )
     from . import _units  # install-units: needs no daemon, so main runs it before connecting
 
     _units.add_command(commands)

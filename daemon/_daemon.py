@@ -737,7 +737,8 @@ class Daemon:
             log.info("daemon.stopping_workers", count=len(ids))
             await self.supervisor.wait_ended(self.supervisor.ids())
 
-    def info(self) -> DaemonInfo:
+    def info(self, caller: str | None = None) -> DaemonInfo:
+        """The daemon's state, as told to a connection acting as `caller` (None: the user)."""
         return DaemonInfo(
             version=package_version(),
             protocol=PROTOCOL_VERSION,
@@ -747,6 +748,8 @@ class Daemon:
             workers=self.registry.counts(),
             holds_park=self.registry.holds_park(),
             tree_tracking=self.launcher.tree_tracking,
+            authority=self.launcher.authority,
+            caller=caller,
             socket=str(self.socket_path),
             state_dir=str(self.state_dir.root),
             problems=self.problems.current()

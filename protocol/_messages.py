@@ -250,6 +250,12 @@ class DaemonInfo(msgspec.Struct, kw_only=True):
     state_dir: str = ""
     #: What is wrong right now that a person should know (a full disk, say).
     problems: list[str] = []
+    #: Who decides whom a connection acts as: "kernel" (workers have cgroups: a connection
+    #: from inside a worker's is that worker, whatever its token) or "token" (no cgroups:
+    #: the token alone says, advisory; a process that omits it acts for the user).
+    authority: Literal["kernel", "token"] = "token"
+    #: The worker the connection that asked acts as; None: the user.
+    caller: str | None = None
 
 
 # -- replies and events: daemon to client --------------------------------------

@@ -58,6 +58,8 @@ INFO_FIELDS = {
     "tree_tracking",  # added: what `info` shows
     "socket",
     "state_dir",
+    "authority",
+    "caller",
 }
 SCOPE_FORMS = ("`all`", "`turn:G`", "`run:R`", "`worker:W`")
 

@@ -1,10 +1,13 @@
-"""Who may ask what: every permission decision the daemon makes on a request, in one place.
+"""Who may ask what: every permission decision the daemon makes on a connection, in one place.
 
-A connection that gave no token acts for the user and may do everything; one that gave a
-worker's token acts as that worker and reaches only its subtree (protocol/README.md,
-Authority). Pure: it walks workers' parents through the function it is given (the
-registry, then the archive) and touches nothing else; the server asks it once per request,
-before dispatch. (Who a connection is, its uid and its token, is settled at the hello.)
+Whom a connection acts as is settled once, at its hello (`caller_at_hello`): where workers
+have cgroups, a connection from inside a worker's acts as that worker, whatever token it
+gives or omits; one from outside every worker's acts for the user, or as the worker whose
+token it gives. Without cgroups, the token alone says (advisory: a worker that omits it is
+the user). The user may do everything; a worker reaches only its subtree
+(protocol/README.md, Authority). Pure: it walks workers' parents through the function it
+is given (the registry, then the archive) and touches nothing else; the server asks it once
+per request, before dispatch.
 """
 
 from __future__ import annotations
@@ -31,6 +34,33 @@ from subagentd.protocol.errors import Forbidden, NotFound
 
 #: A worker's parent (None: it is top-level); raises NotFound for an id never seen.
 ParentOf = Callable[[str], str | None]
+#: A worker's id for a token it was given, None for a token no worker holds.
+WorkerForToken = Callable[[str], str | None]
+
+
+def caller_at_hello(
+    token: str | None, within: str | None, worker_for_token: WorkerForToken
+) -> str | None:
+    """Whom a connection acts as (a worker's id; None: the user), from the `token` its hello
+    gave and the worker whose cgroup the kernel says its peer is `within` (None: no
+    worker's, or no cgroups to tell); raises Forbidden for a token it may not give.
+
+    Inside a worker's cgroup the connection is that worker: with no token (a host that
+    dropped the environment), or with its own. Another worker's token there is refused,
+    not obeyed: a worker cannot borrow a reach it was not given.
+    """
+    if token is None:
+        return within
+    holder = worker_for_token(token)
+    if holder is None:
+        raise Forbidden("this worker token is not known (its worker has been reaped?)")
+    if within is not None and holder != within:
+        raise Forbidden(
+            f"this connection comes from inside worker {within}'s cgroup, so it acts as "
+            f"{within}, and may not present worker {holder}'s token; connect without a "
+            f"token (unset SUBAGENTD_TOKEN) or with {within}'s own"
+        )
+    return holder
 
 
 class Authority:

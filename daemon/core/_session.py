@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import typing
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import msgspec
@@ -32,7 +32,9 @@ from subagentd.protocol import (
     client_decoder,
     op,
 )
-from subagentd.protocol.errors import ErrorCode, FrameTooLarge, Invalid
+from subagentd.protocol.errors import ErrorCode, Forbidden, FrameTooLarge, Invalid
+
+from ._authority import WorkerForToken, caller_at_hello
 
 #: Requests one connection may have in flight; more are answered `busy`. Aborts have
 #: as many again of their own, so that a connection at the limit can still abort.
@@ -45,9 +47,6 @@ BUDGETED_FROM = 64 * 1024
 #: of a large frame and stalls must not hold the budget (and every large request) for good.
 FRAME_SECONDS = 5.0
 FRAME_MIN_RATE = 1024 * 1024
-
-#: A worker's id for a token it was given, None for a token no worker holds.
-WorkerForToken = Callable[[str], "str | None"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +85,7 @@ class Session:
         daemon_version: str,
         frame_limit: int,
         welcomed: bool = False,
+        caller: str | None = None,
         unread: bytes = b"",
         delivered: Iterable[int] = (),
     ) -> None:
@@ -95,7 +95,12 @@ class Session:
         self._decoder = FrameDecoder(frame_limit)
         self._decoder.feed(unread)  # what the image before this one read of it (a reload's)
         self.welcomed = welcomed  # past its hello (one a reload handed over is)
-        self.caller: str | None = None  # the worker this connection acts as, if it gave a token
+        #: The worker whose cgroup the peer is in, as the server's admission found it (None:
+        #: no worker's, or no cgroups to tell); read once, at the hello.
+        self.within: str | None = None
+        #: The worker this connection acts as (None: the user), settled at the hello; one a
+        #: reload handed over keeps what the image before settled.
+        self.caller = caller
         self.in_flight: dict[int, None] = {}  # ids, in the order they came
         self.delivered: set[int] = set(delivered)  # wake seqs sent here, not yet acked
         self.reserved = 0  # of the server's frame budget, for the large frame arriving here
@@ -164,17 +169,10 @@ class Session:
                     f"not {message.version}; upgrade the client or the daemon",
                 )
             )
-        if message.token is not None:
-            caller = self._worker_for_token(message.token)
-            if caller is None:
-                return self._close(
-                    Error(
-                        id=message.id,
-                        code=ErrorCode.FORBIDDEN,
-                        message="this worker token is not known (its worker has been reaped?)",
-                    )
-                )
-            self.caller = caller
+        try:
+            self.caller = caller_at_hello(message.token, self.within, self._worker_for_token)
+        except Forbidden as exc:
+            return self._close(Error(id=message.id, code=exc.code, message=exc.message))
         self.welcomed = True
         return Welcome(
             id=message.id,

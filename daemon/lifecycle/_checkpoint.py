@@ -72,6 +72,8 @@ class CarriedConnection(msgspec.Struct, kw_only=True):
     unread: bytes = b""
     #: Wakes delivered on it and not yet acknowledged: an `ack` of them stays valid.
     delivered: list[int] = []
+    #: Whom it acts as (a worker's id; None: the user), as its hello settled it.
+    caller: str | None = None
 
     @property
     def request_ids(self) -> list[int]:

@@ -102,6 +102,9 @@ class Handover:
     owed: list[Reply] = field(default_factory=list)  # answers it gets before anything
     unread: bytes = b""  # read from it but not yet taken as requests: read before the socket
     delivered: frozenset[int] = frozenset()  # wakes delivered on it, not yet acknowledged
+    #: Whom it acts as, as its hello settled it (None: the user): never decided again, so
+    #: never widened by the handing over.
+    caller: str | None = None
 
 
 @dataclass(eq=False)
@@ -373,6 +376,7 @@ class Reloader:
                     later_request_ids=rids[1:],
                     unread=conn.unread,
                     delivered=sorted(conn.delivered),
+                    caller=conn.caller,
                 )
                 for conn, rids in owed_by_connection(requesters, kept)
             ],

@@ -150,6 +150,7 @@ async def serve(
                 [reload_reply(daemon, rid, carried, stopped) for rid in c.request_ids],
                 c.unread,
                 frozenset(c.delivered),
+                caller=c.caller,
             )
             for c in handoff.requesters
         ]

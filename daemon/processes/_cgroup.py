@@ -10,7 +10,9 @@ such cgroup to use, the daemon says so and falls back to scanning /proc (see
 _tree); the checks here never guess.
 
 A worker is born in its cgroup (see `WorkerCgroup.born_in`), so not even
-what it forks in its first microseconds escapes.
+what it forks in its first microseconds escapes. The same record tells the daemon
+which worker a connecting process belongs to (`Cgroups.worker_of`, `peer_cgroup`):
+the kernel, not the process's environment, says whom it acts as.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import errno
 import functools
 import hashlib
 import os
+import select
 import signal
 import threading
 from collections.abc import Iterator
@@ -49,6 +52,11 @@ def outside_workers() -> Iterator[None]:
 
 class CgroupsUnavailable(Exception):
     """No cgroup of ours to put workers in; the message says why."""
+
+
+class PeerUnplaced(Exception):
+    """Where a connecting process runs could not be read; the message says why. The daemon
+    refuses the connection rather than guess that it is no worker's."""
 
 
 @dataclass(frozen=True)
@@ -149,9 +157,11 @@ class WorkerCgroup:
 class Cgroups:
     """The cgroup that holds this daemon's workers' cgroups."""
 
-    def __init__(self, base: Path, home: Path) -> None:
+    def __init__(self, base: Path, home: Path, listed_as: str) -> None:
         self.base = base
         self.home = home
+        #: `base` as /proc/PID/cgroup names it: its path from the hierarchy's root.
+        self._listed_as = _parts(listed_as)
 
     @classmethod
     def find(cls, state_dir: Path) -> Cgroups:
@@ -176,10 +186,36 @@ class Cgroups:
             raise CgroupsUnavailable(f"cannot create {base}: {exc.strerror or exc}") from exc
         if not (base / "cgroup.kill").exists():
             raise CgroupsUnavailable("the kernel has no cgroup.kill (Linux 5.14 or later has)")
-        return cls(base, home=parent)
+        return cls(base, home=parent, listed_as=f"{own.rstrip('/')}/{base.name}")
 
     def worker(self, worker_id: str) -> WorkerCgroup:
         return WorkerCgroup(self.base / worker_id, self.home)
+
+    def worker_of(self, listing: str) -> str | None:
+        """The worker whose cgroup holds the process whose /proc/PID/cgroup reads `listing`;
+        None if it is in no worker's. Raises PeerUnplaced if `listing` names no cgroup v2.
+
+        Only the v2 line ("0::<path>") counts: a host with the v1 hierarchies mounted beside
+        the v2 one ("unified") lists those too, and they say nothing of workers. A worker's
+        cgroup is named after its id (`worker`); what the worker made below its own (a
+        nested cgroup) is still its. The worker need not be live, nor known: a process
+        lingering in the cgroup of a worker that has ended is still that worker's, never
+        the user's.
+        """
+        for line in listing.splitlines():
+            hierarchy, _, path = line.partition(":")
+            controllers, _, path = path.partition(":")
+            if hierarchy == "0" and controllers == "":
+                break
+        else:
+            raise PeerUnplaced("its /proc/PID/cgroup names no cgroup v2")
+        # A cgroup removed while a process is still listed in it (a zombie) may read
+        # "<path> (deleted)": still where that process was.
+        parts = _parts(path.removesuffix(" (deleted)"))
+        depth = len(self._listed_as)
+        if len(parts) <= depth or parts[:depth] != self._listed_as:
+            return None  # outside the workers' cgroup (or standing in it, in no worker's)
+        return parts[depth]
 
     def present(self) -> frozenset[str]:
         """The names (worker ids) of the workers' cgroups there now: one listing for all."""
@@ -216,6 +252,46 @@ def _cgroup2_mount() -> Path | None:
     except OSError:
         return None
     return None
+
+
+def _parts(path: str) -> tuple[str, ...]:
+    """A cgroup path's names, root first. One outside this process's cgroup namespace reads
+    "/../.."; its ".." are kept as names, so it matches no worker's."""
+    return tuple(part for part in path.strip().split("/") if part)
+
+
+#: SO_PEERPIDFD (Linux 6.5; not in Python's socket module): a pidfd of a Unix socket's
+#: peer, which no recycled pid can stand in for.
+SO_PEERPIDFD = 77
+
+
+def peer_cgroup(pid: int, pidfd: int | None) -> str:
+    """The text of /proc/`pid`/cgroup, for the peer of a connection, whose pid (and, where
+    the kernel gives one, pidfd) the socket told. Raises PeerUnplaced if it cannot be had;
+    OSError (EMFILE, say) if it could not be read.
+
+    With its pidfd, the peer is known still to be alive once the text is read, so the pid
+    read was its and no recycled one (a live process's pid is no one else's). Without
+    (a kernel before 6.5), a peer that exited, and whose pid was given to another process
+    in the moment since its connect, would be read as that process: the one race left.
+    """
+    if pid <= 0:  # SO_PEERCRED's word for a peer in a pid namespace the daemon cannot see
+        raise PeerUnplaced("the process that connected has no pid in the daemon's pid namespace")
+    try:
+        with open(f"/proc/{pid}/cgroup") as f:
+            listing = f.read()
+    except (FileNotFoundError, ProcessLookupError) as exc:
+        raise PeerUnplaced(f"process {pid}, which connected, has exited") from exc
+    if pidfd is not None and _exited(pidfd):
+        raise PeerUnplaced(f"process {pid}, which connected, exited as its cgroup was read")
+    return listing
+
+
+def _exited(pidfd: int) -> bool:
+    """Whether the process of `pidfd` has exited (a pidfd reads ready once it has)."""
+    poll = select.poll()
+    poll.register(pidfd, select.POLLIN)
+    return bool(poll.poll(0))
 
 
 def _move(cgroup: Path, pid: int) -> None:

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Container, Iterator, Mapping
-from typing import Protocol
+from typing import Literal, Protocol
 
 from .._logging import get_logger
-from ._cgroup import Cgroups, WorkerCgroup, end_cgroup, term
+from ._cgroup import Cgroups, WorkerCgroup, end_cgroup, peer_cgroup, term
 from ._process import WorkerProcess
 from ._tree import Graces, ProcessTable, end_marked, end_tree
 
@@ -28,6 +28,20 @@ class Launcher(Protocol):
     tree_tracking: str
     #: Grace periods under way; a hurried shutdown ends them all.
     graces: Graces
+
+    @property
+    def authority(self) -> Literal["kernel", "token"]:
+        """Who says whom a connection acts as: "kernel" where the launcher can tell which
+        worker a local process belongs to (`worker_of_process`), whatever its environment
+        says; "token" where it cannot, and a connection is whom its token says
+        (protocol/README.md, Authority)."""
+        ...
+
+    def worker_of_process(self, pid: int, pidfd: int | None) -> str | None:
+        """The worker process `pid` (a connection's peer; `pidfd`, its pidfd if the socket
+        gave one) belongs to, None if none; always None where `authority` is "token". Raises
+        PeerUnplaced where it cannot tell, OSError where it could not read (EMFILE)."""
+        ...
 
     async def start(
         self,
@@ -117,6 +131,15 @@ class LocalLauncher:
         #: The workers' cgroups present, listed once for a reload's adoption of many (a
         #: stat each was a quarter of adopting 1,000): only while `adopting`.
         self._present: frozenset[str] | None = None
+
+    @property
+    def authority(self) -> Literal["kernel", "token"]:
+        return "kernel" if self.cgroups is not None else "token"
+
+    def worker_of_process(self, pid: int, pidfd: int | None) -> str | None:
+        if self.cgroups is None:
+            return None
+        return self.cgroups.worker_of(peer_cgroup(pid, pidfd))
 
     def _group(self, worker_id: str) -> WorkerCgroup | None:
         return self.cgroups.worker(worker_id) if self.cgroups else None

@@ -1,6 +1,8 @@
 """The control socket's server: the trio shell around each connection's `Session`.
 
-Each connection is checked with SO_PEERCRED (only the daemon's own uid gets in); its
+Each connection is checked with SO_PEERCRED (only the daemon's own uid gets in) and,
+where workers have cgroups, placed: the kernel says which worker's cgroup its peer is in,
+if any, and the hello then makes it that worker (`_authority.caller_at_hello`). Its
 bytes go to its `Session` (`_session.py`: the hello, ids in flight and their limit,
 aborts, wakes delivered, its share of the frame budget, what a reload is owed), and
 this shell does what the session answers: send, close, or run a request, inline or in
@@ -94,6 +96,8 @@ from ..core._request_keys import asked_key
 from ..core._session import Close, Release, Session
 from ..lifecycle._reload import Handover, Reloader, owed_by_connection
 from ..lifecycle._resume import Resumer
+from ..processes._cgroup import SO_PEERPIDFD, PeerUnplaced
+from ..processes._tree import patiently
 from ..store._store import StoreWriteFailed
 
 log = get_logger()
@@ -352,7 +356,10 @@ class Server:
             os.close(fds.pop(conn))
         return {
             conn: Handover(
-                fd, unread=conn.session.unread(), delivered=frozenset(conn.session.delivered)
+                fd,
+                unread=conn.session.unread(),
+                delivered=frozenset(conn.session.delivered),
+                caller=conn.session.caller,
             )
             for conn, fd in fds.items()
         }
@@ -416,6 +423,7 @@ class Server:
             daemon_version=package_version(),
             frame_limit=self.frame_limit,
             welcomed=adopted is not None,
+            caller=adopted.caller if adopted is not None else None,
             unread=adopted.unread if adopted is not None else b"",
             delivered=adopted.delivered if adopted is not None else (),
         )
@@ -457,7 +465,49 @@ class Server:
                 )
             )
             return False
+        return await self._place(conn, pid)
+
+    async def _place(self, conn: Connection, pid: int) -> bool:
+        """Where workers have cgroups, find which worker's (if any) the peer `pid` is in, for
+        the hello to make the connection that worker; False if refused: where it cannot
+        be told, the connection is not let in as the user (it fails closed)."""
+        launcher = self.daemon.launcher
+        if launcher.authority == "token":
+            return True
+        sock = conn.stream.socket
+
+        async def place() -> str | None:
+            pidfd = _peer_pidfd(sock)
+            try:
+                return launcher.worker_of_process(pid, pidfd)
+            finally:
+                if pidfd is not None:
+                    os.close(pidfd)
+
+        try:
+            # Out of descriptors (for the pidfd, the read of /proc), waited for a moment.
+            conn.session.within = await patiently(place)
+        except PeerUnplaced as exc:
+            return await self._unplaced(conn, pid, f"{exc}; connect from the process that talks")
+        except OSError as exc:
+            why = f"where its peer runs could not be read: {exc.strerror or exc}; try again"
+            return await self._unplaced(conn, pid, why)
+        if conn.session.within is not None:
+            bind_contextvars(peer_within=conn.session.within)
         return True
+
+    @staticmethod
+    async def _unplaced(conn: Connection, pid: int, why: str) -> bool:
+        log.warning("conn.unplaced", peer_pid=pid, error=why)
+        await conn.refuse(
+            Error(
+                id=0,
+                code=ErrorCode.FORBIDDEN,
+                message=f"cannot tell whether this connection comes from inside a worker, "
+                f"so it may act for no one ({why})",
+            )
+        )
+        return False
 
     async def _serve_requests(self, conn: Connection) -> None:
         try:
@@ -581,7 +631,7 @@ class Server:
         rid = request.id
         match request:
             case Info():  # first: the round trip a client makes most, to see the daemon is there
-                return InfoReply(id=rid, info=daemon.info())
+                return InfoReply(id=rid, info=daemon.info(caller))
             case Spawn():
                 return WorkerReply(id=rid, worker=await daemon.spawn(request, caller))
             case ListWorkers(all=include_ended, run=run, after=after, limit=limit):
@@ -720,6 +770,21 @@ async def _read(stream: trio.SocketStream) -> bytes:
             continue  # woken for nothing: wait again
         except OSError as exc:  # ECONNRESET: the client is gone
             raise trio.BrokenResourceError(str(exc)) from exc
+
+
+def _peer_pidfd(sock: trio.socket.SocketType) -> int | None:
+    """A pidfd of the socket's peer (SO_PEERPIDFD), None where the kernel gives none (before
+    Linux 6.5): the peer is then known by its pid alone. Raises PeerUnplaced if the peer
+    is gone, OSError (EMFILE) if no descriptor is left for it."""
+    try:
+        pidfd: int = sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
+    except OSError as exc:
+        if exc.errno in (errno.ENOPROTOOPT, errno.EINVAL):
+            return None
+        if exc.errno == errno.ESRCH:
+            raise PeerUnplaced("the process that connected has exited") from exc
+        raise
+    return pidfd
 
 
 def _duplicates(conns: list[Connection]) -> dict[Connection, int]:
