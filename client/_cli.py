@@ -16,6 +16,7 @@ import os
 import shlex
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
 from typing import Any, BinaryIO, Protocol, TextIO
@@ -1043,7 +1044,19 @@ def live_view(daemon: Client, args: argparse.Namespace, out: Output) -> int:
     raise AssertionError("subagentctl top runs from main")
 
 
+def _warning_line(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    line: str | None = None,
+) -> str:
+    """A warning (platformdirs' runtime-dir fallback, say) as one line a person reads."""
+    return f"subagentctl: warning: {message}\n"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    warnings.formatwarning = _warning_line
     args = parser().parse_args(argv)
     from . import _units
 

@@ -107,10 +107,17 @@ RETRY_CONNECT_ERRNOS = frozenset({errno.ENOENT, errno.ECONNREFUSED, errno.EAGAIN
 def socket_path(
     explicit: str | os.PathLike[str] | None, environ: Mapping[str, str] = os.environ
 ) -> Path:
-    """The socket to connect to: the one given, else $SUBAGENTD_SOCKET, else the default."""
+    """The socket to connect to: the one given, else $SUBAGENTD_SOCKET, else the default
+    (`DaemonUnavailable` if the default's directory is one no daemon of ours would use)."""
     if explicit is not None:
         return Path(explicit)
-    return default_socket_path(environ)
+    try:
+        return default_socket_path(environ)
+    except PermissionError as exc:  # platformdirs' fallback: a symlink, or not ours alone
+        raise DaemonUnavailable(
+            f"no safe place for the daemon's socket: {exc} (or name the socket: "
+            "SUBAGENTD_SOCKET or --socket)"
+        ) from exc
 
 
 def token(environ: Mapping[str, str] = os.environ) -> str | None:

@@ -16,6 +16,7 @@ import importlib
 import os
 import resource
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -146,14 +147,34 @@ def _non_negative(text: str) -> float:
     return value
 
 
+def _warning_line(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    line: str | None = None,
+) -> str:
+    """A warning (platformdirs' runtime-dir fallback, say) as one line a person reads."""
+    return f"subagentd: warning: {message}\n"
+
+
 def main(argv: list[str] | None = None) -> int:
+    warnings.formatwarning = _warning_line
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) == 2 and argv[0] == "--handoff":
         # How a reload runs this image: its settings are the checkpoint's, so neither the
         # parser nor the default paths (argparse, platformdirs) are imported on the way.
         return _take_over(Path(argv[1]), lambda: _settings(_parser().parse_args(argv)))
     args = _parser().parse_args(argv)
-    settings = _settings(args)
+    try:
+        settings = _settings(args)
+    except PermissionError as exc:  # platformdirs' fallback runtime dir: not ours alone
+        print(
+            f"error: no safe place for the socket: {exc} (or name it: --socket or "
+            "SUBAGENTD_SOCKET)",
+            file=sys.stderr,
+        )
+        return 2
     if args.handoff is not None:
         return _take_over(args.handoff, lambda: settings, check_only=args.check)
     configure_logging(settings.log_format)

@@ -559,3 +559,48 @@ def test_a_workers_own_subagentctl_is_forbidden_beyond_its_subtree(daemon: Daemo
     assert stderr.startswith("subagentctl: forbidden: ")
     assert status(daemon, sibling["id"])["state"] == "running"
     assert isinstance(js(daemon, "fence")["epoch"], int)  # the user's own subagentctl may
+
+
+def test_a_runtime_dir_fallback_not_ours_alone_is_refused_in_a_line_not_a_traceback(
+    tmp_path: Path,
+) -> None:
+    # No XDG_RUNTIME_DIR and no socket named: platformdirs falls back to runtime-<uid> in
+    # the temporary directory, and refuses one somebody else made (they could listen there).
+    planted = tmp_path / f"runtime-{os.geteuid()}"
+    planted.mkdir(mode=0o700)
+    os.chown(planted, os.geteuid() + 1, -1)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XDG_", "SUBAGENTD_"))}
+    env["TMPDIR"] = str(tmp_path)
+    for program, status, says in (
+        ("subagentctl", 3, "subagentctl: no safe place for the daemon's socket: "),
+        ("subagentd", 2, "error: no safe place for the socket: "),
+    ):
+        done = subprocess.run(
+            [str(BIN / program), "info"] if program == "subagentctl" else [str(BIN / program)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert done.returncode == status, done
+        assert done.stderr.startswith(says), done.stderr
+        assert f"runtime directory {planted}" in done.stderr
+        assert "SUBAGENTD_SOCKET" in done.stderr
+        assert "Traceback" not in done.stderr
+    assert list(planted.iterdir()) == []  # nothing written into it
+
+
+def test_the_runtime_dir_fallback_is_said_in_one_line(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XDG_", "SUBAGENTD_"))}
+    env["TMPDIR"] = str(tmp_path)
+    done = subprocess.run(
+        [str(BIN / "subagentctl"), "info"], env=env, capture_output=True, text=True, timeout=30
+    )
+    assert done.returncode == 3, done  # no daemon there
+    first, *rest = done.stderr.splitlines()
+    fallback = tmp_path / f"runtime-{os.geteuid()}"
+    assert first == (
+        f"subagentctl: warning: XDG_RUNTIME_DIR is not set, falling back to {fallback}"
+    )
+    assert len(rest) == 1
+    assert rest[0].startswith(f"subagentctl: no daemon at {fallback}/subagentd/subagentd.sock")
