@@ -567,7 +567,9 @@ class WakeSubscription:
         carries, which ends it. ``owed``: seqs whose acknowledgement was lost."""
         self.done = True  # an error ends the subscription as surely as a complete page
         page = expect(reply, Subscribe.answered_by())
-        self.done = page.complete or not self.follow
+        # Not followed, the pending wakes may come in several pages: the last is complete
+        # (a daemon before paging sent one page, complete).
+        self.done = page.complete
         owed = set(owed)
         fresh = [w for w in page.wakes if w.seq not in self._handed and w.seq not in owed]
         self.to_ack = [w.seq for w in page.wakes if w.seq in owed]

@@ -143,3 +143,31 @@ async def test_unacknowledged_wakes_survive_a_crash(daemon: DaemonProcess) -> No
         daemon.kill()
         await trio.to_thread.run_sync(daemon.start)
         assert [w.seq for w in await _pending(daemon, run=run)] == [w.seq for w in rest]
+
+
+async def test_more_wakes_than_a_page_holds_come_in_pages_none_lost(
+    client: AsyncClient, daemon: DaemonProcess
+) -> None:
+    # However many wakes a parent left unacknowledged, no page is over the frame limit:
+    # WAKES_PER_PAGE a page, `complete` on the last, and a client reads them all.
+    from subagentd.daemon.workers._mailbox import WAKES_PER_PAGE
+
+    with trio.fail_after(120):
+        run = await client.new_run()
+        workers = [await client.spawn(["true"], run=run) for _ in range(WAKES_PER_PAGE + 5)]
+        for worker in workers:
+            await client.wait(worker.id)
+        conn = await RawConnection.open(daemon.socket)
+        async with conn.stream:
+            await conn.send(p.Subscribe(id=2, run=run))
+            pages = []
+            while not pages or not pages[-1].complete:
+                reply = await conn.receive()
+                assert isinstance(reply, p.Wakes)
+                pages.append(reply)
+        assert [len(page.wakes) for page in pages] == [WAKES_PER_PAGE, 5]
+        ids = [wake.id for page in pages for wake in page.wakes]
+        assert sorted(ids) == sorted(w.id for w in workers)
+        seen = [wake.id async for wake in client.events(run=run)]  # and acknowledged
+        assert sorted(seen) == sorted(ids)
+        assert await _pending(daemon, run=run) == []

@@ -24,6 +24,11 @@ from ..store._wake_log import open_wakes
 
 log = get_logger()
 
+#: Wakes in one page of a subscription. A wake is at most about 1.5 KiB (ids, a preview of
+#: 200 characters), so a page stays near 1.5 MiB, far under the frame limit, however many
+#: wakes a parent left unacknowledged.
+WAKES_PER_PAGE = 1000
+
 
 class Mailbox:
     def __init__(
@@ -105,7 +110,11 @@ class Mailbox:
             posted = self._posted
             wakes = self._queue.pending_for(key, after=sent)
             if wakes or first:
-                await send(wakes, not follow)
+                # However many are pending, no page is over the frame limit: a page of
+                # WAKES_PER_PAGE, then the next (`complete` on the last only).
+                for at in range(0, max(len(wakes), 1), WAKES_PER_PAGE):
+                    page = wakes[at : at + WAKES_PER_PAGE]
+                    await send(page, not follow and at + WAKES_PER_PAGE >= len(wakes))
             first = False
             if not follow:
                 return
