@@ -160,7 +160,7 @@ async def test_more_wakes_than_a_page_holds_come_in_pages_none_lost(
         conn = await RawConnection.open(daemon.socket)
         async with conn.stream:
             await conn.send(p.Subscribe(id=2, run=run))
-            pages = []
+            pages: list[p.Wakes] = []
             while not pages or not pages[-1].complete:
                 reply = await conn.receive()
                 assert isinstance(reply, p.Wakes)
