@@ -266,12 +266,14 @@ EXAMPLES: list[Request[Reply] | Reply] = [
 
 
 def _every(base: type[msgspec.Struct]) -> set[type[msgspec.Struct]]:
-    """Every message class derived from `base`, at any depth."""
+    """Every message class the protocol derives from `base`, at any depth (not a test's: a
+    test may declare a later version's message to see what this one makes of it)."""
     found: set[type[msgspec.Struct]] = set()
     pending = list(base.__subclasses__())
     while pending:
         cls = pending.pop()
-        found.add(cls)
+        if cls.__module__.startswith("subagentd.protocol"):
+            found.add(cls)
         pending += cls.__subclasses__()
     return found
 
