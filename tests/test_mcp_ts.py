@@ -23,7 +23,7 @@ HOST = Path(__file__).parent / "mcp_ts"
 
 pytestmark = pytest.mark.skipif(
     shutil.which("node") is None or not (HOST / "node_modules" / "@modelcontextprotocol").is_dir(),
-    reason="the TypeScript SDK is not installed: `make test` installs it (`npm ci` in tests/mcp_ts)",
+    reason="the TypeScript SDK is not installed: `make test` installs it (npm ci, tests/mcp_ts)",
 )
 
 
