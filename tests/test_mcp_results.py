@@ -11,9 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 import trio
 
 from subagentd.client import AsyncClient
+from subagentd.client._mcp_args import Invalid, checked
+from subagentd.client._mcp_tools import TOOLS as TOOL_TABLE
 from subagentd.protocol import (
     MAX_ARG_BYTES,
     MAX_ARGS,
@@ -95,6 +98,8 @@ REFUSALS: list[tuple[str, dict[str, Any], str]] = [
     ("subagent_spawn", {"argv": ["true"], "grace": MAX_GRACE * 2}, "invalid"),
     ("subagent_spawn", {"argv": ["true"], "key": "has space"}, "invalid"),
     ("subagent_spawn", {"argv": ["true"], "env": {"A": 1}}, "invalid"),
+    ("subagent_spawn", {"argv": ["true"], "env": {"A=B": "1"}}, "invalid"),
+    ("subagent_spawn", {"argv": ["tr\0ue"]}, "invalid"),
     ("subagent_spawn", {"argv": ["true"], "ready": "("}, "invalid"),
     ("subagent_spawn", {"argv": ["true"], "ready": "x", "ready_timeout": 1e9}, "invalid"),
     ("subagent_spawn", {"argv": ["true"], "run": "r-nope"}, "not_found"),
@@ -149,6 +154,41 @@ async def test_every_refusal_is_a_tool_error_with_its_code(daemon: DaemonProcess
             # The server serves on, and refused calls left nothing behind.
             assert await call(session, "subagent_list", all=True) == {"workers": []}
     assert {tool for tool, _, _ in REFUSALS} >= TOOLS
+
+
+async def test_nan_and_infinities_are_refused_as_invalid(daemon: DaemonProcess) -> None:
+    # Over the wire: a client's JSON may carry them as null, which a wait's timeout refuses.
+    with trio.fail_after(30):
+        async with mcp_server(daemon) as session:
+            for value in (float("nan"), float("inf"), -float("inf")):
+                for tool, arguments in [
+                    ("subagent_wait", {"worker": "w", "timeout": value}),
+                    ("subagent_collect", {"worker": "w", "wait": True, "timeout": value}),
+                    ("subagent_events", {"run": "r", "timeout": value}),
+                    ("subagent_spawn", {"argv": ["true"], "ready": "x", "ready_timeout": value}),
+                ]:
+                    error = await refused(session, tool, **arguments)
+                    assert error["code"] == "invalid", (tool, value)
+            assert await call(session, "subagent_list", all=True) == {"workers": []}
+
+
+@pytest.mark.parametrize(
+    "value", [float("nan"), float("inf"), -float("inf"), -1.0, 1e300, "5", True]
+)
+def test_every_number_argument_refuses_what_the_daemon_would(value: Any) -> None:
+    # As the server gets them (Python's JSON parser takes NaN and Infinity too).
+    seen = 0
+    for tool in TOOL_TABLE:
+        for name, info in tool.arguments.model_fields.items():
+            if info.annotation not in (float, float | None):
+                continue
+            arguments = {"worker": "w", "run": "r", "text": "t", "scope": "all", "pattern": "p"}
+            arguments = {k: v for k, v in arguments.items() if k in tool.arguments.model_fields}
+            with pytest.raises(Invalid) as refused_as:
+                checked(tool.arguments, arguments | {name: value})
+            assert refused_as.value.field == name, (tool.name, name)
+            seen += 1
+    assert seen >= 8  # timeouts, grace, ready_timeout: every tool's
 
 
 async def test_an_argument_error_names_the_field_and_why(daemon: DaemonProcess) -> None:
