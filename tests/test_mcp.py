@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import jsonschema
+import jsonschema  # type: ignore[import-untyped]  # no stubs needed for one call
 import pytest
 import trio
 from mcp import ClientSession, StdioServerParameters, stdio_client
@@ -69,7 +69,7 @@ async def checked_call(
     """Call `tool` and check its result as a host that validates results does (the
     TypeScript SDK, the MCP Inspector): a success's structured content against the tool's
     output schema, and a refusal's too if it carries any."""
-    result = await session.call_tool(tool, arguments, **options)
+    result: CallToolResult = await session.call_tool(tool, arguments, **options)
     schemas = {listed.name: listed.output_schema for listed in (await session.list_tools()).tools}
     schema = schemas.get(tool)
     if schema is not None and (result.structured_content is not None or not result.is_error):

@@ -77,13 +77,13 @@ async def test_a_10_mb_worker_is_read_in_bounded_pieces_with_the_way_on(
             assert read == expected_output(len(read))
 
             # A bound smaller than one entry: the entry is cut, and read on from its offset.
-            read, cursor, offset = b"", 0, 0
+            read, next_cursor, offset = b"", 0, 0
             for _ in range(4):
                 body, page = await texted(
                     session,
                     "subagent_watch",
                     worker=worker,
-                    cursor=cursor,
+                    cursor=next_cursor,
                     offset=offset,
                     max_bytes=1024,
                     stream="stdout",
@@ -91,7 +91,7 @@ async def test_a_10_mb_worker_is_read_in_bounded_pieces_with_the_way_on(
                 within(1024, body, page)
                 assert page["truncated"]
                 read += "".join(e["data"] for e in page["entries"]).encode()
-                cursor, offset = page["next"], page["offset"]
+                next_cursor, offset = page["next"], page["offset"]
             assert offset, "no entry was cut"
             assert read == expected_output(len(read))
 
@@ -128,7 +128,7 @@ async def test_a_model_reads_no_control_sequence_a_worker_wrote(daemon: DaemonPr
             await call(session, "subagent_wait", worker=worker["id"], timeout=20)
             events, _ = await texted(session, "subagent_events", run=worker["run"], timeout=20)
             texts.append(events)
-            for tool, arguments in [
+            calls: list[tuple[str, dict[str, Any]]] = [
                 ("subagent_list", {"all": True}),
                 ("subagent_status", {}),
                 ("subagent_watch", {}),
@@ -136,7 +136,8 @@ async def test_a_model_reads_no_control_sequence_a_worker_wrote(daemon: DaemonPr
                 ("subagent_grep", {"pattern": "ERR", "before": 1}),
                 ("subagent_wait", {"pattern": "ERR"}),
                 ("subagent_collect", {}),
-            ]:
+            ]
+            for tool, arguments in calls:
                 if tool != "subagent_list":
                     arguments["worker"] = worker["id"]
                 body, structured = await texted(session, tool, **arguments)
