@@ -5,7 +5,7 @@ host sees: the input schemas (no unknown property, the daemon's bounds), a refus
 ``isError`` with the text ``code: message`` and no structured content (so no host's check
 of a result against the tool's output schema trips on it), argument errors in the same
 ``invalid: <field>: <why>`` form, and progress notifications while a tool waits. The
-tools themselves are in `_mcp_tools`. Inside a worker every tool acts as that worker, as
+tools are listed in `_mcp_tools`. Inside a worker every tool acts as that worker, as
 any client there does; the tools a worker may never use are not offered. Needs the
 `mcp` extra.
 """
@@ -16,6 +16,7 @@ import contextlib
 import math
 import os
 import sys
+import traceback
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,9 +44,10 @@ from subagentd.protocol.errors import (
 )
 
 from . import _mcp_args as args
+from ._mcp_answer import Answer, Refusal
 from ._mcp_caller import caller
 from ._mcp_shapes import output_schema
-from ._mcp_tools import TOOLS, Answer, Refusal, Tool
+from ._mcp_tools import TOOLS, Tool
 
 #: Seconds between two progress notifications of a tool that waits (the environment
 #: variable sets another: tests use a fraction of a second).
@@ -158,6 +160,10 @@ async def call_tool(
         return _success(await _posting_progress(ctx, tool, arguments))
     except (SubagentdError, Refusal, args.Invalid) as exc:
         return _refused(exc)
+    except Exception as exc:
+        # A fault of this server's: said to the model as what it is, the trace to the log.
+        traceback.print_exc(file=sys.stderr)
+        return error_result("internal", f"subagentd-mcp failed: {type(exc).__name__}: {exc}")
 
 
 async def _posting_progress(
@@ -168,10 +174,15 @@ async def _posting_progress(
     total = tool.waits(arguments)
     interval = progress_interval()
     answers: list[Answer] = []
+    failures: list[Exception] = []
 
     async def run() -> None:
-        answers.append(await tool.run(arguments))
-        nursery.cancel_scope.cancel()
+        try:
+            answers.append(await tool.run(arguments))
+        except Exception as exc:
+            failures.append(exc)  # raised below as it is, not in a nursery's group
+        finally:
+            nursery.cancel_scope.cancel()
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(run)
@@ -182,6 +193,8 @@ async def _posting_progress(
             await ctx.session.report_progress(
                 waited, total, f"{tool.name}: still waiting after {waited:.0f} s"
             )
+    if failures:
+        raise failures[0]
     [answer] = answers
     return answer
 

@@ -138,3 +138,9 @@ async def test_a_host_that_asks_sees_progress_while_a_tool_waits(daemon: DaemonP
             await session.call_tool("subagent_list", {}, progress_callback=progressed)
             await session.call_tool("subagent_wait", {"worker": worker["id"], "timeout": 0.6})
             assert len(seen) == count
+            # A refusal while progress is asked for is the same tool error.
+            gone = await session.call_tool(
+                "subagent_wait", {"worker": "w-nope", "timeout": 1}, progress_callback=progressed
+            )
+            assert gone.is_error
+            assert text_of(gone) == "not_found: no worker 'w-nope'"

@@ -1,0 +1,181 @@
+"""subagentd-mcp's tools that read a worker's output: watch (a page, or the tail) and grep,
+each within `max_bytes`, filtered by time and stream, saying how to read on.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable
+
+import msgspec
+
+from subagentd.protocol import Entry
+
+from . import _mcp_args as args
+from . import _mcp_bounds as bounds
+from . import _mcp_text as text
+from ._async import AsyncClient
+from ._mcp_answer import Answer, connection
+
+#: The journal entries one page read asks for when reading a whole tail.
+TAIL_READ_LIMIT = 1000
+#: Pages a filtered watch (since, stream) skips through at most in one call before it
+#: answers where it got to.
+SKIP_PAGES = 64
+
+
+async def subagent_watch(a: args.WatchArguments) -> Answer:
+    """Read a worker's journal: its stdout and stderr output, state changes and notes.
+
+    One page of entries after `cursor` (from the start when absent), with `next`, the
+    cursor to pass for the following page; `complete` is true once the worker has ended
+    and nothing follows. `since` keeps only what was written since then (10m, an ISO
+    time); `stream` only stdout or stderr. Or, with `last`, its last N output lines. At
+    most `max_bytes` of output: a cut answer says the cursor (and offset) to read on
+    from. Does not wait: use subagent_wait to wait for output or for the end."""
+    if a.last is not None and (a.cursor is not None or a.offset):
+        raise args.Invalid("last", "give cursor (and offset) or last, not both")
+    since = None if a.since is None else args.parse_since(a.since, time.time())
+    async with connection() as daemon:
+        if a.last is not None:
+            return await _tail(daemon, a, since)
+        return await _page(daemon, a, since)
+
+
+def _wanted(stream: str | None, since: float | None) -> Callable[[Entry], bool]:
+    def wanted(entry: Entry) -> bool:
+        if stream is not None and entry.kind != stream:
+            return False
+        return since is None or entry.at >= since
+
+    return wanted
+
+
+async def _page(daemon: AsyncClient, a: args.WatchArguments, since: float | None) -> Answer:
+    wanted = _wanted(a.stream, since)
+    cursor = a.cursor or 0
+    offset = a.offset
+    for _ in range(SKIP_PAGES):
+        page = await daemon.watch_page(a.worker, since=cursor, limit=a.limit)
+        entries = [entry for entry in page.entries if wanted(entry)]
+        if offset and (not entries or entries[0].seq != cursor + 1):
+            offset = 0  # the entry it was cut in is not the first one here
+        if entries or page.complete or not page.entries:
+            break
+        cursor, offset = page.next, 0
+    kept = bounds.page_within(entries, offset, bounds.Budget(a.max_bytes), cursor)
+    if not kept.truncated:
+        kept.next, kept.offset = page.next, 0
+    complete = page.complete and not kept.truncated
+    if kept.truncated:
+        more = f"truncated at max_bytes: call subagent_watch with cursor={kept.next}" + (
+            f" and offset={kept.offset}" if kept.offset else ""
+        )
+    elif complete:
+        more = "the worker has ended"
+    else:
+        more = f"next cursor: {kept.next}"
+    return Answer(
+        text.with_footer(kept.text(), more, "no entries"),
+        {
+            "entries": kept.structured(),
+            "next": kept.next,
+            "offset": kept.offset,
+            "complete": complete,
+            "truncated": kept.truncated,
+        },
+    )
+
+
+async def read_tail(
+    daemon: AsyncClient, worker: str, lines: int, stream: str | None, since: float | None
+) -> tuple[list[tuple[Entry, bytes]], int, bool]:
+    """The output entries holding the last `lines` lines (the first one cut to start at
+    its line), read through the journal page by page, keeping only the tail; and the
+    cursor after them, and whether the journal is complete."""
+    wanted = _wanted(stream, since)
+    tail: collections.deque[tuple[Entry, bytes]] = collections.deque()
+    cursor, complete = 0, False
+    while True:
+        page = await daemon.watch_page(worker, since=cursor, limit=TAIL_READ_LIMIT)
+        for entry in page.entries:
+            if entry.kind in ("stdout", "stderr") and wanted(entry):
+                tail.append((entry, entry.data))
+                _trim(tail, lines)
+        cursor, complete = page.next, page.complete
+        if complete or not page.entries:
+            break
+    return list(tail), cursor, complete
+
+
+async def _tail(daemon: AsyncClient, a: args.WatchArguments, since: float | None) -> Answer:
+    assert a.last is not None
+    tail, cursor, complete = await read_tail(daemon, a.worker, a.last, a.stream, since)
+    kept = bounds.tail_within(tail, bounds.Budget(a.max_bytes))
+    body = "".join(text.entry_text(entry, data) for entry, data, _ in kept.entries)
+    more = "the worker has ended" if complete else f"next cursor: {cursor}"
+    if kept.truncated:
+        more = (
+            f"truncated at max_bytes: only the end of these lines is here; call "
+            f"subagent_watch with cursor={kept.next} for what comes before; {more}"
+        )
+    return Answer(
+        text.with_footer(body, more, "no output yet"),
+        {
+            "entries": kept.structured(),
+            "next": cursor,
+            "offset": 0,
+            "complete": complete,
+            "truncated": kept.truncated,
+        },
+    )
+
+
+def _trim(tail: collections.deque[tuple[Entry, bytes]], lines: int) -> None:
+    """Drop from the front of `tail` what comes before its last `lines` lines."""
+    total = sum(_lines_in(data) for _, data in tail)
+    while tail and total > lines:
+        entry, data = tail[0]
+        extra = total - lines
+        count = _lines_in(data)
+        if count <= extra:
+            tail.popleft()
+            total -= count
+            continue
+        # Cut the oldest entry to its last (count - extra) lines.
+        parts = data.splitlines(keepends=True)
+        tail[0] = (entry, b"".join(parts[len(parts) - (count - extra) :]))
+        total = lines
+
+
+def _lines_in(data: bytes) -> int:
+    return len(data.splitlines())
+
+
+async def subagent_grep(a: args.GrepArguments) -> Answer:
+    """Search a worker's output (stdout and stderr, line by line) for a regular expression.
+
+    Runs in the daemon over the whole journal, bounded: `truncated` says a bound was hit
+    (`limit`, `max_bytes`, or the daemon's on its work). Each match has its 1-based line
+    number and the lines around it; `stream` keeps the matches of one stream only."""
+    async with connection() as daemon:
+        found = await daemon.grep(
+            a.worker, a.pattern, before=a.before, after=a.after, limit=a.limit
+        )
+    matches = [m for m in found.matches if a.stream is None or m.kind == a.stream]
+    kept, cut = bounds.matches_within(matches, bounds.Budget(a.max_bytes))
+    truncated = found.truncated or cut
+    body = "".join(text.match_text(match) for match in kept) or "no match\n"
+    if cut:
+        last = kept[-1].line_no if kept else 0
+        body += (
+            f"[truncated at max_bytes after line {last}: narrow the pattern, ask fewer "
+            "before/after lines, or raise max_bytes]"
+        )
+    elif found.truncated:
+        body += "[truncated: there may be more matches; narrow the pattern or raise limit]"
+    return Answer(
+        body.rstrip("\n"),
+        {"matches": [msgspec.to_builtins(m) for m in kept], "truncated": truncated},
+    )
