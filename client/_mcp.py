@@ -171,7 +171,7 @@ async def _posting_progress(
 ) -> Answer:
     """`tool` run, with a progress notification every few seconds until it answers: the
     seconds waited so far, out of the most it may wait."""
-    total = tool.waits(arguments)
+    total = arguments.waits()
     interval = progress_interval()
     answers: list[Answer] = []
     failures: list[Exception] = []

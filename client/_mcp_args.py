@@ -181,6 +181,10 @@ class Arguments(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
+    def waits(self) -> float | None:
+        """The seconds this call may wait at most, said in its progress; None: not known."""
+        return None
+
 
 class SpawnArguments(Arguments):
     argv: Annotated[
@@ -275,6 +279,9 @@ class SpawnArguments(Arguments):
     ] = DEFAULT_TOOL_WAIT
     max_bytes: MaxBytes = DEFAULT_MAX_BYTES
 
+    def waits(self) -> float | None:
+        return None if self.ready is None else self.ready_timeout
+
 
 class ListArguments(Arguments):
     all: Annotated[bool, Field(description="include ended workers the daemon retains")] = False
@@ -352,6 +359,9 @@ class WaitArguments(Arguments):
         ),
     ] = None
 
+    def waits(self) -> float | None:
+        return self.timeout
+
 
 class SendArguments(Arguments):
     worker: WorkerId
@@ -397,6 +407,9 @@ class CollectArguments(Arguments):
     ] = DEFAULT_TOOL_WAIT
     max_bytes: MaxBytes = DEFAULT_MAX_BYTES
 
+    def waits(self) -> float | None:
+        return self.timeout if self.wait else None
+
 
 class EventsArguments(Arguments):
     run: Annotated[
@@ -418,6 +431,9 @@ class EventsArguments(Arguments):
             f"{WAIT_ADVICE}"
         ),
     ] = 0.0
+
+    def waits(self) -> float | None:
+        return self.timeout
 
 
 class ResumeArguments(Arguments):

@@ -79,14 +79,6 @@ class Tool:
     def for_workers(self) -> bool:
         return all(request.for_workers for request in self.requests)
 
-    def waits(self, arguments: args.Arguments) -> float | None:
-        """The seconds this call may wait (for a progress total), None if unknown."""
-        for name in ("timeout", "ready_timeout"):
-            value = getattr(arguments, name, None)
-            if isinstance(value, float) and name in type(arguments).model_fields:
-                return value
-        return None
-
 
 def _tool(
     run: Callable[[Any], Awaitable[Answer]],
