@@ -117,8 +117,8 @@ async def _tail(daemon: AsyncClient, a: args.WatchArguments, since: float | None
     more = "the worker has ended" if complete else f"next cursor: {cursor}"
     if kept.truncated:
         more = (
-            f"truncated at max_bytes: only the end of these lines is here; call "
-            f"subagent_watch with cursor={kept.next} for what comes before; {more}"
+            f"truncated at max_bytes: only the end of these lines is here; ask fewer, or "
+            f"call subagent_watch with cursor={kept.next} to read them whole from there; {more}"
         )
     return Answer(
         text.with_footer(body, more, "no output yet"),
@@ -158,7 +158,8 @@ async def subagent_grep(a: args.GrepArguments) -> Answer:
 
     Runs in the daemon over the whole journal, bounded: `truncated` says a bound was hit
     (`limit`, `max_bytes`, or the daemon's on its work). Each match has its 1-based line
-    number and the lines around it; `stream` keeps the matches of one stream only."""
+    number and the lines around it; `stream` keeps the matches of one stream only (after
+    the search: `limit` counts both)."""
     async with connection() as daemon:
         found = await daemon.grep(
             a.worker, a.pattern, before=a.before, after=a.after, limit=a.limit

@@ -4,8 +4,6 @@ restart, list, status, send, stop, stop a run, cancel, resume, and the latest re
 
 from __future__ import annotations
 
-from typing import Any
-
 import msgspec
 
 from subagentd.protocol import Cancel, Stop, StopRun
@@ -42,20 +40,19 @@ async def subagent_spawn(a: args.SpawnArguments) -> Answer:
     if a.ready is not None:
         _check_pattern("ready", a.ready)
     async with connection() as daemon:
-        options: dict[str, Any] = {
-            "name": a.name,
-            "run": a.run,
-            "agent": a.agent,
-            "input": a.input,
-            "cwd": a.cwd,
-            "env": a.env,
-            "timeout": a.timeout,
-            "grace": a.grace,
-            "key": a.key,
-        }
-        if a.stdin_open:
-            options["stdin_open"] = True
-        view = await daemon.spawn(a.argv or [], **options)
+        view = await daemon.spawn(
+            a.argv or [],
+            name=a.name,
+            run=a.run,
+            agent=a.agent,
+            input=a.input,
+            cwd=a.cwd,
+            env=a.env,
+            timeout=a.timeout,
+            grace=a.grace,
+            key=a.key,
+            stdin_open=a.stdin_open,
+        )
         if a.ready is None:
             return Answer(f"spawned {text.worker_line(view)}", shapes.worker(view))
         try:
@@ -138,8 +135,7 @@ async def subagent_status(a: args.StatusArguments) -> Answer:
     async with connection() as daemon:
         view = await daemon.status(a.worker)
     structured = shapes.worker(view)
-    budget = bounds.Budget(a.max_bytes)
-    if not budget.take(0, bounds.json_size(structured)):
+    if bounds.json_size(structured) > a.max_bytes - bounds.FOOTER:
         # A command too long to carry whole: its first arguments, as a listing gives them.
         kept: list[str] = []
         room = a.max_bytes - bounds.FOOTER - bounds.json_size({**structured, "argv": []})

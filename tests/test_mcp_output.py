@@ -206,3 +206,20 @@ async def test_status_says_the_command_its_directory_and_how_long_it_has_run(
             await call(session, "subagent_stop", worker=worker["id"])
             body, _ = await texted(session, "subagent_status", worker=worker["id"])
             assert "ran for: " in body
+
+
+async def test_status_of_a_huge_command_is_cut_to_max_bytes(daemon: DaemonProcess) -> None:
+    with trio.fail_after(30):
+        async with mcp_server(daemon) as session:
+            argv = ["sh", "-c", "sleep 60", *(f"argument-{i}" for i in range(5000))]
+            worker = await call(session, "subagent_spawn", argv=argv)
+            body, status = await texted(
+                session, "subagent_status", worker=worker["id"], max_bytes=2048
+            )
+            within(2048, body, status)
+            assert status["argv_cut"]
+            assert status["argv"] == argv[: len(status["argv"])]
+            assert len(status["argv"]) > 3
+            assert "command: sh -c 'sleep 60' argument-0 " in body
+            whole = await call(session, "subagent_status", worker=worker["id"], max_bytes=2**20)
+            assert (whole["argv"], whole["argv_cut"]) == (argv, False)
