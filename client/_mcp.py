@@ -155,7 +155,7 @@ async def call_tool(
         return error_result("not_found", f"no tool {params.name!r} here")
     try:
         arguments = args.checked(tool.arguments, dict(params.arguments or {}))
-        if not tool.blocks or not (ctx.meta or {}).get("progress_token"):
+        if not tool.blocks or (ctx.meta or {}).get("progress_token") is None:
             return _success(await tool.run(arguments))
         return _success(await _posting_progress(ctx, tool, arguments))
     except (SubagentdError, Refusal, args.Invalid) as exc:

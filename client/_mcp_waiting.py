@@ -82,7 +82,7 @@ async def subagent_events(a: args.EventsArguments) -> Answer:
     one if none is pending (keep it under 50 s and call again)."""
     run, worker = a.run, a.worker
     if run is None and worker is None:
-        worker = await caller()
+        worker = await caller() or None
     if (run is None) == (worker is None):
         raise args.Invalid("run", "give run or worker (one of them)")
     async with connection() as daemon:
