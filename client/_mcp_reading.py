@@ -31,7 +31,8 @@ async def subagent_watch(a: args.WatchArguments) -> Answer:
     One page of entries after `cursor` (from the start when absent), with `next`, the
     cursor to pass for the following page; `complete` is true once the worker has ended
     and nothing follows. `since` keeps only what was written since then (10m, an ISO
-    time); `stream` only stdout or stderr. Or, with `last`, its last N output lines. At
+    time; in a long journal it may take more than one call to get there: follow `next`);
+    `stream` only stdout or stderr. Or, with `last`, its last N output lines. At
     most `max_bytes` of output: a cut answer says the cursor (and offset) to read on
     from. Does not wait: use subagent_wait to wait for output or for the end."""
     if a.last is not None and (a.cursor is not None or a.offset):
