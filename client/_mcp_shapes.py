@@ -5,13 +5,12 @@ Each model is the output schema a host validates a success against: the shapes
 timestamp saying what it is. Structured content keeps the raw data (a worker's output as
 it wrote it, decoded); the text a model reads is built elsewhere, sanitised. A refusal
 carries no structured content at all (see `_mcp_server`), so no schema need admit it.
-Pure: no I/O.
+Pure: no I/O, no clock (each caller passes `now`).
 """
 
 from __future__ import annotations
 
-import time
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -177,18 +176,20 @@ def output_schema(shape: type[Shape]) -> dict[str, Any]:
 _WORKER_FIELDS = tuple(name for name in WorkerOut.model_fields if name != "uptime")
 
 
-def uptime(view: WorkerView, now: float | None = None) -> float:
-    """Seconds `view` has run: to its end, or to now."""
-    end = view.ended_at if view.ended_at is not None else (time.time() if now is None else now)
+def uptime(view: WorkerView, now: float) -> float:
+    """Seconds `view` has run: to its end, or to `now` (seconds since the epoch)."""
+    end = view.ended_at if view.ended_at is not None else now
     return max(0.0, end - view.started_at)
 
 
-def worker(view: WorkerView) -> dict[str, Any]:
-    return {**{name: getattr(view, name) for name in _WORKER_FIELDS}, "uptime": uptime(view)}
+def worker(view: WorkerView, now: float) -> dict[str, Any]:
+    """`view` as structured content, its uptime counted to `now`."""
+    fields = {name: getattr(view, name) for name in _WORKER_FIELDS}
+    return {**fields, "uptime": uptime(view, now)}
 
 
-def resumed(view: Resumed) -> dict[str, Any]:
-    return {**worker(view), "changed": view.changed}
+def resumed(view: Resumed, now: float) -> dict[str, Any]:
+    return {**worker(view, now), "changed": view.changed}
 
 
 def wake(found: Wake) -> dict[str, Any]:
@@ -206,5 +207,5 @@ def entry(found: Entry, data: bytes | None = None, *, cut: bool = False) -> dict
     }
 
 
-def state_of(view: WorkerView) -> Literal["stopping"] | str:
+def state_of(view: WorkerView) -> str:
     return "stopping" if view.stopping else view.state

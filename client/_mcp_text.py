@@ -47,14 +47,14 @@ def command(view: WorkerView, limit: int = SHOWN_COMMAND) -> str:
     return shown + ("..." if view.argv_cut or len(what) > len(shown) else "")
 
 
-def status_text(view: WorkerView) -> str:
+def status_text(view: WorkerView, now: float) -> str:
     """A worker as `subagentctl status` shows it: its line, then what it runs, where, how long."""
     lines = [worker_line(view)]
     if view.argv or view.agent:
         lines.append(f"command: {command(view)}")
     if view.cwd:
         lines.append(f"cwd: {printable(view.cwd, SHOWN_COMMAND)}")
-    ran = duration(uptime(view))
+    ran = duration(uptime(view, now))
     lines.append(f"uptime: {ran}" if view.ended_at is None else f"ran for: {ran}")
     if view.pid is not None:
         lines.append(f"pid: {view.pid}")

@@ -6,6 +6,7 @@ no call outlives the host's own timeout; the server posts progress meanwhile.
 from __future__ import annotations
 
 import contextlib
+import time
 
 import msgspec
 import trio
@@ -48,7 +49,7 @@ async def subagent_wait(a: args.WaitArguments) -> Answer:
     }.get(outcome, outcome)
     return Answer(
         f"{said}; {text.worker_line(view)}",
-        {"outcome": outcome, "line": line, "worker": shapes.worker(view)},
+        {"outcome": outcome, "line": line, "worker": shapes.worker(view, time.time())},
     )
 
 

@@ -4,6 +4,8 @@ restart, list, status, send, stop, stop a run, cancel, resume, and the latest re
 
 from __future__ import annotations
 
+import time
+
 import msgspec
 
 from subagentd.protocol import Cancel, Stop, StopRun
@@ -54,7 +56,7 @@ async def subagent_spawn(a: args.SpawnArguments) -> Answer:
             stdin_open=a.stdin_open,
         )
         if a.ready is None:
-            return Answer(f"spawned {text.worker_line(view)}", shapes.worker(view))
+            return Answer(f"spawned {text.worker_line(view)}", shapes.worker(view, time.time()))
         try:
             waited = await daemon.wait_for(view.id, a.ready, timeout=a.ready_timeout)
         except RemoteError as exc:
@@ -72,7 +74,7 @@ async def subagent_spawn(a: args.SpawnArguments) -> Answer:
     body = text.lines_text(tail) if tail else ""
     return Answer(
         f"spawned {text.worker_line(waited.worker)}\n{said}{body}",
-        {**shapes.worker(waited.worker), "ready": ready},
+        {**shapes.worker(waited.worker, time.time()), "ready": ready},
     )
 
 
@@ -113,7 +115,7 @@ async def subagent_restart(a: args.RestartArguments) -> Answer:
     line = f"restarted {text.worker_line(view)} (stopped: {text.ids(stopped.stopped)})"
     if view.changed:
         line += f"; changed since its spawn: {printable(view.changed)}"
-    return Answer(line, {"stopped": stopped.stopped, "worker": shapes.resumed(view)})
+    return Answer(line, {"stopped": stopped.stopped, "worker": shapes.resumed(view, time.time())})
 
 
 # -- seeing ------------------------------------------------------------------------------
@@ -126,7 +128,7 @@ async def subagent_list(a: args.ListArguments) -> Answer:
     async with connection() as daemon:
         views = await daemon.ls(all=a.all, run=a.run)
     lines = "\n".join(text.worker_line(view) for view in views) or "no workers"
-    return Answer(lines, {"workers": [shapes.worker(view) for view in views]})
+    return Answer(lines, {"workers": [shapes.worker(view, time.time()) for view in views]})
 
 
 async def subagent_status(a: args.StatusArguments) -> Answer:
@@ -134,7 +136,8 @@ async def subagent_status(a: args.StatusArguments) -> Answer:
     its command, its working directory and how long it has run."""
     async with connection() as daemon:
         view = await daemon.status(a.worker)
-    structured = shapes.worker(view)
+    now = time.time()
+    structured = shapes.worker(view, now)
     if bounds.json_size(structured) > a.max_bytes - bounds.FOOTER:
         # A command too long to carry whole: its first arguments, as a listing gives them.
         kept: list[str] = []
@@ -145,7 +148,7 @@ async def subagent_status(a: args.StatusArguments) -> Answer:
                 break
             kept.append(argument)
         structured |= {"argv": kept, "argv_cut": True}
-    return Answer(text.status_text(view), structured)
+    return Answer(text.status_text(view, now), structured)
 
 
 # -- acting ------------------------------------------------------------------------------
@@ -230,7 +233,7 @@ async def subagent_resume(a: args.ResumeArguments) -> Answer:
     )
     return Answer(
         lines or "nothing was left to resume",
-        {"resumed": [shapes.resumed(view) for view in views]},
+        {"resumed": [shapes.resumed(view, time.time()) for view in views]},
     )
 
 
