@@ -223,3 +223,25 @@ async def test_status_of_a_huge_command_is_cut_to_max_bytes(daemon: DaemonProces
             assert "command: sh -c 'sleep 60' argument-0 " in body
             whole = await call(session, "subagent_status", worker=worker["id"], max_bytes=2**20)
             assert (whole["argv"], whole["argv_cut"]) == (argv, False)
+
+
+async def test_a_tail_reads_back_from_the_end_as_far_as_its_lines_need(
+    daemon: DaemonProcess,
+) -> None:
+    script = "echo early >&2; i=0; while [ $i -lt 3000 ]; do i=$((i+1)); echo line $i; done"
+    with trio.fail_after(60):
+        async with mcp_server(daemon) as session:
+            worker = await call(session, "subagent_spawn", argv=sh(script))
+            await call(session, "subagent_wait", worker=worker["id"], timeout=40)
+            entries = (await call(session, "subagent_watch", worker=worker["id"]))["entries"]
+            tail = await call(session, "subagent_watch", worker=worker["id"], last=3)
+            assert (
+                "".join(e["data"] for e in tail["entries"]) == "line 2998\nline 2999\nline 3000\n"
+            )
+            assert tail["complete"]
+            # The one stderr line is far back from the end: read back until it is found.
+            early = await call(
+                session, "subagent_watch", worker=worker["id"], last=1, stream="stderr"
+            )
+            assert [e["data"] for e in early["entries"]] == ["early\n"]
+            assert len(entries) > 40, "too few entries: the tail would read it all at once"
