@@ -58,6 +58,11 @@ async def _page(daemon: AsyncClient, a: args.WatchArguments, since: float | None
     wanted = _wanted(a.stream, since)
     cursor = a.cursor or 0
     offset = a.offset
+    if since is not None:
+        # Straight to the first entry written since then, however long the journal.
+        skipped = await _cursor_since(daemon, a.worker, since, await _last_seq(daemon, a.worker))
+        if skipped > cursor:
+            cursor, offset = skipped, 0
     for _ in range(SKIP_PAGES):
         page = await daemon.watch_page(a.worker, since=cursor, limit=a.limit)
         entries = [entry for entry in page.entries if wanted(entry)]
@@ -133,6 +138,21 @@ async def _last_seq(daemon: AsyncClient, worker: str) -> int:
         else:
             probe = middle
     return known
+
+
+async def _cursor_since(daemon: AsyncClient, worker: str, since: float, last: int) -> int:
+    """The cursor just before the first entry written at or after `since` (`last`: the
+    journal's last seq), by halving over pages of one entry: entries are written in time
+    order. (A clock stepped back makes it approximate; the filter on `at` still holds.)"""
+    low, high = 1, last + 1  # the first such seq lies in [low, high]; last + 1: none
+    while low < high:
+        middle = (low + high) // 2
+        page = await daemon.watch_page(worker, since=middle - 1, limit=1)
+        if not page.entries or page.entries[0].at >= since:
+            high = middle
+        else:
+            low = middle + 1
+    return low - 1
 
 
 async def _tail_from(
