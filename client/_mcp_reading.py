@@ -21,8 +21,8 @@ from ._mcp_answer import Answer, connection
 
 #: The journal entries one page read asks for when reading a whole tail.
 TAIL_READ_LIMIT = 1000
-#: Pages a filtered watch (since, stream) skips through at most in one call before it
-#: answers where it got to.
+#: Pages a watch filtered by stream skips through at most in one call before it answers
+#: where it got to.
 SKIP_PAGES = 64
 
 
@@ -32,8 +32,8 @@ async def subagent_watch(a: args.WatchArguments) -> Answer:
     One page of entries after `cursor` (from the start when absent), with `next`, the
     cursor to pass for the following page; `complete` is true once the worker has ended
     and nothing follows. `since` keeps only what was written since then (10m, an ISO
-    time; in a long journal it may take more than one call to get there: follow `next`);
-    `stream` only stdout or stderr. Or, with `last`, its last N output lines. At
+    time); `stream` only stdout or stderr (past a long run of the other, an answer may
+    come back empty with a later `next`: follow it). Or, with `last`, its last N output lines. At
     most `max_bytes` of output: a cut answer says the cursor (and offset) to read on
     from. Does not wait: use subagent_wait to wait for output or for the end."""
     if a.last is not None and (a.cursor is not None or a.offset):
