@@ -2,7 +2,9 @@
 (a subprocess over stdio) against a real daemon, and calls its tools.
 
 The SDK runs on anyio, which runs on trio here (pytest-trio's loop), so the client
-session lives in the test's own task and every call is bounded by trio.fail_after.
+session lives in the test's own task and every call is bounded by trio.fail_after. Every
+call here checks its result as validating hosts do (`checked_call`); the other
+tests/test_mcp_*.py files import these helpers.
 """
 
 from __future__ import annotations
