@@ -32,6 +32,10 @@ test: lint typecheck
 	# `subagentctl top` is tested in a real terminal: tmux (Debian's), else those tests skip.
 	command -v tmux >/dev/null || (apt-get update -qq && apt-get install -y -qq tmux) \
 		|| echo "tmux could not be installed: the terminal tests of top are skipped"
+	# subagentd-mcp under the TypeScript SDK most MCP hosts embed (tests/mcp_ts, pinned by
+	# its package-lock.json): from the npm registry, else those tests skip.
+	if command -v npm >/dev/null; then npm ci --silent --no-audit --no-fund --prefix tests/mcp_ts; \
+		else echo "npm not found: the TypeScript SDK tests of subagentd-mcp are skipped"; fi
 	$(BIN)/pytest
 
 # Every benchmark, side by side with supervisord (from PyPI, into the venv):

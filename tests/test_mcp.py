@@ -2,17 +2,21 @@
 (a subprocess over stdio) against a real daemon, and calls its tools.
 
 The SDK runs on anyio, which runs on trio here (pytest-trio's loop), so the client
-session lives in the test's own task and every call is bounded by trio.fail_after.
+session lives in the test's own task and every call is bounded by trio.fail_after. Every
+call here checks its result as validating hosts do (`checked_call`); the other
+tests/test_mcp_*.py files import these helpers.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import jsonschema  # type: ignore[import-untyped]  # no stubs needed for one call
 import pytest
 import trio
 from mcp import ClientSession, StdioServerParameters, stdio_client
@@ -25,6 +29,7 @@ from .helpers import alive, sh, wait_output
 
 TOOLS = {
     "subagent_spawn",
+    "subagent_restart",
     "subagent_list",
     "subagent_status",
     "subagent_watch",
@@ -60,22 +65,39 @@ async def mcp_server(
             yield session
 
 
+async def checked_call(
+    session: ClientSession, tool: str, arguments: dict[str, Any], **options: Any
+) -> CallToolResult:
+    """Call `tool` and check its result as a host that validates results does (the
+    TypeScript SDK, the MCP Inspector): a success's structured content against the tool's
+    output schema, and a refusal's too if it carries any."""
+    result: CallToolResult = await session.call_tool(tool, arguments, **options)
+    schemas = {listed.name: listed.output_schema for listed in (await session.list_tools()).tools}
+    schema = schemas.get(tool)
+    if schema is not None and (result.structured_content is not None or not result.is_error):
+        assert result.structured_content is not None, f"{tool}: no structured content"
+        jsonschema.validate(result.structured_content, schema, jsonschema.Draft202012Validator)
+    return result
+
+
 async def call(session: ClientSession, tool: str, **arguments: Any) -> dict[str, Any]:
     """Call `tool` and answer its structured result; a tool error fails the test."""
-    result = await session.call_tool(tool, arguments)
+    result = await checked_call(session, tool, arguments)
     assert not result.is_error, f"{tool}: {text_of(result)}"
     assert result.structured_content is not None
     return dict(result.structured_content)
 
 
 async def refused(session: ClientSession, tool: str, **arguments: Any) -> dict[str, Any]:
-    """Call `tool`, which must answer a tool error; the error's code and message."""
-    result = await session.call_tool(tool, arguments)
+    """Call `tool`, which must answer a tool error `code: message` with no structured
+    content; its code and message."""
+    result = await checked_call(session, tool, arguments)
     assert result.is_error, f"{tool} was not refused: {text_of(result)}"
-    assert result.structured_content is not None, text_of(result)
-    error: dict[str, Any] = result.structured_content["error"]
-    assert text_of(result).startswith(f"{error['code']}: ")
-    return error
+    assert result.structured_content is None, result.structured_content
+    code, colon, message = text_of(result).partition(": ")
+    assert colon, text_of(result)
+    assert re.fullmatch("[a-z_]+", code), text_of(result)
+    return {"code": code, "message": message}
 
 
 def text_of(result: CallToolResult) -> str:
@@ -93,9 +115,10 @@ async def test_lists_every_tool_with_a_schema_and_a_description(daemon: DaemonPr
         assert tool.output_schema is not None, tool.name
     by_name = {tool.name: tool for tool in tools}
     assert by_name["subagent_watch"].input_schema["required"] == ["worker"]
-    assert by_name["subagent_wait"].input_schema["required"] == ["worker", "timeout"]
+    assert by_name["subagent_wait"].input_schema["required"] == ["worker"]
     assert set(by_name["subagent_spawn"].input_schema["properties"]) >= {
-        "argv", "agent", "name", "cwd", "input", "timeout", "stdin_open",
+        "argv", "agent", "name", "cwd", "input", "timeout", "stdin_open", "env", "grace",
+        "key", "ready",
     }  # fmt: skip
 
 
@@ -182,11 +205,9 @@ async def test_an_unknown_id_is_a_tool_error_with_the_daemons_code(
                 "not_found"
             )
             # Bad arguments are the caller's to correct, and the server serves on.
-            bad_wait = await session.call_tool(
-                "subagent_wait", {"worker": "w-nobody", "timeout": 1e12}
-            )
-            assert bad_wait.is_error
-            assert "timeout" in text_of(bad_wait)
+            bad_wait = await refused(session, "subagent_wait", worker="w-nobody", timeout=1e12)
+            assert bad_wait["code"] == "invalid"
+            assert bad_wait["message"].startswith("timeout: ")
             assert (await refused(session, "subagent_spawn"))["code"] == "invalid"
             assert (await call(session, "subagent_list")) == {"workers": []}
 
@@ -226,10 +247,14 @@ async def test_inside_a_worker_the_tools_act_as_that_worker(daemon: DaemonProces
             assert worker_env["SUBAGENTD_WORKER_ID"] == me["id"]
 
             async with mcp_server(daemon, worker_env) as inside:
+                # The run-level tools, always forbidden to a worker, are not offered at all.
+                offered = {tool.name for tool in (await inside.list_tools()).tools}
+                assert offered == TOOLS - {"subagent_stop_run", "subagent_latest_resumable"}
+                hidden = await refused(inside, "subagent_stop_run", run=me["run"])
+                assert hidden["code"] == "not_found"
                 error = await refused(inside, "subagent_stop", worker=sibling["id"])
                 assert error["code"] == "forbidden"
                 for tool, arguments in [
-                    ("subagent_stop_run", {"run": me["run"]}),
                     ("subagent_cancel", {"scope": "all"}),
                     ("subagent_status", {"worker": sibling["id"]}),
                 ]:

@@ -1,0 +1,503 @@
+"""subagentd-mcp's tool arguments: what each tool takes, bounded as the daemon bounds it.
+
+Every argument model forbids properties it does not name, so a misspelt or unknown
+argument is refused instead of dropped, and carries the daemon's own limits (imported from
+protocol/_messages.py, never restated), so the input schema a host shows its model is the
+check the daemon makes. A refusal of the arguments reads as the daemon's do:
+``invalid: <field>: <why>``. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import re
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+)
+
+from subagentd.protocol import (
+    MAX_ARG_BYTES,
+    MAX_ARGS,
+    MAX_CONTEXT_LINES,
+    MAX_GRACE,
+    MAX_GREP_MATCHES,
+    MAX_ID_LENGTH,
+    MAX_INPUT_BYTES,
+    MAX_INT,
+    MAX_KEY_LENGTH,
+    MAX_NAME_LENGTH,
+    MAX_PATH_LENGTH,
+    MAX_PATTERN_LENGTH,
+    MAX_SEND_BYTES,
+    MAX_TIMEOUT,
+)
+
+#: The longest one tool call may be asked to wait. A host gives up on a call long before
+#: (the TypeScript SDK after 60 s): the descriptions ask for short waits, called again.
+MAX_TOOL_WAIT = 3600.0
+#: What a wait waits when not told: well inside a host's usual 60 s.
+DEFAULT_TOOL_WAIT = 30.0
+#: The bytes of output one answer carries by default, and at most (text and structured
+#: content each): what a model can read at once, and far below the frame limit.
+DEFAULT_MAX_BYTES = 32 * 1024
+MIN_MAX_BYTES = 1024
+MAX_MAX_BYTES = 1024 * 1024
+#: Entries of one watch page at most, and lines of a tail: what a model can read at once.
+MAX_PAGE = 1000
+#: A description a host shows for every wait argument: why to keep it short.
+WAIT_ADVICE = (
+    "keep it short (under 50 s: a host gives up on a call after its own timeout, often "
+    "60 s) and call again to wait longer"
+)
+
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86_400.0}
+_AGO = re.compile(r"(\d+(?:\.\d+)?)\s*([smhd])")
+
+
+class Invalid(Exception):
+    """Arguments this server refuses: ``invalid: <field>: <why>``, as the daemon says it."""
+
+    def __init__(self, field: str, why: str) -> None:
+        super().__init__(f"{field}: {why}")
+        self.field = field
+        self.why = why
+
+
+def _utf8_within(limit: int) -> Any:
+    def check(text: str | None) -> str | None:
+        if text is not None and len(text.encode("utf-8", errors="surrogatepass")) > limit:
+            raise ValueError(f"at most {limit} bytes as UTF-8")
+        return text
+
+    return AfterValidator(check)
+
+
+def parse_since(text: str, now: float) -> float:
+    """A point in time, as seconds since the epoch (UTC), from ``10m``/``90s``/``2h``/``1d``
+    (that long ago, combinable: ``1h30m``), an ISO 8601 time (UTC unless it names its
+    offset), or seconds since the epoch."""
+    spoken = text.strip()
+    if spoken and _AGO.sub("", spoken.replace(" ", "")) == "":
+        ago = sum(float(n) * _UNITS[unit] for n, unit in _AGO.findall(spoken.replace(" ", "")))
+        return now - ago
+    try:
+        seconds = float(spoken)
+    except ValueError:
+        pass
+    else:
+        if math.isfinite(seconds) and seconds >= 0:
+            return seconds
+        raise ValueError("seconds since the epoch must be finite and not negative")
+    try:
+        when = datetime.datetime.fromisoformat(spoken)
+    except ValueError:
+        raise ValueError(
+            "a duration ago (10m, 90s, 2h, 1d, 1h30m), an ISO 8601 time "
+            "(2026-01-31T12:00:00Z) or seconds since the epoch"
+        ) from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=datetime.UTC)
+    return when.timestamp()
+
+
+def _since_checked(text: str | None) -> str | None:
+    if text is not None:
+        parse_since(text, 0.0)
+    return text
+
+
+def _bounded_text(text: str | None) -> str | None:
+    # A string where a time is asked: checked before it is parsed, never huge.
+    if isinstance(text, str) and len(text) > 64:
+        raise ValueError("at most 64 characters")
+    return text
+
+
+# -- the values, each with the daemon's bound ----------------------------------------------
+
+WorkerId = Annotated[
+    str,
+    Field(
+        min_length=1,
+        max_length=MAX_ID_LENGTH,
+        description="a worker id, as subagent_spawn or subagent_list gave it",
+    ),
+]
+RunId = Annotated[
+    str,
+    Field(
+        min_length=1,
+        max_length=MAX_ID_LENGTH,
+        description="a run id, as subagent_spawn or subagent_list gave it",
+    ),
+]
+Pattern = Annotated[
+    str,
+    Field(
+        min_length=1,
+        max_length=MAX_PATTERN_LENGTH,
+        description="a regular expression in RE2 syntax (no backreferences or lookaround), "
+        "matched against each line of output",
+    ),
+]
+ToolWait = Annotated[
+    float,
+    Field(ge=0, le=MAX_TOOL_WAIT, allow_inf_nan=False),
+]
+MaxBytes = Annotated[
+    int,
+    Field(
+        ge=MIN_MAX_BYTES,
+        le=MAX_MAX_BYTES,
+        description="the bytes of output this answer carries at most (its text, and the "
+        "output in its structured content, each); what is cut says how to read on",
+    ),
+]
+Since = Annotated[
+    str | None,
+    BeforeValidator(_bounded_text),
+    AfterValidator(_since_checked),
+    Field(
+        description="only output written since then: a duration ago (10m, 90s, 2h, 1h30m), "
+        "an ISO 8601 time (UTC unless it names its offset), or seconds since the epoch"
+    ),
+]
+Stream = Annotated[
+    Literal["stdout", "stderr"] | None,
+    Field(description="only this stream of its output (default: both)"),
+]
+
+
+class Arguments(BaseModel):
+    """A tool's arguments: strict JSON types, no property it does not name."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    def waits(self) -> float | None:
+        """The seconds this call may wait at most, said in its progress; None: not known."""
+        return None
+
+
+class SpawnArguments(Arguments):
+    argv: Annotated[
+        list[Annotated[str, Field(max_length=MAX_ARG_BYTES)]] | None,
+        Field(
+            max_length=MAX_ARGS,
+            description='the command and its arguments, e.g. ["pytest", "-x"]',
+        ),
+    ] = None
+    agent: Annotated[
+        str | None,
+        Field(
+            max_length=MAX_NAME_LENGTH,
+            description="an agent named in the user's agents.toml, instead of argv",
+        ),
+    ] = None
+    name: Annotated[
+        str, Field(max_length=MAX_NAME_LENGTH, description="a name to tell the worker by")
+    ] = ""
+    cwd: Annotated[
+        str | None,
+        Field(
+            max_length=MAX_PATH_LENGTH, description="its working directory (default: this server's)"
+        ),
+    ] = None
+    env: Annotated[
+        dict[
+            Annotated[str, Field(min_length=1, max_length=MAX_ARG_BYTES)],
+            Annotated[str, Field(max_length=MAX_ARG_BYTES)],
+        ],
+        Field(
+            max_length=MAX_ARGS,
+            description="environment variables set for it, over the daemon's own",
+        ),
+    ] = {}
+    input: Annotated[
+        str | None,
+        _utf8_within(MAX_INPUT_BYTES),
+        Field(max_length=MAX_INPUT_BYTES, description="text given on its stdin"),
+    ] = None
+    timeout: Annotated[
+        float | None,
+        Field(
+            ge=0,
+            le=MAX_TIMEOUT,
+            allow_inf_nan=False,
+            description="seconds before the daemon stops it as timed out (0 or absent: never)",
+        ),
+    ] = None
+    grace: Annotated[
+        float | None,
+        Field(
+            ge=0,
+            le=MAX_GRACE,
+            allow_inf_nan=False,
+            description="seconds between TERM and KILL when it is stopped (default: the "
+            "daemon's, or its agent's)",
+        ),
+    ] = None
+    key: Annotated[
+        str | None,
+        Field(
+            min_length=1,
+            max_length=MAX_KEY_LENGTH,
+            pattern=r"^[!-~]+$",
+            description="an idempotency key of your choosing (printable ASCII, no space): "
+            "a spawn sent again with the same key answers the worker the first one made",
+        ),
+    ] = None
+    run: Annotated[
+        str | None,
+        Field(
+            max_length=MAX_ID_LENGTH,
+            description="an existing run to start it in (default: a new run)",
+        ),
+    ] = None
+    stdin_open: Annotated[
+        bool, Field(description="keep its stdin open, for subagent_send to write to")
+    ] = False
+    ready: Annotated[
+        str | None,
+        Field(
+            min_length=1,
+            max_length=MAX_PATTERN_LENGTH,
+            description="wait, in this same call, until a line of its output matches this "
+            "regular expression (RE2 syntax), e.g. 'listening on'; the answer's `ready` says "
+            "whether it matched, or gives how it ended and its output's tail",
+        ),
+    ] = None
+    ready_timeout: Annotated[
+        ToolWait, Field(description=f"with ready: seconds to wait at most; {WAIT_ADVICE}")
+    ] = DEFAULT_TOOL_WAIT
+    max_bytes: MaxBytes = DEFAULT_MAX_BYTES
+
+    def waits(self) -> float | None:
+        return None if self.ready is None else self.ready_timeout
+
+
+class ListArguments(Arguments):
+    all: Annotated[bool, Field(description="include ended workers the daemon retains")] = False
+    run: Annotated[
+        str | None, Field(max_length=MAX_ID_LENGTH, description="only the workers of this run")
+    ] = None
+
+
+class StatusArguments(Arguments):
+    worker: WorkerId
+    max_bytes: MaxBytes = DEFAULT_MAX_BYTES
+
+
+class WatchArguments(Arguments):
+    worker: WorkerId
+    cursor: Annotated[
+        int | None,
+        Field(
+            ge=0,
+            le=MAX_INT,
+            description="read the entries after this cursor (0, or absent: from the start): "
+            "a previous answer's `next`",
+        ),
+    ] = None
+    offset: Annotated[
+        int,
+        Field(
+            ge=0,
+            le=MAX_INT,
+            description="bytes of the entry after `cursor` already read: a cut answer's "
+            "`offset`, to read that entry on from there",
+        ),
+    ] = 0
+    last: Annotated[
+        int | None,
+        Field(
+            ge=1,
+            le=MAX_PAGE,
+            description="instead: the last N lines of its output",
+        ),
+    ] = None
+    since: Since = None
+    stream: Stream = None
+    limit: Annotated[int, Field(ge=1, le=MAX_PAGE, description="entries per page")] = 200
+    max_bytes: MaxBytes = DEFAULT_MAX_BYTES
+
+
+class GrepArguments(Arguments):
+    worker: WorkerId
+    pattern: Pattern
+    before: Annotated[
+        int, Field(ge=0, le=MAX_CONTEXT_LINES, description="lines of context before each match")
+    ] = 0
+    after: Annotated[
+        int, Field(ge=0, le=MAX_CONTEXT_LINES, description="lines of context after each match")
+    ] = 0
+    limit: Annotated[int, Field(ge=1, le=MAX_GREP_MATCHES, description="matches at most")] = 100
+    stream: Stream = None
+    max_bytes: MaxBytes = DEFAULT_MAX_BYTES
+
+
+class WaitArguments(Arguments):
+    worker: WorkerId
+    timeout: Annotated[
+        ToolWait,
+        Field(description=f"seconds to wait at most, then the outcome is timed_out; {WAIT_ADVICE}"),
+    ] = DEFAULT_TOOL_WAIT
+    pattern: Annotated[
+        str | None,
+        Field(
+            min_length=1,
+            max_length=MAX_PATTERN_LENGTH,
+            description="instead of its end, wait for a line of its output matching this "
+            "regular expression (RE2 syntax); lines already written count",
+        ),
+    ] = None
+
+    def waits(self) -> float | None:
+        return self.timeout
+
+
+class SendArguments(Arguments):
+    worker: WorkerId
+    text: Annotated[
+        str,
+        _utf8_within(MAX_SEND_BYTES),
+        Field(
+            max_length=MAX_SEND_BYTES,
+            description="what to write to its stdin (end it with \\n for a line)",
+        ),
+    ]
+    eof: Annotated[bool, Field(description="close its stdin after writing")] = False
+
+
+class StopArguments(Arguments):
+    worker: WorkerId
+    wait: Annotated[bool, Field(description="return once its processes are gone")] = True
+
+
+class StopRunArguments(Arguments):
+    run: RunId
+    wait: Annotated[bool, Field(description="return once its processes are gone")] = True
+
+
+class CancelArguments(Arguments):
+    scope: Annotated[
+        str,
+        Field(
+            min_length=1,
+            max_length=MAX_NAME_LENGTH,
+            description="`worker:W` (W and its subtree), `run:R` (R and its nested runs), "
+            "`turn:G` (the workers of turn G) or `all`",
+        ),
+    ]
+
+
+class CollectArguments(Arguments):
+    worker: WorkerId
+    wait: Annotated[bool, Field(description="wait for it to end first")] = False
+    timeout: Annotated[
+        ToolWait,
+        Field(description=f"with wait: seconds to wait at most (then timed_out); {WAIT_ADVICE}"),
+    ] = DEFAULT_TOOL_WAIT
+    max_bytes: MaxBytes = DEFAULT_MAX_BYTES
+
+    def waits(self) -> float | None:
+        return self.timeout if self.wait else None
+
+
+class EventsArguments(Arguments):
+    run: Annotated[
+        str | None,
+        Field(max_length=MAX_ID_LENGTH, description="the wakes of this run's top-level workers"),
+    ] = None
+    worker: Annotated[
+        str | None,
+        Field(
+            max_length=MAX_ID_LENGTH,
+            description="the wakes of the workers this worker delegated to (default inside "
+            "a worker: its own)",
+        ),
+    ] = None
+    timeout: Annotated[
+        ToolWait,
+        Field(
+            description=f"if none is pending, wait this long for one (0: do not wait); "
+            f"{WAIT_ADVICE}"
+        ),
+    ] = 0.0
+
+    def waits(self) -> float | None:
+        return self.timeout
+
+
+class ResumeArguments(Arguments):
+    worker: Annotated[
+        str | None,
+        Field(max_length=MAX_ID_LENGTH, description="an ended (not finished) worker to carry on"),
+    ] = None
+    run: Annotated[
+        str | None,
+        Field(
+            max_length=MAX_ID_LENGTH,
+            description="instead: a run, whose unfinished workers carry on",
+        ),
+    ] = None
+    timeout: Annotated[
+        float | None,
+        Field(
+            ge=0,
+            le=MAX_TIMEOUT,
+            allow_inf_nan=False,
+            description="a new time limit for the worker, in seconds (0: none)",
+        ),
+    ] = None
+
+
+class RestartArguments(Arguments):
+    worker: WorkerId
+    timeout: Annotated[
+        float | None,
+        Field(
+            ge=0,
+            le=MAX_TIMEOUT,
+            allow_inf_nan=False,
+            description="a new time limit for its new attempt, in seconds (0: none)",
+        ),
+    ] = None
+
+
+class LatestArguments(Arguments):
+    cwd: Annotated[
+        str | None,
+        Field(max_length=MAX_PATH_LENGTH, description="the directory (default: this server's)"),
+    ] = None
+
+
+A = TypeVar("A", bound=Arguments)
+
+
+def checked(model: type[A], arguments: dict[str, Any]) -> A:
+    """`arguments` as `model` takes them, or Invalid naming the first field at fault."""
+    try:
+        return model.model_validate(arguments)
+    except ValidationError as exc:
+        raise _invalid(exc) from None
+
+
+def _invalid(exc: ValidationError) -> Invalid:
+    error = exc.errors(include_url=False, include_input=False)[0]
+    field = ".".join(str(part) for part in error["loc"]) or "arguments"
+    kind, why = error["type"], error["msg"]
+    if kind == "extra_forbidden":
+        why = "not an argument of this tool"
+    elif kind == "missing":
+        why = "required"
+    elif kind == "value_error":
+        why = why.removeprefix("Value error, ")
+    return Invalid(field, why[:1].lower() + why[1:])

@@ -1,0 +1,246 @@
+"""subagentd-mcp's tools that start, see and act on workers: spawn (with a ready line),
+restart, list, status, send, stop, stop a run, cancel, resume, and the latest resumable run.
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+
+from subagentd.protocol import Cancel, Stop, StopRun
+from subagentd.protocol.errors import RemoteError
+
+from . import _core
+from . import _mcp_args as args
+from . import _mcp_bounds as bounds
+from . import _mcp_shapes as shapes
+from . import _mcp_text as text
+from ._async import AsyncClient
+from ._mcp_answer import Answer, Refusal, connection
+from ._mcp_reading import read_tail
+from ._text import printable
+
+#: Lines of output a spawn's `ready` answers when no line matched.
+READY_TAIL_LINES = 20
+
+
+async def subagent_spawn(a: args.SpawnArguments) -> Answer:
+    """Start a worker process under the subagentd supervisor and return its id and run.
+
+    Give `argv` (a command) or `agent` (a named agent); `env`, `grace`, `timeout`, `cwd`,
+    `input` as a process takes them. The worker runs in the background, outliving this
+    call: read its output with subagent_watch or subagent_grep, wait for it with
+    subagent_wait, stop it with subagent_stop, get its result with subagent_collect.
+    With `ready` (a regular expression), this call also waits, up to `ready_timeout`
+    seconds (keep it under 50: a host gives up on a call after its own timeout), until a
+    line of its output matches, and answers that line, or how it ended and the tail of
+    its output, or that it timed out (it still runs). Inside a worker, the new worker is
+    that worker's child."""
+    if not a.argv and a.agent is None:
+        raise args.Invalid("argv", "give argv (a command) or agent (a named agent)")
+    if a.ready is not None:
+        _check_pattern("ready", a.ready)
+    async with connection() as daemon:
+        view = await daemon.spawn(
+            a.argv or [],
+            name=a.name,
+            run=a.run,
+            agent=a.agent,
+            input=a.input,
+            cwd=a.cwd,
+            env=a.env,
+            timeout=a.timeout,
+            grace=a.grace,
+            key=a.key,
+            stdin_open=a.stdin_open,
+        )
+        if a.ready is None:
+            return Answer(f"spawned {text.worker_line(view)}", shapes.worker(view, time.time()))
+        try:
+            waited = await daemon.wait_for(view.id, a.ready, timeout=a.ready_timeout)
+        except RemoteError as exc:
+            raise Refusal(
+                str(exc.code), f"{exc.message} (worker {view.id} was started and runs on)"
+            ) from exc
+        tail = "" if waited.outcome == "matched" else await _ready_tail(daemon, view.id, a)
+    ready = {"outcome": waited.outcome, "line": waited.line, "tail": tail}
+    said = {
+        "matched": f"ready: {printable(waited.line or '')}",
+        "ended": "ended before a line matched; the tail of its output:\n",
+        "timed_out": f"no line matched within {a.ready_timeout:g} s (it runs on); the "
+        "tail of its output:\n",
+    }[waited.outcome]
+    body = text.lines_text(tail) if tail else ""
+    return Answer(
+        f"spawned {text.worker_line(waited.worker)}\n{said}{body}",
+        {**shapes.worker(waited.worker, time.time()), "ready": ready},
+    )
+
+
+def _check_pattern(field: str, pattern: str) -> None:
+    """Refuse a pattern RE2 will not compile, before anything is started with it (the
+    daemon checks it again, as it checks every pattern)."""
+    import re2  # type: ignore[import-untyped]  # google-re2 ships no types
+
+    options = re2.Options()
+    options.log_errors = False
+    try:
+        re2.compile(pattern, options)
+    except re2.error as exc:
+        reason = exc.args[0].decode(errors="replace") if exc.args else str(exc)
+        raise args.Invalid(
+            field, f"{reason} (patterns are RE2 syntax: no backreferences or lookaround)"
+        ) from None
+
+
+async def _ready_tail(daemon: AsyncClient, worker: str, a: args.SpawnArguments) -> str:
+    tail, _, _ = await read_tail(daemon, worker, READY_TAIL_LINES, None, None)
+    kept = bounds.tail_within(tail, bounds.Budget(a.max_bytes))
+    return b"".join(data for _, data, _ in kept.entries).decode(errors="replace")
+
+
+async def subagent_restart(a: args.RestartArguments) -> Answer:
+    """Restart a worker: stop it (and its subtree: TERM, then KILL after its grace), wait
+    until it has ended, then start a new attempt of it, same id, running what it was
+    spawned with (its frozen snapshot), with a new `timeout` if given. A worker that
+    finished well (exit 0) is refused: there is nothing to resume; spawn it afresh."""
+    async with connection() as daemon:
+        asked = Stop(id=0, worker=a.worker, wait=True)
+        stopped = _core.answer(asked, await daemon.request(asked))
+        if not stopped.found:
+            raise _core.unknown_worker(a.worker)
+        await daemon.wait(a.worker)
+        view = await daemon.resume(a.worker, timeout=a.timeout)
+    line = f"restarted {text.worker_line(view)} (stopped: {text.ids(stopped.stopped)})"
+    if view.changed:
+        line += f"; changed since its spawn: {printable(view.changed)}"
+    return Answer(line, {"stopped": stopped.stopped, "worker": shapes.resumed(view, time.time())})
+
+
+# -- seeing ------------------------------------------------------------------------------
+
+
+async def subagent_list(a: args.ListArguments) -> Answer:
+    """List the supervised workers: the running ones, or with `all` the ended ones too.
+
+    Inside a worker, only that worker and those it delegated to are listed."""
+    async with connection() as daemon:
+        views = await daemon.ls(all=a.all, run=a.run)
+    lines = "\n".join(text.worker_line(view) for view in views) or "no workers"
+    return Answer(lines, {"workers": [shapes.worker(view, time.time()) for view in views]})
+
+
+async def subagent_status(a: args.StatusArguments) -> Answer:
+    """Show one worker: its state (running, finished, failed, stopped...), pid, exit code,
+    its command, its working directory and how long it has run."""
+    async with connection() as daemon:
+        view = await daemon.status(a.worker)
+    now = time.time()
+    structured = shapes.worker(view, now)
+    if bounds.json_size(structured) > a.max_bytes - bounds.FOOTER:
+        # A command too long to carry whole: its first arguments, as a listing gives them.
+        kept: list[str] = []
+        room = a.max_bytes - bounds.FOOTER - bounds.json_size({**structured, "argv": []})
+        for argument in view.argv:
+            room -= bounds.json_size(argument) + 2
+            if room < 0:
+                break
+            kept.append(argument)
+        structured |= {"argv": kept, "argv_cut": True}
+    return Answer(text.status_text(view, now), structured)
+
+
+# -- acting ------------------------------------------------------------------------------
+
+
+async def subagent_send(a: args.SendArguments) -> Answer:
+    """Write text to a running worker's stdin; it must have been spawned with stdin_open.
+    Never blocks: `written` may be less than all of it when the worker is not reading
+    (send the rest later), and a worker whose pipe is full is refused `busy`. With `eof`,
+    its stdin is closed once all is written (many programs then finish)."""
+    async with connection() as daemon:
+        written: int = await daemon.send(a.worker, a.text, eof=a.eof)
+    closed = "; stdin closed" if a.eof else ""
+    return Answer(
+        f"wrote {written} bytes to {a.worker}{closed}",
+        {"worker": a.worker, "written": written, "eof": a.eof},
+    )
+
+
+async def subagent_stop(a: args.StopArguments) -> Answer:
+    """Stop a worker and every worker it delegated to (TERM, then KILL after its grace).
+
+    Inside a worker, only that worker's own subtree can be stopped."""
+    asked = Stop(id=0, worker=a.worker, wait=a.wait)
+    async with connection() as daemon:
+        answer = _core.answer(asked, await daemon.request(asked))
+    if not answer.found:
+        raise _core.unknown_worker(a.worker)
+    return _stopped(answer.stopped, answer.already_stopping)
+
+
+def _stopped(found: list[str], already: list[str]) -> Answer:
+    said = f"stopped: {text.ids(found)}" + (
+        f"; already stopping: {text.ids(already)}" if already else ""
+    )
+    return Answer(said, {"stopped": found, "already_stopping": already})
+
+
+async def subagent_stop_run(a: args.StopRunArguments) -> Answer:
+    """Stop a whole run: every worker in it and in the runs nested in it. Not offered
+    inside a worker: a run belongs to whoever started the workflow."""
+    asked = StopRun(id=0, run=a.run, wait=a.wait)
+    async with connection() as daemon:
+        answer = _core.answer(asked, await daemon.request(asked))
+    if not answer.found:
+        raise _core.unknown_run(a.run)
+    return _stopped(answer.stopped, answer.already_stopping)
+
+
+async def subagent_cancel(a: args.CancelArguments) -> Answer:
+    """Stop every worker in a scope; answers the ids cancelled. Inside a worker only
+    `worker:W` within its own subtree is allowed (the rest is forbidden)."""
+    asked = Cancel(id=0, scope=a.scope)
+    async with connection() as daemon:
+        answer = _core.answer(asked, await daemon.request(asked))
+    already = answer.already_stopping
+    said = f"cancelled: {text.ids(answer.cancelled)}" + (
+        f"; already stopping: {text.ids(already)}" if already else ""
+    )
+    return Answer(said, {"cancelled": answer.cancelled, "already_stopping": already})
+
+
+async def subagent_resume(a: args.ResumeArguments) -> Answer:
+    """Carry a stopped, failed or timed-out worker (or, for the user, a run) on from where
+    it stopped: same id, next attempt, running what it was spawned with. `changed` says
+    what changed on disk since its spawn. A worker that finished well, or still runs, is
+    refused."""
+    if (a.worker is None) == (a.run is None):
+        raise args.Invalid("worker", "give worker or run (one of them)")
+    async with connection() as daemon:
+        if a.worker is not None:
+            views = [await daemon.resume(a.worker, timeout=a.timeout)]
+        else:
+            if a.timeout is not None:
+                raise args.Invalid("timeout", "only with a worker")
+            assert a.run is not None
+            views = await daemon.resume_run(a.run)
+    lines = "\n".join(
+        f"resumed {text.worker_line(view)}"
+        + (f"; changed: {printable(view.changed)}" if view.changed else "")
+        for view in views
+    )
+    return Answer(
+        lines or "nothing was left to resume",
+        {"resumed": [shapes.resumed(view, time.time()) for view in views]},
+    )
+
+
+async def subagent_latest_resumable(a: args.LatestArguments) -> Answer:
+    """The newest run started in a directory that subagent_resume(run=...) would carry on,
+    and the workers it would; or the newest there and why it would not."""
+    async with connection() as daemon:
+        latest = await daemon.latest_resumable(a.cwd)
+    verdict = "resumable" if latest.resumable else f"not resumable: {latest.reason}"
+    return Answer(f"run {latest.run}: {printable(verdict)}", msgspec.to_builtins(latest))
