@@ -16,7 +16,6 @@ import socket
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import trio
@@ -202,6 +201,8 @@ async def main() -> None:
     )
     async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
         await session.initialize()
+        listed = (await session.list_tools()).tools
+        print(json.dumps({"offered": sorted(tool.name for tool in listed)}))
         for tool, arguments in calls:
             result = await session.call_tool(tool, arguments)
             text = " ".join(c.text for c in result.content if c.type == "text")
@@ -232,12 +233,17 @@ async def test_an_mcp_server_under_the_readmes_config_inside_a_worker_cannot_sto
         ended = await user.status(me.id)
         sibling_now = await user.status(sibling.id)
 
-    results: list[dict[str, Any]] = [json.loads(line) for line in printed.splitlines()]
+    offered, *results = [json.loads(line) for line in printed.splitlines()]
+    # The daemon told it whose it is (the host passed no token): a worker's tools only.
+    assert "subagent_stop" in offered["offered"]
+    assert "subagent_stop_run" not in offered["offered"], offered
     assert [r["tool"] for r in results] == [tool for tool, _ in calls], printed
-    *refused, listed = results
-    for result in refused:
+    stop, cancel, stop_run, listed = results
+    for result in (stop, cancel):
         assert result["is_error"], result
         assert result["text"].startswith("forbidden: "), result
+    assert stop_run["is_error"], stop_run
+    assert stop_run["text"] == "not_found: no tool 'subagent_stop_run' here", stop_run
     assert not listed["is_error"]
     assert sibling.id not in listed["text"]  # it sees only itself
     assert ended.state == "finished", ended
