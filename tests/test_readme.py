@@ -355,7 +355,10 @@ def test_readme_example_runs_as_shown(
     home = tmp_path / "home"
     home.mkdir()
     daemon_dirs.config = home / ".config" / "subagentd" / "agents.toml"
-    daemon_dirs.start(env={"PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', os.defpath)}"})
+    # The daemon as `make run` starts it: its venv's bin not on its PATH (the blocks'
+    # workers that run `subagentctl` find it because the daemon puts its own bin there).
+    path = os.environ.get("PATH", os.defpath).split(os.pathsep)
+    daemon_dirs.start(env={"PATH": os.pathsep.join(d for d in path if Path(d) != BIN)})
     where = tmp_path / "work"
     where.mkdir()
     run = {"console": _run_console, "python": _run_python, "toml": _check_agents_toml}
