@@ -11,6 +11,7 @@ import signal
 import subprocess
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import IO
 
 import pytest
@@ -274,6 +275,14 @@ def _read_line(stream: IO[bytes] | None, timeout: float = 10.0) -> str:
     return line.decode()
 
 
+def _stuck(pid: int) -> str:
+    """What a process that did not end is doing: its signal masks and where it waits."""
+    status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    masks = [line for line in status if line.startswith(("State", "SigBlk", "SigIgn", "SigCgt"))]
+    wchan = Path(f"/proc/{pid}/wchan").read_text()
+    return f"{'; '.join(masks)}; wchan {wchan}"
+
+
 def test_ctl_events_follows_until_ctrl_c_and_acknowledges_what_it_printed(
     daemon: DaemonProcess,
 ) -> None:
@@ -297,7 +306,10 @@ def test_ctl_events_follows_until_ctrl_c_and_acknowledges_what_it_printed(
                 assert (document["id"], document["preview"]) == (worker, f"{text}\n")
                 printed.append(worker)
             follower.send_signal(signal.SIGINT)
-            assert follower.wait(timeout=10) == 130
+            try:
+                assert follower.wait(timeout=10) == 130
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"Ctrl-C did not end it: {_stuck(follower.pid)}") from None
             assert follower.stdout is not None
             assert follower.stdout.read() == b""
         finally:

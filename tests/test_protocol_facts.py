@@ -15,7 +15,7 @@ from subagentd import protocol as p
 from subagentd.client import AsyncClient
 
 from .conftest import DaemonProcess
-from .helpers import Connect, RawConnection, sh
+from .helpers import Connect, RawConnection, sh, wait_output
 from .inprocess import held, in_process
 
 
@@ -82,7 +82,10 @@ async def test_a_workers_token_opens_a_connection_while_its_handle_is_held(
     collected (or past the TTL): the token names no worker the daemon holds."""
     with trio.fail_after(30):
         async with AsyncClient(daemon.socket) as client:
-            worker = await client.spawn(sh("sleep 60"))
+            # A shell that stays (no exec into `sleep`, in whose midst its environ reads
+            # empty), read once it has said it runs.
+            worker = await client.spawn(sh("echo ready; while :; do sleep 1; done"))
+            await wait_output(client, worker.id, b"ready")
         assert worker.pid is not None  # its token is handed to its process alone: read there
         token = _token_of(worker.pid)
         welcome = await _hello_with(daemon, token)
