@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
@@ -300,7 +301,10 @@ async def test_while_stopping_the_daemon_starts_nothing_new(
             with pytest.raises(Refused, match="shutting down"):
                 await client.spawn(["sleep", "60"])
         gate.touch()
-        assert await trio.to_thread.run_sync(daemon.proc.wait, 20) == 0
+        try:
+            assert await trio.to_thread.run_sync(daemon.proc.wait, 20) == 0
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the daemon did not stop; its log:\n{daemon.log()}") from None
         assert slow.pid is not None
         assert not alive(slow.pid)
 
