@@ -582,3 +582,29 @@ def test_a_session_placed_in_a_workers_cgroup_closes_on_another_workers_token() 
     assert "may not present worker w-other's token" in closed.error.message
     assert not session.welcomed
     assert session.caller is None
+
+
+async def test_a_worker_whose_cgroup_cannot_be_made_is_not_started_outside_it(
+    kernel: DaemonProcess, user: AsyncClient
+) -> None:
+    # Started outside its cgroup (once, the fallback to scanning), a worker was outside
+    # every worker's: its tokenless connections acted for the user. Now it is not started.
+    with trio.fail_after(60):
+        sibling = await user.spawn(["sleep", "60"])
+        base = Path((await user.info()).tree_tracking.removeprefix("cgroup "))
+        limit = base / "cgroup.max.descendants"
+        limit.write_text("1")  # the sibling's: no room for another
+        try:
+            me = await user.spawn(tokenless(f"stop {sibling.id}"), run=sibling.run)
+        finally:
+            limit.write_text("max")
+        ended = await user.wait(me.id)
+        sibling_now = await user.status(sibling.id)
+        log = kernel.log()
+        again = await user.spawn(["true"])  # room again: spawns as before
+        assert (await user.wait(again.id)).state == "finished"
+    assert me.pid is None, me  # nothing ran
+    assert ended.state == "failed", ended
+    assert f"cannot use {base / me.id}" in log
+    assert "its connections would act for the user; nothing was started" in log
+    assert sibling_now.state == "running"

@@ -180,6 +180,9 @@ class LocalLauncher:
             stdin_path=stdin_path,
             stdin_open=stdin_open,
             cgroup=self._group(worker_id),
+            # Where connections are placed by cgroup, one outside every worker's acts for
+            # the user: a worker must never start outside its own.
+            cgroup_required=self.authority == "kernel",
         )
         if process.cgroup_error is not None:
             log.warning("worker.no_cgroup", worker=worker_id, error=process.cgroup_error)

@@ -57,6 +57,10 @@ class OutOfDescriptors(SpawnFailed):
         )
 
 
+class _CgroupRequired(Exception):
+    """The worker's cgroup could not be used, and it may not start without one."""
+
+
 @dataclass(eq=False)
 class WorkerProcess:
     pid: int
@@ -84,10 +88,12 @@ class WorkerProcess:
         stdin_path: str | None,
         stdin_open: bool = False,
         cgroup: WorkerCgroup | None = None,
+        cgroup_required: bool = False,
     ) -> WorkerProcess:
         """Start `argv` in its own process group (and `cgroup`) with piped stdout and stderr;
         its stdin the file at `stdin_path`, a pipe the daemon writes (`stdin_open`), or
-        /dev/null."""
+        /dev/null. A `cgroup` that cannot be used is done without (the tree is found by
+        scanning), unless `cgroup_required`: then SpawnFailed, before anything runs."""
         cgroup_error = None
         made: list[int] = []  # every descriptor this spawn made, closed if it goes no further
         stdin_w: int | None = None
@@ -127,7 +133,20 @@ class WorkerProcess:
                             cgroup.remove()
                         cgroup_error = f"cannot use {cgroup.path}: {exc.strerror or exc}"
                         cgroup = None
+                        if cgroup_required:
+                            raise _CgroupRequired(cgroup_error) from exc
                 pid = _start(argv, cwd=cwd, env=env, stdin=stdin, stdout=out_w, stderr=err_w)
+        except _CgroupRequired as exc:
+            for end in (out_r, err_r, stdin_w):  # the others: `finally`
+                if end is not None:
+                    os.close(end)
+            cause = exc.__cause__
+            if isinstance(cause, OSError) and cause.errno in DESCRIPTOR_ERRNOS:
+                raise OutOfDescriptors(cause) from cause
+            raise SpawnFailed(
+                f"{exc}: a worker outside its cgroup would be no worker's to the daemon, and "
+                "its connections would act for the user; nothing was started"
+            ) from exc
         except (OSError, ValueError, TypeError) as exc:  # ValueError: a NUL in an argument
             for end in (out_r, err_r, stdin_w):
                 if end is not None:
