@@ -172,7 +172,7 @@ def matches_within(matches: Sequence[GrepMatch], budget: Budget) -> tuple[list[G
 
 
 def _line_cut(match: GrepMatch, length: int) -> GrepMatch:
-    return GrepMatch(line_no=match.line_no, kind=match.kind, line=match.line[:length])
+    return GrepMatch(line_no=match.line_no, kind=match.kind, line=match.line[:length], cut=True)
 
 
 def _match_costs(match: GrepMatch) -> tuple[int, int]:
@@ -182,8 +182,10 @@ def _match_costs(match: GrepMatch) -> tuple[int, int]:
         "line": match.line,
         "before": match.before,
         "after": match.after,
+        "cut": match.cut,
     }
-    return size(match_text(match)), json_size(structured)
+    # And the ", " that parts it from the match before it in the list.
+    return size(match_text(match)), json_size(structured) + 2
 
 
 def text_within(raw: str, budget: Budget) -> tuple[str, bool]:
