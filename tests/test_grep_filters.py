@@ -22,6 +22,7 @@ from subagentd.protocol import Entry, OutputKind
 
 from .conftest import DaemonProcess
 from .helpers import Connect, sh
+from .test_cli import js, json_error, ok, said, spawn
 
 
 def _scan(entries: list[Entry], **filters: Any) -> LineScanner:
@@ -174,3 +175,33 @@ async def test_hostile_filters_are_refused_naming_the_field(
         after = await conn.receive()
         assert isinstance(after, p.Error)
         assert (after.id, after.code) == (8, "not_found")
+
+
+def test_subagentctl_grep_takes_since_and_stream(daemon: DaemonProcess) -> None:
+    gate = daemon.root / "gate"
+    script = (
+        "echo hit out 1; echo hit err 1 >&2; "
+        f"while [ ! -e {gate} ]; do sleep 0.02; done; echo hit out 2; echo hit err 2 >&2"
+    )
+    worker = spawn(daemon, "--", "sh", "-c", script)
+    ok(daemon.ctl("wait", worker["id"], "--for", "err 1", "--timeout", "20"))
+    between = time.time()
+    gate.touch()
+    ok(daemon.ctl("wait", worker["id"]))
+    errors = js(daemon, "grep", worker["id"], "hit", "--stream", "stderr", "--max", "2")
+    assert [m["line"] for m in errors["matches"]] == ["hit err 1", "hit err 2"]
+    late = js(daemon, "grep", worker["id"], "hit", "--since", str(between))
+    assert sorted(m["line"] for m in late["matches"]) == ["hit err 2", "hit out 2"]
+    recent = ok(daemon.ctl("grep", worker["id"], "out", "--since", "10m"))
+    assert [line.split(":", 1)[1] for line in recent.stdout.splitlines()] == [
+        "hit out 1",
+        "hit out 2",
+    ]
+    future = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(between + 3600))
+    none = daemon.ctl("grep", worker["id"], "hit", "--since", future)
+    assert (none.returncode, none.stdout) == (4, ""), said(none)
+    for hostile in ("nan", "inf", "-1", "1e300", "soon", "x" * 100, "99999999999d"):
+        refused = daemon.ctl("--json", "grep", worker["id"], "hit", "--since", hostile)
+        assert json_error(refused, "invalid").startswith("--since: "), hostile
+    usage = daemon.ctl("grep", worker["id"], "hit", "--stream", "stdin")
+    assert usage.returncode == 2, said(usage)
