@@ -269,6 +269,15 @@ class ListArguments(Arguments):
     run: Annotated[
         str | None, Field(max_length=MAX_ID_LENGTH, description="only the workers of this run")
     ] = None
+    cursor: Annotated[
+        str | None,
+        Field(
+            min_length=1,
+            max_length=MAX_NAME_LENGTH,
+            description="list the workers after this place: a previous answer's `next`",
+        ),
+    ] = None
+    max_bytes: MaxBytes = DEFAULT_MAX_BYTES
 
 
 class StatusArguments(Arguments):

@@ -58,6 +58,12 @@ class WorkerOut(Shape):
 
 class WorkersOut(Shape):
     workers: list[WorkerOut]
+    next: str | None = Field(
+        default=None,
+        description="pass as `cursor`, with the same arguments, for the workers after "
+        "these; null: the listing is complete",
+    )
+    truncated: bool = Field(default=False, description="max_bytes cut the listing short")
 
 
 class EntryOut(Shape):
