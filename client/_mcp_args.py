@@ -459,6 +459,29 @@ class ResumeArguments(Arguments):
     ] = None
 
 
+class WorkerResumeArguments(Arguments):
+    """subagent_resume's arguments inside a worker, which may resume a worker of its
+    subtree but never a run (the daemon refuses a worker's resume_run): no `run`."""
+
+    worker: Annotated[
+        str,
+        Field(
+            min_length=1,
+            max_length=MAX_ID_LENGTH,
+            description="an ended (not finished) worker of your subtree to carry on",
+        ),
+    ]
+    timeout: Annotated[
+        float | None,
+        Field(
+            ge=0,
+            le=MAX_TIMEOUT,
+            allow_inf_nan=False,
+            description="a new time limit for the worker, in seconds (0: none)",
+        ),
+    ] = None
+
+
 class RestartArguments(Arguments):
     worker: WorkerId
     timeout: Annotated[
