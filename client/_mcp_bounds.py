@@ -134,11 +134,13 @@ def tail_within(entries: Sequence[tuple[Entry, bytes]], budget: Budget) -> Kept:
     allows; `next` is the cursor to read what was left out before them from."""
     chosen: list[tuple[Entry, bytes, bool]] = []
     truncated = False
-    for entry, data in reversed(entries):
+    for index in range(len(entries) - 1, -1, -1):
+        entry, data = entries[index]
         if budget.take(*_costs(entry, data, False)):
             chosen.append((entry, data, False))
             continue
-        truncated = True
+        # Cut short only if output is left out (not an empty entry alone).
+        truncated = bool(data) or any(earlier for _, earlier in entries[:index])
 
         def cost(n: int, entry: Entry = entry, data: bytes = data) -> tuple[int, int]:
             return _costs(entry, data[_utf8_start(data, len(data) - n) :], True)
