@@ -268,8 +268,8 @@ async def subagent_grep(a: args.GrepArguments) -> Answer:
     said_cut = [match.line_no for match in kept if match.cut]
     if said_cut:
         more += (
-            f"; line {said_cut[0]}'s match was too long for max_bytes and is cut: call with "
-            f"cursor={said_cut[0] - 1} and a larger max_bytes to see it whole"
+            f"; line {said_cut[0]} is cut to fit: cursor={said_cut[0] - 1} and a larger "
+            "max_bytes show it whole"
         )
     return Answer(
         text.with_footer(body, more, "no match"),

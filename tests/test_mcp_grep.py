@@ -122,7 +122,7 @@ async def test_a_match_too_long_for_max_bytes_is_cut_and_the_text_says_how_to_se
             assert (long["line_no"], long["cut"]) == (2, True)
             assert long["line"].startswith("long 000")
             assert second["next"] == 2  # past it: it would not fit the next time either
-            assert "call with cursor=1 and a larger max_bytes to see it whole" in body
+            assert "line 2 is cut to fit: cursor=1 and a larger max_bytes show it whole" in body
             third = await call(
                 session,
                 "subagent_grep",
