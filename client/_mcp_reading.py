@@ -75,14 +75,18 @@ async def _page(daemon: AsyncClient, a: args.WatchArguments, since: float | None
     if not kept.truncated:
         kept.next, kept.offset = page.next, 0
     complete = page.complete and not kept.truncated
+    # With `since`, the time it stood for: a `10m` said again later would skip what was
+    # written between.
+    same_time = "" if since is None else f" and since={since!r}"
     if kept.truncated:
         more = f"truncated at max_bytes: call subagent_watch with cursor={kept.next}" + (
             f" and offset={kept.offset}" if kept.offset else ""
         )
+        more += same_time
     elif complete:
         more = "the worker has ended"
     else:
-        more = f"next cursor: {kept.next}"
+        more = f"next cursor: {kept.next}" + ("" if since is None else f" (since={since!r})")
     return Answer(
         text.with_footer(kept.text(), more, "no entries"),
         {
