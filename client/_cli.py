@@ -46,6 +46,7 @@ from subagentd.protocol import (
 )
 from subagentd.protocol.errors import (
     Busy,
+    Invalid,
     NotFound,
     ProtocolError,
     Refused,
@@ -56,6 +57,7 @@ from subagentd.protocol.errors import (
 from . import _core, _top
 from ._sync import Client
 from ._text import PrintableStream, printable, printable_lines
+from ._when import SINCE_SYNTAX, parse_since
 
 EXIT_OK = 0
 EXIT_REFUSED = 1
@@ -538,9 +540,21 @@ def wait(daemon: Client, args: argparse.Namespace, out: Output) -> int | None:
 
 
 def grep(daemon: Client, args: argparse.Namespace, out: Output) -> int:
+    written_since = None
+    if args.since is not None:
+        try:
+            written_since = parse_since(args.since, time.time())
+        except ValueError as exc:
+            raise Invalid(f"--since: {exc}") from None
     # Answer by answer (each bounded in bytes by the daemon), up to --max matches in all.
     found = daemon.grep_all(
-        args.worker, args.pattern, before=args.before, after=args.after, limit=args.max
+        args.worker,
+        args.pattern,
+        before=args.before,
+        after=args.after,
+        limit=args.max,
+        written_since=written_since,
+        stream=args.stream,
     )
     out.grep_found(found)
     return EXIT_OK if found.matches else EXIT_NO_MATCH
@@ -849,9 +863,11 @@ def parser() -> argparse.ArgumentParser:
         "answers in parts of at most 2 MiB, which grep asks for one after the other; a "
         "match too long for one (its context, or the line itself) is cut. A grep scans at "
         "most 64 MiB of the journal from its start; when that or --max is reached it says "
-        "there may be more. Exit 0 if a line matched, 4 if none did. --json prints matches "
-        "(line_no, kind, line, before, after, cut), truncated and next (the line to go on "
-        "after).",
+        "there may be more. --since and --stream keep only the lines written since a time, "
+        "or of one stream, in the daemon (so --max counts only those); the other lines are "
+        "still numbered, and still context. (--since here is a time; watch's --since is a "
+        "cursor.) Exit 0 if a line matched, 4 if none did. --json prints matches (line_no, "
+        "kind, line, before, after, cut), truncated and next (the line to go on after).",
     )
     sub.add_argument("worker", metavar="ID")
     sub.add_argument("pattern", metavar="PATTERN")
@@ -864,6 +880,10 @@ def parser() -> argparse.ArgumentParser:
     sub.add_argument(
         "--max", metavar="N", type=int, default=100, help="at most N matches in all (default 100)"
     )
+    sub.add_argument(
+        "--since", metavar="WHEN", help=f"only lines written since WHEN: {SINCE_SYNTAX}"
+    )
+    sub.add_argument("--stream", choices=("stdout", "stderr"), help="only the lines of this stream")
 
     sub = command(
         "send",

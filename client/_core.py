@@ -43,6 +43,7 @@ from subagentd.protocol import (
     LatestResumable,
     ListWorkers,
     NewRun,
+    OutputKind,
     Page,
     Reload,
     ReloadReply,
@@ -304,6 +305,8 @@ def grep(
     limit: int = 100,
     since: int = 0,
     max_bytes: int = DEFAULT_ANSWER_BYTES,
+    written_since: float | None = None,
+    stream: OutputKind | None = None,
 ) -> Call[GrepResult]:
     request = Grep(
         id=0,
@@ -314,6 +317,8 @@ def grep(
         limit=limit,
         since=since,
         max_bytes=max_bytes,
+        written_since=written_since,
+        stream=stream,
     )
     return _call(request, lambda reply: reply.result)
 
@@ -492,9 +497,13 @@ class GrepCursor:
         after: int = 0,
         limit: int = 100,
         max_bytes: int = DEFAULT_ANSWER_BYTES,
+        written_since: float | None = None,
+        stream: OutputKind | None = None,
     ) -> None:
         self.worker_id = worker_id
         self.pattern = pattern
+        self.written_since = written_since
+        self.stream = stream
         self.before = before
         self.after = after
         self.limit = limit
@@ -515,6 +524,8 @@ class GrepCursor:
             limit=min(self.limit - len(self.matches), MAX_GREP_MATCHES),
             since=self.since,
             max_bytes=self.max_bytes,
+            written_since=self.written_since,
+            stream=self.stream,
         )
 
     def take(self, reply: Reply) -> list[GrepMatch]:

@@ -115,7 +115,7 @@ def listing(acting_as: str | None) -> list[McpTool]:
         McpTool(
             name=tool.name,
             description=tool.description,
-            input_schema=tool.arguments.model_json_schema(),
+            input_schema=tool.arguments_for(acting_as).model_json_schema(),
             output_schema=output_schema(tool.output),
             annotations=tool.hints,
         )
@@ -151,10 +151,14 @@ async def call_tool(
     """One tool call, answered: a refusal (the daemon's, this server's, or of the
     arguments) as a tool error; the server serves on whatever the call did."""
     tool = _BY_NAME.get(params.name)
-    if tool is None or not offered(tool, await caller()):
+    acting_as = await caller()
+    if tool is None or not offered(tool, acting_as):
         return error_result("not_found", f"no tool {params.name!r} here")
     try:
-        arguments = args.checked(tool.arguments, dict(params.arguments or {}))
+        given = dict(params.arguments or {})
+        # Inside a worker, first as it is offered there: what it leaves out is refused.
+        args.checked(tool.arguments_for(acting_as), given)
+        arguments = args.checked(tool.arguments, given)
         if not tool.blocks or (ctx.meta or {}).get("progress_token") is None:
             return _success(await tool.run(arguments))
         return _success(await _posting_progress(ctx, tool, arguments))

@@ -9,9 +9,6 @@ check the daemon makes. A refusal of the arguments reads as the daemon's do:
 
 from __future__ import annotations
 
-import datetime
-import math
-import re
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
@@ -27,6 +24,7 @@ from subagentd.protocol import (
     MAX_ARG_BYTES,
     MAX_ARGS,
     MAX_CONTEXT_LINES,
+    MAX_EPOCH,
     MAX_GRACE,
     MAX_GREP_MATCHES,
     MAX_ID_LENGTH,
@@ -39,6 +37,8 @@ from subagentd.protocol import (
     MAX_SEND_BYTES,
     MAX_TIMEOUT,
 )
+
+from ._when import MAX_SINCE_LENGTH, parse_since
 
 #: The longest one tool call may be asked to wait. A host gives up on a call long before
 #: (the TypeScript SDK after 60 s): the descriptions ask for short waits, called again.
@@ -57,9 +57,6 @@ WAIT_ADVICE = (
     "keep it short (under 50 s: a host gives up on a call after its own timeout, often "
     "60 s) and call again to wait longer"
 )
-
-_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86_400.0}
-_AGO = re.compile(r"(\d+(?:\.\d+)?)\s*([smhd])")
 
 
 class Invalid(Exception):
@@ -80,44 +77,28 @@ def _utf8_within(limit: int) -> Any:
     return AfterValidator(check)
 
 
-def parse_since(text: str, now: float) -> float:
-    """A point in time, as seconds since the epoch (UTC), from ``10m``/``90s``/``2h``/``1d``
-    (that long ago, combinable: ``1h30m``), an ISO 8601 time (UTC unless it names its
-    offset), or seconds since the epoch."""
-    spoken = text.strip()
-    if spoken and _AGO.sub("", spoken.replace(" ", "")) == "":
-        ago = sum(float(n) * _UNITS[unit] for n, unit in _AGO.findall(spoken.replace(" ", "")))
-        return now - ago
-    try:
-        seconds = float(spoken)
-    except ValueError:
-        pass
-    else:
-        if math.isfinite(seconds) and seconds >= 0:
-            return seconds
-        raise ValueError("seconds since the epoch must be finite and not negative")
-    try:
-        when = datetime.datetime.fromisoformat(spoken)
-    except ValueError:
-        raise ValueError(
-            "a duration ago (10m, 90s, 2h, 1d, 1h30m), an ISO 8601 time "
-            "(2026-01-31T12:00:00Z) or seconds since the epoch"
-        ) from None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=datetime.UTC)
-    return when.timestamp()
-
-
 def _since_checked(text: str | None) -> str | None:
+    # Its words checked here (a duration as if said at the latest time there is); the
+    # time it names is found, and checked again, when the call runs (`since_of`).
     if text is not None:
-        parse_since(text, 0.0)
+        parse_since(text, MAX_EPOCH)
     return text
+
+
+def since_of(text: str | None, now: float) -> float | None:
+    """The time a `since` argument names, said at `now`; Invalid if it is out of reach."""
+    if text is None:
+        return None
+    try:
+        return parse_since(text, now)
+    except ValueError as exc:
+        raise Invalid("since", str(exc)) from None
 
 
 def _bounded_text(text: str | None) -> str | None:
     # A string where a time is asked: checked before it is parsed, never huge.
-    if isinstance(text, str) and len(text) > 64:
-        raise ValueError("at most 64 characters")
+    if isinstance(text, str) and len(text) > MAX_SINCE_LENGTH:
+        raise ValueError(f"at most {MAX_SINCE_LENGTH} characters")
     return text
 
 
@@ -288,6 +269,15 @@ class ListArguments(Arguments):
     run: Annotated[
         str | None, Field(max_length=MAX_ID_LENGTH, description="only the workers of this run")
     ] = None
+    cursor: Annotated[
+        str | None,
+        Field(
+            min_length=1,
+            max_length=MAX_NAME_LENGTH,
+            description="list the workers after this place: a previous answer's `next`",
+        ),
+    ] = None
+    max_bytes: MaxBytes = DEFAULT_MAX_BYTES
 
 
 class StatusArguments(Arguments):
@@ -339,6 +329,16 @@ class GrepArguments(Arguments):
         int, Field(ge=0, le=MAX_CONTEXT_LINES, description="lines of context after each match")
     ] = 0
     limit: Annotated[int, Field(ge=1, le=MAX_GREP_MATCHES, description="matches at most")] = 100
+    cursor: Annotated[
+        int | None,
+        Field(
+            ge=0,
+            le=MAX_INT,
+            description="only matches on lines after this line number: a previous answer's "
+            "`next` (0, or absent: from the start)",
+        ),
+    ] = None
+    since: Since = None
     stream: Stream = None
     max_bytes: MaxBytes = DEFAULT_MAX_BYTES
 
@@ -448,6 +448,29 @@ class ResumeArguments(Arguments):
             description="instead: a run, whose unfinished workers carry on",
         ),
     ] = None
+    timeout: Annotated[
+        float | None,
+        Field(
+            ge=0,
+            le=MAX_TIMEOUT,
+            allow_inf_nan=False,
+            description="a new time limit for the worker, in seconds (0: none)",
+        ),
+    ] = None
+
+
+class WorkerResumeArguments(Arguments):
+    """subagent_resume's arguments inside a worker, which may resume a worker of its
+    subtree but never a run (the daemon refuses a worker's resume_run): no `run`."""
+
+    worker: Annotated[
+        str,
+        Field(
+            min_length=1,
+            max_length=MAX_ID_LENGTH,
+            description="an ended (not finished) worker of your subtree to carry on",
+        ),
+    ]
     timeout: Annotated[
         float | None,
         Field(

@@ -134,11 +134,13 @@ def tail_within(entries: Sequence[tuple[Entry, bytes]], budget: Budget) -> Kept:
     allows; `next` is the cursor to read what was left out before them from."""
     chosen: list[tuple[Entry, bytes, bool]] = []
     truncated = False
-    for entry, data in reversed(entries):
+    for index in range(len(entries) - 1, -1, -1):
+        entry, data = entries[index]
         if budget.take(*_costs(entry, data, False)):
             chosen.append((entry, data, False))
             continue
-        truncated = True
+        # Cut short only if output is left out (not an empty entry alone).
+        truncated = bool(data) or any(earlier for _, earlier in entries[:index])
 
         def cost(n: int, entry: Entry = entry, data: bytes = data) -> tuple[int, int]:
             return _costs(entry, data[_utf8_start(data, len(data) - n) :], True)
@@ -172,7 +174,7 @@ def matches_within(matches: Sequence[GrepMatch], budget: Budget) -> tuple[list[G
 
 
 def _line_cut(match: GrepMatch, length: int) -> GrepMatch:
-    return GrepMatch(line_no=match.line_no, kind=match.kind, line=match.line[:length])
+    return GrepMatch(line_no=match.line_no, kind=match.kind, line=match.line[:length], cut=True)
 
 
 def _match_costs(match: GrepMatch) -> tuple[int, int]:
@@ -182,8 +184,10 @@ def _match_costs(match: GrepMatch) -> tuple[int, int]:
         "line": match.line,
         "before": match.before,
         "after": match.after,
+        "cut": match.cut,
     }
-    return size(match_text(match)), json_size(structured)
+    # And the ", " that parts it from the match before it in the list.
+    return size(match_text(match)), json_size(structured) + 2
 
 
 def text_within(raw: str, budget: Budget) -> tuple[str, bool]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from subagentd.protocol import Entry
+from subagentd.protocol import MIN_ANSWER_BYTES, Entry, GrepMatch, GrepResult
 
 from . import _mcp_args as args
 from . import _mcp_bounds as bounds
@@ -38,7 +38,7 @@ async def subagent_watch(a: args.WatchArguments) -> Answer:
     from. Does not wait: use subagent_wait to wait for output or for the end."""
     if a.last is not None and (a.cursor is not None or a.offset):
         raise args.Invalid("last", "give cursor (and offset) or last, not both")
-    since = None if a.since is None else args.parse_since(a.since, time.time())
+    since = args.since_of(a.since, time.time())
     async with connection() as daemon:
         if a.last is not None:
             return await _tail(daemon, a, since)
@@ -75,14 +75,18 @@ async def _page(daemon: AsyncClient, a: args.WatchArguments, since: float | None
     if not kept.truncated:
         kept.next, kept.offset = page.next, 0
     complete = page.complete and not kept.truncated
+    # With `since`, the time it stood for: a `10m` said again later would skip what was
+    # written between.
+    same_time = "" if since is None else f" and since={since!r}"
     if kept.truncated:
         more = f"truncated at max_bytes: call subagent_watch with cursor={kept.next}" + (
             f" and offset={kept.offset}" if kept.offset else ""
         )
+        more += same_time
     elif complete:
         more = "the worker has ended"
     else:
-        more = f"next cursor: {kept.next}"
+        more = f"next cursor: {kept.next}" + ("" if since is None else f" (since={since!r})")
     return Answer(
         text.with_footer(kept.text(), more, "no entries"),
         {
@@ -228,27 +232,63 @@ def _lines_in(data: bytes) -> int:
 async def subagent_grep(a: args.GrepArguments) -> Answer:
     """Search a worker's output (stdout and stderr, line by line) for a regular expression.
 
-    Runs in the daemon over the whole journal, bounded: `truncated` says a bound was hit
-    (`limit`, `max_bytes`, or the daemon's on its work). Each match has its 1-based line
-    number and the lines around it; `stream` keeps the matches of one stream only (after
-    the search: `limit` counts both)."""
+    Runs in the daemon over the whole journal, bounded. Each match has its 1-based line
+    number and the lines around it. `since` keeps only lines written since then (10m, an
+    ISO time), `stream` only stdout or stderr lines: both filtered in the daemon, so
+    `limit` counts only the matches they keep. An answer cut short (by `limit`,
+    `max_bytes` or the daemon's bounds) says `truncated` and gives `next`: call again
+    with the same arguments and `cursor` = `next` for the matches after, none lost or
+    repeated (the text says exactly how); `next` is null when nothing more is to be had."""
+    when = args.since_of(a.since, time.time())
     async with connection() as daemon:
         found = await daemon.grep(
-            a.worker, a.pattern, before=a.before, after=a.after, limit=a.limit
+            a.worker,
+            a.pattern,
+            before=a.before,
+            after=a.after,
+            limit=a.limit,
+            since=a.cursor or 0,
+            max_bytes=max(MIN_ANSWER_BYTES, a.max_bytes),
+            written_since=when,
+            stream=a.stream,
         )
-    matches = [m for m in found.matches if a.stream is None or m.kind == a.stream]
-    kept, cut = bounds.matches_within(matches, bounds.Budget(a.max_bytes))
-    truncated = found.truncated or cut
-    body = "".join(text.match_text(match) for match in kept) or "no match\n"
-    if cut:
-        last = kept[-1].line_no if kept else 0
-        body += (
-            f"[truncated at max_bytes after line {last}: narrow the pattern, ask fewer "
-            "before/after lines, or raise max_bytes]"
-        )
+    kept, cut = bounds.matches_within(found.matches, bounds.Budget(a.max_bytes))
+    go_on = _grep_next(found, kept, cut)
+    body = "".join(text.match_text(match) for match in kept)
+    again = f"call subagent_grep with the same arguments and cursor={go_on}"
+    if a.since is not None:
+        again += f" and since={when!r}"  # the same time, not `10m` from a later now
+    if go_on is not None and (cut or len(found.matches) < a.limit):
+        more = f"truncated at max_bytes after line {go_on}: {again}"
+    elif go_on is not None:
+        more = f"limit reached after line {go_on}, there may be more: {again}"
     elif found.truncated:
-        body += "[truncated: there may be more matches; narrow the pattern or raise limit]"
+        more = (
+            "truncated: the daemon scans at most the first 64 MiB of a worker's output; "
+            "read past it with subagent_watch"
+        )
+    else:
+        more = "no more matches"
+    said_cut = [match.line_no for match in kept if match.cut]
+    if said_cut:
+        more += (
+            f"; line {said_cut[0]} is cut to fit: cursor={said_cut[0] - 1} and a larger "
+            "max_bytes show it whole"
+        )
     return Answer(
-        body.rstrip("\n"),
-        {"matches": [msgspec.to_builtins(m) for m in kept], "truncated": truncated},
+        text.with_footer(body, more, "no match"),
+        {
+            "matches": [msgspec.to_builtins(match) for match in kept],
+            "truncated": found.truncated or cut,
+            "next": go_on,
+        },
     )
+
+
+def _grep_next(found: GrepResult, kept: list[GrepMatch], cut: bool) -> int | None:
+    """The cursor the next call goes on from: after the last match sent whole, so that a
+    match `max_bytes` left out comes in the next answer; past the first match only when
+    it alone was cut to fit (it would not fit the next time either); else the daemon's."""
+    if not cut:
+        return found.next
+    return kept[-1].line_no

@@ -58,6 +58,12 @@ class WorkerOut(Shape):
 
 class WorkersOut(Shape):
     workers: list[WorkerOut]
+    next: str | None = Field(
+        default=None,
+        description="pass as `cursor`, with the same arguments, for the workers after "
+        "these; null: the listing is complete",
+    )
+    truncated: bool = Field(default=False, description="max_bytes cut the listing short")
 
 
 class EntryOut(Shape):
@@ -84,6 +90,11 @@ class GrepMatchOut(Shape):
     line: str
     before: list[str]
     after: list[str]
+    cut: bool = Field(
+        default=False,
+        description="alone over max_bytes, it was cut to fit (context left out, or the "
+        "line itself cut)",
+    )
 
 
 class GrepOut(Shape):
@@ -91,6 +102,11 @@ class GrepOut(Shape):
     truncated: bool = Field(
         description="a bound was hit (limit, max_bytes, or the daemon's on its work): "
         "there may be more matches"
+    )
+    next: int | None = Field(
+        default=None,
+        description="pass as `cursor`, with the same arguments, for the matches after "
+        "these; null: nothing more to be had",
     )
 
 

@@ -66,6 +66,9 @@ class Tool:
     requests: Sequence[type[Request[Any]]]
     #: It can wait (for an end, a line, a stop): progress goes to a host that asks.
     blocks: bool = False
+    #: What it takes inside a worker, if less than `arguments` (what a worker may never
+    #: ask for left out): offered there, and checked first there.
+    worker_arguments: type[args.Arguments] | None = None
 
     @property
     def name(self) -> str:
@@ -79,6 +82,12 @@ class Tool:
     def for_workers(self) -> bool:
         return all(request.for_workers for request in self.requests)
 
+    def arguments_for(self, acting_as: str | None) -> type[args.Arguments]:
+        """What it takes for whom this server acts (None: the user)."""
+        if acting_as is not None and self.worker_arguments is not None:
+            return self.worker_arguments
+        return self.arguments
+
 
 def _tool(
     run: Callable[[Any], Awaitable[Answer]],
@@ -86,9 +95,10 @@ def _tool(
     hints: ToolAnnotations,
     *requests: type[Request[Any]],
     blocks: bool = False,
+    worker_arguments: type[args.Arguments] | None = None,
 ) -> Tool:
     arguments = cast("type[args.Arguments]", typing.get_type_hints(run)["a"])
-    return Tool(run, arguments, output, hints, requests, blocks)
+    return Tool(run, arguments, output, hints, requests, blocks, worker_arguments)
 
 
 TOOLS: tuple[Tool, ...] = (
@@ -105,6 +115,12 @@ TOOLS: tuple[Tool, ...] = (
     _tool(subagent_cancel, shapes.CancelledOut, STOPS, Cancel, blocks=True),
     _tool(subagent_collect, shapes.ResultOut, CHANGES, Collect, blocks=True),
     _tool(subagent_events, shapes.WakesOut, CHANGES, Subscribe, blocks=True),
-    _tool(subagent_resume, shapes.ResumedListOut, CHANGES, Resume),
+    _tool(
+        subagent_resume,
+        shapes.ResumedListOut,
+        CHANGES,
+        Resume,
+        worker_arguments=args.WorkerResumeArguments,
+    ),
     _tool(subagent_latest_resumable, shapes.LatestOut, READ_ONLY, LatestResumable),
 )

@@ -4,11 +4,13 @@ restart, list, status, send, stop, stop a run, cancel, resume, and the latest re
 
 from __future__ import annotations
 
+import json
 import time
+from typing import Any
 
 import msgspec
 
-from subagentd.protocol import Cancel, Stop, StopRun
+from subagentd.protocol import Cancel, ListWorkers, Stop, StopRun, WorkerList, WorkerView
 from subagentd.protocol.errors import RemoteError
 
 from . import _core
@@ -122,13 +124,65 @@ async def subagent_restart(a: args.RestartArguments) -> Answer:
 
 
 async def subagent_list(a: args.ListArguments) -> Answer:
-    """List the supervised workers: the running ones, or with `all` the ended ones too.
-
-    Inside a worker, only that worker and those it delegated to are listed."""
+    """List the supervised workers: the running ones, or with `all` the ended ones too,
+    oldest first. Inside a worker, only that worker and those it delegated to are listed.
+    At most `max_bytes`: a listing cut short says `truncated` and `next`; call again with
+    the same arguments and `cursor` = `next` for the workers after (the text says how)."""
+    now = time.time()
+    budget = bounds.Budget(a.max_bytes)
+    lines: list[str] = []
+    workers: list[dict[str, Any]] = []
+    after = a.cursor
     async with connection() as daemon:
-        views = await daemon.ls(all=a.all, run=a.run)
-    lines = "\n".join(text.worker_line(view) for view in views) or "no workers"
-    return Answer(lines, {"workers": [shapes.worker(view, time.time()) for view in views]})
+        while True:
+            page = await _list_page(daemon, a, after)
+            costs = [_listed_costs(view, now) for view in page.workers]
+            fits = next((i for i, cost in enumerate(costs) if not budget.take(*cost)), len(costs))
+            if fits < len(page.workers) and fits:
+                # Cut inside the page: ask for just those, for the cursor after them.
+                page = await _list_page(daemon, a, after, limit=fits)
+            elif fits < len(page.workers):
+                if not workers:
+                    raise args.Invalid(
+                        "max_bytes",
+                        f"worker {page.workers[0].id} alone takes {max(costs[0])} bytes "
+                        f"listed: ask for more",
+                    )
+                break
+            lines += [text.worker_line(view) for view in page.workers]
+            workers += [shapes.worker(view, now) for view in page.workers]
+            after = page.next
+            if page.complete or page.next is None:
+                after = None
+                break
+            if fits < len(costs):
+                break
+    more = (
+        f"truncated at max_bytes: call subagent_list with the same arguments and "
+        f"cursor={json.dumps(after)}"
+        if after is not None
+        else ""
+    )
+    body = "\n".join(lines) or "no workers"
+    return Answer(
+        f"{body}\n[{more}]" if more else body,
+        {"workers": workers, "next": after, "truncated": after is not None},
+    )
+
+
+async def _list_page(
+    daemon: AsyncClient, a: args.ListArguments, after: str | None, limit: int = 1000
+) -> WorkerList:
+    asked = ListWorkers(id=0, all=a.all, run=a.run, after=after, limit=limit)
+    return _core.answer(asked, await daemon.request(asked))
+
+
+def _listed_costs(view: WorkerView, now: float) -> tuple[int, int]:
+    """What a worker costs in a listing's text (its line) and structured content."""
+    return (
+        bounds.size(text.worker_line(view)) + 1,
+        bounds.json_size(shapes.worker(view, now)) + 2,
+    )
 
 
 async def subagent_status(a: args.StatusArguments) -> Answer:

@@ -24,6 +24,7 @@ from subagentd.protocol import (
     Entry,
     Error,
     GrepResult,
+    OutputKind,
     Page,
     ReloadReply,
     ReopenRun,
@@ -259,13 +260,18 @@ class Client:
         limit: int = 100,
         since: int = 0,
         max_bytes: int = DEFAULT_ANSWER_BYTES,
+        written_since: float | None = None,
+        stream: OutputKind | None = None,
     ) -> GrepResult:
         """The lines of the worker's output matching ``pattern`` (RE2 syntax), searched in the
         daemon, each with ``before`` and ``after`` lines of context; at most ``limit``
         matches (up to 1000) in at most ``max_bytes`` (1 KiB to 8 MiB), only on lines
-        after line ``since``. ``truncated`` in the answer: a bound was hit, there may be
-        more; go on with ``since`` set to its ``next`` (None: nothing more to be had).
-        `grep_all` does that up to any number of matches."""
+        after line ``since``; with ``written_since`` (seconds since the epoch), only lines
+        written at or after it, with ``stream`` (``"stdout"``, ``"stderr"``) only its
+        lines, both filtered in the daemon, so ``limit`` counts only what they keep.
+        ``truncated`` in the answer: a bound was hit, there may be more; go on with
+        ``since`` set to its ``next`` (None: nothing more to be had). `grep_all` does
+        that up to any number of matches."""
         return self._call(
             _core.grep(
                 worker_id,
@@ -275,6 +281,8 @@ class Client:
                 limit=limit,
                 since=since,
                 max_bytes=max_bytes,
+                written_since=written_since,
+                stream=stream,
             )
         )
 
@@ -287,12 +295,21 @@ class Client:
         after: int = 0,
         limit: int = 100,
         max_bytes: int = DEFAULT_ANSWER_BYTES,
+        written_since: float | None = None,
+        stream: OutputKind | None = None,
     ) -> GrepResult:
         """As `grep`, going on answer by answer (each of at most ``max_bytes``) until
         ``limit`` matches in all (any number) or nothing more is to be had; one result
         with every match, ``truncated`` and ``next`` as the last answer said them."""
         cursor = _core.GrepCursor(
-            worker_id, pattern, before=before, after=after, limit=limit, max_bytes=max_bytes
+            worker_id,
+            pattern,
+            before=before,
+            after=after,
+            limit=limit,
+            max_bytes=max_bytes,
+            written_since=written_since,
+            stream=stream,
         )
         while not cursor.done:
             cursor.take(self.request(cursor.request()))

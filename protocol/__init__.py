@@ -12,6 +12,7 @@ from ._messages import MAX_ANSWER_BYTES as MAX_ANSWER_BYTES
 from ._messages import MAX_ARG_BYTES as MAX_ARG_BYTES
 from ._messages import MAX_ARGS as MAX_ARGS
 from ._messages import MAX_CONTEXT_LINES as MAX_CONTEXT_LINES
+from ._messages import MAX_EPOCH as MAX_EPOCH
 from ._messages import MAX_EXEC_BYTES as MAX_EXEC_BYTES
 from ._messages import MAX_GRACE as MAX_GRACE
 from ._messages import MAX_GREP_MATCHES as MAX_GREP_MATCHES

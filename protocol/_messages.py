@@ -69,6 +69,9 @@ MAX_PATTERN_LENGTH = 1024
 MAX_CONTEXT_LINES = 100
 #: Matches one grep answers at most.
 MAX_GREP_MATCHES = 1000
+#: The latest time a request may name, in seconds since the epoch: the end of the year
+#: 9999, the last an ISO 8601 date can write.
+MAX_EPOCH = 253_402_300_800.0
 #: What one send may write to a worker's stdin: a pipe takes 64 KiB at once anyway.
 MAX_SEND_BYTES = 1024 * 1024
 #: The bytes of one answer built from a worker's output (a watch page, a grep's result),
@@ -104,6 +107,8 @@ Env = Annotated[
 Input = Annotated[bytes, msgspec.Meta(max_length=MAX_INPUT_BYTES)]
 Pattern = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_PATTERN_LENGTH)]
 ContextLines = Annotated[int, msgspec.Meta(ge=0, le=MAX_CONTEXT_LINES)]
+#: A time, in seconds since the epoch: finite, from 1970 to the end of 9999.
+Epoch = Annotated[float, msgspec.Meta(ge=0, le=MAX_EPOCH)]
 #: A bound on an answer's bytes (see `MAX_ANSWER_BYTES`): an int, nothing else.
 AnswerBytes = Annotated[int, msgspec.Meta(ge=MIN_ANSWER_BYTES, le=MAX_ANSWER_BYTES)]
 #: An idempotency key: 1 to 128 printable ASCII characters, no space (see `Spawn.key`).
@@ -602,7 +607,10 @@ class Grep(Request[GrepReply], tag="grep"):
     or lookaround, linear time), searched in the daemon, with ``before`` and ``after``
     lines of context; at most ``limit`` matches and ``max_bytes`` of answer, and a bounded
     scan (see `GrepResult`). ``since``: only matches on lines after it (a result's
-    ``next``, to go on); the lines up to it still count, and are context."""
+    ``next``, to go on); the lines up to it still count, and are context.
+    ``written_since`` (seconds since the epoch) and ``stream``: only matches on lines
+    written at or after that time, or of that stream; the others still count, and are
+    context, so ``limit`` counts only the matches these let through."""
 
     worker: Id
     pattern: Pattern
@@ -611,6 +619,8 @@ class Grep(Request[GrepReply], tag="grep"):
     limit: Annotated[int, msgspec.Meta(ge=1, le=MAX_GREP_MATCHES)] = 100
     since: Count = 0
     max_bytes: AnswerBytes = DEFAULT_ANSWER_BYTES
+    written_since: Epoch | None = None
+    stream: OutputKind | None = None
 
     for_workers = True
 

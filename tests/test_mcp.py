@@ -209,7 +209,7 @@ async def test_an_unknown_id_is_a_tool_error_with_the_daemons_code(
             assert bad_wait["code"] == "invalid"
             assert bad_wait["message"].startswith("timeout: ")
             assert (await refused(session, "subagent_spawn"))["code"] == "invalid"
-            assert (await call(session, "subagent_list")) == {"workers": []}
+            assert (await call(session, "subagent_list"))["workers"] == []
 
 
 async def test_without_a_daemon_the_server_serves_says_so_and_finds_one_started_later(
@@ -222,7 +222,7 @@ async def test_without_a_daemon_the_server_serves_says_so_and_finds_one_started_
             assert error["code"] == "daemon_unavailable"
             assert str(daemon_dirs.socket) in error["message"]
             await trio.to_thread.run_sync(daemon_dirs.start)
-            assert await call(session, "subagent_list") == {"workers": []}
+            assert (await call(session, "subagent_list"))["workers"] == []
 
 
 def worker_environment(env_file: Path) -> dict[str, str]:
@@ -248,8 +248,21 @@ async def test_inside_a_worker_the_tools_act_as_that_worker(daemon: DaemonProces
 
             async with mcp_server(daemon, worker_env) as inside:
                 # The run-level tools, always forbidden to a worker, are not offered at all.
-                offered = {tool.name for tool in (await inside.list_tools()).tools}
-                assert offered == TOOLS - {"subagent_stop_run", "subagent_latest_resumable"}
+                listed = {tool.name: tool for tool in (await inside.list_tools()).tools}
+                assert set(listed) == TOOLS - {"subagent_stop_run", "subagent_latest_resumable"}
+                # A worker may resume a worker, never a run: `run` is not offered, nor taken.
+                resume = listed["subagent_resume"].input_schema
+                assert set(resume["properties"]) == {"worker", "timeout"}
+                assert resume["required"] == ["worker"]
+                not_offered = await refused(
+                    inside, "subagent_resume", worker=me["id"], run=me["run"]
+                )
+                assert not_offered == {
+                    "code": "invalid",
+                    "message": "run: not an argument of this tool",
+                }
+                users = {tool.name: tool for tool in (await user.list_tools()).tools}
+                assert "run" in users["subagent_resume"].input_schema["properties"]
                 hidden = await refused(inside, "subagent_stop_run", run=me["run"])
                 assert hidden["code"] == "not_found"
                 error = await refused(inside, "subagent_stop", worker=sibling["id"])

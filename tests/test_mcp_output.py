@@ -6,6 +6,7 @@ them raw), and filtered by time and by stream; and what `subagent_status` says o
 from __future__ import annotations
 
 import json
+import re
 import time
 from typing import Any
 
@@ -245,3 +246,29 @@ async def test_a_tail_reads_back_from_the_end_as_far_as_its_lines_need(
             )
             assert [e["data"] for e in early["entries"]] == ["early\n"]
             assert len(entries) > 40, "too few entries: the tail would read it all at once"
+
+
+async def test_a_watch_since_a_time_goes_on_at_that_same_time(daemon: DaemonProcess) -> None:
+    script = "i=0; while [ $i -lt 200 ]; do i=$((i+1)); echo line $i; done"
+    with trio.fail_after(40):
+        async with mcp_server(daemon) as session:
+            worker = await call(session, "subagent_spawn", argv=sh(script))
+            await call(session, "subagent_wait", worker=worker["id"], timeout=20)
+            body, page = await texted(
+                session, "subagent_watch", worker=worker["id"], since="10m", max_bytes=1024
+            )
+            assert page["truncated"]
+            said = re.search(r"call subagent_watch with cursor=(\d+) and since=([0-9.]+)", body)
+            assert said is not None, body
+            assert int(said.group(1)) == page["next"]
+            assert abs(float(said.group(2)) - (time.time() - 600)) < 30
+            # Going on as it says reads on from there.
+            more = await call(
+                session,
+                "subagent_watch",
+                worker=worker["id"],
+                cursor=page["next"],
+                since=said.group(2),
+                max_bytes=1024,
+            )
+            assert more["entries"][0]["seq"] == page["next"] + 1

@@ -152,7 +152,7 @@ async def test_every_refusal_is_a_tool_error_with_its_code(daemon: DaemonProcess
                 assert "errors.pydantic.dev" not in error["message"]
                 assert "Traceback" not in error["message"]
             # The server serves on, and refused calls left nothing behind.
-            assert await call(session, "subagent_list", all=True) == {"workers": []}
+            assert (await call(session, "subagent_list", all=True))["workers"] == []
     assert {tool for tool, _, _ in REFUSALS} >= TOOLS
 
 
@@ -169,7 +169,7 @@ async def test_nan_and_infinities_are_refused_as_invalid(daemon: DaemonProcess) 
                 ]:
                     error = await refused(session, tool, **arguments)
                     assert error["code"] == "invalid", (tool, value)
-            assert await call(session, "subagent_list", all=True) == {"workers": []}
+            assert (await call(session, "subagent_list", all=True))["workers"] == []
 
 
 @pytest.mark.parametrize(
@@ -203,7 +203,7 @@ async def test_an_argument_error_names_the_field_and_why(daemon: DaemonProcess) 
             pattern = await refused(session, "subagent_spawn", argv=["true"], ready="(")
             assert pattern["message"].startswith("ready: missing )")
             # Refused before anything ran: no worker was started with the bad pattern.
-            assert await call(session, "subagent_list", all=True) == {"workers": []}
+            assert (await call(session, "subagent_list", all=True))["workers"] == []
 
 
 async def test_an_unknown_argument_is_refused_and_env_reaches_the_worker(

@@ -669,6 +669,8 @@ class Server:
                     limit=limit,
                     since=request.since,
                     max_bytes=request.max_bytes,
+                    written_since=request.written_since,
+                    stream=request.stream,
                 )
                 return GrepReply(id=rid, result=found)
             case Send(worker=worker, data=data, eof=eof):

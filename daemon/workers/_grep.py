@@ -22,7 +22,7 @@ from __future__ import annotations
 import bisect
 import collections
 import itertools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,9 +83,12 @@ class LineScanner:
     """Lines of a worker's output matched against one compiled pattern, fed in order.
 
     Only lines numbered after `since` are matched (the earlier ones are counted, and are
-    context). The matches kept cost at most `max_bytes` in an answer: the first match
-    alone over it is cut to fit (`GrepMatch.cut`), and a later one that would not fit,
-    with the context it is owed, is left for the next answer."""
+    context); and, if given, only lines of `stream`, and lines written at or after
+    `written_since` (a line is written when the entry that ends it is), the others
+    counted and context too, so `limit` counts only the matches these let through.
+    The matches kept cost at most `max_bytes` in an answer: the first match alone over
+    it is cut to fit (`GrepMatch.cut`), and a later one that would not fit, with the
+    context it is owed, is left for the next answer."""
 
     pattern: Any
     before: int = 0
@@ -93,6 +96,8 @@ class LineScanner:
     limit: int = 1
     since: int = 0
     max_bytes: int = DEFAULT_ANSWER_BYTES
+    stream: OutputKind | None = None
+    written_since: float | None = None
     #: Bytes of output fed so far: what a bound on one request's work counts.
     scanned: int = 0
     line_no: int = 0
@@ -105,6 +110,8 @@ class LineScanner:
     _partial: dict[str, bytearray] = field(
         default_factory=lambda: {kind: bytearray() for kind in _OUTPUT}
     )
+    #: When each stream's unended line was last written to (what `finish` dates it by).
+    _partial_at: dict[str, float] = field(default_factory=lambda: dict.fromkeys(_OUTPUT, 0.0))
     _recent: collections.deque[str] = field(default_factory=collections.deque)
     _owed: list[_Found] = field(default_factory=list)
     #: Places passed where a later scan of the same journal may start (see `Checkpoint`),
@@ -115,9 +122,9 @@ class LineScanner:
 
     def start_at(self, checkpoint: Checkpoint) -> None:
         """Scan on from `checkpoint` (a place a scan of the same journal passed): feed the
-        entries after its seq. Only what `since` asks for comes out the same: matches
-        after the checkpoint's line plus `before`."""
-        assert checkpoint.line_no + self.before <= self.since
+        entries after its seq. Only matches after the checkpoint's line plus `before` come
+        out as a scan from the start gives them: the caller picks a checkpoint early
+        enough for every match it asks for (see `Reader.grep`)."""
         self.line_no, self.scanned, self._marked = (
             checkpoint.line_no,
             checkpoint.scanned,
@@ -136,7 +143,8 @@ class LineScanner:
         for entry in entries:
             if entry.kind == "stdout" or entry.kind == "stderr":
                 self.scanned += len(entry.data)
-                batch.add(entry.kind, self._split(entry.kind, entry.data))
+                batch.add(entry.kind, entry.at, self._split(entry.kind, entry.data))
+                self._partial_at[entry.kind] = entry.at
                 if self.scanned - self._marked >= self.checkpoint_every and not any(
                     self._partial.values()
                 ):
@@ -150,7 +158,7 @@ class LineScanner:
         batch = _Batch()
         for kind in _OUTPUT:
             if self._partial[kind]:
-                batch.add(kind, [bytes(self._partial[kind])])
+                batch.add(kind, self._partial_at[kind], [bytes(self._partial[kind])])
                 self._partial[kind].clear()
         self._take(batch)
 
@@ -183,7 +191,8 @@ class LineScanner:
             return
         self._give_context(raw)
         if not self.more:
-            for index in self._matching(raw, max(0, self.since - self.line_no)):
+            wanted = batch.wanted(self.stream, self.written_since)
+            for index in self._matching(raw, max(0, self.since - self.line_no), wanted):
                 if len(self.matches) >= self.limit:
                     self.more = True
                     break
@@ -221,23 +230,30 @@ class LineScanner:
         self._owed = []
         self.more = True
 
-    def _matching(self, lines: list[bytes], first: int) -> Iterable[int]:
-        """The indexes of the lines from `first` on that match, in order: one search of
-        them all."""
-        if first >= len(lines):
+    def _matching(
+        self, lines: list[bytes], first: int, wanted: Callable[[int], int | None]
+    ) -> Iterable[int]:
+        """The indexes of the wanted lines from `first` on that match, in order: one search
+        of them all, going on past a match in lines not wanted to the next wanted line
+        (`wanted`: the first wanted index at or after one; None: none is)."""
+        if first >= len(lines) or (start := wanted(first)) is None:
             return
         buffer = b"\n".join(lines)
         starts = list(itertools.accumulate((len(line) + 1 for line in lines[:-1]), initial=0))
-        position = starts[first]
+        position = starts[start]
         while position <= len(buffer):
             found = self.pattern.search(buffer, position)
             if found is None:
                 return
             index = bisect.bisect_right(starts, found.start()) - 1
-            yield index
-            if index + 1 >= len(starts):
+            go_on = wanted(index)
+            if go_on == index:
+                yield index
+                go_on = index + 1 if index + 1 < len(starts) else None
+                go_on = None if go_on is None else wanted(go_on)
+            if go_on is None:
                 return
-            position = starts[index + 1]
+            position = starts[go_on]
 
     def _found(self, index: int, kind: OutputKind, raw: list[bytes]) -> None:
         before: list[str] = []
@@ -266,22 +282,48 @@ class LineScanner:
 
 
 class _Batch:
-    """Whole lines in the order they were completed, and which stream each came from (as
-    runs of one stream, not a tuple a line)."""
+    """Whole lines in the order they were completed, and which stream each came from and
+    when the entry that ended it was written (as runs, one an entry, not a tuple a line)."""
 
     def __init__(self) -> None:
         self.lines: list[bytes] = []
         self._starts: list[int] = []
         self._kinds: list[OutputKind] = []
+        self._ats: list[float] = []
 
-    def add(self, kind: OutputKind, lines: list[bytes]) -> None:
+    def add(self, kind: OutputKind, at: float, lines: list[bytes]) -> None:
         if lines:
             self._starts.append(len(self.lines))
             self._kinds.append(kind)
+            self._ats.append(at)
             self.lines += lines
 
     def kind_of(self, index: int) -> OutputKind:
         return self._kinds[bisect.bisect_right(self._starts, index) - 1]
+
+    def wanted(
+        self, stream: OutputKind | None, written_since: float | None
+    ) -> Callable[[int], int | None]:
+        """The first index at or after a given one of a line of `stream` written at or
+        after `written_since` (None for either: any); None when no line after is."""
+        if stream is None and written_since is None:
+            return lambda index: index
+
+        def keeps(run: int) -> bool:
+            if stream is not None and self._kinds[run] != stream:
+                return False
+            return written_since is None or self._ats[run] >= written_since
+
+        def first_wanted(index: int) -> int | None:
+            run = bisect.bisect_right(self._starts, index) - 1
+            if keeps(run):
+                return index
+            for later in range(run + 1, len(self._starts)):
+                if keeps(later):
+                    return self._starts[later]
+            return None
+
+        return first_wanted
 
 
 def _cut(line: bytes) -> list[bytes]:

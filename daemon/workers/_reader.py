@@ -23,6 +23,7 @@ from subagentd.protocol import (
     Collect,
     Entry,
     GrepResult,
+    OutputKind,
     Page,
     WaitForResult,
     WaitOutcome,
@@ -203,11 +204,15 @@ class Reader:
         limit: int,
         since: int = 0,
         max_bytes: int = DEFAULT_ANSWER_BYTES,
+        written_since: float | None = None,
+        stream: OutputKind | None = None,
     ) -> GrepResult:
         """The lines of the worker's output after line `since` that match, with their
-        context, in `max_bytes` of answer; from the start of its journal (or, going on,
-        from a checkpoint an earlier grep of it passed), scanning at most
-        MAX_GREP_SCAN_BYTES of it from the start; an unended last line counts."""
+        context, in `max_bytes` of answer; only lines of `stream` and written at or after
+        `written_since`, if given. From the start of its journal (or from a checkpoint an
+        earlier grep of it passed: near `since` going on, before `written_since`'s first
+        entry), scanning at most MAX_GREP_SCAN_BYTES of it from the start; an unended last
+        line counts."""
         scanner = LineScanner(
             compile_pattern(pattern),
             before=before,
@@ -215,10 +220,18 @@ class Reader:
             limit=limit,
             since=since,
             max_bytes=max_bytes,
+            stream=stream,
+            written_since=written_since,
         )
         self.lookup(worker_id)
         cursor = 0
-        if (start := self._checkpoint_before(worker_id, since - before)) is not None:
+        first_line = since  # no match is on this line or one before it
+        if (
+            written_since is not None
+            and (mark := await self._mark_before(worker_id, written_since)) is not None
+        ):
+            first_line = max(first_line, mark.line_no)
+        if (start := self._checkpoint_before(worker_id, first_line - before)) is not None:
             scanner.start_at(start)  # a grep going on: not from the journal's start again
             cursor = start.seq
         bounded = False
@@ -236,6 +249,25 @@ class Reader:
         matches = scanner.matches
         go_on = matches[-1].line_no if scanner.more and matches else None
         return GrepResult(matches=matches, truncated=scanner.more or bounded, next=go_on)
+
+    async def _mark_before(self, worker_id: str, when: float) -> Checkpoint | None:
+        """The last checkpoint a grep of this journal passed before its first entry written
+        at or after `when` (found by halving over its seqs: entries are written in time
+        order; a clock stepped back makes it approximate). Every line written since then
+        comes after its line."""
+        marks = self._checkpoints.get(worker_id, [])
+        if not marks:
+            return None
+        low, high = 1, marks[-1].seq + 1  # the first seq written at or after `when`
+        while low < high:
+            middle = (low + high) // 2
+            *_, entries = await self._entries(worker_id, middle - 1, 1, 1)
+            if not entries or entries[0].at >= when:
+                high = middle
+            else:
+                low = middle + 1
+        index = bisect.bisect_left([mark.seq for mark in marks], low)
+        return marks[index - 1] if index else None
 
     def _checkpoint_before(self, worker_id: str, line_no: int) -> Checkpoint | None:
         """The last place a grep of this journal passed where a scan may start again and
