@@ -541,11 +541,11 @@ def wait(daemon: Client, args: argparse.Namespace, out: Output) -> int | None:
 
 def grep(daemon: Client, args: argparse.Namespace, out: Output) -> int:
     written_since = None
-    if args.since is not None:
+    if args.written_since is not None:
         try:
-            written_since = parse_since(args.since, time.time())
+            written_since = parse_since(args.written_since, time.time())
         except ValueError as exc:
-            raise Invalid(f"--since: {exc}") from None
+            raise Invalid(f"--written-since: {exc}") from None
     # Answer by answer (each bounded in bytes by the daemon), up to --max matches in all.
     found = daemon.grep_all(
         args.worker,
@@ -881,7 +881,9 @@ def parser() -> argparse.ArgumentParser:
         "--max", metavar="N", type=int, default=100, help="at most N matches in all (default 100)"
     )
     sub.add_argument(
-        "--since", metavar="WHEN", help=f"only lines written since WHEN: {SINCE_SYNTAX}"
+        "--written-since",
+        metavar="WHEN",
+        help=f"only lines written since WHEN: {SINCE_SYNTAX} (not watch's --since, a cursor)",
     )
     sub.add_argument("--stream", choices=("stdout", "stderr"), help="only the lines of this stream")
 

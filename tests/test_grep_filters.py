@@ -190,18 +190,18 @@ def test_subagentctl_grep_takes_since_and_stream(daemon: DaemonProcess) -> None:
     ok(daemon.ctl("wait", worker["id"]))
     errors = js(daemon, "grep", worker["id"], "hit", "--stream", "stderr", "--max", "2")
     assert [m["line"] for m in errors["matches"]] == ["hit err 1", "hit err 2"]
-    late = js(daemon, "grep", worker["id"], "hit", "--since", str(between))
+    late = js(daemon, "grep", worker["id"], "hit", "--written-since", str(between))
     assert sorted(m["line"] for m in late["matches"]) == ["hit err 2", "hit out 2"]
-    recent = ok(daemon.ctl("grep", worker["id"], "out", "--since", "10m"))
+    recent = ok(daemon.ctl("grep", worker["id"], "out", "--written-since", "10m"))
     assert [line.split(":", 1)[1] for line in recent.stdout.splitlines()] == [
         "hit out 1",
         "hit out 2",
     ]
     future = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(between + 3600))
-    none = daemon.ctl("grep", worker["id"], "hit", "--since", future)
+    none = daemon.ctl("grep", worker["id"], "hit", "--written-since", future)
     assert (none.returncode, none.stdout) == (4, ""), said(none)
     for hostile in ("nan", "inf", "-1", "1e300", "soon", "x" * 100, "99999999999d"):
-        refused = daemon.ctl("--json", "grep", worker["id"], "hit", "--since", hostile)
+        refused = daemon.ctl("--json", "grep", worker["id"], "hit", "--written-since", hostile)
         assert json_error(refused, "invalid").startswith("--since: "), hostile
     usage = daemon.ctl("grep", worker["id"], "hit", "--stream", "stdin")
     assert usage.returncode == 2, said(usage)
