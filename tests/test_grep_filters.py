@@ -202,6 +202,6 @@ def test_subagentctl_grep_takes_since_and_stream(daemon: DaemonProcess) -> None:
     assert (none.returncode, none.stdout) == (4, ""), said(none)
     for hostile in ("nan", "inf", "-1", "1e300", "soon", "x" * 100, "99999999999d"):
         refused = daemon.ctl("--json", "grep", worker["id"], "hit", "--written-since", hostile)
-        assert json_error(refused, "invalid").startswith("--since: "), hostile
+        assert json_error(refused, "invalid").startswith("--written-since: "), hostile
     usage = daemon.ctl("grep", worker["id"], "hit", "--stream", "stdin")
     assert usage.returncode == 2, said(usage)
