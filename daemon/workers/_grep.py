@@ -144,7 +144,8 @@ class LineScanner:
             if entry.kind == "stdout" or entry.kind == "stderr":
                 self.scanned += len(entry.data)
                 batch.add(entry.kind, entry.at, self._split(entry.kind, entry.data))
-                self._partial_at[entry.kind] = entry.at
+                if entry.data:  # an empty entry writes no line, nor any of one
+                    self._partial_at[entry.kind] = entry.at
                 if self.scanned - self._marked >= self.checkpoint_every and not any(
                     self._partial.values()
                 ):
