@@ -294,6 +294,9 @@ def test_ctl_events_follows_until_ctrl_c_and_acknowledges_what_it_printed(
         env=daemon.env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
+        # As from a terminal: a suite run in the background (`&`) has SIGINT ignored, and
+        # a process that starts with it ignored gets no KeyboardInterrupt.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     ) as follower:
         try:
             # From the first page: once printed, the subscription is in place.
