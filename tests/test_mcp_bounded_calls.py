@@ -204,10 +204,10 @@ async def test_a_restart_waits_at_most_its_wait_timeout_and_a_second_call_finish
     """A worker that ignores TERM, with a grace of 4 s: a restart that may wait 0.5 s
     answers `timed_out` with the stop under way (posting progress meanwhile); called
     again, it waits on that same stop, not a new one, and starts the next attempt."""
-    progress: list[tuple[float, float | None]] = []
+    seen: list[tuple[float, float | None]] = []
 
-    async def progressed(done: float, total: float | None, message: str | None) -> None:
-        progress.append((done, total))
+    async def progressed(progress: float, total: float | None, message: str | None) -> None:
+        seen.append((progress, total))
 
     stubborn = sh("trap '' TERM; echo up; exec sleep 120")
     with trio.fail_after(60):
@@ -226,8 +226,8 @@ async def test_a_restart_waits_at_most_its_wait_timeout_and_a_second_call_finish
             assert first.is_error, said
             assert said.startswith(f"timed_out: worker {worker['id']} is still stopping"), said
             assert "call subagent_restart again" in said
-            assert progress, "no progress while the restart waited"
-            assert all(total == 0.5 for _, total in progress), progress
+            assert seen, "no progress while the restart waited"
+            assert all(total == 0.5 for _, total in seen), seen
             status = await call(session, "subagent_status", worker=worker["id"])
             assert (status["state"], status["stopping"]) == ("running", True)
             second = await call(session, "subagent_restart", worker=worker["id"], wait_timeout=20)
