@@ -43,6 +43,7 @@ from subagentd.protocol import (
     Wake,
     WorkerResult,
     WorkerView,
+    one_line_warnings,
 )
 from subagentd.protocol.errors import (
     Busy,
@@ -1066,19 +1067,8 @@ def live_view(daemon: Client, args: argparse.Namespace, out: Output) -> int:
     raise AssertionError("subagentctl top runs from main")
 
 
-def _warning_line(
-    message: Warning | str,
-    category: type[Warning],
-    filename: str,
-    lineno: int,
-    line: str | None = None,
-) -> str:
-    """A warning (platformdirs' runtime-dir fallback, say) as one line a person reads."""
-    return f"subagentctl: warning: {message}\n"
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    warnings.formatwarning = _warning_line
+    warnings.formatwarning = one_line_warnings("subagentctl")
     args = parser().parse_args(argv)
     from . import _units
 

@@ -210,6 +210,14 @@ class Daemon:
                 self.faults -= {(point, target)}
             raise InjectedFault(f"injected fault at {point}:{target}")
 
+    async def held(self, point: str, target: str) -> None:
+        """Wait here if SUBAGENTD_FAULT asked to hold at this point: until a writer of the
+        FIFO named `point` in the state dir has opened and closed it (for the tests: a
+        request held where it awaits, deterministically, while another lands)."""
+        if (point, target) in self.faults:
+            fifo = self.state_dir.root / point
+            await trio.to_thread.run_sync(fifo.read_bytes, abandon_on_cancel=True)
+
     def _finish(
         self,
         record: WorkerRecord,

@@ -27,6 +27,7 @@ from subagentd.protocol import (
     default_config_path,
     default_socket_path,
     default_state_dir,
+    one_line_warnings,
     package_version,
 )
 
@@ -147,19 +148,8 @@ def _non_negative(text: str) -> float:
     return value
 
 
-def _warning_line(
-    message: Warning | str,
-    category: type[Warning],
-    filename: str,
-    lineno: int,
-    line: str | None = None,
-) -> str:
-    """A warning (platformdirs' runtime-dir fallback, say) as one line a person reads."""
-    return f"subagentd: warning: {message}\n"
-
-
 def main(argv: list[str] | None = None) -> int:
-    warnings.formatwarning = _warning_line
+    warnings.formatwarning = one_line_warnings("subagentd")
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) == 2 and argv[0] == "--handoff":
         # How a reload runs this image: its settings are the checkpoint's, so neither the

@@ -62,7 +62,9 @@ def decode_path(kind: type, obj: Any) -> Any:
 #: journaled, inside its ending's transaction: rolled back), `expire:N` as its handle expires,
 #: `die-in-ending:N` kills the daemon (SIGKILL) inside the ending's transaction of the
 #: Nth worker to end (counted from 1 in this daemon's life),
-#: `resume:N` as a resume of it has reopened its record;
+#: `resume:N` as a resume of it has reopened its record; `hold-resume:N` holds a resume
+#: of it before its journal is verified (the await a stop may land in) until a writer of
+#: the FIFO `hold-resume` in the state dir has opened and closed it;
 #: `reload:early` raises as the first reload begins;
 #: `lose-answer:N` reloads the daemon (SIGHUP to itself) once a spawn of a worker named N
 #: is written down and started, and never sends that spawn's answer: the reload's pause

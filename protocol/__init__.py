@@ -105,6 +105,7 @@ from ._messages import op as op
 from ._paths import default_config_path as default_config_path
 from ._paths import default_socket_path as default_socket_path
 from ._paths import default_state_dir as default_state_dir
+from ._paths import one_line_warnings as one_line_warnings
 from ._version import DEFAULT_FRAME_LIMIT as DEFAULT_FRAME_LIMIT
 from ._version import PROTOCOL_VERSION as PROTOCOL_VERSION
 from ._version import package_version as package_version

@@ -7,7 +7,7 @@ the same socket. Reads the environment; creates nothing.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 APP = "subagentd"
@@ -38,3 +38,20 @@ def default_config_path(environ: Mapping[str, str] = os.environ) -> Path:
     import platformdirs
 
     return Path(platformdirs.user_config_dir(APP)) / "agents.toml"
+
+
+def one_line_warnings(program: str) -> Callable[..., str]:
+    """A `warnings.formatwarning` that says a warning (platformdirs' fallback to a runtime
+    dir in the temporary directory, say) in one line a person reads, naming `program`,
+    not as Python's file, line number and source line."""
+
+    def line(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        source: str | None = None,
+    ) -> str:
+        return f"{program}: warning: {message}\n"
+
+    return line

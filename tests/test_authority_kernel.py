@@ -330,6 +330,14 @@ async def test_a_connection_handed_over_keeps_whom_its_hello_made_it(short_tmp: 
     as, not made the user by the handing: the old image's pause, then the serving of it
     again (a reload that failed gives it back so, as the new image takes it after the
     exec). Only the user may ask for a reload, so the server is asked here directly."""
+    with trio.fail_after(60):
+        answer, worker = await _handed_over_and_asked(short_tmp)
+    assert isinstance(answer, p.Error), answer
+    assert answer.code == "forbidden"
+    assert f"acts as worker {worker.id}" in answer.message
+
+
+async def _handed_over_and_asked(short_tmp: Path) -> tuple[p.Reply | None, p.WorkerView]:
     async with in_process(short_tmp) as d, d.client() as client:
         worker = await client.spawn(sh('echo "$SUBAGENTD_TOKEN"; exec sleep 60'))
         token = (await wait_output(client, worker.id, b"\n")).decode().strip()
@@ -348,10 +356,7 @@ async def test_a_connection_handed_over_keeps_whom_its_hello_made_it(short_tmp: 
         finally:
             await conn.stream.aclose()
         await client.stop(worker.id)
-
-    assert isinstance(answer, p.Error), answer
-    assert answer.code == "forbidden"
-    assert f"acts as worker {worker.id}" in answer.message
+    return answer, worker
 
 
 async def test_without_cgroups_info_says_scoping_is_by_token_and_advisory(

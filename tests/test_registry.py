@@ -16,7 +16,7 @@ from hypothesis.stateful import (
 )
 
 from subagentd.daemon.core._registry import Registry, WorkerRecord
-from subagentd.protocol.errors import Invalid, NotFound, RunStopped
+from subagentd.protocol.errors import Invalid, NotFound, Refused, RunStopped
 
 
 def _registry() -> Registry:
@@ -197,10 +197,29 @@ class RegistryMachine(RuleBasedStateMachine):
             self.carried_on.add(child)
         return child
 
-    @rule(worker=workers)
-    def resume(self, worker: str) -> None:
+    @rule(worker=workers, meanwhile=st.sampled_from([None, "run", "worker", "cancel"]))
+    def resume(self, worker: str, meanwhile: str | None) -> None:
+        """A resume, and maybe a stop that reaches the worker while it is under way: that
+        stop, the later ask, refuses it, and the worker is left as it was."""
         record = self.reg.worker(worker)
         if not record.ended:
+            return
+        self.reg.begin_resume(record, None)
+        with pytest.raises(Refused, match="being resumed already"):
+            self.reg.begin_resume(record, None)
+        if meanwhile == "run":
+            self.stop_run(record.run)
+        elif meanwhile == "worker":
+            self.stop(worker)
+        elif meanwhile == "cancel":
+            self.reg.cancel(f"worker:{worker}")
+        if meanwhile is not None:
+            state, attempt = record.state, record.attempt
+            with pytest.raises(RunStopped if meanwhile == "run" else Refused):
+                self.reg.reopen(record, 2.0, None)
+            assert (record.state, record.attempt) == (state, attempt)
+            self.reg.begin_resume(record, None)  # no longer under way: it may be asked again
+            self.reg.abandon_resume(worker)
             return
         stopped = self.reg.run_stopped(record.run)
         self.reg.reopen(record, 2.0, None)

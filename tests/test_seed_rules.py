@@ -181,6 +181,107 @@ async def test_a_run_let_go_with_its_last_worker_comes_back_stopped_on_a_resume(
             await client.stop(worker.id)
 
 
+async def test_a_run_stopped_after_its_last_worker_failed_stays_stopped_across_a_resume(
+    daemon: DaemonProcess,
+) -> None:
+    """Its stop ended no worker (the one it had had failed): what keeps the run stopped once
+    it was let go is its own saved row, read again by the resume, after a crash too."""
+    failing = 'echo "attempt ${SUBAGENTD_RESUME:-1}"; [ -n "$SUBAGENTD_RESUME" ] || exit 3; ' + (
+        "while :; do sleep 0.1; done"
+    )
+    with trio.fail_after(60):
+        async with AsyncClient(daemon.socket) as client:
+            worker = await client.spawn(sh(failing))
+            assert (await client.wait(worker.id)).state == "failed"
+            assert await client.stop_run(worker.run) == []  # it had failed already
+            await client.collect(worker.id)  # released, and its run with it
+        daemon.kill()
+        await trio.to_thread.run_sync(daemon.start)
+        async with AsyncClient(daemon.socket) as client:
+            with pytest.raises(NotFound):  # let go: no run held under that id
+                await client.spawn(["true"], run=worker.run)
+            await client.resume(worker.id)
+            await wait_output(client, worker.id, b"attempt 2")
+            try:
+                await refused_spawns_into(client, worker.run)
+            finally:
+                await client.stop(worker.id)
+
+
+def _release_hold(hold: Path) -> None:
+    """Let a held resume go on: open the FIFO it reads (which waits until it does), close."""
+    os.close(os.open(hold, os.O_WRONLY))
+
+
+@pytest.mark.parametrize(
+    ("stop", "collected"),
+    [("run", False), ("run", True), ("worker", False)],
+    ids=["stop_run", "stop_run-of-a-released-worker", "stop-of-the-worker"],
+)
+async def test_a_stop_landing_while_a_resume_is_under_way_refuses_it_and_nothing_runs(
+    daemon_dirs: DaemonProcess, stop: str, collected: bool
+) -> None:
+    """The resume is held where it awaits (its journal verified in a thread) while the stop
+    lands: the stop, the later ask, wins. It answers that it stopped nothing (nothing ran),
+    the resume is refused saying why, and the worker is as it was, resumable again."""
+    daemon_dirs.start(env={"SUBAGENTD_FAULT": "hold-resume:held"})
+    hold = daemon_dirs.state_dir / "hold-resume"
+    os.mkfifo(hold)
+    failing = 'echo "attempt ${SUBAGENTD_RESUME:-1}"; [ -n "$SUBAGENTD_RESUME" ] || exit 3; ' + (
+        "while :; do sleep 0.1; done"
+    )
+    with trio.fail_after(60):
+        async with AsyncClient(daemon_dirs.socket) as client:
+            worker = await client.spawn(sh(failing), name="held")
+            assert (await client.wait(worker.id)).state == "failed"
+            if collected:
+                await client.collect(worker.id)
+            refusals: list[Refused] = []
+
+            async def resume() -> None:
+                with pytest.raises(Refused) as refused:
+                    await client.resume(worker.id)
+                refusals.append(refused.value)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(resume)
+                # Opened once the resume holds the read end: it is under way, not yet run.
+                holding = await trio.to_thread.run_sync(
+                    os.open, hold, os.O_WRONLY, abandon_on_cancel=True
+                )
+                try:
+                    asked: p.Request[p.Reply] = (
+                        p.StopRun(id=0, run=worker.run, wait=False)
+                        if stop == "run"
+                        else p.Stop(id=0, worker=worker.id, wait=False)
+                    )
+                    stopping = await ask(daemon_dirs, asked)
+                    assert stopping == p.Stopped(id=2, found=True, stopped=[]), stopping
+                finally:
+                    os.close(holding)
+            [refusal] = refusals
+            if stop == "run":
+                assert isinstance(refusal, RunStopped), refusal
+                assert f"run {worker.run} was stopped while worker {worker.id}" in str(refusal)
+            else:
+                assert not isinstance(refusal, RunStopped), refusal
+                assert f"worker {worker.id} was stopped (user) while" in str(refusal)
+            assert "nothing ran; resume it again" in str(refusal)
+            view = await client.status(worker.id)
+            assert (view.state, view.attempt, view.stopping) == ("failed", 1, False), view
+            if not collected:  # else its run was let go again, as it was before the resume
+                assert [w.attempt for w in await pending_wakes(daemon_dirs, worker.run)] == [1]
+            async with trio.open_nursery() as nursery:  # a resume after the stop runs
+                nursery.start_soon(trio.to_thread.run_sync, _release_hold, hold)
+                await client.resume(worker.id)
+            await wait_output(client, worker.id, b"attempt 2")
+            try:
+                if stop == "run":
+                    await refused_spawns_into(client, worker.run)
+            finally:
+                await client.stop(worker.id)
+
+
 # -- refused before anything ran, with why ---------------------------------------------
 
 

@@ -546,3 +546,53 @@ def test_the_wal_is_cut_back_after_a_transaction_larger_than_its_limit(tmp_path:
         assert wal.stat().st_size <= WAL_SIZE_LIMIT, wal.stat().st_size
     finally:
         store.close()
+
+
+def _ended_worker(worker_id: str, run: str) -> WorkerRecord:
+    return WorkerRecord(
+        id=worker_id,
+        run=run,
+        parent=None,
+        name="",
+        state="failed",
+        argv=["false"],
+        cwd="/",
+        agent=None,
+        grace=1.0,
+        timeout=None,
+        token=f"t-{worker_id}",
+        archive=f"/a/{worker_id}",
+        started_at=1.0,
+        ended_at=2.0,
+        collected=True,
+    )
+
+
+def test_a_stopped_runs_row_goes_with_its_last_workers_when_they_are_pruned(
+    tmp_path: Path,
+) -> None:
+    """The row of an implicit run is kept for its stop while a worker of it could be
+    resumed, so no further: a prune of its last worker's row takes it; a named run's stays,
+    and so does an implicit one's while a worker of it is left."""
+    store = Store.open(tmp_path / STORE_NAME)
+    try:
+        implicit = RunRecord(id="r-i", outer=None, created_at=0.0, stopped=True, implicit=True)
+        kept = RunRecord(id="r-k", outer=None, created_at=0.0, stopped=True, implicit=True)
+        named = RunRecord(id="r-n", outer=None, created_at=0.0, stopped=True)
+        workers = [
+            _ended_worker("w-1", "r-i"),
+            _ended_worker("w-2", "r-i"),
+            _ended_worker("w-3", "r-k"),
+            _ended_worker("w-4", "r-k"),
+            _ended_worker("w-5", "r-n"),
+        ]
+        store.commit(Change(workers=workers, runs=[implicit, kept, named]), "test")
+        store.forget(["w-1"])
+        assert store.run("r-i") == implicit  # w-2 could still be resumed into it
+        store.forget(["w-2", "w-3", "w-5"])
+        assert store.run("r-i") is None
+        assert store.run("r-k") == kept
+        assert store.run("r-n") == named
+        assert store.run("r-nope") is None
+    finally:
+        store.close()

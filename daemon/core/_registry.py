@@ -26,7 +26,7 @@ from subagentd.protocol import (
     WorkerView,
     op,
 )
-from subagentd.protocol.errors import Invalid, NotFound, RunStopped
+from subagentd.protocol.errors import Invalid, NotFound, Refused, RunStopped
 
 #: Seconds between TERM and KILL when a spawn names none.
 DEFAULT_GRACE = 5.0
@@ -234,6 +234,9 @@ class Registry:
         self._run_members: dict[str, list[str]] = {}  # run id -> worker ids
         self._inner_runs: dict[str, list[str]] = {}  # run id -> runs nested in it
         self._by_token: dict[str, str] = {}  # worker token -> worker id
+        #: Workers a resume is under way for (between `begin_resume` and `reopen`), each
+        #: with the reason of the first stop that reached it meanwhile (None: none did).
+        self._resuming: dict[str, str | None] = {}
         self._tombstones: dict[str, Tombstone] = {}
         #: (ended_at, id) of ended handles, soonest to expire first. Stale
         #: entries (collected, released, resumed) are dropped when they surface.
@@ -526,6 +529,8 @@ class Registry:
         newly: list[str] = []
         for worker_id in ids:
             record = self._workers[worker_id]
+            if record.ended and worker_id in self._resuming and not self._resuming[worker_id]:
+                self._resuming[worker_id] = reason  # its resume is refused: see `reopen`
             if record.ended or record.stop_reason is not None:
                 continue
             record.stop_reason = reason
@@ -565,6 +570,10 @@ class Registry:
         that loops back is cut (and said in `damage`), so no walk ever goes round.
         """
         self.damage += _cut_loops(records, runs)
+        # An implicit run no held worker is in was released with its last one: its row
+        # (kept for its stop) is read again only when a resume takes a worker of it back.
+        held_in = {record.run for record in records}
+        runs = [run for run in runs if not run.implicit or run.id in held_in]
         for run in runs:
             self._runs[run.id] = run
             self._run_members.setdefault(run.id, [])
@@ -599,15 +608,52 @@ class Registry:
 
     # -- resuming ------------------------------------------------------------
 
-    def reopen(self, record: WorkerRecord, now: float, timeout: float | None) -> WorkerRecord:
-        """The next attempt of an ended worker: same id, run, parent and token.
+    def begin_resume(self, record: WorkerRecord, saved_run: RunRecord | None) -> None:
+        """A resume of this ended worker is under way (its journal being verified): from
+        now until `reopen` (or `abandon_resume`), a stop that reaches it refuses the resume.
 
-        `record` may come from the archive when its handle was released: it is
-        taken back into memory. Its run stays as it is: a stopped run still refuses
-        every spawn but this attempt's own delegations (see `register`).
+        `record` may come from the store when its handle was released: it is taken back
+        into memory, with its run as the store saved it (`saved_run`: see
+        `restore_worker`), so a stop of its run or of it lands here too. Refused while
+        another resume of it is under way (its journal open could cut, as a torn tail,
+        what the first appends).
         """
+        if record.id in self._resuming:
+            raise Refused(f"worker {record.id} is being resumed already")
         if record.id not in self._workers:
-            self.restore_worker(record)
+            self.restore_worker(record, saved_run)
+        self._resuming[record.id] = None
+
+    def abandon_resume(self, worker_id: str) -> None:
+        """The resume went no further: the worker is as it was (a handle taken back from
+        the store only for it is let go again, in memory: the store never saw it held)."""
+        self._resuming.pop(worker_id, None)
+        record = self._workers.get(worker_id)
+        if record is not None and self._releasable(worker_id):
+            self.release(worker_id)
+
+    def reopen(self, record: WorkerRecord, now: float, timeout: float | None) -> WorkerRecord:
+        """The next attempt of an ended worker being resumed: same id, run, parent, token.
+
+        Its run stays as it is: a stopped run still refuses every spawn but this
+        attempt's own delegations (see `register`). Refused, nothing having run, if a
+        stop reached the worker since `begin_resume` (a stop of its run, of it, a
+        cancel): that stop came after the resume was asked, and a stopped attempt never
+        starts (`run_stopped` for a stop of its run).
+        """
+        stop = self._resuming.get(record.id)
+        if stop is not None:
+            self.abandon_resume(record.id)
+            if stop == "run":
+                raise RunStopped(
+                    f"run {record.run} was stopped while worker {record.id} was being "
+                    "resumed: nothing ran; resume it again to carry it on"
+                )
+            raise Refused(
+                f"worker {record.id} was stopped ({stop}) while it was being resumed: "
+                "nothing ran; resume it again to carry it on"
+            )
+        self._resuming.pop(record.id, None)
         record.attempt += 1
         record.state = "starting"
         record.stop_reason = None
@@ -637,12 +683,15 @@ class Registry:
                 opened.append(current)
         return sorted(opened)
 
-    def restore_worker(self, record: WorkerRecord) -> None:
+    def restore_worker(self, record: WorkerRecord, saved_run: RunRecord | None = None) -> None:
         """Take a worker back into memory from its archived record. A run no longer held
-        (an implicit run goes with its last worker) comes back stopped if its stop is what
-        ended this worker: a resume never opens a stopped run again."""
+        (an implicit run goes with its last worker) comes back as `saved_run`, its row in
+        the store (written when it was stopped, reopened or resumed, and kept when it was
+        let go), so a resume never opens a stopped run again. Without a row (a state dir
+        from before rows were kept, a write that failed) it is stopped if its stop is what
+        ended this worker."""
         if record.run not in self._runs:
-            self._runs[record.run] = RunRecord(
+            self._runs[record.run] = saved_run or RunRecord(
                 id=record.run,
                 outer=None,
                 created_at=record.started_at,

@@ -44,8 +44,6 @@ class Resumption:
 class Resumer:
     def __init__(self, daemon: Daemon) -> None:
         self.daemon = daemon
-        #: Workers whose journal a resume is verifying (in a thread): one resume at a time.
-        self._opening: set[str] = set()
 
     async def resume(
         self, worker_id: str, worker_timeout: float | None, asked: AskedKey | None = None
@@ -107,14 +105,28 @@ class Resumer:
         changed: str,
         asked: AskedKey | None,
     ) -> WorkerView:
-        # The journal first: if it cannot be opened, nothing has changed yet.
-        journal = await self._open_journal(record.id, archive)
-        had_stone = self.daemon.registry.drop_tombstone(record.id)
-        record = self.daemon.registry.reopen(
-            record,
-            self.daemon.clock(),
-            snapshot.timeout if worker_timeout is None else worker_timeout or None,
-        )
+        registry = self.daemon.registry
+        # Taken back into memory (its run as the store saved it: stopped, if it was), so
+        # a stop that lands while its journal is verified reaches it and refuses this.
+        saved_run = None if registry.has_run(record.run) else self.daemon.store.run(record.run)
+        registry.begin_resume(record, saved_run)
+        try:
+            await self.daemon.held("hold-resume", record.name)
+            # The journal first: if it cannot be opened, nothing has changed yet.
+            journal = await self._open_journal(record.id, archive)
+        except BaseException:
+            registry.abandon_resume(record.id)
+            raise
+        try:
+            record = registry.reopen(
+                record,
+                self.daemon.clock(),
+                snapshot.timeout if worker_timeout is None else worker_timeout or None,
+            )
+        except Refused:  # stopped meanwhile: nothing ran, nothing was written
+            journal.close()
+            raise
+        had_stone = registry.drop_tombstone(record.id)
         live = LiveWorker(record=record, journal=journal)
         self.daemon.supervisor.add(live)
         try:
@@ -168,11 +180,8 @@ class Resumer:
 
     async def _open_journal(self, worker_id: str, archive: Archive) -> Journal:
         """The journal, verified for writing in a thread (as long as its worker made
-        it: the daemon serves meanwhile). A second resume of the worker meanwhile
-        is refused: its open could cut, as a torn tail, what the first appends."""
-        if worker_id in self._opening:
-            raise Refused(f"worker {worker_id} is being resumed already")
-        self._opening.add(worker_id)
+        it: the daemon serves meanwhile; a second resume of it is refused meanwhile:
+        `Registry.begin_resume`)."""
         try:
             return await self.daemon.reader.open_journal(
                 archive.file(Archive.JOURNAL), writable=True
@@ -182,8 +191,6 @@ class Resumer:
                 f"worker {worker_id} cannot be resumed: its journal is not a regular file "
                 "of its own (a symlink, FIFO or hard link put in its place); start it afresh"
             ) from None
-        finally:
-            self._opening.discard(worker_id)
 
     @staticmethod
     def _check_resumable(worker_id: str, state: str) -> None:

@@ -490,10 +490,38 @@ class Store:
         return [str(row[0]) for row in rows]
 
     def forget(self, worker_ids: list[str]) -> None:
-        """Drop the rows of workers whose archives were pruned."""
+        """Drop the rows of workers whose archives were pruned, and the row of each
+        implicit run they leave with no worker (kept for its stop until nothing could
+        be resumed into it)."""
         if worker_ids:
             with self.transaction("forgetting pruned workers") as db:
+                runs = {
+                    str(row[0])
+                    for i in worker_ids
+                    for row in db.execute("SELECT run FROM workers WHERE id = ?", (i,))
+                }
                 db.executemany("DELETE FROM workers WHERE id = ?", [(i,) for i in worker_ids])
+                for run in runs:
+                    if db.execute("SELECT 1 FROM workers WHERE run = ?", (run,)).fetchone():
+                        continue
+                    saved = self._run_row(db, run)
+                    if saved is not None and saved.implicit:
+                        db.execute("DELETE FROM runs WHERE id = ?", (run,))
+
+    def run(self, run_id: str) -> RunRecord | None:
+        """A run's saved row (a named run's, or an implicit run's once it was stopped,
+        reopened or resumed); None if it has none, or its row does not read."""
+        return self._run_row(self._db, run_id)
+
+    def _run_row(self, db: sqlite3.Connection, run_id: str) -> RunRecord | None:
+        row = db.execute("SELECT record FROM runs WHERE id = ?", (run_id,)).fetchone()
+        if row is None:
+            return None
+        try:
+            return _run_decoder.decode(row[0])
+        except (msgspec.DecodeError, TypeError) as exc:
+            self._problem_once(f"run {run_id}'s row in {self.path} does not read ({exc})")
+            return None
 
     def runs(self) -> list[RunRecord]:
         return self._decoded("SELECT id, record FROM runs", RunRecord, "run")
@@ -598,6 +626,7 @@ def _insert_wake(db: sqlite3.Connection, wake: Wake, *, or_ignore: bool) -> None
 
 
 _worker_decoder = msgspec.msgpack.Decoder(WorkerRecord)
+_run_decoder = msgspec.msgpack.Decoder(RunRecord)
 _encoder = msgspec.msgpack.Encoder()
 _Row = TypeVar("_Row", RunRecord, Tombstone)
 

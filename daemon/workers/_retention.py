@@ -2,7 +2,8 @@
 
 A handle is released at once when collected, or after the finished TTL when not (a
 tombstone is left where a live parent may still ask for its child); each release is one
-transaction with the tombstones it makes or drops and the implicit run it takes along.
+transaction with the tombstones it makes or drops and the wakes of the implicit run it
+takes along.
 Archives (and their rows) go after `--keep-archives` days, pruned daily. Deadlines wait
 on trio's clock, each for a span worked out from the wall-clock times written down.
 """
@@ -90,10 +91,11 @@ class Retention:
             dropped_tombstones=[i for i in before if i not in after],
         )
         if not self._registry.has_run(run):  # an implicit run went with its last worker
-            # Nobody can subscribe to it any more: its wakes would wait forever.
+            # Nobody can subscribe to it any more: its wakes would wait forever. Its row,
+            # if it has one, stays: a resume of its worker takes the run back as it was
+            # (stopped, if it was), and a prune drops it with its last worker's row.
             change.acked = self._mailbox.orphans_of(run)
             self._run_dropped(run)
-            change.dropped_runs.append(run)
         self._commit(change)
 
     def _commit(self, change: Change) -> None:
