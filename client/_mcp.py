@@ -48,6 +48,7 @@ from ._mcp_answer import Answer, Refusal
 from ._mcp_caller import caller
 from ._mcp_shapes import output_schema
 from ._mcp_tools import TOOLS, Tool
+from ._text import printable_lines
 
 #: Seconds between two progress notifications of a tool that waits (the environment
 #: variable sets another: tests use a fraction of a second).
@@ -71,9 +72,13 @@ def progress_interval() -> float:
 
 def error_result(code: str, message: str) -> CallToolResult:
     """A tool error: ``code: message`` for the model, and no structured content, which no
-    output schema then needs to admit."""
+    output schema then needs to admit. The one place every refusal passes, so the one
+    place its text is cleaned: a daemon's message may quote a worker's own strings (a
+    directory's name, a program's path), which reach the model without their control
+    bytes, as on a terminal."""
     return CallToolResult(
-        content=[TextContent(type="text", text=f"{code}: {message}")], is_error=True
+        content=[TextContent(type="text", text=printable_lines(f"{code}: {message}"))],
+        is_error=True,
     )
 
 

@@ -431,6 +431,7 @@ class EventsArguments(Arguments):
             f"{WAIT_ADVICE}"
         ),
     ] = 0.0
+    max_bytes: MaxBytes = DEFAULT_MAX_BYTES
 
     def waits(self) -> float | None:
         return self.timeout
@@ -493,6 +494,16 @@ class RestartArguments(Arguments):
             description="a new time limit for its new attempt, in seconds (0: none)",
         ),
     ] = None
+    wait_timeout: Annotated[
+        ToolWait,
+        Field(
+            description="seconds to wait at most for the stop to finish (a worker's grace "
+            f"may be long); past it the stop goes on and you call again; {WAIT_ADVICE}"
+        ),
+    ] = DEFAULT_TOOL_WAIT
+
+    def waits(self) -> float | None:
+        return self.wait_timeout
 
 
 class LatestArguments(Arguments):

@@ -10,14 +10,16 @@ neither the text nor the structured content's output exceeds ``max_bytes``. Pure
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from subagentd.protocol import Entry, GrepMatch
+import msgspec
+
+from subagentd.protocol import Entry, GrepMatch, Wake
 
 from . import _mcp_shapes as shapes
-from ._mcp_text import entry_text, lines_text, match_text
+from ._mcp_text import entry_text, lines_text, match_text, wake_line
 
 #: Room kept out of the budget for the text's last line (where the reading stands).
 FOOTER = 256
@@ -59,6 +61,26 @@ def _utf8_cut(data: bytes, length: int) -> int:
     while 0 < cut < len(data) and length - cut < 3 and (data[cut] & 0xC0) == 0x80:
         cut -= 1  # data[cut] goes on a character begun before it: leave that one out
     return cut if cut > 0 else length
+
+
+def whole_characters(data: bytes) -> int:
+    """The length of `data` without a UTF-8 character its end cuts short (a piece the
+    daemon cut by bytes): that character is read whole with what follows."""
+    for back in range(1, min(4, len(data)) + 1):
+        byte = data[-back]
+        if byte & 0xC0 == 0x80:
+            continue  # a continuation byte: its lead is further back
+        needs = (
+            2
+            if byte & 0xE0 == 0xC0
+            else 3
+            if byte & 0xF0 == 0xE0
+            else 4
+            if byte & 0xF8 == 0xF0
+            else 1
+        )
+        return len(data) - back if needs > back else len(data)
+    return len(data)
 
 
 def _utf8_start(data: bytes, start: int) -> int:
@@ -104,15 +126,26 @@ def _costs(entry: Entry, data: bytes, cut: bool) -> tuple[int, int]:
     return size(entry_text(entry, data)), json_size(shapes.entry(entry, data, cut=cut))
 
 
-def page_within(entries: Sequence[Entry], start_offset: int, budget: Budget, cursor: int) -> Kept:
+def page_within(
+    entries: Sequence[Entry],
+    start_offset: int,
+    budget: Budget,
+    cursor: int,
+    *,
+    begun: int = 0,
+    pieces: Container[int] = (),
+) -> Kept:
     """The entries of a page from the front, the first read from `start_offset` bytes on;
-    `next`/`offset` where the following read begins (`cursor`: where this one began)."""
+    `next`/`offset` where the following read begins (`cursor`: where this one began).
+    `begun`: bytes of the first entry that came before its data here (the daemon sent it
+    from there); `pieces`: the seqs of entries whose data here is only part of them."""
     kept = Kept(next=cursor)
     for index, entry in enumerate(entries):
         skip = start_offset if index == 0 else 0
         data = entry.data[skip:]
-        if budget.take(*_costs(entry, data, bool(skip))):
-            kept.entries.append((entry, data, bool(skip)))
+        cut = bool(skip) or entry.seq in pieces
+        if budget.take(*_costs(entry, data, cut)):
+            kept.entries.append((entry, data, cut))
             kept.next, kept.offset = entry.seq, 0
             continue
         kept.truncated = True
@@ -124,7 +157,7 @@ def page_within(entries: Sequence[Entry], start_offset: int, budget: Budget, cur
             n, _ = _fitting(len(data), cost, budget)
             n = _utf8_cut(data, n)
             kept.entries.append((entry, data[:n], True))
-            kept.next, kept.offset = entry.seq - 1, skip + n
+            kept.next, kept.offset = entry.seq - 1, (begun if index == 0 else 0) + skip + n
         break
     return kept
 
@@ -200,3 +233,32 @@ def text_within(raw: str, budget: Budget) -> tuple[str, bool]:
         return raw, False
     n, _ = _fitting(len(raw), cost, budget)
     return raw[:n], True
+
+
+def _wake_costs(wake: Wake) -> tuple[int, int]:
+    # Its line and the newline after it; its object and the ", " before the next.
+    return size(wake_line(wake)) + 1, json_size(shapes.wake(wake)) + 2
+
+
+def wakes_within(wakes: Sequence[Wake], budget: Budget) -> list[Wake]:
+    """The wakes from the front that fit, whole; if not even the first does (long ids and
+    a preview of escapes), the first with as much of its preview as fits, so that every
+    call returns one and the wakes can always be read on."""
+    kept: list[Wake] = []
+    for wake in wakes:
+        if not budget.take(*_wake_costs(wake)):
+            break
+        kept.append(wake)
+    if wakes and not kept:
+        first = wakes[0]
+
+        def cost(n: int, first: Wake = first) -> tuple[int, int]:
+            return _wake_costs(_preview_cut(first, n))
+
+        n, _ = _fitting(len(first.preview), cost, budget)
+        kept.append(_preview_cut(first, n))
+    return kept
+
+
+def _preview_cut(wake: Wake, length: int) -> Wake:
+    return msgspec.structs.replace(wake, preview=wake.preview[:length])

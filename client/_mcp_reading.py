@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from subagentd.protocol import MIN_ANSWER_BYTES, Entry, GrepMatch, GrepResult
+from subagentd.protocol import MAX_ANSWER_BYTES, MIN_ANSWER_BYTES, Entry, GrepMatch, GrepResult
 
 from . import _mcp_args as args
 from . import _mcp_bounds as bounds
@@ -21,6 +21,8 @@ from ._mcp_answer import Answer, connection
 
 #: The journal entries one page read asks for when reading a whole tail.
 TAIL_READ_LIMIT = 1000
+#: What a page of one entry asks for when only its seq and time are wanted.
+PROBE_BYTES = MIN_ANSWER_BYTES
 #: Pages a watch filtered by stream skips through at most in one call before it answers
 #: where it got to.
 SKIP_PAGES = 64
@@ -54,6 +56,11 @@ def _wanted(stream: str | None, since: float | None) -> Callable[[Entry], bool]:
     return wanted
 
 
+def asked_bytes(max_bytes: int) -> int:
+    """The `max_bytes` a watch page asks the daemon for, to keep `max_bytes` of it."""
+    return max(MIN_ANSWER_BYTES, min(MAX_ANSWER_BYTES, max_bytes))
+
+
 async def _page(daemon: AsyncClient, a: args.WatchArguments, since: float | None) -> Answer:
     wanted = _wanted(a.stream, since)
     cursor = a.cursor or 0
@@ -64,16 +71,34 @@ async def _page(daemon: AsyncClient, a: args.WatchArguments, since: float | None
         if skipped > cursor:
             cursor, offset = skipped, 0
     for _ in range(SKIP_PAGES):
-        page = await daemon.watch_page(a.worker, since=cursor, limit=a.limit)
+        # About what this answer keeps (the daemon's page counts the raw bytes, which the
+        # text and the structured content never take less of), not the daemon's 2 MiB.
+        page = await daemon.watch_page(
+            a.worker, since=cursor, limit=a.limit, max_bytes=asked_bytes(a.max_bytes), offset=offset
+        )
         entries = [entry for entry in page.entries if wanted(entry)]
-        if offset and (not entries or entries[0].seq != cursor + 1):
-            offset = 0  # the entry it was cut in is not the first one here
         if entries or page.complete or not page.entries:
             break
-        cursor, offset = page.next, 0
-    kept = bounds.page_within(entries, offset, bounds.Budget(a.max_bytes), cursor)
+        cursor, offset = page.next, page.next_offset
+    # The daemon sent the first entry from `offset` on, and the last one perhaps only
+    # to `page.next_offset`: both are pieces.
+    begun = offset if entries and entries[0].seq == cursor + 1 else 0
+    pieces = {entries[0].seq} if begun else set()
+    next_offset = page.next_offset
+    if next_offset and entries and entries[-1].seq == page.next + 1:
+        last = entries[-1]
+        pieces.add(last.seq)
+        # The daemon cuts by bytes: a character it cut in two is read whole next time.
+        whole = bounds.whole_characters(last.data)
+        next_offset -= len(last.data) - whole
+        entries[-1] = Entry(seq=last.seq, kind=last.kind, data=last.data[:whole], at=last.at)
+    kept = bounds.page_within(
+        entries, 0, bounds.Budget(a.max_bytes), cursor, begun=begun, pieces=pieces
+    )
     if not kept.truncated:
-        kept.next, kept.offset = page.next, 0
+        kept.next, kept.offset = page.next, next_offset
+        # The daemon's page stopped at its bytes (not at `limit`): more is there already.
+        kept.truncated = next_offset > 0 or (page.truncated and len(page.entries) < a.limit)
     complete = page.complete and not kept.truncated
     # With `since`, the time it stood for: a `10m` said again later would skip what was
     # written between.
@@ -133,11 +158,15 @@ async def _last_seq(daemon: AsyncClient, worker: str) -> int:
     """The seq of the journal's last entry (0: none), by doubling then halving over pages of
     one entry (seqs run from 1 without a gap)."""
     known, probe = 0, 1
-    while (await daemon.watch_page(worker, since=probe - 1, limit=1)).entries:
+    while (
+        await daemon.watch_page(worker, since=probe - 1, limit=1, max_bytes=PROBE_BYTES)
+    ).entries:
         known, probe = probe, probe * 2
     while probe - known > 1:
         middle = (known + probe) // 2
-        if (await daemon.watch_page(worker, since=middle - 1, limit=1)).entries:
+        if (
+            await daemon.watch_page(worker, since=middle - 1, limit=1, max_bytes=PROBE_BYTES)
+        ).entries:
             known = middle
         else:
             probe = middle
@@ -151,7 +180,7 @@ async def _cursor_since(daemon: AsyncClient, worker: str, since: float, last: in
     low, high = 1, last + 1  # the first such seq lies in [low, high]; last + 1: none
     while low < high:
         middle = (low + high) // 2
-        page = await daemon.watch_page(worker, since=middle - 1, limit=1)
+        page = await daemon.watch_page(worker, since=middle - 1, limit=1, max_bytes=PROBE_BYTES)
         if not page.entries or page.entries[0].at >= since:
             high = middle
         else:

@@ -161,6 +161,12 @@ class WakeOut(Shape):
 
 class WakesOut(Shape):
     wakes: list[WakeOut]
+    pending: int = Field(
+        default=0,
+        description="wakes left pending after these (max_bytes left them out, "
+        "unacknowledged): call again for them",
+    )
+    truncated: bool = Field(default=False, description="max_bytes left wakes out")
 
 
 class ResumedOut(WorkerOut):

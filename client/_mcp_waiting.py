@@ -22,6 +22,10 @@ from ._mcp_answer import Answer, Refusal, connection
 from ._mcp_caller import caller
 from ._text import printable
 
+#: Pending wakes one subagent_events call reads at most: far more than one answer carries,
+#: and enough to say how many are left (past it: "at least").
+EVENTS_COUNTED = 10_000
+
 
 async def subagent_wait(a: args.WaitArguments) -> Answer:
     """Wait until a worker ends, or (with `pattern`) until a line of its output matches,
@@ -78,8 +82,10 @@ async def subagent_collect(a: args.CollectArguments) -> Answer:
 
 async def subagent_events(a: args.EventsArguments) -> Answer:
     """The wakes of one parent: one per worker of it that ended (id, state, exit code and
-    a preview of its result), each returned once: returned wakes are acknowledged and never
-    returned again, here or to any other subscriber. With `timeout`, waits that long for
+    a preview of its result), oldest first, each returned once: returned wakes are
+    acknowledged and never returned again, here or to any other subscriber. At most
+    `max_bytes`: the wakes that do not fit stay pending, unacknowledged, and `pending`
+    says how many are left; call again for them. With `timeout`, waits that long for
     one if none is pending (keep it under 50 s and call again)."""
     run, worker = a.run, a.worker
     if run is None and worker is None:
@@ -91,24 +97,43 @@ async def subagent_events(a: args.EventsArguments) -> Answer:
         if not wakes and a.timeout > 0:
             with trio.move_on_after(a.timeout):
                 wakes = await _pending_wakes(daemon, run, worker, follow=True)
-        if wakes:
+        kept = bounds.wakes_within(wakes, bounds.Budget(a.max_bytes))
+        if kept:
+            # Only what this answer carries: the rest stay for the next call.
             with trio.CancelScope(shield=True):
-                await daemon.ack(wake.seq for wake in wakes)
-    lines = "\n".join(text.wake_line(wake) for wake in wakes)
-    return Answer(lines or "no wakes", {"wakes": [shapes.wake(wake) for wake in wakes]})
+                await daemon.ack(wake.seq for wake in kept)
+    pending = len(wakes) - len(kept)
+    lines = "\n".join(text.wake_line(wake) for wake in kept)
+    if pending:
+        counted = f"at least {pending}" if len(wakes) >= EVENTS_COUNTED else str(pending)
+        lines = text.with_footer(
+            lines,
+            f"truncated at max_bytes: {counted} more wakes pending, not acknowledged; "
+            "call subagent_events again for them",
+            "no wakes",
+        )
+    return Answer(
+        lines or "no wakes",
+        {
+            "wakes": [shapes.wake(wake) for wake in kept],
+            "pending": pending,
+            "truncated": pending > 0,
+        },
+    )
 
 
 async def _pending_wakes(
     daemon: AsyncClient, run: str | None, worker: str | None, *, follow: bool = False
 ) -> list[Wake]:
-    """The wakes pending now; with `follow`, the first one to come. None is acknowledged:
-    the caller acknowledges what it returns, so what it does not stays pending."""
+    """The wakes pending now (the first EVENTS_COUNTED of them); with `follow`, the first
+    one to come. None is acknowledged: the caller acknowledges what it returns, so what
+    it does not stays pending."""
     wakes: list[Wake] = []
     async with contextlib.aclosing(
         daemon.events(run=run, worker=worker, follow=follow, ack=False)
     ) as stream:
         async for wake in stream:
             wakes.append(wake)
-            if follow:
+            if follow or len(wakes) >= EVENTS_COUNTED:
                 break
     return wakes

@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 import msgspec
+import trio
 
 from subagentd.protocol import Cancel, ListWorkers, Stop, StopRun, WorkerList, WorkerView
 from subagentd.protocol.errors import RemoteError
@@ -105,14 +106,31 @@ async def _ready_tail(daemon: AsyncClient, worker: str, a: args.SpawnArguments) 
 async def subagent_restart(a: args.RestartArguments) -> Answer:
     """Restart a worker: stop it (and its subtree: TERM, then KILL after its grace), wait
     until it has ended, then start a new attempt of it, same id, running what it was
-    spawned with (its frozen snapshot), with a new `timeout` if given. A worker that
-    finished well (exit 0) is refused: there is nothing to resume; spawn it afresh."""
+    spawned with (its frozen snapshot), with a new `timeout` if given. Waits for the stop
+    at most `wait_timeout` seconds (default 30): if it has not finished by then (a long
+    grace), the stop goes on and the answer says so (`timed_out`); call subagent_restart
+    again, which waits on the stop under way (or on nothing, for a worker already ended)
+    and then starts the new attempt. A worker that finished well (exit 0) is refused:
+    there is nothing to resume; spawn it afresh."""
     async with connection() as daemon:
-        asked = Stop(id=0, worker=a.worker, wait=True)
+        # Asked to stop without waiting, so the answer says what it stopped at once; a
+        # worker already stopping (a call before this one) or ended is left as it is.
+        asked = Stop(id=0, worker=a.worker, wait=False)
         stopped = _core.answer(asked, await daemon.request(asked))
         if not stopped.found:
             raise _core.unknown_worker(a.worker)
-        await daemon.wait(a.worker)
+        with trio.move_on_after(a.wait_timeout) as waiting:
+            again = Stop(id=0, worker=a.worker, wait=True)  # until its processes are gone
+            _core.answer(again, await daemon.request(again))
+            await daemon.wait(a.worker)
+        if waiting.cancelled_caught:
+            under_way = text.ids([*stopped.stopped, *stopped.already_stopping])
+            raise Refusal(
+                "timed_out",
+                f"worker {a.worker} is still stopping after {a.wait_timeout:g} s (stopping: "
+                f"{under_way}); its stop goes on: call subagent_restart again to wait for it "
+                "and start the new attempt",
+            )
         view = await daemon.resume(a.worker, timeout=a.timeout)
     line = f"restarted {text.worker_line(view)} (stopped: {text.ids(stopped.stopped)})"
     if view.changed:

@@ -189,7 +189,11 @@ async def test_events_returns_each_wake_once(daemon: DaemonProcess) -> None:
             assert [(w["id"], w["state"], w["exit_code"]) for w in woken["wakes"]] == [
                 (quick["id"], "failed", 4)
             ]
-            assert await call(session, "subagent_events", run=run) == {"wakes": []}
+            assert await call(session, "subagent_events", run=run) == {
+                "wakes": [],
+                "pending": 0,
+                "truncated": False,
+            }
 
 
 async def test_an_unknown_id_is_a_tool_error_with_the_daemons_code(

@@ -12,7 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from subagentd.client import _mcp_bounds as bounds
-from subagentd.protocol import Entry, GrepMatch
+from subagentd.client import _mcp_shapes as shapes
+from subagentd.client._mcp_text import wake_line
+from subagentd.protocol import Entry, GrepMatch, Wake
 
 # Repeated pieces, so that entries often pass the bound (hypothesis draws small ones).
 PIECE = st.one_of(
@@ -110,3 +112,35 @@ def test_a_result_is_cut_at_its_start_within_the_bound(raw: str, limit: int) -> 
     assert raw.startswith(shown)
     assert cut == (shown != raw)
     assert len(json.dumps(shown, ensure_ascii=False).encode()) <= limit
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    previews=st.lists(st.text(max_size=200), max_size=40),
+    run=st.text(min_size=1, max_size=256),
+    limit=LIMIT,
+)
+def test_wakes_fit_whole_and_one_always_comes(previews: list[str], run: str, limit: int) -> None:
+    # Any preview (escapes, which JSON spells in six bytes), ids up to their bound.
+    wakes = [
+        Wake(seq=i + 1, id=f"w-{i}", run=run, state="failed", exit_code=1, preview=preview)
+        for i, preview in enumerate(previews)
+    ]
+    kept = bounds.wakes_within(wakes, bounds.Budget(limit))
+    text = "\n".join(wake_line(wake) for wake in kept)
+    structured = json.dumps([shapes.wake(wake) for wake in kept], ensure_ascii=False)
+    assert bounds.size(text) <= limit - bounds.FOOTER
+    assert len(structured.encode()) <= limit
+    assert bool(kept) == bool(wakes)  # never none of them: the next call gets on
+    assert [wake.seq for wake in kept] == [wake.seq for wake in wakes[: len(kept)]]
+    for got, given_ in zip(kept[:-1], wakes, strict=False):
+        assert got == given_  # whole, but perhaps the first alone (its preview cut)
+
+
+@given(text=st.text(max_size=20), cut=st.integers(0, 80))
+def test_a_piece_cut_by_bytes_ends_on_a_whole_character(text: str, cut: int) -> None:
+    data = text.encode("utf-8", errors="surrogatepass")[:cut]
+    whole = bounds.whole_characters(data)
+    assert text.encode("utf-8", errors="surrogatepass").startswith(data[:whole])
+    data[:whole].decode("utf-8", errors="surrogatepass")  # no character cut in two
+    assert len(data) - whole < 4
