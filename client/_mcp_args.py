@@ -437,6 +437,18 @@ class EventsArguments(Arguments):
         return self.timeout
 
 
+#: A resumed worker's new time limit (only it may be given again).
+NewTimeLimit = Annotated[
+    float | None,
+    Field(
+        ge=0,
+        le=MAX_TIMEOUT,
+        allow_inf_nan=False,
+        description="a new time limit for the worker, in seconds (0: none)",
+    ),
+]
+
+
 class ResumeArguments(Arguments):
     worker: Annotated[
         str | None,
@@ -449,15 +461,7 @@ class ResumeArguments(Arguments):
             description="instead: a run, whose unfinished workers carry on",
         ),
     ] = None
-    timeout: Annotated[
-        float | None,
-        Field(
-            ge=0,
-            le=MAX_TIMEOUT,
-            allow_inf_nan=False,
-            description="a new time limit for the worker, in seconds (0: none)",
-        ),
-    ] = None
+    timeout: NewTimeLimit = None
 
 
 class WorkerResumeArguments(Arguments):
@@ -472,15 +476,7 @@ class WorkerResumeArguments(Arguments):
             description="an ended (not finished) worker of your subtree to carry on",
         ),
     ]
-    timeout: Annotated[
-        float | None,
-        Field(
-            ge=0,
-            le=MAX_TIMEOUT,
-            allow_inf_nan=False,
-            description="a new time limit for the worker, in seconds (0: none)",
-        ),
-    ] = None
+    timeout: NewTimeLimit = None
 
 
 class RestartArguments(Arguments):
