@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -144,3 +145,20 @@ def test_a_piece_cut_by_bytes_ends_on_a_whole_character(text: str, cut: int) -> 
     assert text.encode("utf-8", errors="surrogatepass").startswith(data[:whole])
     data[:whole].decode("utf-8", errors="surrogatepass")  # no character cut in two
     assert len(data) - whole < 4
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "-1", "0", "61", "1e308", "", "soon"])
+def test_a_progress_interval_of_no_use_is_the_default(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    from subagentd.client._mcp import PROGRESS_INTERVAL, progress_interval
+
+    monkeypatch.setenv("SUBAGENTD_MCP_PROGRESS_INTERVAL", value)
+    assert progress_interval() == PROGRESS_INTERVAL
+
+
+def test_a_progress_interval_in_range_is_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    from subagentd.client._mcp import progress_interval
+
+    monkeypatch.setenv("SUBAGENTD_MCP_PROGRESS_INTERVAL", "0.25")
+    assert progress_interval() == 0.25
