@@ -37,7 +37,7 @@ from subagentd.protocol import (
     WorkerResult,
     WorkerView,
 )
-from subagentd.protocol.errors import SubagentdError
+from subagentd.protocol.errors import ConnectionLost, SubagentdError
 
 from . import _core
 from ._switch import BlockingStopSwitch
@@ -92,6 +92,15 @@ class Client:
         self._sock = sock
         try:
             self._call(_core.hello(_core.token()))
+        except ConnectionLost:
+            # The daemon began a reload between our connect and its welcome (or dropped us
+            # there): a hello is safe to say again, so connect as a reload's clients do.
+            self.close()
+            self._conn = _core.Connection(reconnect=True)
+            self._reconnect()
+            if self._conn.closed:  # not serving again within the reconnect window
+                self.close()
+                raise
         except BaseException:
             self.close()
             raise
