@@ -1,0 +1,133 @@
+"""Wakes under a storm of reloads: a slow consumer of a followed wake stream, in either
+client, gets every wake exactly once, and what it acknowledged no later subscriber gets.
+
+The consumer holds each wake 50 ms while a reload lands every 0.2 s, so a wake handed
+over from a page of one connection is acknowledged after the client has moved to the
+next: that acknowledgement waits for the wake's redelivery there (protocol/README.md,
+"Reload").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+
+import trio
+
+from subagentd.client import AsyncClient, Client, Wake
+from subagentd.protocol.errors import Busy
+
+from .conftest import DaemonProcess
+from .helpers import sh
+
+#: Workers whose wakes the consumer takes: some ended before it subscribes, the rest
+#: ending one after the other while reloads come.
+ENDED_BEFORE = 12
+ENDING_DURING = 28
+HOLD = 0.05  # what the consumer spends on each wake
+STORM_PAUSE = 0.2  # between one reload's answer and the next reload
+
+
+async def reload_storm(daemon: DaemonProcess, reloads: list[int]) -> None:
+    """Reload, by the real request on a connection of its own, every `STORM_PAUSE` s until
+    cancelled."""
+    async with AsyncClient(daemon.socket) as reloader:
+        while True:
+            try:
+                reloads.append((await reloader.reload()).image_generation)
+            except Busy as exc:  # another reload just ended
+                await trio.sleep(exc.retry_after or STORM_PAUSE)
+                continue
+            await trio.sleep(STORM_PAUSE)
+
+
+async def spawn_wakers(daemon: DaemonProcess) -> tuple[str, set[str]]:
+    """A run with `ENDED_BEFORE` workers ended and `ENDING_DURING` ending over ~3 s."""
+    async with AsyncClient(daemon.socket) as spawner:
+        run = await spawner.new_run()
+        ids = set()
+        for _ in range(ENDED_BEFORE):
+            ids.add((await spawner.spawn(["true"], run=run)).id)
+        for i in range(ENDING_DURING):
+            ids.add((await spawner.spawn(sh(f"sleep {0.3 + i * 0.1:.1f}"), run=run)).id)
+        return run, ids
+
+
+async def storm_while(
+    daemon: DaemonProcess, consume: Callable[[], Awaitable[list[Wake]]]
+) -> tuple[list[Wake], list[int]]:
+    """What `consume` got, and the generations the storm reloaded to while it ran."""
+    reloads: list[int] = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(reload_storm, daemon, reloads)
+        got = await consume()
+        nursery.cancel_scope.cancel()
+    return got, reloads
+
+
+async def nothing_left(daemon: DaemonProcess, run: str) -> list[Wake]:
+    """What a second subscriber, after the first stopped, gets of the run's wakes."""
+    async with AsyncClient(daemon.socket) as second:
+        return [wake async for wake in second.events(run=run)]
+
+
+def assert_each_once(got: list[Wake], ids: set[str], reloads: list[int]) -> None:
+    assert len(reloads) >= 3, f"the storm reloaded only {reloads}"
+    seqs = [wake.seq for wake in got]
+    assert len(seqs) == len(set(seqs)), f"a wake handed over twice: {sorted(seqs)}"
+    assert sorted(wake.id for wake in got) == sorted(ids)
+
+
+async def test_a_slow_async_consumer_gets_each_wake_once_through_a_reload_storm(
+    daemon_dirs: DaemonProcess,
+) -> None:
+    daemon_dirs.start("--reload-interval", "0")
+    daemon = daemon_dirs
+    with trio.fail_after(90):
+        run, ids = await spawn_wakers(daemon)
+
+        async def consume() -> list[Wake]:
+            got: list[Wake] = []
+            async with (
+                AsyncClient(daemon.socket) as client,
+                contextlib.aclosing(client.events(run=run, follow=True)) as wakes,
+            ):
+                async for wake in wakes:
+                    got.append(wake)
+                    await trio.sleep(HOLD)
+                    if len(got) == len(ids):
+                        break
+            return got
+
+        got, reloads = await storm_while(daemon, consume)
+        assert_each_once(got, ids, reloads)
+        assert await nothing_left(daemon, run) == []
+
+
+async def test_a_slow_blocking_consumer_gets_each_wake_once_through_a_reload_storm(
+    daemon_dirs: DaemonProcess,
+) -> None:
+    daemon_dirs.start("--reload-interval", "0")
+    daemon = daemon_dirs
+    with trio.fail_after(90):
+        run, ids = await spawn_wakers(daemon)
+
+        def consume_blocking() -> list[Wake]:
+            got: list[Wake] = []
+            with Client(daemon.socket, timeout=60) as client:
+                wakes = client.events(run=run, follow=True)
+                with contextlib.closing(wakes):
+                    for wake in wakes:
+                        got.append(wake)
+                        time.sleep(HOLD)
+                        if len(got) == len(ids):
+                            break
+            return got
+
+        async def consume() -> list[Wake]:
+            return await trio.to_thread.run_sync(consume_blocking, abandon_on_cancel=True)
+
+        got, reloads = await storm_while(daemon, consume)
+        assert_each_once(got, ids, reloads)
+        assert await nothing_left(daemon, run) == []
