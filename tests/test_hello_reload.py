@@ -54,7 +54,7 @@ class HelloHolder:
             async def to_client() -> None:
                 async for data in daemon:
                     if not spoke.is_set():
-                        self.first_words = data
+                        self.first_words = bytes(data)
                         spoke.set()
                     with contextlib.suppress(trio.BrokenResourceError):
                         await client.send_all(data)
