@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import trio
 
@@ -21,17 +22,23 @@ from subagentd.protocol.errors import Busy
 from .conftest import DaemonProcess
 from .helpers import sh
 
-#: Workers whose wakes the consumer takes: some ended before it subscribes, the rest
-#: ending one after the other while reloads come.
+#: Workers whose wakes the consumer takes: some ended before it subscribes, the rest in
+#: batches, each let go by one reload of the storm, so every batch's wakes are posted
+#: between reloads and taken, slowly, across the next.
 ENDED_BEFORE = 12
-ENDING_DURING = 28
+BATCHES = 6
+PER_BATCH = 5
 HOLD = 0.05  # what the consumer spends on each wake
 STORM_PAUSE = 0.2  # between one reload's answer and the next reload
 
 
+def gate(daemon: DaemonProcess, batch: int) -> Path:
+    return daemon.root / f"gate-{batch}"
+
+
 async def reload_storm(daemon: DaemonProcess, reloads: list[int]) -> None:
     """Reload, by the real request on a connection of its own, every `STORM_PAUSE` s until
-    cancelled."""
+    cancelled; after each of the first `BATCHES`, let the next batch of workers end."""
     async with AsyncClient(daemon.socket) as reloader:
         while True:
             try:
@@ -39,18 +46,22 @@ async def reload_storm(daemon: DaemonProcess, reloads: list[int]) -> None:
             except Busy as exc:  # another reload just ended
                 await trio.sleep(exc.retry_after or STORM_PAUSE)
                 continue
+            if len(reloads) <= BATCHES:
+                gate(daemon, len(reloads)).touch()
             await trio.sleep(STORM_PAUSE)
 
 
 async def spawn_wakers(daemon: DaemonProcess) -> tuple[str, set[str]]:
-    """A run with `ENDED_BEFORE` workers ended and `ENDING_DURING` ending over ~3 s."""
+    """A run with `ENDED_BEFORE` workers ended and `BATCHES` batches waiting for their gate."""
     async with AsyncClient(daemon.socket) as spawner:
         run = await spawner.new_run()
         ids = set()
         for _ in range(ENDED_BEFORE):
             ids.add((await spawner.spawn(["true"], run=run)).id)
-        for i in range(ENDING_DURING):
-            ids.add((await spawner.spawn(sh(f"sleep {0.3 + i * 0.1:.1f}"), run=run)).id)
+        for batch in range(1, BATCHES + 1):
+            wait = f"while [ ! -e {gate(daemon, batch)} ]; do sleep 0.02; done"
+            for _ in range(PER_BATCH):
+                ids.add((await spawner.spawn(sh(wait), run=run)).id)
         return run, ids
 
 
@@ -73,7 +84,7 @@ async def nothing_left(daemon: DaemonProcess, run: str) -> list[Wake]:
 
 
 def assert_each_once(got: list[Wake], ids: set[str], reloads: list[int]) -> None:
-    assert len(reloads) >= 3, f"the storm reloaded only {reloads}"
+    assert len(reloads) >= BATCHES  # each batch's wakes came after a reload of its own
     seqs = [wake.seq for wake in got]
     assert len(seqs) == len(set(seqs)), f"a wake handed over twice: {sorted(seqs)}"
     assert sorted(wake.id for wake in got) == sorted(ids)
@@ -84,7 +95,7 @@ async def test_a_slow_async_consumer_gets_each_wake_once_through_a_reload_storm(
 ) -> None:
     daemon_dirs.start("--reload-interval", "0")
     daemon = daemon_dirs
-    with trio.fail_after(90):
+    with trio.fail_after(120):
         run, ids = await spawn_wakers(daemon)
 
         async def consume() -> list[Wake]:
@@ -110,7 +121,7 @@ async def test_a_slow_blocking_consumer_gets_each_wake_once_through_a_reload_sto
 ) -> None:
     daemon_dirs.start("--reload-interval", "0")
     daemon = daemon_dirs
-    with trio.fail_after(90):
+    with trio.fail_after(120):
         run, ids = await spawn_wakers(daemon)
 
         def consume_blocking() -> list[Wake]:
