@@ -4,7 +4,7 @@ client, gets every wake exactly once, and what it acknowledged no later subscrib
 The consumer holds each wake 50 ms while a reload lands every 0.2 s, so a wake handed
 over from a page of one connection is acknowledged after the client has moved to the
 next: that acknowledgement waits for the wake's redelivery there (protocol/README.md,
-"Reload").
+"Reload"). So does a caller's own `ack` of wakes it got before a reload.
 """
 
 from __future__ import annotations
@@ -141,4 +141,45 @@ async def test_a_slow_blocking_consumer_gets_each_wake_once_through_a_reload_sto
 
         got, reloads = await storm_while(daemon, consume)
         assert_each_once(got, ids, reloads)
+        assert await nothing_left(daemon, run) == []
+
+
+async def ended_run(daemon: DaemonProcess, workers: int) -> tuple[str, set[str]]:
+    """A run of `workers` workers, every one ended: its wakes all posted."""
+    async with AsyncClient(daemon.socket) as spawner:
+        run = await spawner.new_run()
+        ids = {(await spawner.spawn(["true"], run=run)).id for _ in range(workers)}
+        for worker in ids:
+            await spawner.wait(worker)
+    return run, ids
+
+
+async def reload_from_elsewhere(daemon: DaemonProcess) -> None:
+    async with AsyncClient(daemon.socket) as reloader:
+        assert (await reloader.reload()).image_generation >= 2
+
+
+async def test_an_async_ack_of_wakes_got_before_a_reload_is_taken_after_it(
+    daemon: DaemonProcess,
+) -> None:
+    with trio.fail_after(60):
+        run, ids = await ended_run(daemon, 3)
+        async with AsyncClient(daemon.socket) as client:
+            got = [wake async for wake in client.events(run=run, ack=False)]
+            assert {wake.id for wake in got} == ids
+            await reload_from_elsewhere(daemon)  # the client's connection goes with it
+            await client.ack([wake.seq for wake in got])
+        assert await nothing_left(daemon, run) == []
+
+
+async def test_a_blocking_ack_of_wakes_got_before_a_reload_is_taken_after_it(
+    daemon: DaemonProcess,
+) -> None:
+    with trio.fail_after(60):
+        run, ids = await ended_run(daemon, 3)
+        with Client(daemon.socket, timeout=30) as client:
+            got = await trio.to_thread.run_sync(lambda: list(client.events(run=run, ack=False)))
+            assert {wake.id for wake in got} == ids
+            await reload_from_elsewhere(daemon)
+            await trio.to_thread.run_sync(client.ack, [wake.seq for wake in got])
         assert await nothing_left(daemon, run) == []
