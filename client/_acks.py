@@ -13,7 +13,7 @@ that came again and is done for those that did not (someone acknowledged them).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from subagentd.protocol import Subscribe, Wake, Wakes
 
@@ -44,13 +44,13 @@ class _Delivery:
     parent: Parent
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Release:
     """A held acknowledgement let go: `seqs` to send under its id (empty: nothing is left
     to acknowledge, answer it done)."""
 
     request_id: int
-    seqs: list[int] = field(default_factory=list)
+    seqs: list[int]
 
 
 class AckLedger:

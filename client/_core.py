@@ -861,10 +861,10 @@ class Connection:
         for request_id, entry in list(self._open.items()):
             if isinstance(entry.request, Hello):
                 # Cut off before its welcome: the new connection's hello said it again.
+                answer: Reply | _Lost = _Lost(None)
                 if welcome is not None:
-                    self._inboxes[request_id].append(
-                        msgspec.structs.replace(welcome, id=request_id)
-                    )
+                    answer = msgspec.structs.replace(welcome, id=request_id)
+                self._inboxes[request_id].append(answer)
                 del self._open[request_id]
                 continue
             if entry.sent and (
