@@ -227,12 +227,7 @@ class AsyncClient:
         stream = await self._send(subscription.request(), again=subscription.request)
         try:
             while not subscription.done:
-                reply = await self._next_reply(stream)
-                fresh = subscription.take(reply, self._conn.owed_acks)
-                if subscription.to_ack:
-                    # Handed over and acknowledged on a connection that went: once more here.
-                    await self._ack_again(subscription.to_ack)
-                for wake in fresh:
+                for wake in subscription.take(await self._next_reply(stream)):
                     try:
                         yield wake
                     except BaseException:
@@ -250,7 +245,8 @@ class AsyncClient:
 
     async def ack(self, seqs: Iterable[int]) -> None:
         """Acknowledge wakes by seq: no subscriber gets them again. Each must have been
-        delivered on this connection (else `Invalid`)."""
+        delivered to this client (else `Invalid`); one delivered before a reconnect is
+        acknowledged once the daemon delivered it again (or found it acknowledged)."""
         await self._call(_core.ack(seqs))
 
     async def reload(self) -> ReloadReply:
@@ -514,11 +510,6 @@ class AsyncClient:
         with trio.CancelScope(shield=True):
             await self.ack([wake.seq])
 
-    async def _ack_again(self, seqs: list[int]) -> None:
-        with trio.CancelScope(shield=True):
-            await self.ack(seqs)
-        self._conn.owed_acks.difference_update(seqs)
-
     async def _ack_leaving(self, wake: Wake) -> None:
         # A failure here must not hide why the caller left; the wake then stays pending.
         with contextlib.suppress(SubagentdError):
@@ -568,7 +559,7 @@ class AsyncClient:
             pause = _core.RECONNECT_PAUSE
             while True:
                 try:
-                    stream, rest = await self._handshake()
+                    stream, handshake = await self._handshake()
                 except (OSError, SubagentdError, trio.BrokenResourceError) as exc:
                     if not _core.retry_reconnect(exc) or trio.current_time() + pause > deadline:
                         self._conn.reconnect_failed(exc)
@@ -577,13 +568,16 @@ class AsyncClient:
                     pause = min(pause * 2, _core.RECONNECT_PAUSE_MAX)
                     continue
                 self._stream = stream
-                for frame in self._conn.reconnected(rest, now=trio.current_time()):
+                frames = self._conn.reconnected(
+                    handshake.rest, now=trio.current_time(), welcome=handshake.welcome
+                )
+                for frame in frames:
                     await self._send_locked(frame)
                 break
         self._arrivals.unpark_all()
 
-    async def _handshake(self) -> tuple[trio.SocketStream, bytes]:
-        """A new connection past its hello, and what came after the daemon's welcome."""
+    async def _handshake(self) -> tuple[trio.SocketStream, _core.Handshake]:
+        """A new connection past its hello, and the hello's welcome and what came after it."""
         stream = await _open(self.socket)
         try:
             handshake = _core.Handshake(_core.token())
@@ -594,7 +588,7 @@ class AsyncClient:
             with trio.CancelScope(shield=True):
                 await stream.aclose()
             raise
-        return stream, handshake.rest
+        return stream, handshake
 
 
 async def _open(path: Path) -> trio.SocketStream:

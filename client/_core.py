@@ -66,6 +66,7 @@ from subagentd.protocol import (
     WaitForResult,
     WaitRunStopped,
     Wake,
+    Wakes,
     Watch,
     Welcome,
     WorkerResult,
@@ -85,6 +86,8 @@ from subagentd.protocol.errors import (
     RemoteError,
     remote_error,
 )
+
+from ._acks import AckLedger, Parent, recall
 
 T = TypeVar("T")
 R = TypeVar("R", bound=Reply)
@@ -555,9 +558,8 @@ class WakeSubscription:
 
     Subscribed again on a new connection (after a reload), the daemon delivers
     again what was not acknowledged, which may include a wake already handed
-    over whose acknowledgement was lost with the old connection: `take` hands
-    each wake over once, and lists in `to_ack` the ones whose lost
-    acknowledgement must be sent again.
+    over (its acknowledgement still to come, or lost with the old connection:
+    the `Connection` sees to that one): `take` hands each wake over once.
     """
 
     def __init__(
@@ -567,23 +569,20 @@ class WakeSubscription:
         self.worker = worker
         self.follow = follow
         self.done = False
-        self.to_ack: list[int] = []
         self._handed: set[int] = set()
 
     def request(self) -> Subscribe:
         return Subscribe(id=0, run=self.run, worker=self.worker, follow=self.follow)
 
-    def take(self, reply: Reply, owed: Iterable[int] = ()) -> list[Wake]:
+    def take(self, reply: Reply) -> list[Wake]:
         """The wakes of the next page not handed over before; raises what an error reply
-        carries, which ends it. ``owed``: seqs whose acknowledgement was lost."""
+        carries, which ends it."""
         self.done = True  # an error ends the subscription as surely as a complete page
         page = expect(reply, Subscribe.answered_by())
         # Not followed, the pending wakes may come in several pages: the last is complete
         # (a daemon before paging sent one page, complete).
         self.done = page.complete
-        owed = set(owed)
-        fresh = [w for w in page.wakes if w.seq not in self._handed and w.seq not in owed]
-        self.to_ack = [w.seq for w in page.wakes if w.seq in owed]
+        fresh = [w for w in page.wakes if w.seq not in self._handed]
         self._handed.update(wake.seq for wake in fresh)
         return fresh
 
@@ -659,7 +658,15 @@ class Connection:
     reload's pause came first). One that changes something (a stop, a keyless spawn)
     and whose answer was lost raises `ConnectionLost`: whether it was done is
     unknown. Request ids carry over, so a caller waiting for its answer never
-    notices.
+    notices. The first hello, cut off so, is answered by the new connection's
+    welcome.
+
+    An `ack` names wakes by the connection they came on (`AckLedger`): one naming
+    a wake delivered on an earlier connection is held, not sent, until that wake
+    came again on this one (a recall: an unfollowed subscribe to its parent,
+    which the connection makes itself), then sent for the wakes that came again;
+    it is answered done at once for those that did not: someone acknowledged
+    them (the ack cut off with its connection, most often).
     """
 
     def __init__(self, *, reconnect: bool = False) -> None:
@@ -672,9 +679,7 @@ class Connection:
         self._closed = False
         # Requests the daemon asked to have sent again on this connection (`outgoing`).
         self._outgoing: list[bytes] = []
-        #: Wakes acknowledged by the caller whose acknowledgement went with a connection:
-        #: acknowledged again when a subscription gets them again.
-        self.owed_acks: set[int] = set()
+        self._acks = AckLedger()
         # Why the connection ended: the daemon's parting Error (too_large,
         # reloading), or the transport or protocol failure that ended it.
         self._cause: Error | Exception | None = None
@@ -711,16 +716,16 @@ class Connection:
         self._inboxes[request_id] = deque()
         if again is None and request.resendable():
             again = functools.partial(_same, request)
+        if isinstance(request, Ack) and (self._reconnecting or self._acks.stale(request.wakes)):
+            # Wakes delivered on an earlier connection: acknowledged once delivered here again.
+            recalls = self._acks.hold(request_id, request.wakes)
+            if self._reconnecting:
+                return request_id, None
+            return request_id, b"".join(self._recall(parent) for parent in recalls) or None
         self._open[request_id] = _Open(
             request, again, request.streams(), not self._reconnecting, deadline_of(request, now)
         )
         if self._reconnecting:
-            if isinstance(request, Ack):
-                # Delivered on the old connection, these wakes cannot be acknowledged on a new
-                # one until delivered there again: owed until then.
-                self.owed_acks.update(request.wakes)
-                self._inboxes[request_id].append(Done(id=request_id))
-                del self._open[request_id]
             return request_id, None
         return request_id, encode(msgspec.structs.replace(request, id=request_id))
 
@@ -728,6 +733,7 @@ class Connection:
         """Forget `request_id`; whatever still arrives for it is dropped."""
         self._inboxes.pop(request_id, None)
         self._open.pop(request_id, None)
+        self._acks.drop(request_id)
 
     def abort(self, request_id: int) -> bytes | None:
         """Finish `request_id` and answer the Abort frame that stops the daemon working on it
@@ -754,7 +760,11 @@ class Connection:
                     continue
                 if isinstance(reply, Error) and self._sent_again(reply, now):
                     continue
+                if self._acks.is_recall(reply.id):
+                    self._recalled(reply)
+                    continue
                 if (inbox := self._inboxes.get(reply.id)) is not None:
+                    self._noted(reply)
                     inbox.append(reply)
                 elif reply.id == 0 and isinstance(reply, Error):
                     self._cause = reply
@@ -771,6 +781,47 @@ class Connection:
         on the connection that asked for the reload (kept across it), sent again on it."""
         frames, self._outgoing = self._outgoing, []
         return frames
+
+    def _noted(self, reply: Reply) -> None:
+        """Keep what `reply` says of wakes: delivered here (a page), or acknowledged."""
+        entry = self._open.get(reply.id)
+        if isinstance(reply, Wakes):
+            self._acks.delivered(reply.wakes)
+        elif isinstance(reply, Done) and entry is not None and isinstance(entry.request, Ack):
+            self._acks.acknowledged(entry.request.wakes)
+
+    def _recall(self, parent: Parent) -> bytes:
+        """The frame of a recall of `parent`'s wakes, under an id of its own."""
+        request_id = self._take_id()
+        self._acks.recall_sent(request_id, parent)
+        return encode(msgspec.structs.replace(recall(parent), id=request_id))
+
+    def _recalled(self, reply: Reply) -> None:
+        """An answer to a recall: held acknowledgements go out, or are answered, or fail."""
+        match reply:
+            case Wakes():
+                released = self._acks.recalled(reply.id, reply)
+            case Error(code=NotFound.code):  # a parent gone, with nothing pending
+                released = self._acks.recalled(reply.id, None)
+            case Error(code=Reloading.code):  # the connection a reload keeps: ask it again
+                parent = self._acks.recalled_parent(reply.id)
+                self._outgoing.append(encode(msgspec.structs.replace(recall(parent), id=reply.id)))
+                return
+            case _:
+                for request_id in self._acks.recall_refused(reply.id):
+                    if (inbox := self._inboxes.get(request_id)) is not None:
+                        inbox.append(msgspec.structs.replace(reply, id=request_id))
+                return
+        for release in released:
+            inbox = self._inboxes.get(release.request_id)
+            if inbox is None:
+                continue  # given up on meanwhile
+            if not release.seqs:
+                inbox.append(Done(id=release.request_id))
+                continue
+            request = Ack(id=release.request_id, wakes=release.seqs)
+            self._open[release.request_id] = _Open(request, None, False, True)
+            self._outgoing.append(encode(request))
 
     def _sent_again(self, reply: Reply, now: float | None) -> bool:
         """Whether `reply` is a `reloading` answer to an open request that may be sent again,
@@ -797,14 +848,25 @@ class Connection:
         if not self._closed and not self._reconnecting:
             self._ended(exc)
 
-    def reconnected(self, rest: bytes = b"", *, now: float | None = None) -> list[bytes]:
-        """A new connection said welcome (`rest`: what came after it): the frames to send on
-        it, in order, before anything else. ``now``: the shell's clock (see `send`)."""
+    def reconnected(
+        self, rest: bytes = b"", *, now: float | None = None, welcome: Welcome | None = None
+    ) -> list[bytes]:
+        """A new connection said welcome (`rest`: what came after it; `welcome`: the welcome,
+        for a first hello cut off): the frames to send on it, in order, before anything
+        else. ``now``: the shell's clock (see `send`)."""
         self._frames = FrameDecoder()
         self._reconnecting = False
         self._cause = None
         frames = []
-        for request_id, entry in self._open.items():
+        for request_id, entry in list(self._open.items()):
+            if isinstance(entry.request, Hello):
+                # Cut off before its welcome: the new connection's hello said it again.
+                answer: Reply | _Lost = _Lost(None)
+                if welcome is not None:
+                    answer = msgspec.structs.replace(welcome, id=request_id)
+                self._inboxes[request_id].append(answer)
+                del self._open[request_id]
+                continue
             if entry.sent and (
                 entry.again is None or (self._inboxes[request_id] and not entry.stream)
             ):
@@ -817,6 +879,12 @@ class Connection:
                 self._inboxes[request_id].clear()
             entry.sent = True
             frames.append(encode(msgspec.structs.replace(request, id=request_id)))
+        recalls, released = self._acks.new_connection()
+        frames += [self._recall(parent) for parent in recalls]
+        for release in released:  # naming no wake delivered before: the daemon judges it
+            request = Ack(id=release.request_id, wakes=release.seqs)
+            self._open[release.request_id] = _Open(request, None, False, True)
+            frames.append(encode(request))
         if rest:
             self.receive_data(rest, now=now)
         return frames + self.outgoing()
@@ -851,17 +919,23 @@ class Connection:
         told_reloading = isinstance(self._cause, Error) and self._cause.code == Reloading.code
         # A parting error of another kind (too_large) says why, and that is final.
         parted = isinstance(self._cause, Error) and not told_reloading
-        if not self._reconnect or parted or not (told_reloading or self._open):
+        if (
+            not self._reconnect
+            or parted
+            or not (told_reloading or self._open or self._acks.holding)
+        ):
             self._closed = True
             return
         self._reconnecting = True
         for request_id, entry in list(self._open.items()):
             inbox = self._inboxes[request_id]
             if isinstance(entry.request, Ack):
-                self.owed_acks.update(entry.request.wakes)
                 if not inbox:
-                    inbox.append(Done(id=request_id))
+                    # Whether it was done is unknown: held until its wakes came again (or not).
+                    self._acks.hold(request_id, entry.request.wakes)
                 del self._open[request_id]
+            elif isinstance(entry.request, Hello) and not inbox:
+                pass  # the next connection's hello says it again (`reconnected`)
             elif entry.again is None and entry.sent:
                 # Its answer is lost and whether it was done unknown: that is the caller's call.
                 inbox.append(_Lost(self._cause))
@@ -923,6 +997,7 @@ class Handshake:
         self.frame = encode(msgspec.structs.replace(hello(worker_token).request, id=HELLO_ID))
         self._frames = FrameDecoder()
         self.rest = b""
+        self.welcome: Welcome | None = None
 
     def receive_data(self, data: bytes) -> Welcome | None:
         """The Welcome once it came; raises `ConnectionLost` for an end before it, and what
@@ -939,6 +1014,7 @@ class Handshake:
         welcome = expect(reply, Hello.answered_by())
         frames = self._frames.frames()
         self.rest = b"".join(frame(body) for body in frames)
+        self.welcome = welcome
         return welcome
 
 

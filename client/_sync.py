@@ -37,7 +37,7 @@ from subagentd.protocol import (
     WorkerResult,
     WorkerView,
 )
-from subagentd.protocol.errors import ConnectionLost, SubagentdError
+from subagentd.protocol.errors import SubagentdError
 
 from . import _core
 from ._switch import BlockingStopSwitch
@@ -91,16 +91,8 @@ class Client:
             raise _core.unavailable(self.socket, exc) from exc
         self._sock = sock
         try:
+            # A reload begun before the welcome: the hello is said again on the next connection.
             self._call(_core.hello(_core.token()))
-        except ConnectionLost:
-            # The daemon began a reload between our connect and its welcome (or dropped us
-            # there): a hello is safe to say again, so connect as a reload's clients do.
-            self.close()
-            self._conn = _core.Connection(reconnect=True)
-            self._reconnect()
-            if self._conn.closed:  # not serving again within the reconnect window
-                self.close()
-                raise
         except BaseException:
             self.close()
             raise
@@ -408,12 +400,7 @@ class Client:
         stream = self._send(subscription.request(), again=subscription.request)
         try:
             while not subscription.done:
-                fresh = subscription.take(self._next_reply(stream), self._conn.owed_acks)
-                if subscription.to_ack:
-                    # Handed over and acknowledged on a connection that went: once more here.
-                    self.ack(subscription.to_ack)
-                    self._conn.owed_acks.difference_update(subscription.to_ack)
-                for wake in fresh:
+                for wake in subscription.take(self._next_reply(stream)):
                     try:
                         yield wake
                     except BaseException:
@@ -431,7 +418,8 @@ class Client:
 
     def ack(self, seqs: Iterable[int]) -> None:
         """Acknowledge wakes by seq: no subscriber gets them again. Each must have been
-        delivered on this connection (else `Invalid`)."""
+        delivered to this client (else `Invalid`); one delivered before a reconnect is
+        acknowledged once the daemon delivered it again (or found it acknowledged)."""
         self._call(_core.ack(seqs))
 
     def request(self, message: Request[Reply]) -> Reply:
@@ -519,7 +507,7 @@ class Client:
         pause = _core.RECONNECT_PAUSE
         while True:
             try:
-                sock, rest = self._handshake(deadline)
+                sock, handshake = self._handshake(deadline)
             except (OSError, SubagentdError) as exc:
                 if not _core.retry_reconnect(exc) or time.monotonic() + pause > deadline:
                     self._conn.reconnect_failed(exc)
@@ -529,14 +517,17 @@ class Client:
                 continue
             self._sock = sock
             try:
-                for frame in self._conn.reconnected(rest, now=time.monotonic()):
+                frames = self._conn.reconnected(
+                    handshake.rest, now=time.monotonic(), welcome=handshake.welcome
+                )
+                for frame in frames:
                     sock.sendall(frame)
             except OSError as exc:
                 self._conn.connection_lost(exc)
             return
 
-    def _handshake(self, deadline: float) -> tuple[socket.socket, bytes]:
-        """A new connection past its hello, and what came after the daemon's welcome."""
+    def _handshake(self, deadline: float) -> tuple[socket.socket, _core.Handshake]:
+        """A new connection past its hello, and the hello's welcome and what came after it."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             # A connect during a reload waits in the backlog until the new image serves.
@@ -550,7 +541,7 @@ class Client:
         except BaseException:
             sock.close()
             raise
-        return sock, handshake.rest
+        return sock, handshake
 
     def _ack_leaving(self, wake: Wake) -> None:
         if self._sock is None:

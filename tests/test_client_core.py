@@ -627,21 +627,151 @@ def test_no_daemon_within_the_window_fails_what_waited() -> None:
         conn.next_reply(waiting)
 
 
-def test_a_wake_whose_ack_was_lost_is_acknowledged_again_not_handed_twice() -> None:
-    conn = _core.Connection(reconnect=True)
+def requests(data: bytes | list[bytes] | None) -> list[object]:
+    """Every request in what the connection sent (frames back to back, or a list of them)."""
+    decoder = FrameDecoder()
+    decoder.feed(b"".join(data) if isinstance(data, list) else (data or b""))
+    return [client_decoder.decode(body) for body in decoder.frames()]
+
+
+def subscribed_with_a_page(conn: _core.Connection, *seqs: int) -> tuple[int, list[Wake]]:
+    """A followed subscription to run r-1 and the wakes of its first page, handed over."""
     subscription = _core.WakeSubscription(run="r-1", follow=True)
     stream, _ = conn.send(subscription.request(), again=subscription.request)
-    conn.receive_data(encode(Wakes(id=stream, wakes=[wake(1)])))
-    assert subscription.take(conn.next_reply(stream)) == [wake(1)]  # type: ignore[arg-type]
-    acked, _ = conn.send(_core.ack([1]).request)
-    conn.receive_data(RELOADING)
-    assert conn.next_reply(acked) == Done(id=acked)  # owed, not failed
-    assert reconnect(conn) == [Subscribe(id=stream, run="r-1", follow=True)]
-    conn.receive_data(encode(Wakes(id=stream, wakes=[wake(1), wake(2)])))
+    conn.receive_data(encode(Wakes(id=stream, wakes=[wake(seq) for seq in seqs])))
     reply = conn.next_reply(stream)
     assert reply is not None
-    assert subscription.take(reply, conn.owed_acks) == [wake(2)]
-    assert subscription.to_ack == [1]
+    return stream, subscription.take(reply)
+
+
+def test_an_ack_cut_off_with_its_connection_goes_again_once_its_wake_came_again() -> None:
+    conn = _core.Connection(reconnect=True)
+    stream, _ = subscribed_with_a_page(conn, 1)
+    acked, _ = conn.send(_core.ack([1]).request)
+    conn.receive_data(RELOADING)
+    assert conn.next_reply(acked) is None  # not done: whether the daemon took it is unknown
+    resubscribed, recall = reconnect(conn)
+    assert resubscribed == Subscribe(id=stream, run="r-1", follow=True)
+    assert isinstance(recall, Subscribe)
+    assert (recall.run, recall.follow) == ("r-1", False)  # every pending wake, then complete
+    conn.receive_data(encode(Wakes(id=recall.id, wakes=[wake(1)], complete=True)))
+    assert requests(conn.outgoing()) == [Ack(id=acked, wakes=[1])]  # delivered here now
+    conn.receive_data(encode(Done(id=acked)))
+    assert conn.next_reply(acked) == Done(id=acked)
+
+
+def test_an_ack_cut_off_whose_wake_does_not_come_again_is_done_without_sending() -> None:
+    conn = _core.Connection(reconnect=True)
+    subscribed_with_a_page(conn, 1, 2)
+    acked, _ = conn.send(_core.ack([1]).request)
+    conn.receive_data(RELOADING)
+    _, recall = reconnect(conn)
+    assert isinstance(recall, Subscribe)
+    # Wake 1 is not pending any more: the daemon took the ack before it went away.
+    conn.receive_data(encode(Wakes(id=recall.id, wakes=[wake(2)], complete=True)))
+    assert conn.outgoing() == []
+    assert conn.next_reply(acked) == Done(id=acked)
+    # Wake 2 came again on the new connection: acknowledged there at once.
+    again, data = conn.send(_core.ack([2]).request)
+    assert requests(data) == [Ack(id=again, wakes=[2])]
+
+
+def test_a_wake_of_a_page_from_the_connection_before_is_recalled_before_its_ack() -> None:
+    # The storm's case: the caller held wake 2 of an old page while the client reconnected.
+    conn = _core.Connection(reconnect=True)
+    stream, handed = subscribed_with_a_page(conn, 1, 2)
+    assert handed == [wake(1), wake(2)]
+    conn.receive_data(RELOADING)
+    assert reconnect(conn) == [Subscribe(id=stream, run="r-1", follow=True)]
+    acked, data = conn.send(_core.ack([2]).request)
+    [recall] = requests(data)  # not the ack: the new connection never delivered wake 2
+    assert isinstance(recall, Subscribe)
+    assert (recall.run, recall.worker, recall.follow) == ("r-1", None, False)
+    conn.receive_data(
+        encode(Wakes(id=recall.id, wakes=[wake(2)]))  # more pages to come
+        + encode(Wakes(id=recall.id, wakes=[wake(3)], complete=True))
+    )
+    assert requests(conn.outgoing()) == [Ack(id=acked, wakes=[2])]
+
+
+def test_a_wake_delivered_again_on_this_connection_is_acknowledged_at_once() -> None:
+    conn = _core.Connection(reconnect=True)
+    stream, _ = subscribed_with_a_page(conn, 1)
+    conn.receive_data(RELOADING)
+    reconnect(conn)
+    conn.receive_data(encode(Wakes(id=stream, wakes=[wake(1)])))  # the subscription's again
+    acked, data = conn.send(_core.ack([1]).request)
+    assert requests(data) == [Ack(id=acked, wakes=[1])]
+
+
+def test_a_delegated_wake_is_recalled_from_its_worker() -> None:
+    conn = _core.Connection(reconnect=True)
+    subscription = _core.WakeSubscription(worker="w-0", follow=True)
+    stream, _ = conn.send(subscription.request(), again=subscription.request)
+    child = Wake(seq=4, id="w-4", run="r-1", parent="w-0", state="failed", exit_code=1)
+    conn.receive_data(encode(Wakes(id=stream, wakes=[child])) + RELOADING)
+    reconnect(conn)
+    _, data = conn.send(_core.ack([4]).request)
+    [recall] = requests(data)
+    assert isinstance(recall, Subscribe)
+    assert (recall.run, recall.worker) == (None, "w-0")
+
+
+def test_a_recall_refused_fails_the_ack_that_waited_on_it() -> None:
+    conn = _core.Connection(reconnect=True)
+    subscribed_with_a_page(conn, 1)
+    conn.receive_data(RELOADING)
+    reconnect(conn)
+    acked, data = conn.send(_core.ack([1]).request)
+    [recall] = requests(data)
+    assert isinstance(recall, Subscribe)
+    conn.receive_data(encode(Error(id=recall.id, code="forbidden", message="not yours")))
+    reply = conn.next_reply(acked)
+    assert reply == Error(id=acked, code="forbidden", message="not yours")
+
+
+def test_a_recall_of_a_parent_gone_finds_nothing_pending() -> None:
+    conn = _core.Connection(reconnect=True)
+    subscribed_with_a_page(conn, 1)
+    conn.receive_data(RELOADING)
+    reconnect(conn)
+    acked, data = conn.send(_core.ack([1]).request)
+    [recall] = requests(data)
+    assert isinstance(recall, Subscribe)
+    conn.receive_data(encode(Error(id=recall.id, code="not_found", message="no run 'r-1'")))
+    assert conn.next_reply(acked) == Done(id=acked)
+
+
+def test_an_ack_of_a_wake_never_delivered_is_for_the_daemon_to_refuse() -> None:
+    conn = _core.Connection(reconnect=True)
+    subscribed_with_a_page(conn, 1)
+    conn.receive_data(RELOADING)
+    acked, data = conn.send(_core.ack([9]).request)  # while reconnecting: held
+    assert data is None
+    assert Ack(id=acked, wakes=[9]) in reconnect(conn)
+
+
+def test_an_ack_given_up_on_while_held_is_never_sent() -> None:
+    conn = _core.Connection(reconnect=True)
+    subscribed_with_a_page(conn, 1)
+    conn.receive_data(RELOADING)
+    reconnect(conn)
+    acked, data = conn.send(_core.ack([1]).request)
+    [recall] = requests(data)
+    assert isinstance(recall, Subscribe)
+    conn.finish(acked)
+    conn.receive_data(encode(Wakes(id=recall.id, wakes=[wake(1)], complete=True)))
+    assert conn.outgoing() == []
+
+
+def test_a_hello_cut_off_by_a_reload_is_answered_by_the_next_connections_welcome() -> None:
+    conn = _core.Connection(reconnect=True)
+    hello, _ = conn.send(_core.hello(None).request)
+    conn.receive_data(RELOADING)  # the daemon began reloading before its welcome
+    assert conn.reconnecting
+    welcome = Welcome(id=_core.HELLO_ID, version=1, daemon_version="0.1.0", pid=7)
+    assert conn.reconnected(welcome=welcome) == []  # the handshake said hello again
+    assert conn.next_reply(hello) == welcome
 
 
 def test_a_handshake_answers_the_welcome_and_keeps_what_followed() -> None:
