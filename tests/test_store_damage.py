@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import sqlite3
 import struct
+import subprocess
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +21,7 @@ import pytest
 import trio
 
 from subagentd.client import AsyncClient
-from subagentd.daemon.store._store import STORE_NAME
+from subagentd.daemon.store._store import STORE_NAME, Store
 
 from .conftest import DaemonProcess
 from .helpers import alive, pending_wakes, sh, wait_output
@@ -283,3 +285,51 @@ async def test_damaged_archives_without_rows_are_reported_and_never_followed(
             )
     after = {name: (outside / name).read_bytes() for name in os.listdir(outside)}
     assert after == before  # nothing written there
+
+
+# -- what is no damage -------------------------------------------------------------
+
+
+async def test_a_kill_9_alone_is_no_damage(daemon: DaemonProcess) -> None:
+    """A WAL a kill -9 left (its last transaction perhaps half written) drops no commit:
+    nothing is reported, nothing rebuilt, and an ending whose commit the kill forestalled
+    stays `interrupted` (its journal's ending never reached the store)."""
+    with trio.fail_after(90):
+        await _clean_restart(daemon)
+        made = await _make_workers(daemon)
+        await trio.to_thread.run_sync(daemon.kill)
+        await trio.to_thread.run_sync(daemon.start)
+        assert await _assert_nothing_lost(daemon, made, None) == []
+
+
+def test_stale_frames_of_a_reset_wal_are_not_dropped_commits(tmp_path: Path) -> None:
+    """After a checkpoint the WAL starts again from its head with new salts, the older
+    frames left behind it; a process killed then (here: one that never closes the store)
+    leaves them, and they are no damage."""
+    script = f"""
+import os
+from subagentd.daemon.store._store import Change, Store
+from subagentd.daemon.core._registry import WorkerRecord
+def record(i, size):
+    return WorkerRecord(id=f"w-{{i}}", run="r-1", parent=None, name="", state="running",
+        argv=["x" * size], cwd="/", agent=None, grace=1.0, timeout=None, token=f"t-{{i}}",
+        archive=f"/a/w-{{i}}", started_at=1.0)
+store = Store.open(__import__("pathlib").Path({str(tmp_path / STORE_NAME)!r}))
+for i in range(200):
+    store.commit(Change(workers=[record(i, 10)]), "before")
+store._db.execute("PRAGMA wal_checkpoint(PASSIVE)")  # the next commit starts it again
+for i in range(3):
+    store.commit(Change(workers=[record(10_000 + i, 10)]), "after")
+os._exit(0)
+"""
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
+    wal = tmp_path / f"{STORE_NAME}-wal"
+    _, count = _frames(wal)
+    assert count > 100  # the last commits' frames, and the stale ones behind them
+    store = Store.open(tmp_path / STORE_NAME)
+    try:
+        assert store.problems == []
+        assert not store.damaged
+        assert len(store.known_workers()) == 203
+    finally:
+        store.close()

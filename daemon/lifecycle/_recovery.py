@@ -29,6 +29,7 @@ its journal says ended takes that ending (its ending's commit was lost), not
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import cast
 
@@ -106,14 +107,18 @@ async def reconcile(daemon: Daemon) -> list[WorkerRecord]:
         )
     if not unrecorded:
         return []
-    daemon.store.damaged = True
-    daemon.mailbox.skip_seqs()
     rebuilt: list[WorkerRecord] = []
     for worker_id in unrecorded:
         archive = Archive(daemon.state_dir.archives / worker_id)
         record = await _rebuild_alone(daemon, archive, row_lost=True)
         if record is not None:
             rebuilt.append(record)
+    if rebuilt:  # (an archive that cannot be rebuilt is said again at each start, no more)
+        daemon.store.damaged = True
+        daemon.mailbox.skip_seqs()  # before any wake below is given its seq
+    for record in rebuilt:
+        if record.ended:  # its wake went with its row, delivered or not: posted again
+            _alone(daemon, record, "ending", functools.partial(daemon.endings.record, record))
     shown = ", ".join(unrecorded[:5]) + (", ..." if len(unrecorded) > 5 else "")
     problem = (
         f"the store {daemon.store.path} had no row for {len(unrecorded)} worker(s) whose "
@@ -209,10 +214,7 @@ async def _rebuild(
     log.warning("recovery.record_rebuilt", worker=worker_id, state=record.state)
     if not row_lost:  # those are said in one line by `reconcile`
         daemon.problems.recovery.append(f"worker {worker_id}: {why}")
-    if record.ended and row_lost:
-        # Its wake went with its row, delivered or not: posted again.
-        _alone(daemon, record, "ending", lambda: daemon.endings.record(record))
-    elif record.ended:
+    if record.ended and not row_lost:  # one whose row was lost: `reconcile` writes it
         _alone(daemon, record, "record", lambda: _commit(daemon, record))
     return record
 

@@ -388,13 +388,15 @@ class Store:
     def _put_back(self) -> Path | None:
         """Copy the open store whole into a new file and rename it over `state.db`, then
         open that: the old connection's files are let go. What another process put at the
-        names is renamed aside, never written through; where it went (None: nothing)."""
+        names is renamed aside, never written through; where it went (None: nothing).
+        If the rename fails, the store goes on in the whole copy (put back at the next
+        check), never without a database."""
         copy = copy_whole(self._db, self.path.parent, self.path.name)
+        # Closed first: its last checkpoint goes into the file it has open, and sqlite
+        # then deletes the WAL by name, which no new database's WAL holds yet.
+        self._db.close()
+        opened_at, aside = copy, None
         try:
-            # Closed first: its last checkpoint goes into the file it has open, and sqlite
-            # then deletes the WAL by name, which no new database's WAL holds yet.
-            self._db.close()
-            aside = None
             for suffix in _COMPANIONS:
                 name = f"{self.path}{suffix}"
                 if not os.path.lexists(name):
@@ -407,10 +409,10 @@ class Store:
                 aside = aside or self.path.with_name(f"{self.path.name}.not-ours-{_stamp()}")
                 os.rename(name, f"{aside}{suffix}")
             os.replace(copy, self.path)
+            opened_at = self.path
         finally:
-            Path(copy).unlink(missing_ok=True)
-        self._db = _connect(self.path)
-        self._remember_files()
+            self._db = _connect(opened_at)
+            self._remember_files()
         return aside
 
     def skip_seqs(self) -> int:
