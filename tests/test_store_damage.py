@@ -19,12 +19,15 @@ from pathlib import Path
 
 import pytest
 import trio
+from trio.testing import MockClock
 
 from subagentd.client import AsyncClient
+from subagentd.daemon._daemon import STORE_LINK_CHECK_EVERY
 from subagentd.daemon.store._store import STORE_NAME, Store
 
 from .conftest import DaemonProcess
 from .helpers import alive, pending_wakes, sh, wait_output
+from .inprocess import in_process
 
 FINISHED = 4
 
@@ -213,6 +216,21 @@ async def test_the_store_unlinked_while_the_daemon_runs_is_put_back_whole(
         for made in (before, since):
             # Put back before the kill: this start found nothing wrong, nothing rebuilt.
             assert await _assert_nothing_lost(daemon, made, None) == []
+
+
+async def test_an_idle_daemon_puts_its_unlinked_store_back(
+    autojump_clock: MockClock, short_tmp: Path
+) -> None:
+    """A daemon that writes nothing still notices, within STORE_LINK_CHECK_EVERY, that
+    its state.db was unlinked, and puts it back whole before a crash could lose it."""
+    async with in_process(short_tmp) as d, d.client() as client:
+        run = await client.new_run()  # a named run: a row only the store holds
+        (d.state_dir / STORE_NAME).unlink()
+        await trio.sleep(STORE_LINK_CHECK_EVERY * 1.5)
+        problems = (await client.info()).problems
+        assert any("no longer linked" in p and "put back" in p for p in problems), problems
+        assert (d.state_dir / STORE_NAME).is_file()
+        assert d.daemon.store.run(run) is not None  # the whole store, in the file put back
 
 
 # -- (e) with --cgroups off ------------------------------------------------------
