@@ -192,23 +192,23 @@ class StateDir:
         worker ids here that are no directory (a symlink, a file: never followed), with
         what each is. One listing, nothing opened: cheap at 10,000 archives."""
         try:
-            with os.scandir(self.archives) as entries:
-                found = [
-                    (entry.name, entry.is_symlink(), entry.is_dir(follow_symlinks=False))
-                    for entry in entries
-                    if _WORKER_ID.fullmatch(entry.name)
-                ]
+            with os.scandir(self.archives) as listing:
+                entries = list(listing)
         except FileNotFoundError:
             return [], []
         ids = known()
         unrecorded, foreign = [], []
-        for name, is_link, is_dir in sorted(found):
-            if name in ids:
-                continue
-            if is_link or not is_dir:
-                foreign.append((name, "a symlink" if is_link else "not a directory"))
+        for entry in entries:
+            if entry.name in ids or not _WORKER_ID.fullmatch(entry.name):
+                continue  # (spares and other names are not workers': the spares' own)
+            if entry.is_symlink():
+                foreign.append((entry.name, "a symlink"))
+            elif not entry.is_dir(follow_symlinks=False):
+                foreign.append((entry.name, "not a directory"))
             else:
-                unrecorded.append(name)
+                unrecorded.append(entry.name)
+        unrecorded.sort()
+        foreign.sort()
         return unrecorded, foreign
 
     def archive_at(self, worker_id: str) -> str | None:

@@ -429,7 +429,7 @@ class Store:
     def known_workers(self) -> set[str]:
         """The id of every worker with a row, released or not (recovery compares them
         with the archives: one query, no record decoded)."""
-        return {str(row[0]) for row in self._db.execute("SELECT id FROM workers")}
+        return {worker_id for (worker_id,) in self._db.execute("SELECT id FROM workers")}
 
     # -- wakes --
 
