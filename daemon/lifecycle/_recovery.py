@@ -172,9 +172,12 @@ async def _rebuild(
     except (Refused, OSError) as exc:
         log.warning("recovery.unreadable_archive", archive=str(archive.path), error=str(exc))
         if row_lost:
+            # The refusal is a resume's ("cannot be resumed: <why>; start it afresh").
+            why = getattr(exc, "message", str(exc)).partition("cannot be resumed: ")[2]
             daemon.problems.recovery.append(
-                f"archive {archive.path} has no row in the store and cannot be rebuilt: "
-                f"{exc}; skipped (what still ran of it was ended)"
+                f"archive {archive.path} has no row in the store and cannot be rebuilt "
+                f"({why.removesuffix('; start it afresh') or exc}): skipped, what still ran "
+                "of it ended"
             )
         if worker_id.startswith("w-"):
             killed = await daemon.launcher.end_leftover_tree(worker_id, None, None, 0)
