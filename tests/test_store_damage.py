@@ -9,6 +9,7 @@ the damage. Archives that are damaged themselves are reported and skipped, never
 from __future__ import annotations
 
 import os
+import shutil
 import sqlite3
 import struct
 import subprocess
@@ -27,7 +28,7 @@ from subagentd.daemon.store._store import STORE_NAME, Store
 
 from .conftest import DaemonProcess
 from .helpers import alive, pending_wakes, sh, wait_output
-from .inprocess import in_process
+from .inprocess import held, in_process
 
 FINISHED = 4
 
@@ -306,6 +307,33 @@ async def test_damaged_archives_without_rows_are_reported_and_never_followed(
 
 
 # -- what is no damage -------------------------------------------------------------
+
+
+async def test_an_archive_a_pruning_left_is_pruned_again_not_taken_for_a_lost_row(
+    autojump_clock: MockClock, short_tmp: Path
+) -> None:
+    """A pruning deletes a worker's archive, then its row: an archive it could not delete
+    whole is found without a row at the next start, and is the pruning's leftover (its
+    worker ended before the keep period), not a row the store lost: pruned again, said
+    nowhere, no seq skipped."""
+    async with in_process(short_tmp, keep_archives_days=1) as d:
+        async with d.client() as client:
+            with held(autojump_clock):
+                worker = await client.spawn(["true"])
+                await client.collect(worker.id, wait=True)
+        archive = Path(worker.archive)
+        kept = short_tmp / "kept"
+        shutil.copytree(archive, kept)
+        await trio.sleep(1.5 * 86400)  # past the keep period, before a daily pruning
+        await d.daemon.retention.prune_archives_once()
+        assert not await trio.Path(archive).exists()
+        shutil.copytree(kept, archive)  # as though that pruning had not deleted it whole
+        await d.crash_and_restart()
+        async with d.client() as client:
+            problems = (await client.info()).problems
+        assert not any("had no row" in p for p in problems), problems
+        assert not await trio.Path(archive).exists()
+        assert not d.daemon.store.damaged
 
 
 async def test_a_kill_9_alone_is_no_damage(daemon: DaemonProcess) -> None:

@@ -31,7 +31,10 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from pathlib import Path
 from typing import cast
+
+import trio
 
 from subagentd.protocol import TERMINAL_STATES, WorkerState
 from subagentd.protocol.errors import Refused
@@ -41,7 +44,7 @@ from .._logging import get_logger
 from ..core._registry import WorkerRecord, new_token
 from ..processes._process import reap
 from ..processes._tree import carries_worker_id, read_stat
-from ..store._archive import STDOUT_TAIL_BYTES, Archive
+from ..store._archive import STDOUT_TAIL_BYTES, Archive, prune_archives
 from ..store._journal import Journal, JournalCorrupt
 from ..store._store import Change
 from ._resumable import read_snapshot
@@ -108,11 +111,22 @@ async def reconcile(daemon: Daemon) -> list[WorkerRecord]:
     if not unrecorded:
         return []
     rebuilt: list[WorkerRecord] = []
+    pruned: list[Path] = []
+    # A pruning deletes archives before their rows: one it could not delete whole, of a
+    # worker that ended before the keep period, is its leftover, not a row lost.
+    cutoff = daemon.clock() - daemon.retention.keep_archives_days * 86400
     for worker_id in unrecorded:
         archive = Archive(daemon.state_dir.archives / worker_id)
         record = await _rebuild_alone(daemon, archive, row_lost=True)
-        if record is not None:
+        if record is not None and record.ended_at is not None and record.ended_at < cutoff:
+            pruned.append(archive.path)
+        elif record is not None:
             rebuilt.append(record)
+    if pruned:
+        await trio.to_thread.run_sync(prune_archives, pruned)
+        unrecorded = [w for w in unrecorded if daemon.state_dir.archives / w not in pruned]
+        if not unrecorded:
+            return []
     if rebuilt:  # (an archive that cannot be rebuilt is said again at each start, no more)
         daemon.store.damaged = True
         daemon.mailbox.skip_seqs()  # before any wake below is given its seq
