@@ -304,6 +304,8 @@ class Store:
         try:
             lost = _set_aside_foreign(path, problems)
             lost |= _set_aside_empty(path, problems)
+            # A WAL is left only by a daemon that did not close the store (a kill, an exec).
+            left_wal = os.path.lexists(f"{path}-wal")
             try:
                 db = _connect(path)
             except sqlite3.DatabaseError as exc:
@@ -311,7 +313,8 @@ class Store:
                     raise
                 db = _recover_from_damage(path, str(exc), problems)
                 lost = True
-            lost |= _report_dropped_commits(path, db, problems)
+            if left_wal:
+                lost |= _report_dropped_commits(path, db, problems)
         except (sqlite3.Error, OSError) as exc:
             raise StoreUnusable(
                 f"cannot open the store {path}: {exc}; free space or fix the state dir's "
