@@ -264,6 +264,7 @@ class Daemon:
                 self.retention.prune_archives_daily,
                 self._make_spare_archives,
                 self._write_what_the_store_kept_out,
+                self._check_the_store_is_linked,
                 self._do_after_answers,
             ):
                 timers.start_soon(_keep_running, task)
@@ -566,6 +567,14 @@ class Daemon:
                     self.problems.disk_failed("store", exc)
             await wanted.wait()
 
+    async def _check_the_store_is_linked(self) -> None:
+        """Each commit checks that the store's files are still the ones linked in the state
+        dir; this checks a daemon that writes nothing too, so that a store unlinked while
+        it idles is put back before a crash could lose it (`Store.check_linked`)."""
+        while True:
+            await trio.sleep(STORE_LINK_CHECK_EVERY)
+            self.store.check_linked()
+
     async def _make_spare_archives(self) -> None:
         """Keep archive directories made ahead for the next spawns, in a thread."""
         await trio.to_thread.run_sync(self.spares.reuse_left)
@@ -779,6 +788,8 @@ class Daemon:
 #: A change the store's disk kept out is tried again after this, doubling up to the max.
 STORE_RETRY_FIRST = 0.1
 STORE_RETRY_MAX = 5.0
+#: How often an idle daemon checks that its store's files are still linked (two stats).
+STORE_LINK_CHECK_EVERY = 5.0
 #: A housekeeping task that raised starts again after this, doubling up to the max.
 TASK_RETRY_FIRST = 1.0
 TASK_RETRY_MAX = 60.0

@@ -16,12 +16,25 @@ an older image's record.json that did not) is rebuilt from the snapshot and the
 journal's last state: such a worker cannot escape recovery, and its leftovers are
 found by the worker id they inherited, there being no pid to go by (`_rebuild`
 says what is lost).
+
+The store is reconciled with the archives (`reconcile`): a spawn writes its row before
+its archive exists, so an archive without a row means the store lost rows (an emptied
+or replaced database, a WAL cut short). Such a worker is rebuilt as a damaged row is,
+comes back as its journal says it ended (else `interrupted`, its leftover tree ended by
+its worker id), and wakes its parent again: after such damage a wake may come twice,
+never not at all. Where the store may have lost rows, a worker its row says running but
+its journal says ended takes that ending (its ending's commit was lost), not
+`interrupted`. Without damage, reconciling is a listing and one query, no archive read.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from pathlib import Path
 from typing import cast
+
+import trio
 
 from subagentd.protocol import TERMINAL_STATES, WorkerState
 from subagentd.protocol.errors import Refused
@@ -31,7 +44,7 @@ from .._logging import get_logger
 from ..core._registry import WorkerRecord, new_token
 from ..processes._process import reap
 from ..processes._tree import carries_worker_id, read_stat
-from ..store._archive import STDOUT_TAIL_BYTES, Archive
+from ..store._archive import STDOUT_TAIL_BYTES, Archive, prune_archives
 from ..store._journal import Journal, JournalCorrupt
 from ..store._store import Change
 from ._resumable import read_snapshot
@@ -54,6 +67,8 @@ async def recover(
     (else it is read here).
     """
     records, damaged = held if held is not None else daemon.store.held_workers()
+    # First: it may find that the store lost rows, which changes what an unended row means.
+    records += await reconcile(daemon)
     interrupted: list[str] = []
     for worker_id in dict.fromkeys([*damaged, *(unread or ())]):
         path = daemon.state_dir.archive(worker_id)
@@ -82,6 +97,55 @@ async def recover(
     return interrupted
 
 
+async def reconcile(daemon: Daemon) -> list[WorkerRecord]:
+    """The workers whose archive the store has no row for, rebuilt from their archives
+    and written to the store (the ended ones with their wake), each in its own fault
+    boundary; the not-ended ones are left to the caller to interrupt. Archive names that
+    are no directory are reported, never followed. Run before `Registry.restore` (as
+    `recover` does); run after it, take each record in with `Registry.restore_worker`."""
+    unrecorded, foreign = daemon.state_dir.unrecorded(daemon.store.known_workers)
+    for name, what in foreign:
+        daemon.problems.recovery.append(
+            f"archive {daemon.state_dir.archives / name} is {what}: skipped, not followed"
+        )
+    if not unrecorded:
+        return []
+    rebuilt: list[WorkerRecord] = []
+    pruned: list[Path] = []
+    # A pruning deletes archives before their rows: one it could not delete whole, of a
+    # worker that ended before the keep period, is its leftover, not a row lost.
+    cutoff = daemon.clock() - daemon.retention.keep_archives_days * 86400
+    for worker_id in unrecorded:
+        archive = Archive(daemon.state_dir.archives / worker_id)
+        record = await _rebuild_alone(daemon, archive, row_lost=True)
+        if record is not None and record.ended_at is not None and record.ended_at < cutoff:
+            pruned.append(archive.path)
+        elif record is not None:
+            rebuilt.append(record)
+    if pruned:
+        await trio.to_thread.run_sync(prune_archives, pruned)
+        unrecorded = [w for w in unrecorded if daemon.state_dir.archives / w not in pruned]
+        if not unrecorded:
+            return []
+    if rebuilt:  # (an archive that cannot be rebuilt is said again at each start, no more)
+        daemon.store.damaged = True
+        daemon.mailbox.skip_seqs()  # before any wake below is given its seq
+    for record in rebuilt:
+        if record.ended:  # its wake went with its row, delivered or not: posted again
+            _alone(daemon, record, "ending", functools.partial(daemon.endings.record, record))
+    shown = ", ".join(unrecorded[:5]) + (", ..." if len(unrecorded) > 5 else "")
+    problem = (
+        f"the store {daemon.store.path} had no row for {len(unrecorded)} worker(s) whose "
+        f"archive is on disk ({shown}): it lost them; {len(rebuilt)} rebuilt from their "
+        "archives (as their journals say they ended, else interrupted)"
+    )
+    if len(rebuilt) < len(unrecorded):
+        problem += f", {len(unrecorded) - len(rebuilt)} not: their snapshots do not read"
+    log.error("recovery.rows_lost", problem=problem, workers=len(unrecorded))
+    daemon.problems.recovery.append(problem)
+    return rebuilt
+
+
 def _archive_at(daemon: Daemon, worker_id: str) -> str:
     """Where the state dir keeps the worker's archive, as `Reader.archive_of` says, as a
     string (made for every record here, at every reload: pathlib's joins cost)."""
@@ -89,10 +153,12 @@ def _archive_at(daemon: Daemon, worker_id: str) -> str:
     return at if at is not None else str(daemon.reader.archive_of(worker_id).path)  # NotFound
 
 
-async def _rebuild_alone(daemon: Daemon, archive: Archive) -> WorkerRecord | None:
+async def _rebuild_alone(
+    daemon: Daemon, archive: Archive, *, row_lost: bool = False
+) -> WorkerRecord | None:
     """`_rebuild`, as a fault boundary: if it fails, that archive is left as it is."""
     try:
-        return await _rebuild(daemon, archive)
+        return await _rebuild(daemon, archive, row_lost=row_lost)
     except Exception as exc:
         log.exception("recovery.rebuild_failed", archive=str(archive.path))
         daemon.problems.recovery.append(
@@ -102,8 +168,11 @@ async def _rebuild_alone(daemon: Daemon, archive: Archive) -> WorkerRecord | Non
         return None
 
 
-async def _rebuild(daemon: Daemon, archive: Archive) -> WorkerRecord | None:
-    """A record for a worker whose row (or record.json) does not read, from what does.
+async def _rebuild(
+    daemon: Daemon, archive: Archive, *, row_lost: bool = False
+) -> WorkerRecord | None:
+    """A record for a worker whose row (or record.json) does not read, or that has no
+    row at all (`row_lost`: the store lost it), from what does.
 
     The snapshot gives what the worker ran and where it belongs; the journal's
     last state entry whether it had ended. Lost with the record: its pid (its
@@ -116,6 +185,14 @@ async def _rebuild(daemon: Daemon, archive: Archive) -> WorkerRecord | None:
         snapshot = read_snapshot(archive, worker_id)
     except (Refused, OSError) as exc:
         log.warning("recovery.unreadable_archive", archive=str(archive.path), error=str(exc))
+        if row_lost:
+            # The refusal is a resume's ("cannot be resumed: <why>; start it afresh").
+            why = getattr(exc, "message", str(exc)).partition("cannot be resumed: ")[2]
+            daemon.problems.recovery.append(
+                f"archive {archive.path} has no row in the store and cannot be rebuilt "
+                f"({why.removesuffix('; start it afresh') or exc}): skipped, what still ran "
+                "of it ended"
+            )
         if worker_id.startswith("w-"):
             killed = await daemon.launcher.end_leftover_tree(worker_id, None, None, 0)
             if killed:
@@ -136,7 +213,9 @@ async def _rebuild(daemon: Daemon, archive: Archive) -> WorkerRecord | None:
         archive=str(archive.path),
         started_at=snapshot.created_at,
     )
-    why = "its record did not read: rebuilt from its snapshot and journal by recovery"
+    why = (
+        "its row was lost with the store's damage" if row_lost else "its record did not read"
+    ) + ": rebuilt from its snapshot and journal by recovery"
     try:
         journal = Journal.open(archive.file(Archive.JOURNAL), writable=True)
     except (OSError, JournalCorrupt) as exc:
@@ -150,8 +229,9 @@ async def _rebuild(daemon: Daemon, archive: Archive) -> WorkerRecord | None:
         finally:
             journal.close()
     log.warning("recovery.record_rebuilt", worker=worker_id, state=record.state)
-    daemon.problems.recovery.append(f"worker {worker_id}: {why}")
-    if record.ended:
+    if not row_lost:  # those are said in one line by `reconcile`
+        daemon.problems.recovery.append(f"worker {worker_id}: {why}")
+    if record.ended and not row_lost:  # one whose row was lost: `reconcile` writes it
         _alone(daemon, record, "record", lambda: _commit(daemon, record))
     return record
 
@@ -210,14 +290,23 @@ async def _interrupt(daemon: Daemon, record: WorkerRecord, archive: Archive) -> 
         try:
             if journal.torn_bytes:
                 log.warning("recovery.torn_tail_cut", worker=record.id, bytes=journal.torn_bytes)
+            if daemon.store.damaged:
+                # The store may have lost its ending's commit: its journal, written first,
+                # says how it ended. (Undamaged, a journal's ending without the commit is
+                # a kill -9 between the two: that ending never was, it is `interrupted`.)
+                _last_state(journal, record)
             stdout_tail = journal.tail_bytes("stdout", STDOUT_TAIL_BYTES)
-            journal.append("state", b"interrupted (the daemon died while it ran)", daemon.clock())
+            if not record.ended:
+                journal.append(
+                    "state", b"interrupted (the daemon died while it ran)", daemon.clock()
+                )
         except OSError as exc:
             log.error("recovery.journal_unwritable", worker=record.id, error=str(exc))
         finally:
             journal.close()
-    record.state = "interrupted"
-    record.ended_at = daemon.clock()
+    if not record.ended:
+        record.state = "interrupted"
+        record.ended_at = daemon.clock()
     # Its record, its wake and its stdout's tail (read before the note above) in one
     # transaction: a crash now leaves it to be recovered again, never half recovered.
     _alone(

@@ -71,7 +71,9 @@ def import_old_state(store: Store, root: Path, archives: Path) -> list[str]:
     change = Change()
     unread: list[str] = []
     for path in sorted(archives.iterdir()) if archives.is_dir() else ():
-        if is_spare(path) or not path.name.startswith("w-"):
+        if is_spare(path) or not path.name.startswith("w-") or path.is_symlink():
+            continue  # (a symlink or a file at a worker's name: recovery reports it)
+        if not path.is_dir():
             continue
         record = _read_record(Archive(path), store.problems.append)
         if record is None:

@@ -70,7 +70,13 @@ made, so no crash leaves a worker without its key or a key without its worker:
 
 A damaged database (sqlite's own errors, or `PRAGMA quick_check` at open) is set aside with
 its WAL, reported, and replaced by a fresh one holding what could be read back from it; a
-symlink or anything but a regular file of ours at its name is set aside, never followed.
+symlink or anything but a regular file of ours at its name is set aside, never followed
+(at a companion's name, that companion alone). What sqlite would lose unsaid is found by
+`_salvage.py` and reported too: an empty database beside a WAL (set aside whole, not left
+for sqlite to delete the WAL), commits a damaged WAL drops, and the database's or WAL's
+name unlinked or replaced while the daemon runs (a whole copy is put back in its place).
+Wherever the store may have lost rows (`Store.damaged`), recovery reconciles it with the
+archives (`lifecycle/_recovery.py`), and no seq is given twice: the next skips far ahead.
 """
 
 from __future__ import annotations
@@ -78,6 +84,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import shutil
 import sqlite3
 import stat
 import time
@@ -93,6 +100,7 @@ from subagentd.protocol import Wake
 from .._logging import get_logger
 from ..core._registry import LaunchFence, RunRecord, Tombstone, WorkerRecord
 from ..core._request_keys import KeyRecord
+from ._salvage import FileIdentity, copy_whole, dropped_commits, empty_beside_wal, relinked_why
 
 log = get_logger()
 
@@ -275,6 +283,12 @@ class Store:
         #: Called when a change is kept to be redone: the daemon then retries `flush`
         #: until it goes in, not waiting for some other change to carry it.
         self.on_unwritten: Callable[[], None] = lambda: None
+        #: Whether rows it held may be lost (it was set aside, emptied, its WAL cut, or
+        #: archives were found without rows): recovery then trusts the journals' endings.
+        self.damaged = False
+        self._seqs_skipped = False
+        #: The files the store has open, by suffix ("", "-wal"): see `check_linked`.
+        self._opened: dict[str, FileIdentity | None] = {}
 
     @classmethod
     def open(cls, path: Path) -> Store:
@@ -288,19 +302,30 @@ class Store:
         """
         problems: list[str] = []
         try:
-            _set_aside_foreign(path, problems)
+            lost = _set_aside_foreign(path, problems)
+            lost |= _set_aside_empty(path, problems)
+            # A WAL is left only by a daemon that did not close the store (a kill, an exec).
+            left_wal = os.path.lexists(f"{path}-wal")
             try:
                 db = _connect(path)
             except sqlite3.DatabaseError as exc:
                 if isinstance(exc, sqlite3.OperationalError) and not _is_damage(exc):
                     raise
                 db = _recover_from_damage(path, str(exc), problems)
+                lost = True
+            if left_wal:
+                lost |= _report_dropped_commits(path, db, problems)
         except (sqlite3.Error, OSError) as exc:
             raise StoreUnusable(
                 f"cannot open the store {path}: {exc}; free space or fix the state dir's "
                 "permissions, then start again"
             ) from exc
-        return cls(path, db, problems)
+        store = cls(path, db, problems)
+        store._remember_files()
+        if lost:
+            store.damaged = True
+            store.skip_seqs()
+        return store
 
     @property
     def version(self) -> int:
@@ -322,6 +347,92 @@ class Store:
             if isinstance(exc, sqlite3.Error):
                 raise _write_failed(what, exc) from exc
             raise
+        # Two stats: a change written into a file no name links any more is put back now,
+        # not lost at the next start.
+        self.check_linked()
+
+    # -- the files, still linked --
+
+    def _remember_files(self) -> None:
+        for suffix in ("", "-wal"):
+            self._opened[suffix] = FileIdentity.of(f"{self.path}{suffix}")
+
+    def check_linked(self) -> bool:
+        """Whether the names `state.db` and `state.db-wal` still link the files the store
+        has open; if not (unlinked, or another file put there), a whole copy of the store
+        is put back in place so that nothing written since is lost, and it is reported.
+        False while it could not be put back (tried again at the next commit or check)."""
+        why = []
+        for suffix, opened in self._opened.items():
+            name = f"{self.path}{suffix}"
+            if opened is None:  # sqlite makes the WAL at the first write
+                self._opened[suffix] = FileIdentity.of(name)
+            elif (said := relinked_why(name, opened)) is not None:
+                why.append(f"{self.path.name}{suffix} {said}")
+        if not why:
+            return True
+        try:
+            aside = self._put_back()
+        except (sqlite3.Error, OSError) as exc:
+            self._problem_once(
+                f"the store {self.path} is no longer linked in the state dir "
+                f"({'; '.join(why)}) and a whole copy could not be put back ({exc}): tried "
+                "again at each change; until then a restart loses what was written since"
+            )
+            return False
+        self._problem(
+            f"the store {self.path} was no longer linked in the state dir while the daemon "
+            f"ran ({'; '.join(why)}, not by the daemon): a whole copy was put back in its "
+            "place, nothing written is lost"
+            + (f"; what was at its name is kept as {aside}" if aside else "")
+        )
+        return True
+
+    def _put_back(self) -> Path | None:
+        """Copy the open store whole into a new file and rename it over `state.db`, then
+        open that: the old connection's files are let go. What another process put at the
+        names is renamed aside, never written through; where it went (None: nothing).
+        If the rename fails, the store goes on in the whole copy (put back at the next
+        check), never without a database."""
+        copy = copy_whole(self._db, self.path.parent, self.path.name)
+        # Closed first: its last checkpoint goes into the file it has open, and sqlite
+        # then deletes the WAL by name, which no new database's WAL holds yet.
+        self._db.close()
+        opened_at, aside = copy, None
+        try:
+            for suffix in _COMPANIONS:
+                name = f"{self.path}{suffix}"
+                if not os.path.lexists(name):
+                    continue
+                opened = self._opened.get(suffix)
+                if opened is not None and relinked_why(name, opened) is None:
+                    if suffix:  # its own old WAL, never to be replayed into the copy
+                        os.unlink(name)
+                    continue  # its own database, which the copy replaces
+                aside = aside or self.path.with_name(f"{self.path.name}.not-ours-{_stamp()}")
+                os.rename(name, f"{aside}{suffix}")
+            os.replace(copy, self.path)
+            opened_at = self.path
+        finally:
+            self._db = _connect(opened_at)
+            self._remember_files()
+        return aside
+
+    def skip_seqs(self) -> int:
+        """Raise the seq floor far ahead, once: rows were lost, and with them perhaps the
+        wakes given since the floor read here was written. The new floor."""
+        floor = _read_floor(self._db)
+        if not self._seqs_skipped:
+            self._seqs_skipped = True
+            floor += SEQ_SKIP_WITHOUT_FLOOR
+            with self.transaction("skipping seqs past a damaged store's") as db:
+                _raise_floor(db, floor)
+        return floor
+
+    def known_workers(self) -> set[str]:
+        """The id of every worker with a row, released or not (recovery compares them
+        with the archives: one query, no record decoded)."""
+        return {worker_id for (worker_id,) in self._db.execute("SELECT id FROM workers")}
 
     # -- wakes --
 
@@ -790,21 +901,79 @@ def _foreign(path: Path) -> str | None:
     return None
 
 
-def _set_aside_foreign(path: Path, problems: list[str]) -> None:
-    """Rename the database and its companions aside, unfollowed, if any is not a regular
-    file of ours: sqlite would open through a symlink, and a WAL belongs to its database."""
+def _set_aside_foreign(path: Path, problems: list[str]) -> bool:
+    """Rename aside, unfollowed, what is not a regular file of ours among the database and
+    its companions: sqlite would open through a symlink. The database not ours, all go
+    (a WAL belongs to its database); a companion not ours, that one alone (the WAL's
+    commits are then lost: recovery rebuilds from the archives what they held; the -shm
+    holds none). Whether rows the store held may be lost."""
     why = {c: w for c in _COMPANIONS if (w := _foreign(Path(f"{path}{c}"))) is not None}
     if not why:
-        return
-    aside = _move_aside(path, "not-ours")
-    problem = (
-        f"the store {path} was not the daemon's own ("
-        + "; ".join(f"{path.name}{c} is {w}" for c, w in why.items())
-        + f"): set aside, unfollowed, as {aside}; the daemon starts with an empty store "
-        "(unacknowledged wakes it held, if any, are not delivered)"
-    )
+        return False
+    said = "; ".join(f"{path.name}{c} is {w}" for c, w in why.items())
+    if "" in why:
+        aside = _move_aside(path, "not-ours")
+        problem = (
+            f"the store {path} was not the daemon's own ({said}): set aside, unfollowed, "
+            f"as {aside}; the daemon starts with a store rebuilt from the archives "
+            "(unacknowledged wakes it held, if any, come again from the workers' endings)"
+        )
+    else:
+        aside = path.with_name(f"{path.name}.not-ours-{_stamp()}")
+        for companion in why:
+            os.rename(f"{path}{companion}", f"{aside}{companion}")
+        problem = (
+            f"a file beside the store {path} was not the daemon's own ({said}): set aside "
+            f"alone, unfollowed, as {aside}{'/'.join(why)}; the store itself is kept"
+            + (" (the commits its WAL held are rebuilt from the archives)" if "-wal" in why else "")
+        )
     log.error("store.not_ours", problem=problem)
     problems.append(problem)
+    return "" in why or "-wal" in why
+
+
+def _set_aside_empty(path: Path, problems: list[str]) -> bool:
+    """Set aside, as damaged, an empty database beside a WAL with frames (sqlite would
+    delete the WAL and start empty, unsaid); whether it was."""
+    wal_size = empty_beside_wal(path)
+    if wal_size is None:
+        return False
+    aside = _move_aside(path, "damaged")
+    problem = (
+        f"the store {path} was empty (0 bytes) beside its WAL of {wal_size} bytes, which "
+        f"sqlite would have deleted: both kept as {aside}; a fresh store is rebuilt from the "
+        "archives"
+    )
+    log.error("store.damaged", problem=problem)
+    problems.append(problem)
+    return True
+
+
+def _report_dropped_commits(path: Path, db: sqlite3.Connection, problems: list[str]) -> bool:
+    """Report commits the WAL holds that sqlite dropped (a frame cut short or corrupted
+    before them), keeping a copy of that WAL; whether there were any."""
+    try:
+        dropped = dropped_commits(path, db)
+    except (OSError, sqlite3.Error) as exc:
+        log.warning("store.wal_unchecked", error=str(exc))
+        return False
+    if not dropped:
+        return False
+    kept = path.with_name(f"{path.name}-wal.damaged-{_stamp()}")
+    try:
+        shutil.copyfile(f"{path}-wal", kept, follow_symlinks=False)
+    except OSError as exc:
+        kept_said = f"not kept ({exc.strerror or exc})"
+    else:
+        kept_said = f"kept as {kept}"
+    problem = (
+        f"the store's WAL {path}-wal was cut short or corrupted: {dropped} commit(s) after "
+        f"the damage were dropped by sqlite ({kept_said}); what they held is rebuilt from the "
+        "archives"
+    )
+    log.error("store.wal_damaged", problem=problem)
+    problems.append(problem)
+    return True
 
 
 def _refuse_if_swapped(path: Path) -> None:

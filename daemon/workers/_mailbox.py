@@ -130,6 +130,11 @@ class Mailbox:
         except OSError as exc:
             log.error("wakes.write_failed", error=str(exc))
 
+    def skip_seqs(self) -> None:
+        """The store lost rows, and perhaps the wakes given since its floor: seqs go on
+        from far ahead (`Store.skip_seqs`), so none is given twice."""
+        self._queue.last_seq = max(self._queue.last_seq, self._store.skip_seqs())
+
     def orphans_of(self, run: str) -> list[int]:
         """Acknowledge, in memory, the wakes of a run nobody can subscribe to any more (it
         went with its last worker); their seqs, for the caller's transaction to delete."""

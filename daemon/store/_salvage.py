@@ -1,0 +1,132 @@
+"""What the store's own files say about their damage, before and after sqlite opens them.
+
+SQLite itself is silent about some damage: it deletes a WAL beside an empty database,
+stops replaying a WAL at the first frame that does not verify (every later commit
+dropped), and keeps writing into a database or WAL whose name was unlinked or replaced.
+These checks find each, cheaply (a stat, a read of the WAL's frame headers), so that the
+store can say so and recovery can rebuild from the archives what was lost. Pure file
+work on the state dir's `state.db` and its companions; no trio, no daemon.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sqlite3
+import stat
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+#: The WAL's header and each frame's: sqlite's wal.c.
+_WAL_HEADER = struct.Struct(">IIIIIIII")  # magic, version, page size, ckpt seq, salts, sums
+_FRAME_HEADER = struct.Struct(">IIII")  # page, size after commit (0: not a commit), salts
+_FRAME_HEADER_BYTES = 24
+_WAL_MAGICS = (0x377F0682, 0x377F0683)
+#: The WAL's frame headers are read at most this far (a WAL is cut back to 4 MiB after
+#: each checkpoint; one that grew past this is read this far, the rest not looked at).
+WAL_SCAN_LIMIT = 64 * 1024 * 1024
+
+
+def empty_beside_wal(path: Path) -> int | None:
+    """The WAL's size, if the database at `path` is empty (0 bytes) beside a WAL that
+    holds frames: sqlite would delete that WAL, and every commit in it, unsaid."""
+    try:
+        db = os.stat(path, follow_symlinks=False)
+        wal = os.stat(f"{path}-wal", follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    if not (stat.S_ISREG(db.st_mode) and stat.S_ISREG(wal.st_mode)):
+        return None
+    return wal.st_size if db.st_size == 0 and wal.st_size > _WAL_HEADER.size else None
+
+
+def dropped_commits(path: Path, db: sqlite3.Connection) -> int:
+    """How many committed transactions the WAL at `path`-wal holds past the frames sqlite
+    took (`db` just opened it): a frame cut short or corrupted stops sqlite's replay there,
+    and every commit after it is dropped. Frames of the WAL's current generation (its
+    salts) marked as a commit, past the last frame sqlite verified, are such commits;
+    frames of an uncommitted transaction (a kill -9 mid-write) carry no commit mark, and
+    stale frames of an earlier generation other salts. A WAL cut exactly at a frame's end
+    leaves nothing to see: recovery's reconciliation with the archives finds what it cost."""
+    try:
+        fd = os.open(f"{path}-wal", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return 0
+    try:
+        head = os.pread(fd, _WAL_HEADER.size, 0)
+        if len(head) < _WAL_HEADER.size:
+            return 0
+        magic, _, page_size, _, salt1, salt2, _, _ = _WAL_HEADER.unpack(head)
+        if magic not in _WAL_MAGICS or page_size < 512 or page_size & (page_size - 1):
+            return 0
+        # The number of frames sqlite verified (its mxFrame): a passive checkpoint says it.
+        _, verified, _ = db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        if verified < 0:
+            return 0
+        frame = _FRAME_HEADER_BYTES + page_size
+        size = min(os.fstat(fd).st_size, WAL_SCAN_LIMIT)
+        dropped = 0
+        offset = _WAL_HEADER.size + verified * frame
+        while offset + frame <= size:
+            header = os.pread(fd, _FRAME_HEADER.size, offset)
+            _, commit, frame_salt1, frame_salt2 = _FRAME_HEADER.unpack(header)
+            if (frame_salt1, frame_salt2) == (salt1, salt2) and commit:
+                dropped += 1
+            offset += frame
+        return dropped
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True)
+class FileIdentity:
+    """Which file a name held when the store opened it: (device, inode)."""
+
+    dev: int
+    ino: int
+
+    @classmethod
+    def of(cls, path: str) -> FileIdentity | None:
+        try:
+            st = os.stat(path, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        return cls(st.st_dev, st.st_ino) if stat.S_ISREG(st.st_mode) else None
+
+
+def relinked_why(path: str, opened: FileIdentity) -> str | None:
+    """Why the name `path` no longer links the file the store has open (None: it does).
+    The store holds that file open, so its inode cannot be reused by another meanwhile."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return "was unlinked"
+    if (st.st_dev, st.st_ino) != (opened.dev, opened.ino):
+        return "was replaced by another file"
+    return None
+
+
+def copy_whole(db: sqlite3.Connection, directory: Path, name: str) -> Path:
+    """A whole copy of the open database `db` (its WAL's commits included), made with
+    sqlite's backup API into a new file of unpredictable name in `directory`, fsynced:
+    what is renamed over a store whose name was unlinked or replaced."""
+    target = directory / f".{name}.put-back-{secrets.token_hex(8)}"
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    os.close(fd)
+    try:
+        copy = sqlite3.connect(target, isolation_level=None)
+        try:
+            db.backup(copy)
+        finally:
+            copy.close()
+        fd = os.open(target, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except BaseException:
+        for leftover in (target, Path(f"{target}-journal")):
+            leftover.unlink(missing_ok=True)
+        raise
+    return target
