@@ -11,6 +11,9 @@ the store held them, carried the whole registry: still read, and what it carried
 into the store (`_legacy.import_checkpoint_v1`). Version 3 added the journals: an image
 that reads only 2 is handed a version 2 checkpoint, without them (`carries_journals`),
 as an image that knew nothing of them would leave their descriptors inheritable.
+Version 4 added the store's lock (`store_lock_fd`), and is handed over in a sealed
+memfd rather than a file in the state dir (`_handed.py`): an image that reads only 3
+is handed a version 3 checkpoint in the file, as before.
 """
 
 from __future__ import annotations
@@ -25,12 +28,12 @@ from ..store._journal import JournalIndex
 from ..store._legacy import CheckpointV1State
 
 #: The format written here. Bump on an incompatible change and keep reading the old.
-CHECKPOINT_VERSION = 3
+CHECKPOINT_VERSION = 4
 #: The format written for an image that does not read this one: the same, less what
-#: it added (see `carries_journals`).
-WRITES_VERSIONS = (2, 3)
+#: it added (see `carries_journals`, `carries_store_lock`).
+WRITES_VERSIONS = (2, 3, 4)
 #: Every format this image reads (announced by `subagentd --check`).
-READS_VERSIONS = (1, 2, 3)
+READS_VERSIONS = (1, 2, 3, 4)
 #: Far above any real checkpoint (about a kilobyte a worker); a larger file is no checkpoint.
 CHECKPOINT_READ_LIMIT = 1024 * 1024 * 1024
 
@@ -102,12 +105,17 @@ class Checkpoint(msgspec.Struct, kw_only=True):
     #: The flocked file `lock`, which images from before the lock moved to the directory
     #: take; None: not held, or an image that did not say (the new image looks for it).
     lock_file_fd: int | None = None
+    #: The store's lock (`StoreLock`), held across the exec; None: a version before 4, or
+    #: a store opened without one (the new image takes it afresh).
+    store_lock_fd: int | None = None
 
     def descriptors(self) -> list[int]:
         """Every descriptor this checkpoint carries, each where the new image finds it."""
         fds = [self.listen_fd, self.lock_fd]
         if self.lock_file_fd is not None:
             fds.append(self.lock_file_fd)
+        if self.store_lock_fd is not None:
+            fds.append(self.store_lock_fd)
         for worker in self.live:
             fds += (fd for fd in (worker.stdout, worker.stderr, worker.stdin) if fd is not None)
             if worker.journal is not None:
@@ -119,6 +127,12 @@ class Checkpoint(msgspec.Struct, kw_only=True):
 def carries_journals(version: int) -> bool:
     """Whether a checkpoint of `version` carries the live workers' journals."""
     return version >= 3
+
+
+def carries_store_lock(version: int) -> bool:
+    """Whether a checkpoint of `version` carries the store's lock, and is handed over in a
+    memfd named on the command line with the settings, not in a file."""
+    return version >= 4
 
 
 class _Version(msgspec.Struct):

@@ -67,6 +67,7 @@ from ._checkpoint import (
     CarriedWorker,
     Checkpoint,
     carries_journals,
+    carries_store_lock,
 )
 from ._image import RunningImage
 from ._recovery import recover
@@ -360,6 +361,7 @@ class Reloader:
         )
         lock_fd, lock_file_fd = daemon.state_dir.carry(carried)
         journals = carries_journals(self.next_version)
+        store_lock = daemon.store.lock if carries_store_lock(self.next_version) else None
         return Checkpoint(
             version=self.next_version,
             image_generation=daemon.image_generation,
@@ -368,6 +370,7 @@ class Reloader:
             listen_owned=self.control.owned,
             lock_fd=lock_fd,
             lock_file_fd=lock_file_fd,
+            store_lock_fd=None if store_lock is None else store_lock.carry(carried),
             live=[_carried(live, carried, journals) for live in daemon.supervisor.workers()],
             requesters=[
                 CarriedConnection(

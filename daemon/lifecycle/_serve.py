@@ -30,10 +30,12 @@ from ..serving._notify import notify
 from ..serving._server import Server
 from ..store._legacy import import_old_state, mark_old_state_imported
 from ..store._statedir import StateDir
+from ..store._store import STORE_NAME
 from ._carried import take_back
 from ._checkpoint import Checkpoint
 from ._recovery import recover
 from ._reload import NO_CARRY_ENV, RELOAD_SIGNALS, Handover, Reloader, adopt, reload_reply
+from ._store_wait import StoreWaiting
 
 log = get_logger()
 
@@ -125,6 +127,11 @@ async def serve(
         raise
     cgroups, tree_tracking = _tree_tracking(settings)
     try:
+        store = await StoreWaiting().open(
+            settings.state_dir / STORE_NAME,
+            handoff.store_lock_fd if handoff is not None else None,
+            handoff=handoff is not None,
+        )
         daemon = Daemon(
             state_dir,
             socket_path=settings.socket,
@@ -134,6 +141,7 @@ async def serve(
             request_key_ttl=settings.request_key_ttl,
             launcher=LocalLauncher(cgroups, tree_tracking),
             faults=read_faults(os.environ.get(FAULT_ENV, "")),
+            store=store,
         )
     except BaseException:  # the store cannot be opened (a newer schema, no disk)
         control.remove()

@@ -1,0 +1,148 @@
+"""Another process reading state.db never stops the daemon: its lock on the store is
+carried across a reload's exec (no window for a reader to get in), and a lock another
+process already holds at a start is waited for, and said, never a reason to exit."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import trio
+
+from subagentd import protocol as p
+from subagentd.client import AsyncClient
+
+from .conftest import BIN, DaemonProcess
+from .helpers import alive, sh, wait_output
+from .helpers import reload_on_own_connection as reload
+
+TICKING = "echo up; while :; do echo tick; sleep 0.05; done"
+
+#: A reader of state.db as a poller or a person's sqlite3 shell is: it opens the database
+#: and reads (a WAL reader then keeps its shared lock while it stays open), trying again
+#: at once while the daemon holds it out; once in, it says so and holds on for `hold`
+#: seconds (-1: until killed). `ready` is printed once it has begun trying.
+READER = """
+import sqlite3, sys, time
+path, hold = sys.argv[1], float(sys.argv[2])
+print("ready", flush=True)
+while True:
+    db = sqlite3.connect(path, timeout=0)
+    try:
+        db.execute("BEGIN")
+        db.execute("SELECT count(*) FROM sqlite_master").fetchall()
+    except sqlite3.OperationalError:
+        db.close()
+        continue
+    print("in", flush=True)
+    time.sleep(hold if hold >= 0 else 10**6)
+    db.close()
+    print("out", flush=True)
+    break
+"""
+
+
+def start_reader(state_db: Path, hold: float) -> subprocess.Popen[str]:
+    reader = subprocess.Popen(
+        [sys.executable, "-c", READER, str(state_db), str(hold)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert reader.stdout is not None
+    assert reader.stdout.readline() == "ready\n"
+    return reader
+
+
+def start_waiting(daemon: DaemonProcess) -> subprocess.Popen[bytes]:
+    """Start the daemon as `DaemonProcess.start` does, without waiting for its READY=1."""
+    with open(daemon.root / "daemon.log", "ab") as log:
+        proc = subprocess.Popen(
+            [
+                str(BIN / "subagentd"),
+                "--socket", str(daemon.socket),
+                "--state-dir", str(daemon.state_dir),
+                "--config", str(daemon.config),
+                "--log-format", "json",
+            ],
+            env=daemon.env | {"NOTIFY_SOCKET": str(daemon.notify_path)},
+            stdout=log,
+            stderr=log,
+            stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+    daemon.proc, daemon.log_path = proc, daemon.root / "daemon.log"
+    return proc
+
+
+def log_events(daemon: DaemonProcess, event: str) -> list[dict[str, object]]:
+    lines = (json.loads(line) for line in daemon.log().splitlines() if line.startswith("{"))
+    return [line for line in lines if line.get("event") == event]
+
+
+@pytest.mark.parametrize("hold", [1.0, -1.0], ids=["lets-go", "never-lets-go"])
+async def test_a_reader_trying_state_db_through_reloads_never_stops_the_daemon(
+    daemon: DaemonProcess, hold: float
+) -> None:
+    # Today's exec let go of the store's lock: a reader got in in the window, and the new
+    # image gave up after its busy timeout with every worker running on unsupervised.
+    assert daemon.proc is not None
+    reader = start_reader(daemon.state_dir / "state.db", hold)
+    try:
+        with trio.fail_after(90):
+            async with AsyncClient(daemon.socket) as client:
+                workers = [await client.spawn(sh(TICKING)) for _ in range(3)]
+                for worker in workers:
+                    await wait_output(client, worker.id, b"tick")
+            for generation in (2, 3, 4):
+                reply = await reload(daemon)
+                assert isinstance(reply, p.ReloadReply), (reply, daemon.log()[-3000:])
+                assert (reply.image_generation, reply.carried_live) == (generation, 3)
+            async with AsyncClient(daemon.socket) as client:
+                info = await client.info()
+                assert (info.pid, info.workers) == (daemon.proc.pid, {"running": 3})
+                for worker in workers:
+                    view = await client.status(worker.id)
+                    assert (view.state, view.pid) == ("running", worker.pid)
+                    before = len(await wait_output(client, worker.id, b"tick"))
+                    await wait_output(client, worker.id, b"tick\n" * (before // 5 + 2))
+        assert reader.poll() is None  # still knocking: never let in
+    finally:
+        reader.kill()
+        out, _ = reader.communicate()
+    assert "in" not in out.split()
+
+
+async def test_a_start_with_a_reader_holding_state_db_waits_for_it_and_says_so(
+    daemon_dirs: DaemonProcess,
+) -> None:
+    # Today: "cannot open the store ...: database is locked; free space or fix the
+    # state dir's permissions", exit 1.
+    daemon_dirs.start()
+    assert daemon_dirs.terminate() == 0
+    reader = start_reader(daemon_dirs.state_dir / "state.db", -1.0)
+    try:
+        assert reader.stdout is not None
+        assert reader.stdout.readline() == "in\n"
+        proc = start_waiting(daemon_dirs)
+        with trio.fail_after(60):
+            while not log_events(daemon_dirs, "store.waiting"):
+                assert proc.poll() is None, daemon_dirs.log()
+                await trio.sleep(0.05)
+        (waiting,) = log_events(daemon_dirs, "store.waiting")
+        assert f"pid {reader.pid}" in str(waiting["why"]), waiting
+        assert proc.poll() is None
+    finally:
+        reader.kill()
+        reader.communicate()
+    # The reader gone, the daemon takes its store and serves.
+    await trio.to_thread.run_sync(lambda: daemon_dirs.wait_notify("READY=1", mainpid=proc.pid))
+    with trio.fail_after(30):
+        async with AsyncClient(daemon_dirs.socket) as client:
+            worker = await client.spawn(["true"])
+            assert (await client.wait(worker.id)).state == "finished"
+            assert (await client.info()).problems == []
+    assert log_events(daemon_dirs, "store.wait_over")
+    assert daemon_dirs.terminate() == 0
+    assert alive(proc.pid) is False
