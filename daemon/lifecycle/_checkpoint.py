@@ -12,12 +12,16 @@ into the store (`_legacy.import_checkpoint_v1`). Version 3 added the journals: a
 that reads only 2 is handed a version 2 checkpoint, without them (`carries_journals`),
 as an image that knew nothing of them would leave their descriptors inheritable.
 Version 4 added the store's lock (`store_lock_fd`), and is handed over in a sealed
-memfd rather than a file in the state dir (`_handed.py`): an image that reads only 3
-is handed a version 3 checkpoint in the file, as before.
+memfd (`sealed_checkpoint`) named on the command line with the settings, rather than
+in a file in the state dir, where any process of the user could rewrite it: an image
+that reads only 3 is handed a version 3 checkpoint in the file, as before.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
 from pathlib import Path
 
 import msgspec
@@ -147,6 +151,61 @@ _encoder = msgspec.msgpack.Encoder(enc_hook=encode_path)
 _decoder = msgspec.msgpack.Decoder(Checkpoint, dec_hook=decode_path)
 
 
+#: What a handed-over checkpoint's memfd is sealed with: nothing can change it once written.
+HANDED_SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
+
+
+def encode_checkpoint(checkpoint: Checkpoint) -> bytes:
+    return _encoder.encode(checkpoint)
+
+
+def sealed_checkpoint(raw: bytes) -> int:
+    """A memfd holding `raw`, sealed (no process can write, grow or shrink it), close-on-
+    exec until carried: what a reload hands the next image, named by number on its
+    command line. Unlike a file in the state dir, no other process can replace it."""
+    fd = os.memfd_create("subagentd-checkpoint", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        view = memoryview(raw)
+        while view:
+            view = view[os.write(fd, view) :]
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, HANDED_SEALS)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_handed(fd: int) -> Checkpoint:
+    """The checkpoint in the sealed memfd `fd` a reload handed over (closed after)."""
+    what = f"the checkpoint handed over as descriptor {fd}"
+    try:
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            size = os.fstat(fd).st_size
+            if seals & HANDED_SEALS != HANDED_SEALS:
+                raise CheckpointUnreadable(f"{what} is not sealed (seals {seals:#x})")
+            if size > CHECKPOINT_READ_LIMIT:
+                raise CheckpointUnreadable(f"{what} is {size} bytes: no checkpoint")
+            raw = os.pread(fd, size, 0)
+        finally:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    except OSError as exc:
+        raise CheckpointUnreadable(f"cannot read {what}: {exc.strerror}") from exc
+    return decode_checkpoint(raw, what)
+
+
+#: SUBAGENTD_FAULT's (point, target) that has the new image write the checkpoint it was
+#: handed to KEPT_CHECKPOINT in the state dir, for a test to read what was carried.
+KEEP_HANDED_FAULT = ("handoff", "keep")
+KEPT_CHECKPOINT = "checkpoint.kept"
+
+
+def keep_handed(state_dir: Path, checkpoint: Checkpoint) -> None:
+    """For a test (`KEEP_HANDED_FAULT`): the checkpoint handed over, as a file to read."""
+    replace_file(state_dir / KEPT_CHECKPOINT, encode_checkpoint(checkpoint), what="kept")
+
+
 def write_checkpoint(path: Path, checkpoint: Checkpoint) -> None:
     """Not fsynced: only the image exec'd a moment later reads it (`--handoff` names it,
     and nothing else does), from the page cache; a machine that goes down leaves no
@@ -156,22 +215,28 @@ def write_checkpoint(path: Path, checkpoint: Checkpoint) -> None:
 
 
 def read_checkpoint(path: Path) -> Checkpoint:
+    """The checkpoint in the file at `path` (an image before version 4 wrote it there)."""
     try:
         raw = read_regular(path, CHECKPOINT_READ_LIMIT)
     except OSError as exc:
         raise CheckpointUnreadable(f"cannot read checkpoint {path}: {exc.strerror}") from exc
+    return decode_checkpoint(raw, f"checkpoint {path}")
+
+
+def decode_checkpoint(raw: bytes, what: str) -> Checkpoint:
+    """The checkpoint `raw` holds, or CheckpointUnreadable saying why not (`what` it is)."""
     try:
         version = msgspec.msgpack.decode(raw, type=_Version).version
     except msgspec.DecodeError as exc:
-        raise CheckpointUnreadable(f"checkpoint {path} is not a checkpoint: {exc}") from exc
+        raise CheckpointUnreadable(f"{what} is not a checkpoint: {exc}") from exc
     if version not in READS_VERSIONS:
         raise CheckpointUnreadable(
-            f"checkpoint {path} has version {version}; this image reads {list(READS_VERSIONS)}"
+            f"{what} has version {version}; this image reads {list(READS_VERSIONS)}"
         )
     try:
         checkpoint = _decoder.decode(raw)
         if version == 1:
             checkpoint.v1_state = msgspec.msgpack.decode(raw, type=CheckpointV1State)
     except msgspec.DecodeError as exc:
-        raise CheckpointUnreadable(f"checkpoint {path} does not decode: {exc}") from exc
+        raise CheckpointUnreadable(f"{what} does not decode: {exc}") from exc
     return checkpoint
