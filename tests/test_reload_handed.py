@@ -18,13 +18,6 @@ import trio
 from subagentd import protocol as p
 from subagentd.client import AsyncClient
 from subagentd.daemon._settings import Settings
-from subagentd.daemon.lifecycle._checkpoint import (
-    Checkpoint,
-    CheckpointUnreadable,
-    encode_checkpoint,
-    read_handed,
-    sealed_checkpoint,
-)
 from subagentd.daemon.serving._listener import bind_control_socket
 
 from .conftest import BIN, DaemonProcess
@@ -132,6 +125,15 @@ async def test_the_checkpoint_file_rewritten_during_a_reload_changes_nothing(
     assert "--cgroups=auto" in command_line(daemon.proc.pid)
 
 
+def sealed(raw: bytes) -> int:
+    """A memfd holding `raw`, sealed, as a reload hands its checkpoint over."""
+    fd = os.memfd_create("checkpoint", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.write(fd, raw)
+    seals = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
+
+
 def start_handed_differing(daemon_dirs: DaemonProcess) -> None:
     """Start an image as a reload's exec does (a listening socket, the locked state dir, a
     sealed checkpoint), its checkpoint's settings not its command line's."""
@@ -140,23 +142,20 @@ def start_handed_differing(daemon_dirs: DaemonProcess) -> None:
     lock_fd = os.open(daemon_dirs.state_dir, os.O_RDONLY | os.O_DIRECTORY)
     fcntl.flock(lock_fd, fcntl.LOCK_EX)
     listen_fd = control.sock.fileno()
-    said = Settings(
-        socket=daemon_dirs.socket,
-        state_dir=daemon_dirs.state_dir,
-        config=daemon_dirs.config,
-        cgroups="off",
-        finished_ttl=0,
-        keep_archives_days=0,
+    given = Settings(
+        socket=daemon_dirs.socket, state_dir=daemon_dirs.state_dir, config=daemon_dirs.config
     )
-    handed = sealed_checkpoint(
-        encode_checkpoint(
-            Checkpoint(
-                image_generation=4, reloads=3, listen_fd=listen_fd, lock_fd=lock_fd, live=[],
-                settings=said,
-            )
+    said = {
+        "socket": str(given.socket), "state_dir": str(given.state_dir),
+        "config": str(given.config), "cgroups": "off", "finished_ttl": 0.0,
+        "keep_archives_days": 0.0,
+    }  # fmt: skip
+    handed = sealed(
+        msgspec.msgpack.encode(
+            {"version": 4, "image_generation": 4, "reloads": 3, "listen_fd": listen_fd,
+             "lock_fd": lock_fd, "live": [], "settings": said}
         )
     )  # fmt: skip
-    given = msgspec.structs.replace(said, cgroups="auto", finished_ttl=600, keep_archives_days=7)
     daemon_dirs.log_path = daemon_dirs.root / "daemon.log"
     with open(daemon_dirs.log_path, "ab") as log:
         daemon_dirs.proc = subprocess.Popen(
@@ -221,11 +220,15 @@ async def test_a_checkpoint_handed_over_unreadable_leaves_every_worker_supervise
     ids=["empty", "not-msgpack", "nested", "wrong-type"],
 )
 def test_a_handed_checkpoint_of_hostile_bytes_is_unreadable(raw: bytes) -> None:
+    from subagentd.daemon.lifecycle._checkpoint import CheckpointUnreadable, read_handed
+
     with pytest.raises(CheckpointUnreadable, match="the checkpoint handed over"):
-        read_handed(sealed_checkpoint(raw))
+        read_handed(sealed(raw))
 
 
 def test_a_handed_checkpoint_not_sealed_is_unreadable() -> None:
+    from subagentd.daemon.lifecycle._checkpoint import CheckpointUnreadable, read_handed
+
     fd = os.memfd_create("not-sealed", os.MFD_CLOEXEC)
     os.write(fd, b"anything")
     with pytest.raises(CheckpointUnreadable, match="is not sealed"):
@@ -233,6 +236,8 @@ def test_a_handed_checkpoint_not_sealed_is_unreadable() -> None:
 
 
 def test_a_handed_checkpoint_is_sealed_against_every_writer() -> None:
+    from subagentd.daemon.lifecycle._checkpoint import sealed_checkpoint
+
     fd = sealed_checkpoint(b"what the old image wrote")
     try:
         again = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)  # as another process would
