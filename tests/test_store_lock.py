@@ -14,6 +14,7 @@ import trio
 
 from subagentd import protocol as p
 from subagentd.client import AsyncClient
+from subagentd.protocol.errors import Busy
 
 from .conftest import BIN, DaemonProcess
 from .helpers import alive, sh, wait_output
@@ -132,7 +133,13 @@ async def test_a_start_with_a_reader_holding_state_db_waits_for_it_and_says_so(
                 await trio.sleep(0.05)
         (waiting,) = log_events(daemon_dirs, "store.waiting")
         assert f"pid {reader.pid}" in str(waiting["why"]), waiting
-        assert proc.poll() is None
+        with trio.fail_after(30):
+            async with AsyncClient(daemon_dirs.socket) as client:
+                info = await client.info()  # the wait is told, to whoever asks
+                assert info.pid == proc.pid
+                assert info.store_wait is not None
+                assert f"locked by pid {reader.pid}" in info.store_wait, info
+                assert info.problems == [info.store_wait]
     finally:
         reader.kill()
         reader.communicate()
@@ -146,3 +153,40 @@ async def test_a_start_with_a_reader_holding_state_db_waits_for_it_and_says_so(
     assert log_events(daemon_dirs, "store.wait_over")
     assert daemon_dirs.terminate() == 0
     assert alive(proc.pid) is False
+
+
+async def test_a_reader_that_never_lets_go_keeps_the_daemon_waiting_and_saying_why(
+    daemon_dirs: DaemonProcess,
+) -> None:
+    # Today the start gave up at once. Now it waits, for good: `info` says what for and
+    # since when, every other request is answered busy (saying why, when to try again),
+    # and it stops when told to.
+    daemon_dirs.start()
+    assert daemon_dirs.terminate() == 0
+    reader = start_reader(daemon_dirs.state_dir / "state.db", -1.0)
+    try:
+        assert reader.stdout is not None
+        assert reader.stdout.readline() == "in\n"
+        proc = start_waiting(daemon_dirs)
+        with trio.fail_after(60):
+            while not log_events(daemon_dirs, "store.waiting"):
+                assert proc.poll() is None, daemon_dirs.log()
+                await trio.sleep(0.05)
+            for _ in range(2):  # a second connection, later: the same wait, the same since
+                async with AsyncClient(daemon_dirs.socket) as client:
+                    info = await client.info()
+                    assert info.store_wait is not None
+                    assert "waiting since" in info.store_wait
+                    assert f"pid {reader.pid}" in info.store_wait
+                    with pytest.raises(Busy, match=r"cannot answer this yet.*locked by") as busy:
+                        await client.spawn(["true"])
+                    assert busy.value.retry_after == 1.0
+                    with pytest.raises(Busy):
+                        await client.ls()
+            waits = {str(line["since"]) for line in log_events(daemon_dirs, "store.waiting")}
+            assert len(waits) == 1
+            assert proc.poll() is None
+        assert daemon_dirs.terminate() in (0, -15)
+    finally:
+        reader.kill()
+        reader.communicate()

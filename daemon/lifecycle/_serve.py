@@ -28,9 +28,10 @@ from ..processes._launcher import LocalLauncher
 from ..serving._listener import ControlSocket, activated_socket, bind_control_socket
 from ..serving._notify import notify
 from ..serving._server import Server
+from ..serving._waiting import WaitingServer
 from ..store._legacy import import_old_state, mark_old_state_imported
 from ..store._statedir import StateDir
-from ..store._store import STORE_NAME
+from ..store._store import STORE_NAME, Store
 from ._carried import take_back
 from ._checkpoint import KEEP_HANDED_FAULT, KEPT_CHECKPOINT, Checkpoint
 from ._rebuilt import with_live_workers
@@ -134,11 +135,7 @@ async def serve(
         raise
     cgroups, tree_tracking = _tree_tracking(settings)
     try:
-        store = await StoreWaiting().open(
-            settings.state_dir / STORE_NAME,
-            handoff.store_lock_fd if handoff is not None else None,
-            handoff=handoff is not None,
-        )
+        store = await _open_store(settings, control, handoff)
         daemon = Daemon(
             state_dir,
             socket_path=settings.socket,
@@ -250,6 +247,28 @@ async def serve(
         daemon.store.close()
         state_dir.release()
         log.info("daemon.stopped")
+
+
+async def _open_store(
+    settings: Settings, control: ControlSocket, handoff: Checkpoint | None
+) -> Store:
+    """The store, waited for while another process holds a lock on it (or, for a
+    handoff, while it cannot be opened at all): clients are told so meanwhile."""
+    waiting = StoreWaiting(
+        settings.state_dir / STORE_NAME,
+        handoff.store_lock_fd if handoff is not None else None,
+        handoff=handoff is not None,
+    )
+    store = waiting.try_open()
+    if store is not None:
+        return store
+    server = WaitingServer(
+        waiting.told,
+        socket_path=str(settings.socket),
+        state_dir=str(settings.state_dir),
+        image_generation=handoff.image_generation + 1 if handoff is not None else 1,
+    )
+    return await waiting.open(control.sock, server)
 
 
 def _collect_from_now_on(nursery: trio.Nursery) -> None:

@@ -1,7 +1,8 @@
 """Opening the store at a start or a reload's handoff, waiting for as long as it takes
 while another process holds a lock on it (`StoreLocked`): someone else's lock is never
 a reason to give the store, or the daemon and its workers, up. What it waits for is
-logged when the wait begins and when it ends, and kept (`StoreWait`) for `info`.
+logged when the wait begins and when it ends, and told to every client meanwhile
+(`serving/_waiting.py`: `info` says it, every other request is answered `busy`).
 
 A handoff waits too while the store cannot be opened at all (`StoreUnusable`: a full
 disk, a permission taken away): the new image holds every worker the old one carried
@@ -12,6 +13,7 @@ the person starting it is there to read why.
 
 from __future__ import annotations
 
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +21,7 @@ from pathlib import Path
 import trio
 
 from .._logging import get_logger
+from ..serving._waiting import WaitingServer
 from ..store._store import Store, StoreTooNew, StoreUnusable
 from ..store._store_lock import StoreLocked, since_text
 
@@ -36,43 +39,58 @@ class StoreWait:
     why: str
     since: float
 
-    def problem(self) -> str:
+    def told(self) -> str:
         return f"waiting since {since_text(self.since)} for the store: {self.why}"
 
 
 class StoreWaiting:
-    """The wait under way, if any, for whoever reports it (`info`, the log)."""
+    """Opening the store at `path` (`lock_fd`: its lock as a reload carried it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, path: Path, lock_fd: int | None, *, handoff: bool) -> None:
+        self.path = path
+        self._lock_fd = lock_fd
+        self._handoff = handoff
+        #: The wait under way, if any.
         self.current: StoreWait | None = None
 
-    async def open(self, path: Path, lock_fd: int | None, *, handoff: bool) -> Store:
-        """The store at `path` (`lock_fd`: its lock as a reload carried it), once it can
-        be had; a start's StoreUnusable and StoreTooNew are raised."""
-        delay = RETRY_FIRST
-        while True:
-            try:
-                store = Store.open(path, lock_fd)
-            except StoreLocked as exc:
-                self._waiting(str(exc), "locked")
-            except StoreTooNew:
+    def try_open(self) -> Store | None:
+        """The store, or None if it must be waited for (said in the log); a start's
+        StoreUnusable and StoreTooNew are raised."""
+        lock_fd, self._lock_fd = self._lock_fd, None  # closed by any attempt that fails
+        try:
+            store = Store.open(self.path, lock_fd)
+        except StoreLocked as exc:
+            self._waiting(str(exc), "locked")
+        except StoreTooNew:
+            raise
+        except StoreUnusable as exc:
+            if not self._handoff:
                 raise
-            except StoreUnusable as exc:
-                if not handoff:
-                    raise
-                self._waiting(str(exc), "unusable")
-            else:
-                if self.current is not None:
-                    log.warning(
-                        "store.wait_over",
-                        path=str(path),
-                        waited_s=round(time.time() - self.current.since, 3),
-                    )
-                    self.current = None
-                return store
-            lock_fd = None  # closed by the attempt: the next one opens the file afresh
-            await trio.sleep(delay)
-            delay = min(delay * 2, RETRY_MAX)
+            self._waiting(str(exc), "unusable")
+        else:
+            if self.current is not None:
+                log.warning(
+                    "store.wait_over",
+                    path=str(self.path),
+                    waited_s=round(time.time() - self.current.since, 3),
+                )
+                self.current = None
+            return store
+        return None
+
+    async def open(self, control: socket.socket, server: WaitingServer) -> Store:
+        """The store, once it can be had; until then `server` answers on `control`."""
+        delay = RETRY_FIRST
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.serve, control)
+            while (store := self.try_open()) is None:
+                await trio.sleep(delay)
+                delay = min(delay * 2, RETRY_MAX)
+            nursery.cancel_scope.cancel()
+        return store
+
+    def told(self) -> str:
+        return self.current.told() if self.current is not None else "opening the store"
 
     def _waiting(self, why: str, kind: str) -> None:
         if self.current is not None and self.current.why == why:
