@@ -94,7 +94,11 @@ def decode_path(kind: type, obj: Any) -> Any:
 #: `die-before-start-written:N` kills the daemon (SIGKILL) once a worker named N runs and
 #: its spawn is answered, before its start (pid, journal entry) is written down;
 #: `check:hold` holds a reload's `--check` child until a writer of the FIFO `hold-check`
-#: in the state dir has opened and closed it (a check under way, for the tests).
+#: in the state dir has opened and closed it (a check under way, for the tests);
+#: `check:reads-before-4` has `--check` say it reads checkpoint versions up to 3 (an
+#: image before the memfd); `handoff:garbage` and `handoff:truncated` make a reload hand
+#: over a checkpoint that does not decode; `handoff:keep` has the new image write the
+#: checkpoint it was handed to `checkpoint.kept` in the state dir.
 FAULT_ENV = "SUBAGENTD_FAULT"
 
 

@@ -7,9 +7,12 @@ read costs no worker (the handoff is rebuilt from what the kernel shows)."""
 from __future__ import annotations
 
 import fcntl
+import importlib.util
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -250,3 +253,41 @@ def test_a_handed_checkpoint_is_sealed_against_every_writer() -> None:
             os.ftruncate(fd, 0)
     finally:
         os.close(fd)
+
+
+@pytest.fixture
+def touched() -> Iterator[Path]:
+    """A module file of the image, for a test to touch so that a reload runs its `--check`
+    child (its mtime put back after the test)."""
+    spec = importlib.util.find_spec("subagentd.daemon.lifecycle._rebuilt")
+    assert spec is not None
+    assert spec.origin is not None
+    path = Path(spec.origin)
+    before = path.stat()
+    try:
+        yield path
+    finally:
+        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+
+
+async def test_a_reload_into_an_image_that_reads_only_a_checkpoint_file_still_works(
+    daemon_dirs: DaemonProcess, touched: Path
+) -> None:
+    # The image on disk says (its --check) it reads checkpoint versions up to 3: it is
+    # handed a version 3 checkpoint in the state dir's file, named by --handoff, as
+    # images before the memfd were, and the settings in it.
+    daemon_dirs.start(env={"SUBAGENTD_FAULT": "check:reads-before-4,handoff:keep"})
+    assert daemon_dirs.proc is not None
+    with trio.fail_after(90):
+        workers = await spawn_ticking(daemon_dirs, 2)
+        os.utime(touched)  # the image on disk changed: its --check child says what it reads
+        reply = await reload(daemon_dirs)
+        assert isinstance(reply, p.ReloadReply), (reply, daemon_dirs.log()[-3000:])
+        assert (reply.image_generation, reply.carried_live) == (2, 2)
+        argv = command_line(daemon_dirs.proc.pid)
+        assert argv[-2:] == ["--handoff", str(daemon_dirs.state_dir / "checkpoint")]
+        kept = msgspec.msgpack.decode((daemon_dirs.state_dir / "checkpoint.kept").read_bytes())
+        assert kept["version"] == 3
+        assert kept.get("store_lock_fd") is None
+        assert not (daemon_dirs.state_dir / "checkpoint").exists()  # spent
+        await assert_supervised(daemon_dirs, workers)
