@@ -380,7 +380,7 @@ def check(settings: Settings) -> int:
         f"config: {settings.config} ({'unusable' if agents is None else f'{len(agents)} agents'})"
     )
     print(f"state dir: {settings.state_dir}")
-    reads = READS_VERSIONS
+    reads: tuple[int, ...] = READS_VERSIONS
     if ("check", "reads-before-4") in read_faults(os.environ.get(FAULT_ENV, "")):
         reads = tuple(v for v in reads if v < 4)  # as an image before the memfd says
     print(f"reads checkpoint versions: {', '.join(map(str, reads))}")
