@@ -275,10 +275,13 @@ def _serve(
     import trio  # only a serving daemon needs it: --check stays quick for reloads
 
     from .lifecycle._serve import serve
+    from .lifecycle._store_wait import WaitStopped
     from .serving._listener import SocketInUse
 
     try:
         trio.run(serve, settings, handoff_path, handoff, problems or [], rebuilt_pipes)
+    except WaitStopped:
+        return 0  # told to stop before it served: the socket and the lock given back
     except (StateDirLocked, SocketInUse, PermissionError, StoreUnusable) as exc:
         print(f"subagentd: {exc}", file=sys.stderr)
         return 1

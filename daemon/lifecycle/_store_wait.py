@@ -13,6 +13,7 @@ the person starting it is there to read why.
 
 from __future__ import annotations
 
+import signal
 import socket
 import time
 from dataclasses import dataclass
@@ -30,6 +31,20 @@ log = get_logger()
 #: How soon the store is tried again, doubling up to the max.
 RETRY_FIRST = 0.05
 RETRY_MAX = 1.0
+
+
+class WaitStopped(Exception):
+    """Told to stop while a start waited for its store: nothing ran, nothing is lost."""
+
+
+async def _stop_on_signal(scope: trio.CancelScope, stopped: list[str]) -> None:
+    """At a start's first SIGTERM or SIGINT, say which in `stopped` and end the wait."""
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            stopped.append(signal.Signals(signum).name)
+            log.info("store.wait_stopped", signal=stopped[0])
+            scope.cancel()
+            return
 
 
 @dataclass
@@ -79,14 +94,21 @@ class StoreWaiting:
         return None
 
     async def open(self, control: socket.socket, server: WaitingServer) -> Store:
-        """The store, once it can be had; until then `server` answers on `control`."""
+        """The store, once it can be had; until then `server` answers on `control`. A
+        start's SIGTERM or SIGINT meanwhile raises WaitStopped (nothing runs yet); a
+        handoff's stay blocked until it serves, as across the exec, and then stop it."""
         delay = RETRY_FIRST
+        stopped: list[str] = []
         async with trio.open_nursery() as nursery:
             nursery.start_soon(server.serve, control)
+            if not self._handoff:
+                nursery.start_soon(_stop_on_signal, nursery.cancel_scope, stopped)
             while (store := self.try_open()) is None:
                 await trio.sleep(delay)
                 delay = min(delay * 2, RETRY_MAX)
             nursery.cancel_scope.cancel()
+        if stopped:
+            raise WaitStopped(f"stopped by {stopped[0]} while it waited for its store")
         return store
 
     def told(self) -> str:
