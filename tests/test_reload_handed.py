@@ -24,8 +24,9 @@ from subagentd.daemon._settings import Settings
 from subagentd.daemon.serving._listener import bind_control_socket
 
 from .conftest import BIN, DaemonProcess
-from .helpers import RawConnection, command_line, sh, wait_output
+from .helpers import RawConnection, alive, command_line, sh, wait_output
 from .helpers import reload_on_own_connection as reload
+from .test_store_lock import start_reader
 
 TICKING = "echo up; while :; do echo tick; sleep 0.05; done"
 
@@ -291,3 +292,41 @@ async def test_a_reload_into_an_image_that_reads_only_a_checkpoint_file_still_wo
         assert kept.get("store_lock_fd") is None
         assert not (daemon_dirs.state_dir / "checkpoint").exists()  # spent
         await assert_supervised(daemon_dirs, workers)
+
+
+@pytest.mark.parametrize("hold", [2.0, -1.0], ids=["lets-go", "never-lets-go"])
+async def test_a_new_image_that_cannot_have_its_store_yet_waits_holding_every_worker(
+    daemon_dirs: DaemonProcess, touched: Path, hold: float
+) -> None:
+    # Into an image that reads only a checkpoint file, the store's lock is not carried: a
+    # reader gets in between the images. Today the new image gave up and exited, every
+    # worker running on unsupervised; now it waits, says why, and holds them all.
+    daemon_dirs.start(env={"SUBAGENTD_FAULT": "check:reads-before-4"})
+    assert daemon_dirs.proc is not None
+    reader = start_reader(daemon_dirs.state_dir / "state.db", hold)
+    try:
+        with trio.fail_after(90):
+            workers = await spawn_ticking(daemon_dirs, 2)
+            os.utime(touched)
+            conn = await RawConnection.open(daemon_dirs.socket)
+            async with conn.stream:
+                await conn.send(p.Reload(id=2))
+                assert reader.stdout is not None
+                assert await trio.to_thread.run_sync(reader.stdout.readline) == "in\n"
+                async with AsyncClient(daemon_dirs.socket) as client:
+                    info = await client.info()  # the new image, waiting
+                    assert info.pid == daemon_dirs.proc.pid
+                    assert info.store_wait is not None
+                    assert f"locked by pid {reader.pid}" in info.store_wait, info
+                assert all(w.pid is not None and alive(w.pid) for w in workers)
+                if hold < 0:
+                    return  # it waits for good, holding them (the fixture stops it)
+                reply = await conn.receive()  # once the reader let go
+                assert isinstance(reply, p.ReloadReply), reply
+                assert (reply.image_generation, reply.carried_live) == (2, 2)
+            await assert_supervised(daemon_dirs, workers)
+            async with AsyncClient(daemon_dirs.socket) as client:
+                assert (await client.info()).store_wait is None
+    finally:
+        reader.kill()
+        reader.communicate()
