@@ -5,6 +5,7 @@ process already holds at a start is waited for, and said, never a reason to exit
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -28,12 +29,16 @@ TICKING = "echo up; while :; do echo tick; sleep 0.05; done"
 #: seconds (-1: until killed). `ready` is printed once it has begun trying.
 READER = """
 import sqlite3, sys, time
-path, hold = sys.argv[1], float(sys.argv[2])
+path, hold, how = sys.argv[1], float(sys.argv[2]), sys.argv[3]
 print("ready", flush=True)
 while True:
-    db = sqlite3.connect(path, timeout=0)
+    if how == "read-only":  # no transaction left open: the connection alone holds on
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=0)
+    else:
+        db = sqlite3.connect(path, timeout=0)
     try:
-        db.execute("BEGIN")
+        if how != "read-only":
+            db.execute("BEGIN")
         db.execute("SELECT count(*) FROM sqlite_master").fetchall()
     except sqlite3.OperationalError:
         db.close()
@@ -46,15 +51,28 @@ while True:
 """
 
 
-def start_reader(state_db: Path, hold: float) -> subprocess.Popen[str]:
+def start_reader(state_db: Path, hold: float, how: str = "transaction") -> subprocess.Popen[str]:
     reader = subprocess.Popen(
-        [sys.executable, "-c", READER, str(state_db), str(hold)],
+        [sys.executable, "-c", READER, str(state_db), str(hold), how],
         stdout=subprocess.PIPE,
         text=True,
     )
     assert reader.stdout is not None
     assert reader.stdout.readline() == "ready\n"
     return reader
+
+
+def start_sqlite3_shell(state_db: Path) -> subprocess.Popen[str]:
+    """A person's `sqlite3 state.db`, one query asked and answered, left open."""
+    shell = subprocess.Popen(
+        ["sqlite3", str(state_db)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert shell.stdin is not None
+    assert shell.stdout is not None
+    shell.stdin.write("SELECT count(*) > 0 FROM sqlite_master;\n")
+    shell.stdin.flush()
+    assert shell.stdout.readline() == "1\n"
+    return shell
 
 
 def start_waiting(daemon: DaemonProcess) -> subprocess.Popen[bytes]:
@@ -115,17 +133,24 @@ async def test_a_reader_trying_state_db_through_reloads_never_stops_the_daemon(
     assert "in" not in out.split()
 
 
+@pytest.mark.parametrize("how", ["transaction", "read-only", "sqlite3-shell"])
 async def test_a_start_with_a_reader_holding_state_db_waits_for_it_and_says_so(
-    daemon_dirs: DaemonProcess,
+    daemon_dirs: DaemonProcess, how: str
 ) -> None:
     # Today: "cannot open the store ...: database is locked; free space or fix the
     # state dir's permissions", exit 1.
+    if how == "sqlite3-shell" and shutil.which("sqlite3") is None:
+        pytest.skip("no sqlite3 shell here")
     daemon_dirs.start()
     assert daemon_dirs.terminate() == 0
-    reader = start_reader(daemon_dirs.state_dir / "state.db", -1.0)
-    try:
+    state_db = daemon_dirs.state_dir / "state.db"
+    if how == "sqlite3-shell":
+        reader = start_sqlite3_shell(state_db)
+    else:
+        reader = start_reader(state_db, -1.0, how)
         assert reader.stdout is not None
         assert reader.stdout.readline() == "in\n"
+    try:
         proc = start_waiting(daemon_dirs)
         with trio.fail_after(60):
             while not log_events(daemon_dirs, "store.waiting"):
