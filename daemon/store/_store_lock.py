@@ -121,6 +121,15 @@ class StoreLock:
             fcntl.fcntl(self.fd, fcntl.F_OFD_SETLK, request)
         except (BlockingIOError, PermissionError):  # EAGAIN, or EACCES on some systems
             raise StoreLocked(self.path, self._holder()) from None
+        except OSError as exc:
+            if exc.errno not in (errno.EINVAL, errno.ENOLCK, errno.EOPNOTSUPP):
+                raise
+            raise OSError(
+                exc.errno,
+                f"the filesystem of {self.path} takes no open file description lock "
+                f"(F_OFD_SETLK: {exc.strerror}), which keeps other processes out of the "
+                "store: put the state dir on a local filesystem (--state-dir)",
+            ) from exc
 
     def _holder(self) -> str:
         """Who holds a lock in the way, as well as the kernel says."""
