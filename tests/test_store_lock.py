@@ -5,6 +5,7 @@ process already holds at a start is waited for, and said, never a reason to exit
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -15,10 +16,12 @@ import trio
 
 from subagentd import protocol as p
 from subagentd.client import AsyncClient
+from subagentd.daemon.store._store import STORE_NAME, Store
+from subagentd.daemon.store._store_lock import StoreLock, StoreLocked
 from subagentd.protocol.errors import Busy
 
 from .conftest import BIN, DaemonProcess
-from .helpers import alive, sh, wait_output
+from .helpers import alive, descriptors, sh, wait_output
 from .helpers import reload_on_own_connection as reload
 
 TICKING = "echo up; while :; do echo tick; sleep 0.05; done"
@@ -48,6 +51,17 @@ while True:
     db.close()
     print("out", flush=True)
     break
+"""
+
+
+#: One read of state.db by another process: what it read, or why it could not.
+READER_ONCE = """
+import sqlite3, sys
+try:
+    db = sqlite3.connect(sys.argv[1], timeout=0)
+    print(db.execute("SELECT count(*) FROM sqlite_master").fetchone()[0])
+except sqlite3.OperationalError as exc:
+    print(exc)
 """
 
 
@@ -216,3 +230,52 @@ async def test_a_reader_that_never_lets_go_keeps_the_daemon_waiting_and_saying_w
     finally:
         reader.kill()
         reader.communicate()
+
+
+def test_the_open_store_keeps_every_other_processs_sqlite_out(tmp_path: Path) -> None:
+    store = Store.open(tmp_path / STORE_NAME)
+    try:
+        ran = subprocess.run(
+            [sys.executable, "-c", READER_ONCE, str(tmp_path / STORE_NAME)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert "database is locked" in ran.stdout, ran
+        assert not (tmp_path / f"{STORE_NAME}-shm").exists()
+    finally:
+        store.close()
+    ran = subprocess.run(
+        [sys.executable, "-c", READER_ONCE, str(tmp_path / STORE_NAME)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert ran.stdout.strip().isdigit(), ran  # closed: its lock is let go
+
+
+@pytest.mark.parametrize("what", ["another file", "a directory", "a closed descriptor"])
+def test_an_inherited_lock_that_is_not_the_store_is_not_taken_for_it(
+    tmp_path: Path, what: str
+) -> None:
+    # A descriptor a checkpoint names as the store's lock is believed only if it is the
+    # store file: else it is closed, and the file there locked afresh.
+    path = tmp_path / STORE_NAME
+    if what == "another file":
+        fd = os.open(tmp_path / "other", os.O_RDWR | os.O_CREAT, 0o600)
+    elif what == "a directory":
+        fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    else:
+        fd = os.open(tmp_path / "other", os.O_RDWR | os.O_CREAT, 0o600)
+        os.close(fd)
+    lock = StoreLock.take(path, fd)
+    try:
+        assert lock.holds(path)
+        held = {target for target, _ in descriptors(os.getpid()).values()}
+        assert str(tmp_path / "other") not in held  # closed, not kept as the lock
+        assert str(tmp_path) not in held
+        with pytest.raises(StoreLocked, match=f"the store {path} is locked"):
+            StoreLock.take(path)  # another open file description: held out, as any other
+    finally:
+        lock.release()
+    StoreLock.take(path).release()  # let go of: free again

@@ -20,6 +20,7 @@ reason to give the store up: `StoreLocked` names the holder, and the daemon wait
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -71,7 +72,8 @@ class StoreLock:
         locked afresh. Either way a descriptor not made the lock is closed.
         """
         if inherited is not None and not _is_file_at(inherited, path):
-            os.close(inherited)
+            with contextlib.suppress(OSError):  # EBADF: not open at all
+                os.close(inherited)
             inherited = None
         # An inherited lock is ours already: taking it again is a no-op the kernel confirms.
         fd = (
