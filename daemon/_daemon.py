@@ -108,7 +108,9 @@ class Daemon:
         clock: Callable[[], float] = time.time,
         launcher: Launcher,
         faults: frozenset[tuple[str, str]] = frozenset(),
+        store: Store | None = None,
     ) -> None:
+        """`store`: opened already (the start waited for its lock); else opened here."""
         self.state_dir = state_dir
         #: Where to raise InjectedFault (see _settings.FAULT_ENV); empty but in tests.
         self.faults = faults
@@ -151,7 +153,7 @@ class Daemon:
         self._after_answer_wanted = trio.Event()
         self._saved_runs: set[str] = set()
         #: What the daemon knows, transactionally: records, runs, wakes, tombstones, turn.
-        self.store = Store.open(state_dir.root / STORE_NAME)
+        self.store = store if store is not None else Store.open(state_dir.root / STORE_NAME)
         #: The recent idempotency keys of spawns and resumes, as the store keeps them.
         self.request_keys = RequestKeys(request_key_ttl)
         #: Keys forgotten here and still in the store: dropped by the next keyed change.

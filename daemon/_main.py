@@ -2,8 +2,10 @@
 
 SIGTERM and SIGINT stop gracefully: no new connections, every worker stopped
 and its journal and record on disk, the lock released, exit 0. An image that a
-reload execs is given only `--handoff CHECKPOINT`: its settings are the
-checkpoint's.
+reload execs is given `--handoff-fd FD` (a sealed memfd holding the checkpoint) and
+the settings, as options: its settings are its command line's. (An image before
+checkpoint version 4 is given only `--handoff CHECKPOINT`, a file: its settings
+are the checkpoint's.)
 
 A serving daemon first raises its soft RLIMIT_NOFILE to the hard limit: each
 live worker holds four descriptors here (stdout and stderr pipes, pidfd,
@@ -35,7 +37,15 @@ from ._logging import configure_logging, get_logger
 from ._settings import DEFAULT_RELOAD_INTERVAL, FAULT_ENV, Settings, read_faults
 from .core._registry import DEFAULT_FINISHED_TTL, DEFAULT_KEEP_ARCHIVES_DAYS
 from .core._request_keys import DEFAULT_REQUEST_KEY_TTL
-from .lifecycle._checkpoint import READS_VERSIONS, Checkpoint, CheckpointUnreadable, read_checkpoint
+from .lifecycle._checkpoint import (
+    KEEP_HANDED_FAULT,
+    READS_VERSIONS,
+    Checkpoint,
+    CheckpointUnreadable,
+    keep_handed,
+    read_checkpoint,
+    read_handed,
+)
 from .serving._listener import bound_for
 from .store._statedir import StateDirLocked, ensure_private_dir
 from .store._store import READS_VERSIONS as STORE_READS_VERSIONS
@@ -132,6 +142,13 @@ def _parser() -> argparse.ArgumentParser:
         help="(given by a reload to the next image) adopt what this checkpoint carries, "
         "and serve with the settings it carries",
     )
+    parser.add_argument(
+        "--handoff-fd",
+        type=int,
+        metavar="FD",
+        help="(given by a reload to the next image) adopt what the checkpoint in this "
+        "inherited, sealed memfd carries; the settings are this command line's",
+    )
     # Given by images before the checkpoint carried everything; the descriptors it
     # names are the checkpoint's too, so it is accepted and not read.
     parser.add_argument("--handoff-fds", help=argparse.SUPPRESS)
@@ -165,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.handoff_fd is not None:
+        return _take_over_handed(args.handoff_fd, settings)
     if args.handoff is not None:
         return _take_over(args.handoff, lambda: settings, check_only=args.check)
     configure_logging(settings.log_format)
@@ -196,17 +215,73 @@ def _take_over(path: Path, given: Callable[[], Settings], *, check_only: bool = 
     return _serve(settings, path, handoff)
 
 
+def _take_over_handed(fd: int, settings: Settings) -> int:
+    """Serve with the checkpoint a reload handed this image in the sealed memfd `fd`,
+    with the settings of this command line (which the old image wrote, and no other
+    process can change): what the checkpoint says of them is checked, never taken.
+
+    A checkpoint that cannot be read costs no worker: what it would have said is
+    rebuilt from what the kernel shows (`_rebuilt`), and the daemon serves on, saying why.
+    """
+    configure_logging(settings.log_format)
+    problems: list[str] = []
+    try:
+        handoff = read_handed(fd)
+    except CheckpointUnreadable as exc:
+        from .lifecycle._rebuilt import rebuilt_handoff
+
+        problem = (
+            f"{exc}: this image took over from what the kernel shows instead (the state "
+            "dir's and the store's locks, the socket, each live worker's pipes); requests "
+            "that asked for the reload were not answered"
+        )
+        log.critical("reload.handoff_unreadable", error=str(exc), then="rebuilt from the kernel")
+        problems.append(problem)
+        handoff, pipes = rebuilt_handoff(settings)
+        return _serve(settings, None, handoff, problems, pipes)
+    else:
+        problems += _settings_differing(handoff.settings, settings)
+        handoff = _its_socket(msgspec.structs.replace(handoff, settings=settings))
+        if KEEP_HANDED_FAULT in read_faults(os.environ.get(FAULT_ENV, "")):
+            keep_handed(settings.state_dir, handoff)
+    return _serve(handoff.settings or settings, None, handoff, problems)
+
+
+def _settings_differing(carried: Settings | None, given: Settings) -> list[str]:
+    """What the checkpoint says of the settings that differs from the command line's,
+    each logged and kept for `info`: a bug of the image before, never taken."""
+    if carried is None:
+        return []
+    problems = []
+    for name in given.__struct_fields__:
+        said, used = getattr(carried, name), getattr(given, name)
+        if said != used:
+            log.error("reload.setting_differs", setting=name, checkpoint=str(said), used=str(used))
+            problems.append(
+                f"the checkpoint the last reload handed over says {name}={said}, not the "
+                f"command line's {used}: {used} is used"
+            )
+    return problems
+
+
 def _serve(
-    settings: Settings, handoff_path: Path | None = None, handoff: Checkpoint | None = None
+    settings: Settings,
+    handoff_path: Path | None = None,
+    handoff: Checkpoint | None = None,
+    problems: list[str] | None = None,
+    rebuilt_pipes: dict[int, int] | None = None,
 ) -> int:
     _raise_descriptor_limit()
     import trio  # only a serving daemon needs it: --check stays quick for reloads
 
     from .lifecycle._serve import serve
+    from .lifecycle._store_wait import WaitStopped
     from .serving._listener import SocketInUse
 
     try:
-        trio.run(serve, settings, handoff_path, handoff)
+        trio.run(serve, settings, handoff_path, handoff, problems or [], rebuilt_pipes)
+    except WaitStopped:
+        return 0  # told to stop before it served: the socket and the lock given back
     except (StateDirLocked, SocketInUse, PermissionError, StoreUnusable) as exc:
         print(f"subagentd: {exc}", file=sys.stderr)
         return 1
@@ -308,7 +383,10 @@ def check(settings: Settings) -> int:
         f"config: {settings.config} ({'unusable' if agents is None else f'{len(agents)} agents'})"
     )
     print(f"state dir: {settings.state_dir}")
-    print(f"reads checkpoint versions: {', '.join(map(str, READS_VERSIONS))}")
+    reads: tuple[int, ...] = READS_VERSIONS
+    if ("check", "reads-before-4") in read_faults(os.environ.get(FAULT_ENV, "")):
+        reads = tuple(v for v in reads if v < 4)  # as an image before the memfd says
+    print(f"reads checkpoint versions: {', '.join(map(str, reads))}")
     print(f"reads store schema versions: {', '.join(map(str, STORE_READS_VERSIONS))}")
     for problem in problems:
         print(f"error: {problem}", file=sys.stderr)

@@ -1,6 +1,8 @@
 """The daemon's effective settings: resolved once from the command line and the
-environment when it starts, then carried by each reload's checkpoint, so that
-every image of one daemon serves with the settings it was started with."""
+environment when it starts, then given by each reload to the next image on its
+command line (`Settings.command_line`), so that every image of one daemon serves
+with the settings it was started with. (Images before checkpoint version 4 carried
+them in the checkpoint instead.)"""
 
 from __future__ import annotations
 
@@ -39,6 +41,26 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     #: Seconds a spawn's or resume's idempotency key is remembered.
     request_key_ttl: NonNegative = DEFAULT_REQUEST_KEY_TTL
 
+    def command_line(self) -> list[str]:
+        """The options of `subagentd` that give these very settings: a reload's exec passes
+        them, so the next image's settings are its command line's, which no other
+        process can change (a file in the state dir, any of the user's processes can)."""
+        options = [
+            f"--socket={self.socket}",
+            f"--state-dir={self.state_dir}",
+            f"--config={self.config}",
+            f"--finished-ttl={self.finished_ttl!r}",
+            f"--keep-archives={self.keep_archives_days!r}",
+            f"--cgroups={self.cgroups}",
+            f"--reload-interval={self.reload_interval!r}",
+            f"--request-key-ttl={self.request_key_ttl!r}",
+        ]
+        if self.idle_exit is not None:
+            options.append(f"--idle-exit={self.idle_exit!r}")
+        if self.log_format is not None:
+            options.append(f"--log-format={self.log_format}")
+        return options
+
 
 def encode_path(obj: Any) -> Any:
     """msgspec's enc_hook for the paths in `Settings` (msgpack has no path type)."""
@@ -72,7 +94,11 @@ def decode_path(kind: type, obj: Any) -> Any:
 #: `die-before-start-written:N` kills the daemon (SIGKILL) once a worker named N runs and
 #: its spawn is answered, before its start (pid, journal entry) is written down;
 #: `check:hold` holds a reload's `--check` child until a writer of the FIFO `hold-check`
-#: in the state dir has opened and closed it (a check under way, for the tests).
+#: in the state dir has opened and closed it (a check under way, for the tests);
+#: `check:reads-before-4` has `--check` say it reads checkpoint versions up to 3 (an
+#: image before the memfd); `handoff:garbage` and `handoff:truncated` make a reload hand
+#: over a checkpoint that does not decode; `handoff:keep` has the new image write the
+#: checkpoint it was handed to `checkpoint.kept` in the state dir.
 FAULT_ENV = "SUBAGENTD_FAULT"
 
 

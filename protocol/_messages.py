@@ -261,6 +261,9 @@ class DaemonInfo(msgspec.Struct, kw_only=True):
     authority: Literal["kernel", "token"] = "token"
     #: The worker the connection that asked acts as; None: the user.
     caller: str | None = None
+    #: What the daemon waits for before it can serve in full, and since when (another
+    #: process's lock on its store); None: nothing. Meanwhile only `info` is answered.
+    store_wait: str | None = None
 
 
 # -- replies and events: daemon to client --------------------------------------

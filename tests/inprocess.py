@@ -48,14 +48,19 @@ from subagentd.daemon.core._registry import (
 )
 from subagentd.daemon.core._request_keys import DEFAULT_REQUEST_KEY_TTL
 from subagentd.daemon.lifecycle._carried import Carried, take_back
-from subagentd.daemon.lifecycle._checkpoint import Checkpoint, read_checkpoint
+from subagentd.daemon.lifecycle._checkpoint import (
+    Checkpoint,
+    carries_store_lock,
+    read_checkpoint,
+    read_handed,
+)
 from subagentd.daemon.lifecycle._recovery import recover
 from subagentd.daemon.lifecycle._reload import Reloader, adopt
 from subagentd.daemon.processes._launcher import LocalLauncher
 from subagentd.daemon.serving._listener import ControlSocket, bind_control_socket
 from subagentd.daemon.serving._server import Server
 from subagentd.daemon.store._statedir import StateDir
-from subagentd.daemon.store._store import STORE_NAME
+from subagentd.daemon.store._store import STORE_NAME, Store
 
 #: What an in-process test may take, in real seconds, whatever its mock clock says.
 REAL_BOUND = 20.0
@@ -146,7 +151,8 @@ class InProcess:
         The old image settles its launches, pauses the server (every client told
         `reloading`), waits until supervision holds nothing an exec would lose and
         builds the real checkpoint with its inventory of carried descriptors
-        (`Reloader.checkpoint`, `Carried`), written to disk. In place of the exec:
+        (`Reloader.checkpoint`, `Carried`), handed over in its sealed memfd (or written
+        to its file, for an image that reads only an older version). In place of the exec:
         its tasks (supervision's with them) end where they stand, none of its
         undoing runs (a working exec never returns), what an exec closes is closed,
         and its objects let go of the carried descriptors, whose numbers stay valid
@@ -162,10 +168,18 @@ class InProcess:
         await old.supervisor.wait_nothing_in_hand()
         carried = Carried()  # never left: what it would give back, an exec keeps
         checkpoint = reloader.checkpoint(carried, kept, [], stopped_by_reload=[])
-        carried.write(reloader.checkpoint_path, checkpoint)
+        handed = carries_store_lock(checkpoint.version)  # else a file, as for an older image
+        if handed:
+            memfd = carried.hand_over(checkpoint)
+        else:
+            carried.write(reloader.checkpoint_path, checkpoint)
         await self._image.end()
         self._close_on_exec(checkpoint)
-        handoff = read_checkpoint(reloader.checkpoint_path)
+        if handed:
+            handoff = read_handed(memfd)
+        else:
+            handoff = read_checkpoint(reloader.checkpoint_path)
+            reloader.checkpoint_path.unlink()  # spent, as `_serve` removes it
         missing = take_back(handoff)
         assert not missing, f"carried descriptors not open after the exec: {missing}"
         assert handoff.settings is not None
@@ -175,9 +189,8 @@ class InProcess:
         control = ControlSocket.inherited(
             handoff.listen_fd, settings.socket, owned=handoff.listen_owned
         )
-        daemon = _daemon(state, settings, self.wall, self.faults)
+        daemon = _daemon(state, settings, self.wall, self.faults, handoff.store_lock_fd)
         await adopt(daemon, handoff)
-        reloader.checkpoint_path.unlink()  # spent, as `_serve` removes it
         await self._serve(daemon, settings, state, control)
         return self
 
@@ -212,6 +225,8 @@ class InProcess:
         """What the exec closes of the old image (its store, pidfds, journals not carried),
         and its objects' hold on the descriptors carried, which the new image owns now."""
         daemon = self.daemon
+        if checkpoint.store_lock_fd is not None and daemon.store.lock is not None:
+            daemon.store.lock.detach()  # carried: the new image's now, still held
         daemon.store.close()
         carried = {w.id for w in checkpoint.live if w.journal is not None}
         for live in daemon.supervisor.workers():
@@ -330,7 +345,11 @@ def _as_a_kill_leaves(state_dir: Path) -> Iterator[None]:
 
 
 def _daemon(
-    state: StateDir, settings: Settings, wall: FollowingWall, faults: frozenset[tuple[str, str]]
+    state: StateDir,
+    settings: Settings,
+    wall: FollowingWall,
+    faults: frozenset[tuple[str, str]],
+    store_lock_fd: int | None = None,
 ) -> Daemon:
     return Daemon(
         state,
@@ -342,6 +361,7 @@ def _daemon(
         clock=wall,
         faults=faults,
         launcher=LocalLauncher(None, "/proc scan (in-process test)"),
+        store=Store.open(settings.state_dir / STORE_NAME, store_lock_fd),
     )
 
 

@@ -103,13 +103,13 @@ async def test_a_broken_agents_toml_refuses_the_reload_and_loses_nothing(
         await client.stop(worker.id)
 
 
-async def test_a_failed_exec_leaves_the_old_image_serving(
-    client: AsyncClient, daemon: DaemonProcess
-) -> None:
+async def test_a_failed_exec_leaves_the_old_image_serving(daemon_dirs: DaemonProcess) -> None:
+    daemon = daemon_dirs
+    daemon.start(env={"SUBAGENTD_FAULT": "reload:unexecutable"})  # execv fails, once
     with trio.fail_after(30):
-        worker = await client.spawn(sh("echo up; while :; do sleep 0.1; done"))
-        await wait_output(client, worker.id, b"up")
-        (daemon.state_dir / "checkpoint").mkdir()  # the checkpoint cannot be renamed there
+        async with AsyncClient(daemon.socket) as client:
+            worker = await client.spawn(sh("echo up; while :; do sleep 0.1; done"))
+            await wait_output(client, worker.id, b"up")
         reply = await reload(daemon)
         assert isinstance(reply, p.Error)
         assert "old image serves on" in reply.message

@@ -77,7 +77,7 @@ async def test_a_failed_exec_gives_back_exactly_the_descriptors_it_took(
 async def test_the_new_image_finds_each_carried_descriptor_once_in_the_checkpoint(
     daemon_dirs: DaemonProcess,
 ) -> None:
-    # The new image keeps the checkpoint it adopted (renamed aside) for us to read.
+    # The new image keeps the checkpoint it adopted (written aside) for us to read.
     daemon_dirs.start(env={"SUBAGENTD_FAULT": "handoff:keep"})
     assert daemon_dirs.proc is not None
     pid = daemon_dirs.proc.pid
@@ -99,6 +99,7 @@ async def test_the_new_image_finds_each_carried_descriptor_once_in_the_checkpoin
             checkpoint["listen_fd"]: "socket:",
             checkpoint["lock_fd"]: str(daemon_dirs.state_dir),
             **({lock_file_fd: str(daemon_dirs.state_dir / "lock")} if lock_file_fd else {}),
+            checkpoint["store_lock_fd"]: str(daemon_dirs.state_dir / "state.db"),
             **{w[stream]: "pipe:" for w in checkpoint["live"] for stream in ("stdout", "stderr")},
             **{
                 w["journal"]["fd"]: str(daemon_dirs.state_dir / "archives" / w["id"] / "journal")
@@ -110,11 +111,12 @@ async def test_the_new_image_finds_each_carried_descriptor_once_in_the_checkpoin
             checkpoint["listen_fd"],
             checkpoint["lock_fd"],
             *([lock_file_fd] if lock_file_fd is not None else []),
+            checkpoint["store_lock_fd"],
             *(w[stream] for w in checkpoint["live"] for stream in ("stdout", "stderr")),
             *(w["journal"]["fd"] for w in checkpoint["live"]),  # each journal's, not reopened
             *(c["fd"] for c in checkpoint["requesters"]),
         ]
-        assert len(listed) == len(set(listed)) == 2 + bool(lock_file_fd) + 3 * 3 + 1, checkpoint
+        assert len(listed) == len(set(listed)) == 3 + bool(lock_file_fd) + 3 * 3 + 1, checkpoint
         assert {w["pid"] for w in checkpoint["live"]} == {w.pid for w in workers}
         for fd, kind in what_is_where.items():
             target, inheritable = held[fd]
@@ -128,8 +130,18 @@ async def test_the_new_image_finds_each_carried_descriptor_once_in_the_checkpoin
             str(daemon_dirs.state_dir),
             str(daemon_dirs.config),
         )
-        # The command line names the checkpoint and nothing else.
-        assert command_line(pid)[-2:] == ["--handoff", str(daemon_dirs.state_dir / "checkpoint")]
+        # The command line names the checkpoint's memfd (spent: closed once read) and
+        # gives the settings, which the new image serves with.
+        argv = command_line(pid)
+        handed = argv.index("--handoff-fd")
+        assert argv[handed + 1].isdigit()
+        assert not any(target.startswith("/memfd:") for target, _ in held.values())
+        assert argv[handed + 2 : handed + 5] == [
+            f"--socket={daemon_dirs.socket}",
+            f"--state-dir={daemon_dirs.state_dir}",
+            f"--config={daemon_dirs.config}",
+        ]
+        assert not (daemon_dirs.state_dir / "checkpoint").exists()
         async with AsyncClient(daemon_dirs.socket) as client:
             for worker in workers:
                 view = await client.status(worker.id)
@@ -147,8 +159,8 @@ async def test_a_setting_given_at_start_survives_two_reloads(daemon_dirs: Daemon
             reply = await reload(daemon_dirs)
             assert isinstance(reply, p.ReloadReply), reply
             assert reply.image_generation == generation
-            # Carried in the checkpoint, not rebuilt into argv.
-            assert "--idle-exit" not in command_line(pid)
+            # Given on the command line, which no other process can rewrite.
+            assert "--idle-exit=0.3" in command_line(pid)
         async with AsyncClient(daemon_dirs.socket) as client:
             await client.stop(worker.id)
             await client.collect(worker.id)

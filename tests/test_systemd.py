@@ -272,14 +272,14 @@ async def test_a_socket_activated_daemon_carries_its_listen_socket_across_a_relo
             assert isinstance(reply, p.ReloadReply), reply
             assert (reply.image_generation, reply.carried_live) == (2, 1)
             # The new image has systemd's socket where systemd put it, close-on-exec like
-            # every descriptor it was carried, and was told nothing but the checkpoint.
+            # every descriptor it was carried, and was told the checkpoint's memfd and the
+            # settings, not LISTEN_FDS again.
             held = descriptors(activator.pid)
             assert held[3][0].startswith("socket:"), held
             assert [fd for fd, (_, inheritable) in held.items() if inheritable] == [0, 1, 2]
-            assert command_line(activator.pid)[-2:] == [
-                "--handoff",
-                str(root / "state" / "checkpoint"),
-            ]
+            argv = command_line(activator.pid)
+            assert "--handoff-fd" in argv
+            assert f"--state-dir={root / 'state'}" in argv
             async with AsyncClient(sock) as client:
                 assert (await client.status(worker.id)).state == "running"
             activator.terminate()

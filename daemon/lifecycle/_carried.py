@@ -13,7 +13,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from ._checkpoint import Checkpoint, write_checkpoint
+from ._checkpoint import Checkpoint, encode_checkpoint, sealed_checkpoint, write_checkpoint
 
 
 class Carried:
@@ -70,7 +70,24 @@ class Carried:
 
     def write(self, path: Path, checkpoint: Checkpoint) -> None:
         """Write `checkpoint` to `path` (removed again if the exec fails), once it lists
-        exactly the descriptors carried, each once."""
+        exactly the descriptors carried, each once (for an image before version 4)."""
+        self._check_listed(checkpoint)
+        self.on_failure(path.unlink, True)  # missing_ok: the write may not have got there
+        write_checkpoint(path, checkpoint)
+
+    def hand_over(self, checkpoint: Checkpoint, mangle: Callable[[bytes], bytes] = bytes) -> int:
+        """`checkpoint` in a sealed memfd, carried (closed if the exec fails), once it lists
+        exactly the descriptors carried, each once; its number, for the command line.
+        `mangle`: what a test's fault makes of the bytes (garbage, cut short)."""
+        self._check_listed(checkpoint)
+        fd = sealed_checkpoint(mangle(encode_checkpoint(checkpoint)))
+        # Closed if the exec fails, so not given back as the others are (after this).
+        self.on_failure(os.close, fd)
+        os.set_inheritable(fd, True)
+        self._owners[fd] = "the checkpoint"
+        return fd
+
+    def _check_listed(self, checkpoint: Checkpoint) -> None:
         listed = Counter(checkpoint.descriptors())
         twice = sorted(fd for fd, n in listed.items() if n > 1)
         unlisted = sorted(set(self._owners) - set(listed))
@@ -81,8 +98,6 @@ class Carried:
                 f"carried but not listed {[(fd, self._owners[fd]) for fd in unlisted]}, "
                 f"listed but not carried {uncarried}"
             )
-        self.on_failure(path.unlink, True)  # missing_ok: the write may not have got there
-        write_checkpoint(path, checkpoint)
 
 
 def take_back(checkpoint: Checkpoint) -> list[int]:

@@ -11,10 +11,17 @@ the store held them, carried the whole registry: still read, and what it carried
 into the store (`_legacy.import_checkpoint_v1`). Version 3 added the journals: an image
 that reads only 2 is handed a version 2 checkpoint, without them (`carries_journals`),
 as an image that knew nothing of them would leave their descriptors inheritable.
+Version 4 added the store's lock (`store_lock_fd`), and is handed over in a sealed
+memfd (`sealed_checkpoint`) named on the command line with the settings, rather than
+in a file in the state dir, where any process of the user could rewrite it: an image
+that reads only 3 is handed a version 3 checkpoint in the file, as before.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
 from pathlib import Path
 
 import msgspec
@@ -25,12 +32,12 @@ from ..store._journal import JournalIndex
 from ..store._legacy import CheckpointV1State
 
 #: The format written here. Bump on an incompatible change and keep reading the old.
-CHECKPOINT_VERSION = 3
+CHECKPOINT_VERSION = 4
 #: The format written for an image that does not read this one: the same, less what
-#: it added (see `carries_journals`).
-WRITES_VERSIONS = (2, 3)
+#: it added (see `carries_journals`, `carries_store_lock`).
+WRITES_VERSIONS = (2, 3, 4)
 #: Every format this image reads (announced by `subagentd --check`).
-READS_VERSIONS = (1, 2, 3)
+READS_VERSIONS = (1, 2, 3, 4)
 #: Far above any real checkpoint (about a kilobyte a worker); a larger file is no checkpoint.
 CHECKPOINT_READ_LIMIT = 1024 * 1024 * 1024
 
@@ -102,12 +109,17 @@ class Checkpoint(msgspec.Struct, kw_only=True):
     #: The flocked file `lock`, which images from before the lock moved to the directory
     #: take; None: not held, or an image that did not say (the new image looks for it).
     lock_file_fd: int | None = None
+    #: The store's lock (`StoreLock`), held across the exec; None: a version before 4, or
+    #: a store opened without one (the new image takes it afresh).
+    store_lock_fd: int | None = None
 
     def descriptors(self) -> list[int]:
         """Every descriptor this checkpoint carries, each where the new image finds it."""
         fds = [self.listen_fd, self.lock_fd]
         if self.lock_file_fd is not None:
             fds.append(self.lock_file_fd)
+        if self.store_lock_fd is not None:
+            fds.append(self.store_lock_fd)
         for worker in self.live:
             fds += (fd for fd in (worker.stdout, worker.stderr, worker.stdin) if fd is not None)
             if worker.journal is not None:
@@ -119,6 +131,12 @@ class Checkpoint(msgspec.Struct, kw_only=True):
 def carries_journals(version: int) -> bool:
     """Whether a checkpoint of `version` carries the live workers' journals."""
     return version >= 3
+
+
+def carries_store_lock(version: int) -> bool:
+    """Whether a checkpoint of `version` carries the store's lock, and is handed over in a
+    memfd named on the command line with the settings, not in a file."""
+    return version >= 4
 
 
 class _Version(msgspec.Struct):
@@ -133,6 +151,61 @@ _encoder = msgspec.msgpack.Encoder(enc_hook=encode_path)
 _decoder = msgspec.msgpack.Decoder(Checkpoint, dec_hook=decode_path)
 
 
+#: What a handed-over checkpoint's memfd is sealed with: nothing can change it once written.
+HANDED_SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
+
+
+def encode_checkpoint(checkpoint: Checkpoint) -> bytes:
+    return _encoder.encode(checkpoint)
+
+
+def sealed_checkpoint(raw: bytes) -> int:
+    """A memfd holding `raw`, sealed (no process can write, grow or shrink it), close-on-
+    exec until carried: what a reload hands the next image, named by number on its
+    command line. Unlike a file in the state dir, no other process can replace it."""
+    fd = os.memfd_create("subagentd-checkpoint", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        view = memoryview(raw)
+        while view:
+            view = view[os.write(fd, view) :]
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, HANDED_SEALS)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_handed(fd: int) -> Checkpoint:
+    """The checkpoint in the sealed memfd `fd` a reload handed over (closed after)."""
+    what = f"the checkpoint handed over as descriptor {fd}"
+    try:
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            size = os.fstat(fd).st_size
+            if seals & HANDED_SEALS != HANDED_SEALS:
+                raise CheckpointUnreadable(f"{what} is not sealed (seals {seals:#x})")
+            if size > CHECKPOINT_READ_LIMIT:
+                raise CheckpointUnreadable(f"{what} is {size} bytes: no checkpoint")
+            raw = os.pread(fd, size, 0)
+        finally:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    except OSError as exc:
+        raise CheckpointUnreadable(f"cannot read {what}: {exc.strerror}") from exc
+    return decode_checkpoint(raw, what)
+
+
+#: SUBAGENTD_FAULT's (point, target) that has the new image write the checkpoint it was
+#: handed to KEPT_CHECKPOINT in the state dir, for a test to read what was carried.
+KEEP_HANDED_FAULT = ("handoff", "keep")
+KEPT_CHECKPOINT = "checkpoint.kept"
+
+
+def keep_handed(state_dir: Path, checkpoint: Checkpoint) -> None:
+    """For a test (`KEEP_HANDED_FAULT`): the checkpoint handed over, as a file to read."""
+    replace_file(state_dir / KEPT_CHECKPOINT, encode_checkpoint(checkpoint), what="kept")
+
+
 def write_checkpoint(path: Path, checkpoint: Checkpoint) -> None:
     """Not fsynced: only the image exec'd a moment later reads it (`--handoff` names it,
     and nothing else does), from the page cache; a machine that goes down leaves no
@@ -142,22 +215,28 @@ def write_checkpoint(path: Path, checkpoint: Checkpoint) -> None:
 
 
 def read_checkpoint(path: Path) -> Checkpoint:
+    """The checkpoint in the file at `path` (an image before version 4 wrote it there)."""
     try:
         raw = read_regular(path, CHECKPOINT_READ_LIMIT)
     except OSError as exc:
         raise CheckpointUnreadable(f"cannot read checkpoint {path}: {exc.strerror}") from exc
+    return decode_checkpoint(raw, f"checkpoint {path}")
+
+
+def decode_checkpoint(raw: bytes, what: str) -> Checkpoint:
+    """The checkpoint `raw` holds, or CheckpointUnreadable saying why not (`what` it is)."""
     try:
         version = msgspec.msgpack.decode(raw, type=_Version).version
     except msgspec.DecodeError as exc:
-        raise CheckpointUnreadable(f"checkpoint {path} is not a checkpoint: {exc}") from exc
+        raise CheckpointUnreadable(f"{what} is not a checkpoint: {exc}") from exc
     if version not in READS_VERSIONS:
         raise CheckpointUnreadable(
-            f"checkpoint {path} has version {version}; this image reads {list(READS_VERSIONS)}"
+            f"{what} has version {version}; this image reads {list(READS_VERSIONS)}"
         )
     try:
         checkpoint = _decoder.decode(raw)
         if version == 1:
             checkpoint.v1_state = msgspec.msgpack.decode(raw, type=CheckpointV1State)
     except msgspec.DecodeError as exc:
-        raise CheckpointUnreadable(f"checkpoint {path} does not decode: {exc}") from exc
+        raise CheckpointUnreadable(f"{what} does not decode: {exc}") from exc
     return checkpoint

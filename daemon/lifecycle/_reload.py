@@ -67,6 +67,7 @@ from ._checkpoint import (
     CarriedWorker,
     Checkpoint,
     carries_journals,
+    carries_store_lock,
 )
 from ._image import RunningImage
 from ._recovery import recover
@@ -321,15 +322,19 @@ class Reloader:
         """Carry every descriptor, write the checkpoint, exec; if the exec fails, leaving
         `Carried` gives back all it took (the kept connections are resumed by the server)."""
         daemon = self.daemon
-        command = image_command("--handoff", str(self.checkpoint_path))
-        if UNEXECUTABLE_FAULT in daemon.faults:
-            daemon.faults -= {UNEXECUTABLE_FAULT}
-            command[0] = str(self.checkpoint_path)  # a 0600 file: execv fails, EACCES
         with Carried() as carried:
             checkpoint = self.checkpoint(
                 carried, kept, attempt.requesters, stopped_by_reload=attempt.stopped_by_reload
             )
-            carried.write(self.checkpoint_path, checkpoint)
+            if carries_store_lock(checkpoint.version):
+                handed = carried.hand_over(checkpoint, _mangled(daemon.faults))
+                command = image_command("--handoff-fd", str(handed), *self.settings.command_line())
+            else:  # an image on disk that reads only a checkpoint file (before version 4)
+                carried.write(self.checkpoint_path, checkpoint)
+                command = image_command("--handoff", str(self.checkpoint_path))
+            if UNEXECUTABLE_FAULT in daemon.faults:
+                daemon.faults -= {UNEXECUTABLE_FAULT}
+                command[0] = str(self.settings.state_dir)  # a directory: execv fails, EACCES
             log.info(
                 "reload.exec",
                 workers=len(checkpoint.live),
@@ -360,6 +365,7 @@ class Reloader:
         )
         lock_fd, lock_file_fd = daemon.state_dir.carry(carried)
         journals = carries_journals(self.next_version)
+        store_lock = daemon.store.lock if carries_store_lock(self.next_version) else None
         return Checkpoint(
             version=self.next_version,
             image_generation=daemon.image_generation,
@@ -368,6 +374,7 @@ class Reloader:
             listen_owned=self.control.owned,
             lock_fd=lock_fd,
             lock_file_fd=lock_file_fd,
+            store_lock_fd=None if store_lock is None else store_lock.carry(carried),
             live=[_carried(live, carried, journals) for live in daemon.supervisor.workers()],
             requesters=[
                 CarriedConnection(
@@ -383,6 +390,16 @@ class Reloader:
             stopped_by_reload=stopped_by_reload,
             settings=self.settings,
         )
+
+
+def _mangled(faults: frozenset[tuple[str, str]]) -> Callable[[bytes], bytes]:
+    """What SUBAGENTD_FAULT's `handoff:garbage` or `handoff:truncated` make of the
+    checkpoint handed over (a test's stand-in for an image whose checkpoint is wrong)."""
+    if ("handoff", "garbage") in faults:
+        return lambda raw: b"\x93garbage" + raw[::-1]
+    if ("handoff", "truncated") in faults:
+        return lambda raw: raw[: len(raw) // 2]
+    return bytes
 
 
 class ServerLike(Protocol):

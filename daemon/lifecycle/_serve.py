@@ -12,7 +12,7 @@ import gc
 import math
 import os
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import trio
@@ -28,19 +28,23 @@ from ..processes._launcher import LocalLauncher
 from ..serving._listener import ControlSocket, activated_socket, bind_control_socket
 from ..serving._notify import notify
 from ..serving._server import Server
+from ..serving._waiting import WaitingServer
 from ..store._legacy import import_old_state, mark_old_state_imported
 from ..store._statedir import StateDir
+from ..store._store import STORE_NAME, Store
 from ._carried import take_back
-from ._checkpoint import Checkpoint
+from ._checkpoint import KEEP_HANDED_FAULT, KEPT_CHECKPOINT, Checkpoint
+from ._rebuilt import with_live_workers
 from ._recovery import recover
 from ._reload import NO_CARRY_ENV, RELOAD_SIGNALS, Handover, Reloader, adopt, reload_reply
+from ._store_wait import StoreWaiting
 
 log = get_logger()
 
 #: SUBAGENTD_FAULT's (point, target) that keeps the adopted checkpoint, renamed to
 #: KEPT_CHECKPOINT, for a test to read what was carried.
-KEEP_CHECKPOINT_FAULT = ("handoff", "keep")
-KEPT_CHECKPOINT = "checkpoint.kept"
+KEEP_CHECKPOINT_FAULT = KEEP_HANDED_FAULT
+
 #: How long what start-up made is kept from the garbage collector: see `_collect_from_now_on`.
 START_UP_UNSEEN_SECONDS = 30.0
 
@@ -100,21 +104,27 @@ async def _until_idle(
 
 
 async def serve(
-    settings: Settings, handoff_path: Path | None = None, handoff: Checkpoint | None = None
+    settings: Settings,
+    handoff_path: Path | None = None,
+    handoff: Checkpoint | None = None,
+    problems: Sequence[str] = (),
+    rebuilt_pipes: dict[int, int] | None = None,
 ) -> None:
     """Serve with `settings`; `handoff`: the checkpoint a reload's exec handed this image
-    (at `handoff_path`), whose descriptors it adopts."""
-    if handoff is not None:
+    (at `handoff_path`, if a file), whose descriptors it adopts; `problems`: what taking
+    it over found wrong, for `info`; `rebuilt_pipes`: the pipes of a handoff rebuilt from
+    the kernel (`_rebuilt`: its live workers are found once the store is open)."""
+    if handoff is not None and rebuilt_pipes is None:
         missing = take_back(handoff)
         if missing:
             log.error("reload.descriptors_missing", descriptors=missing)
     state_dir = StateDir(settings.state_dir)
     state_dir.acquire(
-        lock_fd=handoff.lock_fd if handoff is not None else None,
+        lock_fd=handoff.lock_fd if handoff is not None and handoff.lock_fd >= 0 else None,
         lock_file_fd=handoff.lock_file_fd if handoff is not None else None,
     )
     try:
-        if handoff is not None:
+        if handoff is not None and handoff.listen_fd >= 0:
             control = ControlSocket.inherited(
                 handoff.listen_fd, settings.socket, owned=handoff.listen_owned
             )
@@ -125,6 +135,7 @@ async def serve(
         raise
     cgroups, tree_tracking = _tree_tracking(settings)
     try:
+        store = await _open_store(settings, control, handoff)
         daemon = Daemon(
             state_dir,
             socket_path=settings.socket,
@@ -134,11 +145,15 @@ async def serve(
             request_key_ttl=settings.request_key_ttl,
             launcher=LocalLauncher(cgroups, tree_tracking),
             faults=read_faults(os.environ.get(FAULT_ENV, "")),
+            store=store,
         )
     except BaseException:  # the store cannot be opened (a newer schema, no disk)
         control.remove()
         state_dir.release()
         raise
+    daemon.store.problems.extend(problems)
+    if handoff is not None and rebuilt_pipes is not None:
+        handoff = with_live_workers(handoff, daemon.store.held_workers()[0], rebuilt_pipes)
     # An older image's record.json and run files, taken into the store once.
     unread = _import_old_state(daemon)
     adopted: list[Handover] = []
@@ -154,8 +169,8 @@ async def serve(
             )
             for c in handoff.requesters
         ]
-        assert handoff_path is not None
-        _remove_checkpoint(handoff_path, keep=KEEP_CHECKPOINT_FAULT in daemon.faults)
+        if handoff_path is not None:  # a file, from an image before version 4
+            _remove_checkpoint(handoff_path, keep=KEEP_CHECKPOINT_FAULT in daemon.faults)
         log.info(
             "reload.adopted",
             image_generation=daemon.image_generation,
@@ -232,6 +247,28 @@ async def serve(
         daemon.store.close()
         state_dir.release()
         log.info("daemon.stopped")
+
+
+async def _open_store(
+    settings: Settings, control: ControlSocket, handoff: Checkpoint | None
+) -> Store:
+    """The store, waited for while another process holds a lock on it (or, for a
+    handoff, while it cannot be opened at all): clients are told so meanwhile."""
+    waiting = StoreWaiting(
+        settings.state_dir / STORE_NAME,
+        handoff.store_lock_fd if handoff is not None else None,
+        handoff=handoff is not None,
+    )
+    store = waiting.try_open()
+    if store is not None:
+        return store
+    server = WaitingServer(
+        waiting.told,
+        socket_path=str(settings.socket),
+        state_dir=str(settings.state_dir),
+        image_generation=handoff.image_generation + 1 if handoff is not None else 1,
+    )
+    return await waiting.open(control.sock, server)
 
 
 def _collect_from_now_on(nursery: trio.Nursery) -> None:

@@ -4,8 +4,11 @@ whole or absent. It may touch only that file (and its -wal and -shm) in the stat
 
 The daemon holds the database in exclusive locking mode (it alone uses it, under the
 state dir's lock; the WAL index lives in its memory, so there is no -shm file while it
-runs), and a reload's exec lets go of it (sqlite's descriptors are close-on-exec): the
-new image just opens it again.
+runs). What keeps every other process out is not sqlite's lock but the daemon's own
+(`_store_lock.py`): an OFD lock on sqlite's lock bytes, by a descriptor a reload's exec
+carries, so the new image opens the database again without ever having let go of it;
+sqlite itself locks nothing (the `unix-none` VFS). A lock another process holds (a
+reader there before the daemon) raises `StoreLocked`: the daemon waits, and says so.
 
 Durability: `synchronous=NORMAL`. In WAL mode a commit is then written to the WAL before
 it returns (so it survives kill -9 of the daemon, which is what every guarantee here is
@@ -88,6 +91,7 @@ import shutil
 import sqlite3
 import stat
 import time
+import urllib.parse
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,6 +105,7 @@ from .._logging import get_logger
 from ..core._registry import LaunchFence, RunRecord, Tombstone, WorkerRecord
 from ..core._request_keys import KeyRecord
 from ._salvage import FileIdentity, copy_whole, dropped_commits, empty_beside_wal, relinked_why
+from ._store_lock import StoreLock
 
 log = get_logger()
 
@@ -273,9 +278,17 @@ class Change:
 
 
 class Store:
-    def __init__(self, path: Path, db: sqlite3.Connection, problems: list[str]) -> None:
+    def __init__(
+        self,
+        path: Path,
+        db: sqlite3.Connection,
+        problems: list[str],
+        lock: StoreLock | None = None,
+    ) -> None:
         self.path = path
         self._db = db
+        #: The hold on the store file against other processes (carried by a reload).
+        self.lock = lock
         #: What opening found wrong, for a person to see (`info.problems`).
         self.problems = problems
         #: Changes the daemon went on without, that a full disk kept out (`commit`'s redo).
@@ -291,36 +304,47 @@ class Store:
         self._opened: dict[str, FileIdentity | None] = {}
 
     @classmethod
-    def open(cls, path: Path) -> Store:
-        """The store at `path`, migrated to this image's schema.
+    def open(cls, path: Path, lock_fd: int | None = None) -> Store:
+        """The store at `path`, migrated to this image's schema; `lock_fd`: its lock, as a
+        reload carried it (`StoreLock.take`).
 
         Whatever is wrong with the file costs only what it must: a symlink or a
         non-regular file there is set aside unfollowed, a damaged database is set aside
         and what can be read from it carried into a fresh one; both are reported. Raises
         StoreTooNew for a schema from a newer image, StoreUnusable if no database can be
-        made (the disk is full, the directory unwritable).
+        made (the disk is full, the directory unwritable); StoreLocked (`lock_fd` closed)
+        while another process holds a lock on it.
         """
         problems: list[str] = []
+        lock: StoreLock | None = None
         try:
             lost = _set_aside_foreign(path, problems)
             lost |= _set_aside_empty(path, problems)
             # A WAL is left only by a daemon that did not close the store (a kill, an exec).
             left_wal = os.path.lexists(f"{path}-wal")
+            lock = StoreLock.take(path, lock_fd)
             try:
-                db = _connect(path)
+                db = _connect(path, lock)
             except sqlite3.DatabaseError as exc:
                 if isinstance(exc, sqlite3.OperationalError) and not _is_damage(exc):
                     raise
-                db = _recover_from_damage(path, str(exc), problems)
+                lock.release()  # salvage reads the damaged file with sqlite's own locks
+                db = _recover_from_damage(path, str(exc), problems, lock)
                 lost = True
             if left_wal:
                 lost |= _report_dropped_commits(path, db, problems)
         except (sqlite3.Error, OSError) as exc:
+            if lock is not None:
+                lock.release()
             raise StoreUnusable(
                 f"cannot open the store {path}: {exc}; free space or fix the state dir's "
                 "permissions, then start again"
             ) from exc
-        store = cls(path, db, problems)
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
+        store = cls(path, db, problems, lock)
         store._remember_files()
         if lost:
             store.damaged = True
@@ -414,7 +438,11 @@ class Store:
             os.replace(copy, self.path)
             opened_at = self.path
         finally:
-            self._db = _connect(opened_at)
+            # The lock follows the store to its new file (`StoreLock.follow`): the one it
+            # held was the file let go of.
+            if self.lock is None:
+                self.lock = StoreLock.take(opened_at)
+            self._db = _connect(opened_at, self.lock)
             self._remember_files()
         return aside
 
@@ -702,6 +730,8 @@ class Store:
     def close(self) -> None:
         with contextlib.suppress(sqlite3.Error):
             self._db.close()
+        if self.lock is not None:
+            self.lock.release()  # after sqlite's last write: no other process before it
 
 
 def _read_floor(db: sqlite3.Connection) -> int:
@@ -808,13 +838,19 @@ def _write(db: sqlite3.Connection, change: Change) -> None:
 # -- opening ------------------------------------------------------------------
 
 
-def _connect(path: Path) -> sqlite3.Connection:
-    """Open, check and migrate the database at `path` (made if missing)."""
-    db = sqlite3.connect(path, isolation_level=None)  # transactions are ours: BEGIN IMMEDIATE
+def _connect(path: Path, lock: StoreLock) -> sqlite3.Connection:
+    """Open, check and migrate the database at `path` (made if missing), which `lock`
+    holds (taken on it afresh if it holds another file: one set aside)."""
+    lock.follow(path)
+    # Transactions are ours (BEGIN IMMEDIATE); locks are `lock`'s: sqlite takes none.
+    db = sqlite3.connect(_uri(path), uri=True, isolation_level=None)
     try:
         _refuse_if_swapped(path)
+        if not lock.holds(path):
+            raise sqlite3.DatabaseError(f"{path} was replaced while it was opened")
         # The daemon is the store's only user (it holds the state dir's lock): exclusive
-        # locking keeps the WAL's index in its memory (no -shm, no lock calls per change).
+        # locking keeps the WAL's index in its memory (no -shm, no lock calls per change);
+        # without sqlite's own locks, it is what WAL mode needs (no shared memory).
         db.execute("PRAGMA locking_mode = EXCLUSIVE")
         db.execute("PRAGMA journal_mode = WAL")
         db.execute("PRAGMA synchronous = NORMAL")
@@ -829,6 +865,11 @@ def _connect(path: Path) -> sqlite3.Connection:
         db.close()
         raise
     return db
+
+
+def _uri(path: Path) -> str:
+    """`path` as sqlite's URI, opened with no locking of sqlite's own (`StoreLock` locks)."""
+    return f"file:{urllib.parse.quote(os.fspath(path))}?vfs=unix-none"
 
 
 def _version(db: sqlite3.Connection) -> int:
@@ -993,12 +1034,14 @@ def _move_aside(path: Path, why: str) -> Path:
     return aside
 
 
-def _recover_from_damage(path: Path, error: str, problems: list[str]) -> sqlite3.Connection:
+def _recover_from_damage(
+    path: Path, error: str, problems: list[str], lock: StoreLock
+) -> sqlite3.Connection:
     """Set the damaged database aside, read back what it still gives, and start a fresh
     one with that. Only what sat in damaged pages is lost; no seq is given twice."""
     aside = _move_aside(path, "damaged")
     wakes, floor, unread = _salvage(aside)
-    db = _connect(path)
+    db = _connect(path, lock)
     store = Store(path, db, problems)
     store.import_wakes(wakes, floor)
     unread_rows = _carry_rows(aside, db)

@@ -1,0 +1,162 @@
+"""A reload's handoff rebuilt from what the kernel shows, when the checkpoint handed
+over cannot be read (a bug of the image before, bytes cut short): exiting would leave
+every live worker running unsupervised, so the new image takes over from what no
+process can lie about instead.
+
+The descriptors the old image carried are still this process's, and inheritable (all
+it opened itself since the exec are close-on-exec), and each says what it is: the
+state dir's lock (the directory itself), the file `lock`, the store's lock (state.db),
+the listening socket (bound to the socket path), pipes. The store names the live
+workers and their pids; /proc/<pid>/fd says which pipe is each one's stdin, stdout and
+stderr (both ends of a pipe are one inode). What nothing claims is closed: a
+connection that asked for the reload (its client connects again; the reload's answer
+is lost), a journal (opened again from its path and verified whole). A worker whose
+pipes cannot be found is adopted without them, or, if its pid is not it, stopped, as
+a checkpoint's unadoptable worker is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import socket
+import stat
+
+from .._logging import get_logger
+from .._settings import Settings
+from ..core._registry import WorkerRecord
+from ..serving._listener import bound_for
+from ..store._statedir import StateDir
+from ..store._store import STORE_NAME
+from ._checkpoint import CHECKPOINT_VERSION, CarriedWorker, Checkpoint
+
+log = get_logger()
+
+#: A descriptor the rebuilt handoff did not find (the lock, the socket): taken afresh.
+NOT_FOUND = -1
+_PIPE = re.compile(r"pipe:\[(\d+)\]")
+
+
+def rebuilt_handoff(settings: Settings) -> tuple[Checkpoint, dict[int, int]]:
+    """The handoff the inherited descriptors make, less its live workers (the store,
+    not open yet, names them: `with_live_workers`); and the pipes, by inode."""
+    root = settings.state_dir
+    wanted = {
+        "lock": _identity(root),
+        "lock_file": _identity(root / StateDir.HOLDER),
+        "store_lock": _identity(root / STORE_NAME),
+    }
+    found: dict[str, int] = {}
+    pipes: dict[int, int] = {}
+    listen_fd, listen_owned = NOT_FOUND, True
+    for fd in _inherited():
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            continue
+        os.set_inheritable(fd, False)  # into no worker, nor the next image, unlisted
+        ident = (st.st_dev, st.st_ino)
+        name = next((n for n, i in wanted.items() if i == ident and n not in found), None)
+        if name is not None:
+            found[name] = fd
+        elif stat.S_ISFIFO(st.st_mode):
+            pipes[st.st_ino] = fd
+        elif stat.S_ISSOCK(st.st_mode) and listen_fd == NOT_FOUND and _listens_at(fd):
+            listen_fd, listen_owned = fd, _bound_at(fd, settings)
+        else:
+            os.close(fd)  # a requester's connection, a journal: see the module's docstring
+    log.warning(
+        "reload.rebuilt",
+        found=sorted(found),
+        listening=listen_fd != NOT_FOUND,
+        pipes=len(pipes),
+    )
+    return Checkpoint(
+        version=CHECKPOINT_VERSION,
+        image_generation=0,  # unknown: counted afresh
+        reloads=0,
+        listen_fd=listen_fd,
+        listen_owned=listen_owned,
+        lock_fd=found.get("lock", NOT_FOUND),
+        lock_file_fd=found.get("lock_file"),
+        store_lock_fd=found.get("store_lock"),
+        live=[],
+        settings=settings,
+    ), pipes
+
+
+def with_live_workers(
+    handoff: Checkpoint, held: list[WorkerRecord], pipes: dict[int, int]
+) -> Checkpoint:
+    """`handoff` with every worker the store holds as running, each with its pipes as
+    /proc shows them (taken from `pipes`; those left over are closed)."""
+    live = []
+    for record in held:
+        if record.ended or record.pid is None or record.pid_start is None:
+            continue
+        ends: dict[int, int | None] = {}
+        for number in (0, 1, 2):
+            try:
+                target = os.readlink(f"/proc/{record.pid}/fd/{number}")
+            except OSError:
+                target = ""
+            match = _PIPE.fullmatch(target)
+            ends[number] = pipes.pop(int(match[1]), None) if match else None
+        live.append(
+            CarriedWorker(
+                id=record.id,
+                pid=record.pid,
+                pid_start=record.pid_start,
+                stdin=ends[0],
+                stdout=ends[1],
+                stderr=ends[2],
+            )
+        )
+    for fd in pipes.values():
+        os.close(fd)
+    pipes.clear()
+    handoff.live = live
+    return handoff
+
+
+def _inherited() -> list[int]:
+    """This process's inheritable descriptors above the standard three."""
+    fds = []
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        with contextlib.suppress(OSError):
+            if fd > 2 and os.get_inheritable(fd):
+                fds.append(fd)
+    return fds
+
+
+def _identity(path: os.PathLike[str]) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _listens_at(fd: int) -> bool:
+    """Whether `fd` is a listening Unix socket: the control socket (there is one)."""
+    sock = socket.socket(fileno=fd)
+    try:
+        return bool(
+            sock.family == socket.AF_UNIX
+            and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+        )
+    except OSError:
+        return False
+    finally:
+        sock.detach()
+
+
+def _bound_at(fd: int, settings: Settings) -> bool:
+    """Whether the socket was made for the socket path (else the service manager's, or
+    one it cannot tell: never unlinked)."""
+    try:
+        return bound_for(fd) == settings.socket
+    except (OSError, ValueError):
+        return False
