@@ -512,6 +512,7 @@ class GrepCursor:
         self.matches: list[GrepMatch] = []
         self.truncated = False
         self.next: int | None = None
+        self.stopped_in_line = False
         self.done = False
 
     def request(self) -> Grep:
@@ -533,6 +534,7 @@ class GrepCursor:
         found = expect(reply, Grep.answered_by()).result
         self.matches += found.matches
         self.truncated, self.next = found.truncated, found.next
+        self.stopped_in_line = found.stopped_in_line
         if found.next is None or len(self.matches) >= self.limit:
             self.done = True
         else:
@@ -541,7 +543,12 @@ class GrepCursor:
 
     def result(self) -> GrepResult:
         """Every match taken, as one answer: ``next`` to go on past them, if there is more."""
-        return GrepResult(matches=self.matches, truncated=self.truncated, next=self.next)
+        return GrepResult(
+            matches=self.matches,
+            truncated=self.truncated,
+            next=self.next,
+            stopped_in_line=self.stopped_in_line,
+        )
 
 
 class WakeSubscription:

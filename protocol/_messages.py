@@ -199,11 +199,14 @@ class GrepResult(msgspec.Struct, kw_only=True):
     bytes, or the bytes of journal one grep scans), so there may be more matches than
     these. ``next``: where to go on, sent as the next grep's ``since`` (the line number of
     the last match here); None when going on would find nothing more: searched to the
-    end, or stopped by the scan's bound (then ``truncated``)."""
+    end, or stopped by the scan's bound (then ``truncated``). ``stopped_in_line``: the scan
+    stopped at its bound inside a line, whose end lies past it (the line was not taken
+    to end there: no ``$`` matched at the bound)."""
 
     matches: list[GrepMatch]
     truncated: bool = False
     next: int | None = None
+    stopped_in_line: bool = False
 
 
 WaitOutcome = Literal["matched", "ended", "timed_out"]
