@@ -275,6 +275,9 @@ class Store:
         #: Called when a change is kept to be redone: the daemon then retries `flush`
         #: until it goes in, not waiting for some other change to carry it.
         self.on_unwritten: Callable[[], None] = lambda: None
+        #: Called when a transaction went in and no change is kept out any more: what
+        #: `info` says of a failing store has passed.
+        self.on_written: Callable[[], None] = lambda: None
 
     @classmethod
     def open(cls, path: Path) -> Store:
@@ -322,6 +325,8 @@ class Store:
             if isinstance(exc, sqlite3.Error):
                 raise _write_failed(what, exc) from exc
             raise
+        if not self._unwritten:  # else said once they are written too (commit_all, flush)
+            self.on_written()
 
     # -- wakes --
 
@@ -419,7 +424,9 @@ class Store:
                 self._unwritten.extend(change for change, _ in changes)
                 self.on_unwritten()
             raise
-        self._unwritten.clear()
+        if self._unwritten:
+            self._unwritten.clear()
+            self.on_written()
 
     @property
     def unwritten(self) -> int:
@@ -435,6 +442,7 @@ class Store:
             for earlier in self._unwritten:
                 _write(db, earlier)
         self._unwritten.clear()
+        self.on_written()
 
     def commit_changed(self, records: list[WorkerRecord], what: str) -> None:
         """Write those of `records` (workers held: not ended, or not yet released) whose
