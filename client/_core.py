@@ -70,6 +70,7 @@ from subagentd.protocol import (
     Welcome,
     WorkerResult,
     WorkerView,
+    check_integers,
     daemon_decoder,
     default_socket_path,
     encode,
@@ -713,6 +714,7 @@ class Connection:
         """
         if self._closed:
             self._raise_closed()
+        check_integers(request)  # Invalid before it is opened: msgpack could not carry it
         request_id = self._next_id
         self._next_id = request_id + 1
         self._inboxes[request_id] = deque()

@@ -15,6 +15,7 @@ from typing import Annotated, Any, ClassVar, Generic, Literal, TypeVar
 import msgspec
 
 from ._framing import frame
+from ._integers import check_integers
 from ._version import PROTOCOL_VERSION
 
 WorkerState = Literal[
@@ -857,8 +858,13 @@ daemon_decoder: msgspec.msgpack.Decoder[DaemonMessage] = msgspec.msgpack.Decoder
 
 
 def encode(message: Request[Reply] | Reply) -> bytes:
-    """The whole frame (length prefix and body) for one message."""
-    return frame(_encoder.encode(message))
+    """The whole frame (length prefix and body) for one message; a request holding an
+    integer msgpack cannot carry raises Invalid naming the field (`check_integers`)."""
+    try:
+        return frame(_encoder.encode(message))
+    except OverflowError:
+        check_integers(message)
+        raise
 
 
 def op(message: Request[Reply] | Reply | type[Request[Reply]] | type[Reply]) -> str:
