@@ -166,12 +166,22 @@ def claimed_stdin() -> Iterator[io.TextIOBase]:
     """The host's wire on fd 0 read from a private duplicate, as UTF-8 (what is not read
     as U+FFFD), fd 0 itself the null device meanwhile: as the SDK claims it when it
     reads stdin itself, so that nothing else in this process reads the host's lines.
-    The duplicate is never closed: a thread may still be reading it (the SDK's note)."""
-    private = fcntl.fcntl(0, fcntl.F_DUPFD_CLOEXEC, 3)
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.close(null)
+    Best-effort as the SDK's: no stdin at start (fd 0 closed, so Python has none, and
+    fd 0 may be another's by now) is a wire that has ended; no null device, fd 0 left
+    as it is. The duplicate is never closed: a thread may still be reading it."""
+    try:
+        if sys.stdin is None or sys.stdin.fileno() != 0:
+            raise OSError("no stdin")
+        private = fcntl.fcntl(0, fcntl.F_DUPFD_CLOEXEC, 3)
+    except (OSError, ValueError):
+        yield io.StringIO()
+        return
+    with contextlib.suppress(OSError):
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
     try:
         yield io.TextIOWrapper(os.fdopen(private, "rb", closefd=False), "utf-8", "replace")
     finally:
-        os.dup2(private, 0)
+        with contextlib.suppress(OSError):
+            os.dup2(private, 0)
