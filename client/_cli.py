@@ -315,8 +315,10 @@ class Human:
                 print(f"{match.line_no + offset}-{_one_line(line)}")
         if found.truncated:
             reached = "--max" if found.next is not None else "the 64 MiB a grep scans"
+            inside = ", inside a line whose end lies past it" if found.stopped_in_line else ""
             print(
-                f"subagentctl: there may be more matches ({reached} was reached)", file=sys.stderr
+                f"subagentctl: there may be more matches ({reached} was reached{inside})",
+                file=sys.stderr,
             )
 
     def waited_for(self, waited: WaitForResult) -> None:
@@ -868,7 +870,8 @@ def parser() -> argparse.ArgumentParser:
         "or of one stream, in the daemon (so --max counts only those); the other lines are "
         "still numbered, and still context. (--since here is a time; watch's --since is a "
         "cursor.) Exit 0 if a line matched, 4 if none did. --json prints matches (line_no, "
-        "kind, line, before, after, cut), truncated and next (the line to go on after).",
+        "kind, line, before, after, cut), truncated, next (the line to go on after) and "
+        "stopped_in_line (the 64 MiB were reached inside a line, not taken to end there).",
     )
     sub.add_argument("worker", metavar="ID")
     sub.add_argument("pattern", metavar="PATTERN")

@@ -71,6 +71,7 @@ from subagentd.protocol import (
     Welcome,
     WorkerResult,
     WorkerView,
+    check_integers,
     daemon_decoder,
     default_socket_path,
     encode,
@@ -515,6 +516,7 @@ class GrepCursor:
         self.matches: list[GrepMatch] = []
         self.truncated = False
         self.next: int | None = None
+        self.stopped_in_line = False
         self.done = False
 
     def request(self) -> Grep:
@@ -536,6 +538,7 @@ class GrepCursor:
         found = expect(reply, Grep.answered_by()).result
         self.matches += found.matches
         self.truncated, self.next = found.truncated, found.next
+        self.stopped_in_line = found.stopped_in_line
         if found.next is None or len(self.matches) >= self.limit:
             self.done = True
         else:
@@ -544,7 +547,12 @@ class GrepCursor:
 
     def result(self) -> GrepResult:
         """Every match taken, as one answer: ``next`` to go on past them, if there is more."""
-        return GrepResult(matches=self.matches, truncated=self.truncated, next=self.next)
+        return GrepResult(
+            matches=self.matches,
+            truncated=self.truncated,
+            next=self.next,
+            stopped_in_line=self.stopped_in_line,
+        )
 
 
 class WakeSubscription:
@@ -711,6 +719,7 @@ class Connection:
         """
         if self._closed:
             self._raise_closed()
+        check_integers(request)  # Invalid before it is opened: msgpack could not carry it
         request_id = self._next_id
         self._next_id = request_id + 1
         self._inboxes[request_id] = deque()

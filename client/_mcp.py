@@ -13,6 +13,7 @@ any client there does; the tools a worker may never use are not offered. Needs t
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import sys
@@ -25,9 +26,12 @@ import trio
 from mcp.server.context import ServerRequestContext
 from mcp.server.lowlevel import Server
 from mcp.server.stdio import stdio_server
+from mcp.shared.message import SessionMessage
 from mcp.types import (
     CallToolRequestParams,
     CallToolResult,
+    ErrorData,
+    JSONRPCError,
     ListToolsResult,
     PaginatedRequestParams,
     TextContent,
@@ -44,6 +48,7 @@ from subagentd.protocol.errors import (
 )
 
 from . import _mcp_args as args
+from . import _mcp_wire as wire
 from ._mcp_answer import Answer, Refusal
 from ._mcp_caller import caller
 from ._mcp_shapes import output_schema
@@ -155,6 +160,9 @@ async def call_tool(
 ) -> CallToolResult:
     """One tool call, answered: a refusal (the daemon's, this server's, or of the
     arguments) as a tool error; the server serves on whatever the call did."""
+    refused = (ctx.meta or {}).get(wire.REFUSED_META)
+    if isinstance(refused, str):  # arguments that are not text (see _mcp_wire)
+        return error_result("invalid", refused)
     tool = _BY_NAME.get(params.name)
     acting_as = await caller()
     if tool is None or not offered(tool, acting_as):
@@ -225,10 +233,22 @@ def server(acting_as: str | None) -> Server[Any]:
 
 
 async def serve() -> None:
-    """Serve MCP on stdin and stdout until the host closes them."""
+    """Serve MCP on stdin and stdout until the host closes them: stdin's lines read by
+    `_mcp_wire` first, which answers those the SDK would drop."""
     mcp = server(await caller())
-    async with stdio_server() as (read, write):
-        await mcp.run(read, write, mcp.create_initialization_options())
+    with wire.claimed_stdin() as lines:
+        stdin = wire.CheckedStdin(lines)
+        async with stdio_server(stdin=stdin) as (read, write):
+            stdin.answering(functools.partial(_answer_refused, write))
+            await mcp.run(read, write, mcp.create_initialization_options())
+
+
+async def _answer_refused(write: Any, refused: wire.Refusal) -> None:
+    """A request `_mcp_wire` kept from the SDK, answered as a JSON-RPC error on the SDK's
+    own stream out (so that no answer is written inside another)."""
+    error = ErrorData(code=refused.code, message=f"invalid: {refused.field}: {refused.why}")
+    with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+        await write.send(SessionMessage(JSONRPCError(jsonrpc="2.0", id=refused.id, error=error)))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

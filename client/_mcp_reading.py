@@ -296,6 +296,8 @@ async def subagent_grep(a: args.GrepArguments) -> Answer:
             "truncated: the daemon scans at most the first 64 MiB of a worker's output; "
             "read past it with subagent_watch"
         )
+        if found.stopped_in_line:
+            more += " (it stopped inside a line whose end lies past it)"
     else:
         more = "no more matches"
     said_cut = [match.line_no for match in kept if match.cut]

@@ -154,6 +154,7 @@ class Daemon:
         self._saved_runs: set[str] = set()
         #: What the daemon knows, transactionally: records, runs, wakes, tombstones, turn.
         self.store = store if store is not None else Store.open(state_dir.root / STORE_NAME)
+        self.store.on_written = self.problems.store_written
         #: The recent idempotency keys of spawns and resumes, as the store keeps them.
         self.request_keys = RequestKeys(request_key_ttl)
         #: Keys forgotten here and still in the store: dropped by the next keyed change.

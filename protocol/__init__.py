@@ -6,6 +6,7 @@ The daemon and both clients import this package; it imports nothing of theirs.
 from ._framing import HEADER as HEADER
 from ._framing import FrameDecoder as FrameDecoder
 from ._framing import frame as frame
+from ._integers import check_integers as check_integers
 from ._messages import DEFAULT_ANSWER_BYTES as DEFAULT_ANSWER_BYTES
 from ._messages import MAX_ACK_WAKES as MAX_ACK_WAKES
 from ._messages import MAX_ANSWER_BYTES as MAX_ANSWER_BYTES

@@ -15,6 +15,7 @@ from typing import Annotated, Any, ClassVar, Generic, Literal, TypeVar
 import msgspec
 
 from ._framing import frame
+from ._integers import check_integers
 from ._version import PROTOCOL_VERSION
 
 WorkerState = Literal[
@@ -199,11 +200,14 @@ class GrepResult(msgspec.Struct, kw_only=True):
     bytes, or the bytes of journal one grep scans), so there may be more matches than
     these. ``next``: where to go on, sent as the next grep's ``since`` (the line number of
     the last match here); None when going on would find nothing more: searched to the
-    end, or stopped by the scan's bound (then ``truncated``)."""
+    end, or stopped by the scan's bound (then ``truncated``). ``stopped_in_line``: the scan
+    stopped at its bound inside a line, whose end lies past it (the line was not taken
+    to end there: no ``$`` matched at the bound)."""
 
     matches: list[GrepMatch]
     truncated: bool = False
     next: int | None = None
+    stopped_in_line: bool = False
 
 
 WaitOutcome = Literal["matched", "ended", "timed_out"]
@@ -857,8 +861,13 @@ daemon_decoder: msgspec.msgpack.Decoder[DaemonMessage] = msgspec.msgpack.Decoder
 
 
 def encode(message: Request[Reply] | Reply) -> bytes:
-    """The whole frame (length prefix and body) for one message."""
-    return frame(_encoder.encode(message))
+    """The whole frame (length prefix and body) for one message; a request holding an
+    integer msgpack cannot carry raises Invalid naming the field (`check_integers`)."""
+    try:
+        return frame(_encoder.encode(message))
+    except OverflowError:
+        check_integers(message)
+        raise
 
 
 def op(message: Request[Reply] | Reply | type[Request[Reply]] | type[Reply]) -> str:

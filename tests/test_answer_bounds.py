@@ -66,7 +66,7 @@ def test_pages_fit_their_budget_and_their_pieces_add_up(
 
 
 def result_size(matches: list[GrepMatch]) -> int:
-    result = p.GrepResult(matches=matches, truncated=True, next=WIDEST)
+    result = p.GrepResult(matches=matches, truncated=True, next=WIDEST, stopped_in_line=True)
     return len(p.encode(p.GrepReply(id=WIDEST, result=result))) - p.HEADER.size
 
 

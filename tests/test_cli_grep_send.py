@@ -30,6 +30,7 @@ def test_grep_prints_as_grep_n_does_and_exits_4_when_nothing_matches(
         ],
         "truncated": True,
         "next": 3,
+        "stopped_in_line": False,
     }
     none = daemon.ctl("grep", worker["id"], "nothing")
     assert (none.returncode, none.stdout) == (4, ""), said(none)

@@ -21,6 +21,7 @@ from trio.testing import MockClock
 
 from subagentd import protocol as p
 from subagentd.client import AsyncClient
+from subagentd.daemon.store._journal import PAGE_BYTES
 from subagentd.daemon.workers._grep import MAX_LINE_BYTES
 from subagentd.daemon.workers._reader import MAX_GREP_SCAN_BYTES
 from subagentd.protocol.errors import Invalid, NotFound
@@ -222,15 +223,41 @@ async def _reload_soon(other: AsyncClient) -> None:
     await other.reload()
 
 
-async def test_a_long_line_is_cut_into_pieces(client: AsyncClient) -> None:
+async def test_a_long_line_is_cut_into_pieces_that_start_and_end_only_where_it_does(
+    client: AsyncClient,
+) -> None:
     with trio.fail_after(20):
+        # 100 kB of `a` then `b`: the line ends in `b`, so `a$` matches no piece of it.
+        worker = await client.spawn(sh("head -c 100000 /dev/zero | tr '\\0' a; echo b; echo end"))
+        await client.wait(worker.id)
+        pieces = await client.grep(worker.id, "a", after=1)
+        assert [len(m.line) for m in pieces.matches] == [MAX_LINE_BYTES] * 6 + [
+            100001 % MAX_LINE_BYTES
+        ]
+        assert pieces.matches[-1].after == ["end"]
+        assert (await client.grep(worker.id, "a$")).matches == []
+        assert [m.line_no for m in (await client.grep(worker.id, "^a")).matches] == [1]
+        assert [m.line_no for m in (await client.grep(worker.id, "ab$")).matches] == [7]
+        assert [m.line_no for m in (await client.grep(worker.id, "^e")).matches] == [8]
+
+
+async def test_a_line_the_grep_scan_stops_inside_is_not_ended_there(
+    daemon: DaemonProcess, client: AsyncClient
+) -> None:
+    with trio.fail_after(90):
+        # The case: one line longer than all a grep scans, of `a` then `b` (the
+        # scan stops after the page that reaches its bound: a few MiB on, still in `a`).
         worker = await client.spawn(
-            sh(f"head -c {MAX_LINE_BYTES * 2 + 10} /dev/zero | tr '\\0' z; echo; echo tail")
+            sh(f"head -c {MAX_GREP_SCAN_BYTES + 4 * PAGE_BYTES} /dev/zero | tr '\\0' a; echo b")
         )
         await client.wait(worker.id)
-        found = await client.grep(worker.id, "^z+$", after=1)
-        assert [len(m.line) for m in found.matches] == [MAX_LINE_BYTES, MAX_LINE_BYTES, 10]
-        assert found.matches[-1].after == ["tail"]
+        found = await client.grep(worker.id, "a$")
+        assert found.matches == []
+        assert (found.truncated, found.next, found.stopped_in_line) == (True, None, True)
+        assert [m.line_no for m in (await client.grep(worker.id, "^a", limit=2)).matches] == [1]
+        printed = await trio.to_thread.run_sync(lambda: daemon.ctl("grep", worker.id, "a$"))
+        assert (printed.returncode, printed.stdout) == (4, "")
+        assert "was reached, inside a line whose end lies past it" in printed.stderr
 
 
 async def test_a_raw_grep_request_answers_a_grep_result(connect: Connect) -> None:

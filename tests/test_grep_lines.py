@@ -6,10 +6,10 @@ from __future__ import annotations
 import itertools
 import re
 
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from subagentd.daemon.workers._grep import LineScanner, compile_pattern
+from subagentd.daemon.workers._grep import MAX_LINE_BYTES, LineScanner, compile_pattern
 from subagentd.protocol import Entry
 
 PATTERNS = ["ab", "^a", "b$", "a+b", "^$", "(a|b)b"]
@@ -77,3 +77,66 @@ def test_state_and_note_entries_are_not_lines_and_streams_do_not_mix() -> None:
         ]
     )
     assert [(m.line_no, m.kind, m.line) for m in scanner.matches] == [(2, "stdout", "ab")]
+
+
+def _pieces_of(line: str) -> list[tuple[str, int]]:
+    """A line as the scanner holds it: pieces of MAX_LINE_BYTES, each with where it starts."""
+    starts = range(0, max(len(line), 1), MAX_LINE_BYTES)
+    return [(line[at : at + MAX_LINE_BYTES], at) for at in starts]
+
+
+def _within(pattern: str, line: str, start: int, end: int) -> bool:
+    """A match of `pattern` in the whole `line` lies in `start:end`: `^`, `$` and `\\b`
+    see the line itself, not a piece of it (each start tried, re's match there taken)."""
+    compiled = re.compile(pattern)
+    while (found := compiled.search(line, start)) is not None and found.start() <= end:
+        if found.end() <= end:
+            return True
+        start = found.start() + 1
+    return False
+
+
+LONG_RUN = st.builds(
+    str.__mul__, st.sampled_from("ab"), st.integers(MAX_LINE_BYTES - 3, 2 * MAX_LINE_BYTES + 3)
+)
+
+
+@given(
+    runs=st.lists(st.one_of(st.text(alphabet="ab\n\r", max_size=8), LONG_RUN), max_size=6),
+    cuts=st.lists(st.floats(min_value=0, max_value=1), max_size=12),
+    pattern=st.sampled_from([*PATTERNS, "a$", "^b", r"a\b", r"\Bb"]),
+)
+@settings(deadline=None)
+def test_a_long_lines_pieces_start_and_end_only_where_the_line_does(
+    runs: list[str], cuts: list[float], pattern: str
+) -> None:
+    text = "".join(runs).encode()
+    scanner = LineScanner(compile_pattern(pattern), limit=10_000)
+    for entry in _entries(text, [int(c * len(text)) for c in cuts]):
+        scanner.feed([entry])
+    scanner.finish()
+
+    *ended, unended = text.decode().split("\n")
+    lines = [line.removesuffix("\r") for line in ended] + ([unended] if unended else [])
+    pieces = [(line, *piece) for line in lines for piece in _pieces_of(line)]
+    expected = [
+        (i + 1, piece)
+        for i, (line, piece, at) in enumerate(pieces)
+        if _within(pattern, line, at, at + len(piece))
+    ]
+    assert [(m.line_no, m.line) for m in scanner.matches] == expected
+    assert scanner.line_no == len(pieces)
+
+
+def test_a_line_the_scan_stops_inside_is_not_ended_there() -> None:
+    for pattern, matched in [("a$", False), ("a", True), (r"a\b", False), ("^xa", True)]:
+        scanner = LineScanner(compile_pattern(pattern), limit=10)
+        scanner.feed([Entry(seq=1, kind="stdout", data=b"x" + b"a" * 10, at=0.0)])
+        scanner.finish(cut=True)
+        assert bool(scanner.matches) == matched, pattern
+        assert scanner.stopped_in_line
+    ended = LineScanner(compile_pattern("a$"))
+    ended.feed([Entry(seq=1, kind="stdout", data=b"xa", at=0.0)])
+    ended.finish()  # the output ends there: its unended last line ends with it
+    assert [m.line for m in ended.matches] == ["xa"]
+    assert not ended.stopped_in_line

@@ -111,3 +111,18 @@ async def test_a_typescript_host_sees_progress_while_a_tool_waits(daemon: Daemon
     assert all(note["total"] == 1.5 for note in waited["progress"])
     progressed = [note["progress"] for note in waited["progress"]]
     assert progressed == sorted(progressed)
+
+
+async def test_a_typescript_hosts_call_holding_a_lone_surrogate_is_answered_invalid(
+    daemon: DaemonProcess,
+) -> None:
+    """A JavaScript string may hold a lone surrogate, and the SDK's JSON.stringify writes
+    it as `\\ud800`: the call is answered as the tool's error, not left to time out."""
+    with trio.fail_after(60):
+        _, [answer] = await host(
+            daemon,
+            [{"tool": "subagent_grep", "arguments": {"worker": "w-nope", "pattern": "a\ud800"}}],
+        )
+    assert "thrown" not in answer, answer
+    assert answer["result"]["isError"] is True
+    assert text_of(answer["result"]).startswith("invalid: pattern: holds a lone surrogate")

@@ -199,3 +199,47 @@ async def test_an_ending_the_disk_kept_out_goes_in_with_nothing_else_written(
         async with AsyncClient(daemon_dirs.socket) as client:
             assert (await client.status(worker.id)).state == "stopped"
         assert [w.id for w in await pending_wakes(daemon_dirs, run)] == [worker.id]
+
+
+def _disk_trouble(problems: list[str]) -> list[str]:
+    return [p for p in problems if "No space left" in p or "not yet in the store" in p]
+
+
+async def test_a_full_disk_problem_clears_once_what_it_kept_out_is_written(
+    daemon_dirs: DaemonProcess, small_disk: Path
+) -> None:
+    """`info` stops reporting a full disk once the store has taken every change it kept
+    out, with nothing else written to carry them; nothing kept out is lost. A request
+    the full store refused is reported until the store takes a write again."""
+    daemon_dirs.start()
+    ballast = small_disk / "ballast"
+    with trio.fail_after(60):
+        async with AsyncClient(daemon_dirs.socket) as client:
+            run = await client.new_run()
+            worker = await client.spawn(sh("exec sleep 600"), run=run)
+            _fill(ballast)
+            await client.stop(worker.id)  # its ending finds the disk full
+            problems = (await client.info()).problems
+            assert any("No space left" in p for p in problems), problems
+            assert any("not yet in the store" in p for p in problems), problems
+            ballast.unlink()
+            # Nothing announces the daemon's retry (backing off from 0.1 s) but info.
+            while any("not yet in the store" in p for p in problems):
+                await trio.sleep(0.05)
+                problems = (await client.info()).problems
+            assert _disk_trouble(problems) == []
+            wakes = [w async for w in client.events(run=run)]
+            assert [(w.id, w.state) for w in wakes] == [(worker.id, "stopped")]
+
+            _fill(ballast)
+            with pytest.raises(Refused, match="free some space"):
+                await client.new_run()
+            assert any("No space left" in p for p in (await client.info()).problems)
+            ballast.unlink()
+            await client.new_run()
+            assert _disk_trouble((await client.info()).problems) == []
+        daemon_dirs.kill()
+        await trio.to_thread.run_sync(daemon_dirs.start)
+        async with AsyncClient(daemon_dirs.socket) as client:
+            assert (await client.status(worker.id)).state == "stopped"
+        assert await pending_wakes(daemon_dirs, run) == []

@@ -302,6 +302,9 @@ class Store:
         self._seqs_skipped = False
         #: The files the store has open, by suffix ("", "-wal"): see `check_linked`.
         self._opened: dict[str, FileIdentity | None] = {}
+        #: Called when a transaction went in and no change is kept out any more: what
+        #: `info` says of a failing store has passed.
+        self.on_written: Callable[[], None] = lambda: None
 
     @classmethod
     def open(cls, path: Path, lock_fd: int | None = None) -> Store:
@@ -374,6 +377,8 @@ class Store:
         # Two stats: a change written into a file no name links any more is put back now,
         # not lost at the next start.
         self.check_linked()
+        if not self._unwritten:  # else said once they are written too (commit_all, flush)
+            self.on_written()
 
     # -- the files, still linked --
 
@@ -558,7 +563,9 @@ class Store:
                 self._unwritten.extend(change for change, _ in changes)
                 self.on_unwritten()
             raise
-        self._unwritten.clear()
+        if self._unwritten:
+            self._unwritten.clear()
+            self.on_written()
 
     @property
     def unwritten(self) -> int:
@@ -574,6 +581,7 @@ class Store:
             for earlier in self._unwritten:
                 _write(db, earlier)
         self._unwritten.clear()
+        self.on_written()
 
     def commit_changed(self, records: list[WorkerRecord], what: str) -> None:
         """Write those of `records` (workers held: not ended, or not yet released) whose

@@ -5,9 +5,12 @@ but what it found; the reader decides where it runs (a big page in a thread). Li
 its stdout and its stderr each split on its own (an entry may end mid-line; the line
 goes on in that stream's next entry), numbered together from 1 in the order they were
 completed. A line longer than MAX_LINE_BYTES is cut into pieces of that length, so no
-worker makes the daemon hold an unbounded line. The matches a scanner keeps are held to
-the answer's bytes (`_answers`): past them it keeps no more, so no worker's output makes
-a grep's answer, or what the daemon holds to build it, larger than that.
+worker makes the daemon hold an unbounded line; a cut is not a line's end: each piece is
+searched with the bytes beside it as context, so `^` and `$` match only where the line
+really starts and ends (and a line the scan stops inside is not ended there). The
+matches a scanner keeps are held to the answer's bytes (`_answers`): past them it keeps
+no more, so no worker's output makes a grep's answer, or what the daemon holds to build
+it, larger than that.
 
 Patterns are RE2's (google-re2): matching takes time linear in the text whatever the
 pattern, which is what lets a worker's client, or a worker, hand the daemon any pattern;
@@ -110,6 +113,13 @@ class LineScanner:
     _partial: dict[str, bytearray] = field(
         default_factory=lambda: {kind: bytearray() for kind in _OUTPUT}
     )
+    #: The last byte of the piece already given of each stream's unended line, if it was
+    #: cut (b"": the unended line starts with what `_partial` holds): its next piece's
+    #: context, so that no `^` matches after a cut.
+    _cut_before: dict[str, bytes] = field(default_factory=lambda: dict.fromkeys(_OUTPUT, b""))
+    #: `finish(cut=True)` found a line unended where the scan stopped: it was searched as
+    #: going on past there (no `$` at the cut), and the answer says so.
+    stopped_in_line: bool = False
     #: When each stream's unended line was last written to (what `finish` dates it by).
     _partial_at: dict[str, float] = field(default_factory=lambda: dict.fromkeys(_OUTPUT, 0.0))
     _recent: collections.deque[str] = field(default_factory=collections.deque)
@@ -143,7 +153,7 @@ class LineScanner:
         for entry in entries:
             if entry.kind == "stdout" or entry.kind == "stderr":
                 self.scanned += len(entry.data)
-                batch.add(entry.kind, entry.at, self._split(entry.kind, entry.data))
+                batch.add(entry.kind, entry.at, *self._split(entry.kind, entry.data))
                 if entry.data:  # an empty entry writes no line, nor any of one
                     self._partial_at[entry.kind] = entry.at
                 if self.scanned - self._marked >= self.checkpoint_every and not any(
@@ -154,36 +164,58 @@ class LineScanner:
                     self._marked = self.scanned
         self._take(batch)
 
-    def finish(self) -> None:
-        """The output has ended (or a grep takes it as it stands): unended lines count."""
+    def finish(self, *, cut: bool = False) -> None:
+        """The output has ended (or a grep takes it as it stands): unended lines count.
+
+        `cut`: the scan stops here inside the output (its bound), so an unended line goes
+        on past what was read: a match in it counts only if it holds whatever comes next
+        (`$` does not match at the cut), and `stopped_in_line` says one was cut."""
         batch = _Batch()
         for kind in _OUTPUT:
             if self._partial[kind]:
-                batch.add(kind, self._partial_at[kind], [bytes(self._partial[kind])])
+                line = bytes(self._partial[kind])
+                beside = (self._cut_before[kind], None if cut else b"")
+                batch.add(kind, self._partial_at[kind], [line], _beside(0, *beside))
+                self.stopped_in_line |= cut
                 self._partial[kind].clear()
+                self._cut_before[kind] = b""
         self._take(batch)
 
-    def _split(self, kind: OutputKind, data: bytes) -> list[bytes]:
-        """The lines `data` ends, the first carrying on the stream's unended line; what is
-        left unended is kept for the stream's next entry. Whole-buffer operations (C's
-        speed), never a Python step per line but for lines too long to keep whole."""
+    def _split(self, kind: OutputKind, data: bytes) -> tuple[list[bytes], dict[int, Beside]]:
+        """The lines `data` ends, the first carrying on the stream's unended line, and what
+        is beside each piece of a line that was cut (by its index); what is left unended
+        is kept for the stream's next entry. Whole-buffer operations (C's speed), never a
+        Python step per line but for lines too long to keep whole."""
         partial = self._partial[kind]
         # A CRLF line ends before its CR: `$` matches there, as a person reads it.
         lines = data.replace(b"\r\n", b"\n").split(b"\n")
         rest = lines.pop()
-        if lines and partial:
-            if partial.endswith(b"\r") and data.startswith(b"\n"):
-                del partial[-1:]  # a CRLF cut between two entries
-            lines[0] = bytes(partial) + lines[0]
-            partial.clear()
-        partial += rest
-        if len(partial) >= MAX_LINE_BYTES:
-            *cut, last = _cut(bytes(partial))
-            lines += cut
-            partial[:] = last
+        head = self._cut_before[kind]  # before the unended line's bytes kept, if cut
+        if lines:
+            if partial:
+                if partial.endswith(b"\r") and data.startswith(b"\n"):
+                    del partial[-1:]  # a CRLF cut between two entries
+                lines[0] = bytes(partial) + lines[0]
+                partial.clear()
+            self._cut_before[kind] = b""  # what is left starts a line of its own
+        beside = _beside(0, head, b"") if lines else {}
         if lines and max(map(len, lines)) > MAX_LINE_BYTES:
-            lines = [piece for line in lines for piece in _cut(line)]
-        return lines
+            lines, beside = _pieces(lines, head)
+        partial += rest
+        if len(partial) > MAX_LINE_BYTES:
+            *cut, last = _cut(bytes(partial))
+            if last == b"\r":  # kept with its piece, so that a "\n" next ends the line there
+                last = cut.pop() + last
+            if cut:
+                start = len(lines)
+                for index in range(len(cut)):
+                    before = cut[index - 1][-1:] if index else self._cut_before[kind]
+                    after = cut[index + 1][:1] if index + 1 < len(cut) else last[:1]
+                    beside[start + index] = (before, after)
+                lines += cut
+                self._cut_before[kind] = cut[-1][-1:]
+                partial[:] = last
+        return lines, beside
 
     def _take(self, batch: _Batch) -> None:
         """Search a batch of whole lines; only the lines a match shows are decoded."""
@@ -193,7 +225,8 @@ class LineScanner:
         self._give_context(raw)
         if not self.more:
             wanted = batch.wanted(self.stream, self.written_since)
-            for index in self._matching(raw, max(0, self.since - self.line_no), wanted):
+            first = max(0, self.since - self.line_no)
+            for index in self._matching(raw, batch.beside, first, wanted):
                 if len(self.matches) >= self.limit:
                     self.more = True
                     break
@@ -232,29 +265,22 @@ class LineScanner:
         self.more = True
 
     def _matching(
-        self, lines: list[bytes], first: int, wanted: Callable[[int], int | None]
+        self,
+        lines: list[bytes],
+        beside: dict[int, Beside],
+        first: int,
+        wanted: Callable[[int], int | None],
     ) -> Iterable[int]:
-        """The indexes of the wanted lines from `first` on that match, in order: one search
-        of them all, going on past a match in lines not wanted to the next wanted line
-        (`wanted`: the first wanted index at or after one; None: none is)."""
-        if first >= len(lines) or (start := wanted(first)) is None:
-            return
-        buffer = b"\n".join(lines)
-        starts = list(itertools.accumulate((len(line) + 1 for line in lines[:-1]), initial=0))
-        position = starts[start]
-        while position <= len(buffer):
-            found = self.pattern.search(buffer, position)
-            if found is None:
-                return
-            index = bisect.bisect_right(starts, found.start()) - 1
-            go_on = wanted(index)
-            if go_on == index:
-                yield index
-                go_on = index + 1 if index + 1 < len(starts) else None
-                go_on = None if go_on is None else wanted(go_on)
-            if go_on is None:
-                return
-            position = starts[go_on]
+        """The indexes of the wanted lines from `first` on that match, in order, going on
+        past a match in lines not wanted to the next wanted line (`wanted`: the first
+        wanted index at or after one; None: none is)."""
+        search = _Search(self.pattern, lines, beside)
+        index = wanted(first) if first < len(lines) else None
+        while index is not None and (found := search.next_match(index)) is not None:
+            index = wanted(found)
+            if index == found:
+                yield found
+                index = wanted(found + 1) if found + 1 < len(lines) else None
 
     def _found(self, index: int, kind: OutputKind, raw: list[bytes]) -> None:
         before: list[str] = []
@@ -282,18 +308,107 @@ class LineScanner:
             self._owed.append(_Found(match, self.after - len(after)))
 
 
+#: What is beside a piece of a line that was cut: the byte before it (b"": it starts the
+#: line) and the byte after it (b"": it ends the line; None: unknown, past the scan).
+Beside = tuple[bytes, bytes | None]
+
+
+def _beside(index: int, before: bytes, after: bytes | None) -> dict[int, Beside]:
+    """What is beside line `index` if it is a piece of a cut line (else nothing)."""
+    return {index: (before, after)} if before or after != b"" else {}
+
+
+def _pieces(lines: list[bytes], head: bytes) -> tuple[list[bytes], dict[int, Beside]]:
+    """Whole lines (the first going on after `head`, if it was cut) cut into pieces of at
+    most MAX_LINE_BYTES, and what is beside each piece of a cut line."""
+    pieces: list[bytes] = []
+    beside: dict[int, Beside] = {}
+    for number, line in enumerate(lines):
+        cut = _cut(line)
+        for index, piece in enumerate(cut):
+            before = cut[index - 1][-1:] if index else (head if number == 0 else b"")
+            after = cut[index + 1][:1] if index + 1 < len(cut) else b""
+            beside.update(_beside(len(pieces), before, after))
+            pieces.append(piece)
+    return pieces, beside
+
+
+class _Search:
+    """One batch's lines searched in order: each run of whole lines as one buffer (RE2 in
+    C over all of it), and each piece of a cut line on its own, with the bytes beside it
+    as RE2's context, so that a cut is neither a line's start nor its end for `^`, `$`
+    or `\\b`; a match never crosses a cut."""
+
+    def __init__(self, pattern: Any, lines: list[bytes], beside: dict[int, Beside]) -> None:
+        self._pattern = pattern
+        self._lines = lines
+        self._beside = beside
+        self._cuts = sorted(beside)
+        #: Each run of whole lines searched so far: where it starts, its buffer, and
+        #: where each of its lines starts in it.
+        self._runs: dict[int, tuple[bytes, list[int]]] = {}
+
+    def next_match(self, index: int) -> int | None:
+        """The first line at or after `index` that matches; None: none does."""
+        while index < len(self._lines):
+            if index in self._beside:
+                if self._piece_matches(index):
+                    return index
+                index += 1
+                continue
+            after = bisect.bisect_left(self._cuts, index)
+            start = self._cuts[after - 1] + 1 if after else 0
+            end = self._cuts[after] if after < len(self._cuts) else len(self._lines)
+            found = self._run_match(start, end, index)
+            if found is not None:
+                return found
+            index = end
+        return None
+
+    def _run_match(self, start: int, end: int, index: int) -> int | None:
+        """The first line from `index` on in the run of whole lines `start:end` that
+        matches: one search of the run as one buffer, in which no match crosses a
+        newline (``never_nl``)."""
+        if start not in self._runs:
+            run = self._lines[start:end]
+            starts = list(itertools.accumulate((len(line) + 1 for line in run[:-1]), initial=0))
+            self._runs[start] = (b"\n".join(run), starts)
+        buffer, starts = self._runs[start]
+        found = self._pattern.search(buffer, starts[index - start])
+        if found is None:
+            return None
+        return start + bisect.bisect_right(starts, found.start()) - 1
+
+    def _piece_matches(self, index: int) -> bool:
+        """Whether a piece of a cut line matches, searched with what is beside it as its
+        context: one that goes on past the scan, whatever comes next (a word's byte or
+        not; never a newline)."""
+        before, after = self._beside[index]
+        piece = self._lines[index]
+        return all(
+            self._pattern.search(before + piece + next_byte, len(before), len(before) + len(piece))
+            is not None
+            for next_byte in ((after,) if after is not None else (b"a", b"-"))
+        )
+
+
 class _Batch:
     """Whole lines in the order they were completed, and which stream each came from and
-    when the entry that ended it was written (as runs, one an entry, not a tuple a line)."""
+    when the entry that ended it was written (as runs, one an entry, not a tuple a line),
+    and what is beside each piece of a cut line."""
 
     def __init__(self) -> None:
         self.lines: list[bytes] = []
+        self.beside: dict[int, Beside] = {}
         self._starts: list[int] = []
         self._kinds: list[OutputKind] = []
         self._ats: list[float] = []
 
-    def add(self, kind: OutputKind, at: float, lines: list[bytes]) -> None:
+    def add(
+        self, kind: OutputKind, at: float, lines: list[bytes], beside: dict[int, Beside]
+    ) -> None:
         if lines:
+            self.beside.update((len(self.lines) + index, cut) for index, cut in beside.items())
             self._starts.append(len(self.lines))
             self._kinds.append(kind)
             self._ats.append(at)

@@ -244,11 +244,16 @@ class Reader:
             if scanner.scanned >= MAX_GREP_SCAN_BYTES:
                 bounded = True
                 break
-        scanner.finish()
+        scanner.finish(cut=bounded)  # a line the bound falls in is not ended there
         self._keep_checkpoints(worker_id, scanner.checkpoints)
         matches = scanner.matches
         go_on = matches[-1].line_no if scanner.more and matches else None
-        return GrepResult(matches=matches, truncated=scanner.more or bounded, next=go_on)
+        return GrepResult(
+            matches=matches,
+            truncated=scanner.more or bounded,
+            next=go_on,
+            stopped_in_line=scanner.stopped_in_line,
+        )
 
     async def _mark_before(self, worker_id: str, when: float) -> Checkpoint | None:
         """The last checkpoint a grep of this journal passed before its first entry written
