@@ -129,9 +129,27 @@ class RegistryStates(RuleBasedStateMachine):
     def rewrite(self, state: str) -> None:
         self.reg.handles()[-1].state = state  # type: ignore[assignment]
 
+    @rule(pick=st.integers(0, 1000), expire=st.booleans())
+    def collect_or_expire(self, pick: int, expire: bool) -> None:
+        ended = self._held(ended=True)
+        if ended:
+            record = ended[pick % len(ended)]
+            if expire:
+                record.expired = True  # as retention marks it
+            else:
+                self.reg.collect(record.id)
+
     @invariant()
     def counts_are_a_walks(self) -> None:
         assert self.reg.counts() == _walked(self.reg)
+
+    @invariant()
+    def holds_park_is_a_walks(self) -> None:
+        walked = any(
+            not r.ended or (r.ended_on_its_own and not r.collected and not r.expired)
+            for r in self.reg.handles()
+        )
+        assert self.reg.holds_park() == walked
 
     @invariant()
     def pages_are_the_sorted_listing(self) -> None:

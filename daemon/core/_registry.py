@@ -86,13 +86,16 @@ class WorkerRecord(msgspec.Struct, kw_only=True):
     spawned_at: float = 0.0
 
     def __setattr__(self, name: str, value: object) -> None:
-        # Every change of state, wherever it is made, moves the count of the registry
-        # holding the record (`StateCounts`): `info` reads counts, never walks workers.
-        if name == "state":
-            counts = _COUNTED.get(id(self))
-            if counts is not None:
-                counts.moved(self.state, value)  # type: ignore[arg-type]
+        # Every change of state (or of whether a result is owed), wherever it is made,
+        # moves the counts of the registry holding the record (`StateCounts`): `info`
+        # reads counts, never walks the workers.
+        counts = _COUNTED.get(id(self)) if name in _COUNTED_FIELDS else None
+        if counts is None:
+            msgspec.Struct.__setattr__(self, name, value)
+            return
+        before, owed = self.state, self.owes_result
         msgspec.Struct.__setattr__(self, name, value)
+        counts.moved(before, self.state, self.owes_result - owed)
 
     def __post_init__(self) -> None:
         # A grace carried from before numbers were checked at the door (nan, inf) would
@@ -110,6 +113,12 @@ class WorkerRecord(msgspec.Struct, kw_only=True):
     @property
     def ended(self) -> bool:
         return self.state in TERMINAL_STATES
+
+    @property
+    def owes_result(self) -> bool:
+        """Ended on its own, and neither collected nor past its TTL: a shutdown now would
+        lose the result its parent (or the user) is owed."""
+        return self.ended_on_its_own and not self.collected and not self.expired
 
     @property
     def ended_on_its_own(self) -> bool:
@@ -152,19 +161,31 @@ class StateCounts:
 
     def __init__(self) -> None:
         self._counts: dict[str, int] = {}
+        #: Held workers owing a result (`WorkerRecord.owes_result`).
+        self.owed = 0
 
     def add(self, record: WorkerRecord) -> None:
         _COUNTED[id(record)] = self
         self._counts[record.state] = self._counts.get(record.state, 0) + 1
+        self.owed += record.owes_result
 
     def remove(self, record: WorkerRecord) -> None:
         if _COUNTED.get(id(record)) is self:
             del _COUNTED[id(record)]
             self._take(record.state)
+            self.owed -= record.owes_result
 
-    def moved(self, before: WorkerState, after: WorkerState) -> None:
-        self._take(before)
-        self._counts[after] = self._counts.get(after, 0) + 1
+    def moved(self, before: WorkerState, after: WorkerState, owed: int) -> None:
+        """A held record's state went from `before` to `after`, and `owed` more results
+        are owed (-1, 0 or 1)."""
+        if before != after:
+            self._take(before)
+            self._counts[after] = self._counts.get(after, 0) + 1
+        self.owed += owed
+
+    def live(self) -> bool:
+        """Whether any held worker is live (not in a terminal state)."""
+        return any(state not in TERMINAL_STATES for state in self._counts)
 
     def _take(self, state: str) -> None:
         left = self._counts[state] - 1
@@ -181,6 +202,8 @@ class StateCounts:
 #: by one registry at a time (a registry adds it when it takes it, removes it when it
 #: lets it go, so the id cannot be reused meanwhile).
 _COUNTED: dict[int, StateCounts] = {}
+#: The fields a record's counts depend on (see `WorkerRecord.__setattr__`).
+_COUNTED_FIELDS = frozenset({"state", "stop_reason", "collected", "expired"})
 
 
 def listing_page(
@@ -893,11 +916,9 @@ class Registry:
     def holds_park(self) -> bool:
         """Whether shutting down now would cost a worker: one live (stopping included:
         its tree still runs), or a result owed: a worker that ended on its own, not yet
-        collected, within its TTL. A stopped or cancelled worker owes no result."""
-        return any(
-            not r.ended or (r.ended_on_its_own and self._retained(r))
-            for r in self._workers.values()
-        )
+        collected, within its TTL. A stopped or cancelled worker owes no result. Read
+        from the counts, kept as workers change: `info` asks it each time."""
+        return self._counts.live() or self._counts.owed > 0
 
     def _fresh_id(self, prefix: str) -> str:
         while True:
