@@ -42,6 +42,7 @@ limit to its hard one at start anyway). Where the hard limit cannot hold
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import resource
@@ -106,10 +107,8 @@ def journals_open(pid: int) -> int:
     """How many of `pid`'s descriptors are workers' journals."""
     count = 0
     for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
+        with contextlib.suppress(FileNotFoundError):  # closed meanwhile
             count += os.readlink(f"/proc/{pid}/fd/{fd}").endswith("/journal")
-        except FileNotFoundError:  # closed meanwhile
-            pass
     return count
 
 
