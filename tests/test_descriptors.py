@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 from pathlib import Path
 
 import trio
 
 from subagentd.client import AsyncClient
+from subagentd.client._units import render
 from subagentd.daemon.store._journal import OPEN_JOURNALS
 
 from .conftest import DaemonProcess
@@ -79,3 +81,28 @@ async def test_an_idle_journal_closed_takes_every_byte_later_and_across_a_reload
             await client.wait(talker.id)
             assert await paged_stdout(client, talker.id) == b"got one\ngot two\ngot three\n"
             assert (await client.status(talker.id)).state == "finished"
+
+
+def test_the_user_unit_holds_10000_live_workers_descriptors(tmp_path: Path) -> None:
+    """The unit `install-units` writes sets LimitNOFILE= to more than 10,000 live
+    workers need at 3 each (today: none, so systemd's default soft 1024 / hard 524288)."""
+    service = render(tmp_path)["subagentd.service"]
+    limits = [line for line in service.splitlines() if line.startswith("LimitNOFILE=")]
+    assert limits == ["LimitNOFILE=524288"]
+    assert 524288 > 10_000 * PER_WORKER + DAEMON_OWN
+
+
+async def test_the_daemon_raises_its_soft_descriptor_limit_to_its_hard_one(
+    daemon_dirs: DaemonProcess,
+) -> None:
+    """Started from a shell's soft 1024, the daemon runs with its soft limit at its hard
+    one (and the hard one raised where it may: with CAP_SYS_RESOURCE)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(1024, hard), hard))
+    try:
+        daemon_dirs.start()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert daemon_dirs.proc is not None
+    its_soft, its_hard = resource.prlimit(daemon_dirs.proc.pid, resource.RLIMIT_NOFILE)
+    assert its_soft == its_hard >= hard
