@@ -106,3 +106,28 @@ async def test_the_daemon_raises_its_soft_descriptor_limit_to_its_hard_one(
     assert daemon_dirs.proc is not None
     its_soft, its_hard = resource.prlimit(daemon_dirs.proc.pid, resource.RLIMIT_NOFILE)
     assert its_soft == its_hard >= hard
+
+
+async def test_a_journal_replaced_while_closed_is_refused_and_its_worker_ends_failed(
+    daemon: DaemonProcess,
+) -> None:
+    """A worker that renames a file of its own over its idle (closed) journal: the daemon
+    never writes into that file nor reads it as the journal; the worker ends `failed`,
+    and the others run on."""
+    assert daemon.proc is not None
+    with trio.fail_after(300):
+        async with AsyncClient(daemon.socket) as client:
+            talker = await client.spawn(
+                ["sh", "-c", 'read line; echo "got $line"'], stdin_open=True
+            )
+            await _spawn_sleepers(client, MANY)
+            journal = Path(talker.archive) / "journal"
+            assert str(journal) not in _descriptors(daemon.proc.pid)
+            planted = journal.with_name("planted")
+            planted.write_bytes(b"a worker's own bytes")
+            planted.rename(journal)
+            await client.send(talker.id, "one\n", eof=True)
+            ended = await client.wait(talker.id)
+            assert ended.state == "failed"
+            assert journal.read_bytes() == b"a worker's own bytes"
+            assert (await client.info()).workers.get("running") == MANY
