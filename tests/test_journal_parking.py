@@ -19,12 +19,20 @@ def two_open(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_journal._OPEN, "most", 2)
 
 
+#: Journals a test keeps (a journal dropped closes, and holds no place among the open).
+_KEPT: list[Journal] = []
+
+
+@pytest.fixture(autouse=True)
+def _let_go() -> None:
+    _KEPT.clear()
+
+
 def _parked(tmp_path: Path, name: str = "a") -> Journal:
     """A journal with one entry, parked by two others opened after it."""
     journal = Journal.create(tmp_path / name)
     journal.append("stdout", b"first\n", 1.0)
-    for other in ("x", "y"):
-        Journal.create(tmp_path / f"{name}-{other}").append("stdout", b"-", 1.0)
+    _KEPT.extend(Journal.create(tmp_path / f"{name}-{o}") for o in "xy")  # held: not dropped
     assert not journal.holds_descriptor
     return journal
 
@@ -108,3 +116,15 @@ def test_a_released_journal_is_not_reopened(tmp_path: Path) -> None:
     journal.release()
     with pytest.raises(ValueError, match="released"):
         journal.append("stdout", b"second\n", 2.0)
+
+
+def test_a_dropped_journal_closes_its_descriptor_and_holds_no_place(tmp_path: Path) -> None:
+    """The journals held open are held weakly: one dropped is closed at once, its memory
+    (its in-memory tail) let go, and it takes no place among those held open."""
+    before, held = len(os.listdir("/proc/self/fd")), len(_journal._OPEN)
+    journal = Journal.create(tmp_path / "dropped")
+    journal.append("stdout", b"x" * 100_000, 1.0)
+    assert len(_journal._OPEN) == held + 1
+    del journal
+    assert len(_journal._OPEN) == held
+    assert len(os.listdir("/proc/self/fd")) == before

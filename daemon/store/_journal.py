@@ -40,6 +40,7 @@ import struct
 import threading
 import weakref
 from array import array
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
@@ -103,12 +104,16 @@ class _OpenJournals:
     """The journals holding a descriptor now, least recently used first, at most `most`
     of them: opening one more parks (closes) the least recently used that is not in
     use. Shared by the event loop and the threads that open and shed journals: every
-    step is taken under one lock, and a descriptor in use is never closed."""
+    step is taken under one lock, and a descriptor in use is never closed. Held by
+    weak reference: a journal dropped goes (its descriptor closed by its finalizer)."""
 
     def __init__(self, most: int) -> None:
         self.most = most
-        self._open: dict[Journal, None] = {}  # insertion order: least recently used first
-        self._lock = threading.Lock()
+        #: By id(journal), in insertion order: the least recently used first.
+        self._open: dict[int, weakref.ref[Journal]] = {}
+        # Reentrant: a journal dropped while this is held (the last reference, a local
+        # of `_trim`, let go) takes itself out through `_dropped`.
+        self._lock = threading.RLock()
 
     def __len__(self) -> int:
         return len(self._open)
@@ -122,8 +127,7 @@ class _OpenJournals:
                 fd = journal._box[0]
                 if fd < 0:
                     fd = journal._reopen()
-                self._open.pop(journal, None)
-                self._open[journal] = None
+                self._touch(journal)
                 self._trim()
             except BaseException:
                 journal._uses -= 1
@@ -137,23 +141,39 @@ class _OpenJournals:
     def opened(self, journal: Journal) -> None:
         """A journal just made holds a descriptor: count it (parking others if need be)."""
         with self._lock:
-            self._open[journal] = None
+            self._touch(journal)
             self._trim()
 
     def forget(self, journal: Journal) -> None:
         """A journal closed or handed on: it is no longer this image's to park."""
         with self._lock:
-            self._open.pop(journal, None)
+            self._open.pop(id(journal), None)
+
+    def _touch(self, journal: Journal) -> None:
+        key = id(journal)
+        ref = self._open.pop(key, None)
+        self._open[key] = ref if ref is not None else weakref.ref(journal, self._dropped(key))
+
+    def _dropped(self, key: int) -> Callable[[weakref.ref[Journal]], None]:
+        def dropped(ref: weakref.ref[Journal]) -> None:
+            with self._lock:
+                if self._open.get(key) is ref:
+                    del self._open[key]
+
+        return dropped
 
     def _trim(self) -> None:
         if len(self._open) <= self.most:
             return
-        for journal in list(self._open):
+        for key, ref in list(self._open.items()):
             if len(self._open) <= self.most:
                 return
-            if journal._uses == 0:
+            journal = ref()
+            if journal is None:
+                self._open.pop(key, None)
+            elif journal._uses == 0:
                 journal._park()
-                del self._open[journal]
+                del self._open[key]
 
 
 _OPEN = _OpenJournals(OPEN_JOURNALS)
