@@ -101,37 +101,37 @@ OPEN_JOURNALS: Final = 256
 
 
 class _OpenJournals:
-    """The journals holding a descriptor now, least recently used first, at most `most`
-    of them: opening one more parks (closes) the least recently used that is not in
-    use. Shared by the event loop and the threads that open and shed journals: every
-    step is taken under one lock, and a descriptor in use is never closed. Held by
+    """The journals holding a descriptor now, at most `most` of them: past that, the
+    least recently used that are not in use are parked (closed), down to 7/8 of
+    `most` so that a trim comes once every few dozen opens, not at each. Shared by
+    the event loop and the threads that open and shed journals: every step is taken
+    under one lock, and a descriptor in use is never closed. A use costs the lock
+    twice and a tick of the clock (an append's hot path); only a trim sorts. Held by
     weak reference: a journal dropped goes (its descriptor closed by its finalizer)."""
 
     def __init__(self, most: int) -> None:
         self.most = most
-        #: By id(journal), in insertion order: the least recently used first.
-        self._open: dict[int, weakref.ref[Journal]] = {}
-        # Reentrant: a journal dropped while this is held (the last reference, a local
-        # of `_trim`, let go) takes itself out through `_dropped`.
-        self._lock = threading.RLock()
+        self._open: dict[int, weakref.ref[Journal]] = {}  # by id(journal)
+        self._lock = threading.Lock()
+        self._clock = itertools.count(1)
 
     def __len__(self) -> int:
         return len(self._open)
 
     def acquire(self, journal: Journal) -> int:
         """`journal`'s descriptor, opened again if it was parked, held in use until
-        `release_use`; the least recently used others are parked to keep the bound."""
+        `release_use`."""
         with self._lock:
-            journal._uses += 1
-            try:
-                fd = journal._box[0]
-                if fd < 0:
+            journal._uses += 1  # first: a trim made by this use never parks it
+            journal._used = next(self._clock)
+            fd = journal._box[0]
+            if fd < 0:
+                try:
                     fd = journal._reopen()
-                self._touch(journal)
-                self._trim()
-            except BaseException:
-                journal._uses -= 1
-                raise
+                except BaseException:
+                    journal._uses -= 1
+                    raise
+                self._add(journal)
             return fd
 
     def release_use(self, journal: Journal) -> None:
@@ -141,39 +141,42 @@ class _OpenJournals:
     def opened(self, journal: Journal) -> None:
         """A journal just made holds a descriptor: count it (parking others if need be)."""
         with self._lock:
-            self._touch(journal)
-            self._trim()
+            journal._used = next(self._clock)
+            self._add(journal)
 
     def forget(self, journal: Journal) -> None:
         """A journal closed or handed on: it is no longer this image's to park."""
         with self._lock:
             self._open.pop(id(journal), None)
 
-    def _touch(self, journal: Journal) -> None:
+    def _add(self, journal: Journal) -> None:
         key = id(journal)
-        ref = self._open.pop(key, None)
-        self._open[key] = ref if ref is not None else weakref.ref(journal, self._dropped(key))
+        if key not in self._open:
+            self._open[key] = weakref.ref(journal, self._dropped(key))
+        if len(self._open) > self.most:
+            self._trim()
 
     def _dropped(self, key: int) -> Callable[[weakref.ref[Journal]], None]:
         def dropped(ref: weakref.ref[Journal]) -> None:
-            with self._lock:
-                if self._open.get(key) is ref:
-                    del self._open[key]
+            # Without the lock: a journal may die while it is held (a local let go).
+            # One dict step, atomic; a journal since made at the same id is not this one.
+            if self._open.get(key) is ref:
+                self._open.pop(key, None)
 
         return dropped
 
     def _trim(self) -> None:
-        if len(self._open) <= self.most:
-            return
+        idle: list[tuple[int, int, Journal]] = []
         for key, ref in list(self._open.items()):
-            if len(self._open) <= self.most:
-                return
             journal = ref()
             if journal is None:
                 self._open.pop(key, None)
             elif journal._uses == 0:
-                journal._park()
-                del self._open[key]
+                idle.append((journal._used, key, journal))
+        idle.sort(key=lambda entry: entry[0])
+        for _, key, journal in idle[: max(0, len(self._open) - self.most * 7 // 8)]:
+            journal._park()
+            self._open.pop(key, None)
 
 
 _OPEN = _OpenJournals(OPEN_JOURNALS)
@@ -237,6 +240,7 @@ class Journal:
         #: (device, inode) of its file, taken when it is parked, checked when reopened.
         self._identity: tuple[int, int] | None = None
         self._uses = 0  # descriptor uses under way (`_OpenJournals.acquire`)
+        self._used = 0  # when it was last used, on `_OpenJournals`' clock
         self._writable = writable
         self._opened_writable = writable
         self._size = 0
@@ -460,13 +464,19 @@ class Journal:
         entry = Entry(seq=self._last_seq + 1, kind=kind, data=data, at=at)
         head = _record_head(entry.seq, kind, at, data)
         length = len(head) + len(data)
-        with self._descriptor() as fd:
+        # `_descriptor`, spelled out: the one step every byte of output takes.
+        if not self._release.alive:
+            raise ValueError(f"journal {self.path} was released")
+        fd = _OPEN.acquire(self)
+        try:
             written = os.writev(fd, (head, data))
             if written != length:
                 # A short write to a regular file means the disk is full; cut it so
                 # the file stays a sequence of whole entries.
                 os.ftruncate(fd, self._size)
                 raise short_write("to journal", str(self.path))
+        finally:
+            _OPEN.release_use(self)
         self._note(self._size, entry)
         self._size += length
         return entry
@@ -588,6 +598,8 @@ class Journal:
         try:
             st = os.fstat(fd)
             self._identity = st.st_dev, st.st_ino
+        except OSError:  # no identity kept: opened again, it is refused, never trusted
+            self._identity = None
         finally:
             os.close(fd)
 
