@@ -7,9 +7,10 @@ the settings, as options: its settings are its command line's. (An image before
 checkpoint version 4 is given only `--handoff CHECKPOINT`, a file: its settings
 are the checkpoint's.)
 
-A serving daemon first raises its soft RLIMIT_NOFILE to the hard limit: each
-live worker holds four descriptors here (stdout and stderr pipes, pidfd,
-journal), so a login shell's soft 1024 would refuse spawns past about 250.
+A serving daemon first raises its soft RLIMIT_NOFILE to the hard limit (and the
+hard one where it may): each live worker holds three descriptors here (stdout
+and stderr pipes, pidfd; its journal only while among the 256 used last), so a
+login shell's soft 1024 would refuse spawns past about 330.
 """
 
 from __future__ import annotations
@@ -288,11 +289,29 @@ def _serve(
     return 0
 
 
+#: What the daemon raises its hard RLIMIT_NOFILE to where it may: 3 descriptors a live
+#: worker, so ~170,000 of them (systemd's default hard limit for services).
+DESCRIPTOR_LIMIT = 524288
+
+
 def _raise_descriptor_limit() -> None:
     """Raise the soft RLIMIT_NOFILE to the hard one: each live worker holds descriptors
-    here (its pipes, its pidfd, its journal), so a login shell's soft 1024 would refuse
-    spawns past about 250 live workers where the hard limit allows many more."""
+    here (its pipes and its pidfd; its journal only while it is among those used last),
+    so a login shell's soft 1024 would refuse spawns past about 330 live workers where
+    the hard limit allows many more. Where the daemon may (CAP_SYS_RESOURCE), the hard
+    one is raised first, to DESCRIPTOR_LIMIT (or the kernel's fs.nr_open, if lower)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        with open("/proc/sys/fs/nr_open", "rb") as f:
+            most = min(DESCRIPTOR_LIMIT, int(f.read()))
+    except (OSError, ValueError):
+        most = hard
+    if hard < most:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (most, most))
+            return
+        except (ValueError, OSError):  # not privileged: the hard limit stays as it is
+            pass
     if soft == hard:
         return
     try:

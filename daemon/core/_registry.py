@@ -85,6 +85,18 @@ class WorkerRecord(msgspec.Struct, kw_only=True):
     #: (0: a record from before this was kept, placed by its start).
     spawned_at: float = 0.0
 
+    def __setattr__(self, name: str, value: object) -> None:
+        # Every change of state (or of whether a result is owed), wherever it is made,
+        # moves the counts of the registry holding the record (`StateCounts`): `info`
+        # reads counts, never walks the workers.
+        counts = _COUNTED.get(id(self)) if name in _COUNTED_FIELDS else None
+        if counts is None:
+            msgspec.Struct.__setattr__(self, name, value)
+            return
+        before, owed = self.state, self.owes_result
+        msgspec.Struct.__setattr__(self, name, value)
+        counts.moved(before, self.state, self.owes_result - owed)
+
     def __post_init__(self) -> None:
         # A grace carried from before numbers were checked at the door (nan, inf) would
         # make the ending of its worker raise: such a record ends with the default.
@@ -101,6 +113,12 @@ class WorkerRecord(msgspec.Struct, kw_only=True):
     @property
     def ended(self) -> bool:
         return self.state in TERMINAL_STATES
+
+    @property
+    def owes_result(self) -> bool:
+        """Ended on its own, and neither collected nor past its TTL: a shutdown now would
+        lose the result its parent (or the user) is owed."""
+        return self.ended_on_its_own and not self.collected and not self.expired
 
     @property
     def ended_on_its_own(self) -> bool:
@@ -137,42 +155,100 @@ class WorkerRecord(msgspec.Struct, kw_only=True):
         return view
 
 
+class StateCounts:
+    """How many held workers are in each state, kept as they change (see
+    `WorkerRecord.__setattr__`), so `info` costs the same at 10 workers as at 10,000."""
+
+    def __init__(self) -> None:
+        self._counts: dict[str, int] = {}
+        #: Held workers owing a result (`WorkerRecord.owes_result`).
+        self.owed = 0
+
+    def add(self, record: WorkerRecord) -> None:
+        _COUNTED[id(record)] = self
+        self._counts[record.state] = self._counts.get(record.state, 0) + 1
+        self.owed += record.owes_result
+
+    def remove(self, record: WorkerRecord) -> None:
+        if _COUNTED.get(id(record)) is self:
+            del _COUNTED[id(record)]
+            self._take(record.state)
+            self.owed -= record.owes_result
+
+    def moved(self, before: WorkerState, after: WorkerState, owed: int) -> None:
+        """A held record's state went from `before` to `after`, and `owed` more results
+        are owed (-1, 0 or 1)."""
+        if before != after:
+            self._take(before)
+            self._counts[after] = self._counts.get(after, 0) + 1
+        self.owed += owed
+
+    def live(self) -> bool:
+        """Whether any held worker is live (not in a terminal state)."""
+        return any(state not in TERMINAL_STATES for state in self._counts)
+
+    def _take(self, state: str) -> None:
+        left = self._counts[state] - 1
+        if left:
+            self._counts[state] = left
+        else:
+            del self._counts[state]
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self._counts)
+
+
+#: The counts each held record is counted in, by the record's id(): a record is held
+#: by one registry at a time (a registry adds it when it takes it, removes it when it
+#: lets it go, so the id cannot be reused meanwhile).
+_COUNTED: dict[int, StateCounts] = {}
+#: The fields a record's counts depend on (see `WorkerRecord.__setattr__`).
+_COUNTED_FIELDS = frozenset({"state", "stop_reason", "collected", "expired"})
+
+
 def listing_page(
-    records: list[WorkerRecord], after: str | None, limit: int
+    records: Iterable[WorkerRecord], after: str | None, limit: int
 ) -> tuple[list[WorkerView], str | None, bool]:
     """The page of a sorted listing after cursor `after`: (views, next cursor, complete).
 
-    A page holds at most `limit` workers (and LIST_PAGE_WORKERS) and stops once
-    it passes LIST_PAGE_BYTES, so it always fits in a frame. The cursor names
-    a place in the order (spawned_at, id), not a worker: a worker released
-    between pages moves nothing, and one resumed keeps its place.
+    `records` are in listing order, from the first after `after` (see
+    `Registry.listed_after`): the page takes what it needs of them, so a first page
+    costs its own workers, not every worker's. A page holds at most `limit` workers
+    (and LIST_PAGE_WORKERS) and stops once it passes LIST_PAGE_BYTES, so it always
+    fits in a frame. The cursor names a place in the order (spawned_at, id), not a
+    worker: a worker released between pages moves nothing, and one resumed keeps its
+    place.
     """
     if limit < 1:
         raise Invalid(f"{op(ListWorkers)} needs limit >= 1, not {limit}")
-    start = 0
-    if after is not None:
-        start = bisect.bisect_right(records, _cursor_key(after), key=lambda r: r.place)
     views: list[WorkerView] = []
     size = 0
-    end = start
-    for record in records[start : start + min(limit, LIST_PAGE_WORKERS)]:
-        if views and size >= LIST_PAGE_BYTES:
-            break
+    most = min(limit, LIST_PAGE_WORKERS)
+    last: WorkerRecord | None = None
+    for record in records:
+        if len(views) >= most or (views and size >= LIST_PAGE_BYTES):
+            assert last is not None
+            return views, f"{last.spawned_at.hex()}/{last.id}", False
         view = record.summary()
         size += len(_encoder.encode(view))
         views.append(view)
-        end += 1
-    if end >= len(records):
-        return views, None, True
-    last = records[end - 1]
-    return views, f"{last.spawned_at.hex()}/{last.id}", False
+        last = record
+    return views, None, True
+
+
+def cursor_place(cursor: str | None) -> tuple[float, str] | None:
+    """The place in the listing order a page's `next` names (None: from the start)."""
+    return None if cursor is None else _cursor_key(cursor)
 
 
 def _cursor_key(cursor: str) -> tuple[float, str]:
     started, _, worker_id = cursor.partition("/")
     try:
-        return float.fromhex(started), worker_id
-    except ValueError:
+        place = float.fromhex(started), worker_id
+        if not math.isfinite(place[0]):  # no start time is: a nan would match nowhere
+            raise ValueError(started)
+        return place
+    except (ValueError, OverflowError):
         raise Invalid(
             f"{op(ListWorkers)} after={cursor!r} is not a cursor this daemon gave: "
             "pass back a page's `next`"
@@ -228,6 +304,10 @@ class Registry:
 
     def __init__(self, make_id: Callable[[str], str] = new_id) -> None:
         self._workers: dict[str, WorkerRecord] = {}
+        #: Every held worker's place in a listing, (spawned_at, id), kept sorted: a page
+        #: is read from its cursor on, never sorted from every worker.
+        self._places: list[tuple[float, str]] = []
+        self._counts = StateCounts()
         self._runs: dict[str, RunRecord] = {}
         self._make_id = make_id
         self._children: dict[str, list[str]] = {}  # worker id -> ids it delegated to
@@ -379,7 +459,7 @@ class Registry:
             record.fence = self.fence.epoch
             if self.fence.cancelled:
                 record.stop_reason = "fence"
-        self._workers[worker_id] = record
+        self._hold(record)
         self._by_token[record.token] = worker_id
         self._children[worker_id] = []
         self._run_members[run_record.id].append(worker_id)
@@ -588,7 +668,7 @@ class Registry:
             if run.outer is not None:
                 self._inner_runs[run.outer].append(run.id)
         for record in sorted(records, key=lambda r: (r.started_at, r.id)):
-            self._workers[record.id] = record
+            self._hold(record)
             self._by_token[record.token] = record.id
             self._children.setdefault(record.id, [])
             self._run_members[record.run].append(record.id)
@@ -700,7 +780,7 @@ class Registry:
             )
             self._run_members[record.run] = []
             self._inner_runs[record.run] = []
-        self._workers[record.id] = record
+        self._hold(record)
         self._by_token[record.token] = record.id
         self._children.setdefault(record.id, [])
         self._run_members[record.run].append(record.id)
@@ -756,7 +836,7 @@ class Registry:
         released: list[str] = []
         current: str | None = worker_id
         while current is not None and current not in released and self._releasable(current):
-            record = self._workers.pop(current)
+            record = self._let_go(current)
             released.append(current)
             del self._by_token[record.token]
             del self._children[current]
@@ -788,29 +868,57 @@ class Registry:
     # -- views ---------------------------------------------------------------
 
     def listing(self, *, include_ended: bool, run: str | None = None) -> list[WorkerRecord]:
-        if run is not None:
-            ids = [w for r in self.runs_within(self.run(run).id) for w in self._run_members[r]]
-            records = [self._workers[w] for w in ids]
-        else:
-            records = list(self._workers.values())
-        if not include_ended:
-            records = [r for r in records if not r.ended]
-        return sorted(records, key=lambda r: r.place)
+        return list(self.listed_after(None, include_ended=include_ended, run=run))
+
+    def listed_after(
+        self,
+        place: tuple[float, str] | None,
+        *,
+        include_ended: bool,
+        run: str | None = None,
+        sees: Callable[[str], bool] | None = None,
+    ) -> Iterator[WorkerRecord]:
+        """The held workers a listing shows, in its order (spawned_at, id), from the first
+        after `place` (None: from the start), as they are asked for: a page takes the
+        first thousand of 10,000 for what those thousand cost. `sees`: whether the asker
+        may see a worker (by id); `run`: that run's and those nested in it only."""
+        runs = None if run is None else set(self.runs_within(self.run(run).id))
+        start = 0 if place is None else bisect.bisect_right(self._places, place)
+        for index in range(start, len(self._places)):
+            record = self._workers[self._places[index][1]]
+            if (
+                (include_ended or not record.ended)
+                and (runs is None or record.run in runs)
+                and (sees is None or sees(record.id))
+            ):
+                yield record
 
     def counts(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for record in self._workers.values():
-            counts[record.state] = counts.get(record.state, 0) + 1
-        return counts
+        """How many held workers are in each state: kept as they change, not counted."""
+        return self._counts.as_dict()
+
+    def _hold(self, record: WorkerRecord) -> None:
+        """Take a record in: by id, in the listing order, and in the counts."""
+        if record.id in self._workers:  # the same worker again: its old record goes
+            self._let_go(record.id)
+        self._workers[record.id] = record
+        bisect.insort(self._places, record.place)
+        self._counts.add(record)
+
+    def _let_go(self, worker_id: str) -> WorkerRecord:
+        record = self._workers.pop(worker_id)
+        index = bisect.bisect_left(self._places, record.place)
+        if index < len(self._places) and self._places[index] == record.place:
+            del self._places[index]
+        self._counts.remove(record)
+        return record
 
     def holds_park(self) -> bool:
         """Whether shutting down now would cost a worker: one live (stopping included:
         its tree still runs), or a result owed: a worker that ended on its own, not yet
-        collected, within its TTL. A stopped or cancelled worker owes no result."""
-        return any(
-            not r.ended or (r.ended_on_its_own and self._retained(r))
-            for r in self._workers.values()
-        )
+        collected, within its TTL. A stopped or cancelled worker owes no result. Read
+        from the counts, kept as workers change: `info` asks it each time."""
+        return self._counts.live() or self._counts.owed > 0
 
     def _fresh_id(self, prefix: str) -> str:
         while True:

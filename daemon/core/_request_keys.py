@@ -12,6 +12,7 @@ a connection presented. A worker cannot read the answer to a key it did not send
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -76,7 +77,7 @@ def _asked(request: Spawn | Resume) -> tuple[str, dict[str, object]]:
     (with a default, as every new field has) changes no digest: a keyed request sent again
     across an upgrade reload still matches the key its first sending made."""
     given = {}
-    for field in msgspec.structs.fields(request):
+    for field in _fields(type(request)):
         value = getattr(request, field.name)
         if field.default is not msgspec.NODEFAULT:
             default = field.default
@@ -88,6 +89,13 @@ def _asked(request: Spawn | Resume) -> tuple[str, dict[str, object]]:
         if value != default:
             given[field.name] = value
     return str(request.__struct_config__.tag), given
+
+
+@functools.cache
+def _fields(kind: type[Spawn | Resume]) -> tuple[msgspec.structs.FieldInfo, ...]:
+    """`msgspec.structs.fields` of a request type, worked out once: it resolves the
+    type's annotations each time (5% of a keyed spawn's cost in the daemon)."""
+    return msgspec.structs.fields(kind)
 
 
 class RequestKeys:

@@ -8,7 +8,11 @@ queue from it at start.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 from subagentd.protocol import Wake, WorkerState
+
+_K = TypeVar("_K")
 
 #: A parent that wakes are for: ("run", run id) or ("worker", worker id).
 WakeKey = tuple[str, str]
@@ -19,10 +23,16 @@ def key_of(wake: Wake) -> WakeKey:
 
 
 class WakeQueue:
+    """Pending wakes by seq, and indexed by the parent they are for and by run: a
+    subscriber's page, and the wakes a run takes along, cost that parent's or that
+    run's wakes, not every wake pending (10,000 nobody acknowledged, say)."""
+
     def __init__(self) -> None:
         self.pending: dict[int, Wake] = {}
         self.last_seq = 0
         self._posted: set[tuple[str, int]] = set()  # (worker id, attempt)
+        self._by_key: dict[WakeKey, dict[int, Wake]] = {}
+        self._by_run: dict[str, dict[int, Wake]] = {}
 
     def post(
         self,
@@ -55,7 +65,11 @@ class WakeQueue:
     def restore(self, wake: Wake) -> None:
         """Take back a wake read from the store."""
         self._posted.add((wake.id, wake.attempt))
+        if wake.seq in self.pending:  # the same seq again: the one before goes
+            self.ack([wake.seq])
         self.pending[wake.seq] = wake
+        self._by_key.setdefault(key_of(wake), {})[wake.seq] = wake
+        self._by_run.setdefault(wake.run, {})[wake.seq] = wake
         self.last_seq = max(self.last_seq, wake.seq)
 
     def was_posted(self, worker: str, attempt: int) -> bool:
@@ -64,14 +78,25 @@ class WakeQueue:
     def pending_for(self, key: WakeKey, after: int = 0) -> list[Wake]:
         """Unacknowledged wakes for `key` with seq > after, oldest first."""
         return sorted(
-            (w for w in self.pending.values() if w.seq > after and key_of(w) == key),
+            (w for w in self._by_key.get(key, {}).values() if w.seq > after),
             key=lambda w: w.seq,
         )
 
     def ack(self, seqs: list[int]) -> None:
         for seq in seqs:
-            self.pending.pop(seq, None)
+            wake = self.pending.pop(seq, None)
+            if wake is not None:
+                _unindex(self._by_key, key_of(wake), seq)
+                _unindex(self._by_run, wake.run, seq)
 
     def of_run(self, run: str) -> list[int]:
         """The seqs of the unacknowledged wakes of `run`'s workers, whoever they are for."""
-        return [seq for seq, wake in self.pending.items() if wake.run == run]
+        return list(self._by_run.get(run, ()))
+
+
+def _unindex(index: dict[_K, dict[int, Wake]], key: _K, seq: int) -> None:
+    wakes = index.get(key)
+    if wakes is not None:
+        wakes.pop(seq, None)
+        if not wakes:
+            del index[key]

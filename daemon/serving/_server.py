@@ -91,7 +91,7 @@ from subagentd.protocol.errors import (
 from .._daemon import RELOAD_RETRY, Daemon, Stopping
 from .._logging import bind_contextvars, get_logger
 from ..core._authority import Authority
-from ..core._registry import listing_page
+from ..core._registry import cursor_place, listing_page
 from ..core._request_keys import asked_key
 from ..core._session import Close, Release, Session
 from ..lifecycle._reload import Handover, Reloader, owed_by_connection
@@ -635,9 +635,10 @@ class Server:
             case Spawn():
                 return WorkerReply(id=rid, worker=await daemon.spawn(request, caller))
             case ListWorkers(all=include_ended, run=run, after=after, limit=limit):
-                records = registry.listing(include_ended=include_ended, run=run)
-                if caller is not None:
-                    records = [r for r in records if self.authority.sees(caller, r.id)]
+                sees = None if caller is None else lambda w: self.authority.sees(caller, w)
+                records = registry.listed_after(
+                    cursor_place(after), include_ended=include_ended, run=run, sees=sees
+                )
                 views, cursor, complete = listing_page(records, after, limit)
                 return WorkerList(id=rid, workers=views, next=cursor, complete=complete)
             case Status(worker=worker):

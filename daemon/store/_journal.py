@@ -15,6 +15,15 @@ end alone, however long the file: for what needs only the end of its stdout.
 A journal that grows long keeps only its end in the page cache (`shed`). A reload
 hands a live journal's descriptor and verified index to the next image (`carry`,
 `adopt`), which checks them against the file rather than scanning it again.
+
+At most OPEN_JOURNALS journals hold a descriptor at once (`_OpenJournals`): 10,000 live
+workers that write now and then must not cost 10,000 of the daemon's descriptors. The
+one used least recently is closed ("parked") when another needs one, and opened
+again, by its path, when it is next written or read; what it opens then is checked to
+be the very file the daemon wrote, as `adopt` checks a carried one (same device and
+inode, one link, as long as the daemon wrote it, its last entry whole where the index
+says). A file replaced or written into while its journal was parked is refused
+(`JournalCorrupt`), never written after or read as the worker's.
 """
 
 from __future__ import annotations
@@ -28,8 +37,10 @@ import itertools
 import os
 import stat
 import struct
+import threading
 import weakref
 from array import array
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
@@ -84,6 +95,91 @@ _EMPTY_BIN: Final = b"\xc4\x00"
 _BIN8: Final = struct.Struct(">BB")
 _BIN16: Final = struct.Struct(">BH")
 _BIN32: Final = struct.Struct(">BI")
+#: How many journals hold a descriptor at once, the most recently used: a live worker's
+#: journal costs the daemon no descriptor while it is idle (see `_OpenJournals`).
+OPEN_JOURNALS: Final = 256
+
+
+class _OpenJournals:
+    """The journals holding a descriptor now, at most `most` of them: past that, the
+    least recently used that are not in use are parked (closed), down to 7/8 of
+    `most` so that a trim comes once every few dozen opens, not at each. Shared by
+    the event loop and the threads that open and shed journals: every step is taken
+    under one lock, and a descriptor in use is never closed. A use costs the lock
+    twice and a tick of the clock (an append's hot path); only a trim sorts. Held by
+    weak reference: a journal dropped goes (its descriptor closed by its finalizer)."""
+
+    def __init__(self, most: int) -> None:
+        self.most = most
+        self._open: dict[int, weakref.ref[Journal]] = {}  # by id(journal)
+        self._lock = threading.Lock()
+        self._clock = itertools.count(1)
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def acquire(self, journal: Journal) -> int:
+        """`journal`'s descriptor, opened again if it was parked, held in use until
+        `release_use`."""
+        with self._lock:
+            journal._uses += 1  # first: a trim made by this use never parks it
+            journal._used = next(self._clock)
+            fd = journal._box[0]
+            if fd < 0:
+                try:
+                    fd = journal._reopen()
+                except BaseException:
+                    journal._uses -= 1
+                    raise
+                self._add(journal)
+            return fd
+
+    def release_use(self, journal: Journal) -> None:
+        with self._lock:
+            journal._uses -= 1
+
+    def opened(self, journal: Journal) -> None:
+        """A journal just made holds a descriptor: count it (parking others if need be)."""
+        with self._lock:
+            journal._used = next(self._clock)
+            self._add(journal)
+
+    def forget(self, journal: Journal) -> None:
+        """A journal closed or handed on: it is no longer this image's to park."""
+        with self._lock:
+            self._open.pop(id(journal), None)
+
+    def _add(self, journal: Journal) -> None:
+        key = id(journal)
+        if key not in self._open:
+            self._open[key] = weakref.ref(journal, self._dropped(key))
+        if len(self._open) > self.most:
+            self._trim()
+
+    def _dropped(self, key: int) -> Callable[[weakref.ref[Journal]], None]:
+        def dropped(ref: weakref.ref[Journal]) -> None:
+            # Without the lock: a journal may die while it is held (a local let go).
+            # One dict step, atomic; a journal since made at the same id is not this one.
+            if self._open.get(key) is ref:
+                self._open.pop(key, None)
+
+        return dropped
+
+    def _trim(self) -> None:
+        idle: list[tuple[int, int, Journal]] = []
+        for key, ref in list(self._open.items()):
+            journal = ref()
+            if journal is None:
+                self._open.pop(key, None)
+            elif journal._uses == 0:
+                idle.append((journal._used, key, journal))
+        idle.sort(key=lambda entry: entry[0])
+        for _, key, journal in idle[: max(0, len(self._open) - self.most * 7 // 8)]:
+            journal._park()
+            self._open.pop(key, None)
+
+
+_OPEN = _OpenJournals(OPEN_JOURNALS)
 
 
 class _Stored(msgspec.Struct, array_like=True):
@@ -130,15 +226,21 @@ class Journal:
     """One worker's journal file. Open it with `create` or `open` (or `adopt`, across a
     reload).
 
-    It holds its descriptor for as long as it lives (closed when it is dropped,
-    or by `release`): pages are read from the file the daemon verified, not from
-    whatever a worker renamed over its name since.
+    It holds a descriptor while it is among the OPEN_JOURNALS used last, and opens its
+    file again, checked to be the same, when it is used after (see `_OpenJournals`):
+    pages are read from the file the daemon verified, never from whatever a worker
+    renamed over its name since. Closed when it is dropped, or by `release`.
     """
 
     def __init__(self, path: Path | str, fd: int, *, writable: bool) -> None:
         self._path = path  # a str where it is made a thousand at a time (adopt)
-        self._fd = fd
-        self._release = weakref.finalize(self, os.close, fd)
+        #: Its descriptor (-1 while parked), in a box the finalizer can see change.
+        self._box = [fd]
+        self._release = weakref.finalize(self, _close_box, self._box)
+        #: (device, inode) of its file, taken when it is parked, checked when reopened.
+        self._identity: tuple[int, int] | None = None
+        self._uses = 0  # descriptor uses under way (`_OpenJournals.acquire`)
+        self._used = 0  # when it was last used, on `_OpenJournals`' clock
         self._writable = writable
         self._opened_writable = writable
         self._size = 0
@@ -161,7 +263,9 @@ class Journal:
         if st.st_size or st.st_nlink != 1:
             os.close(fd)
             raise FileExistsError(errno.EEXIST, "a journal is already there", str(path))
-        return cls(path, fd, writable=True)
+        journal = cls(path, fd, writable=True)
+        _OPEN.opened(journal)
+        return journal
 
     @classmethod
     def open(cls, path: Path, *, writable: bool, most: int | None = None) -> Journal:
@@ -192,6 +296,7 @@ class Journal:
         except BaseException:
             journal.release()
             raise
+        _OPEN.opened(journal)
         return journal
 
     @classmethod
@@ -227,12 +332,13 @@ class Journal:
         except BaseException:
             journal.release()
             raise
+        _OPEN.opened(journal)
         return journal
 
     def _take_index(self, st: os.stat_result, index: JournalIndex) -> None:
         """Check `index` against the file (`st`) and its last entry, then take it."""
         size, last_seq, last, offsets = index.size, index.last_seq, index.last_offset, index.offsets
-        flags = fcntl.fcntl(self._fd, fcntl.F_GETFL)
+        flags = fcntl.fcntl(self._box[0], fcntl.F_GETFL)
         problem = None
         if st.st_nlink != 1:
             problem = f"it has {st.st_nlink} links"
@@ -252,7 +358,7 @@ class Journal:
 
     def _ends_with(self, offset: int, size: int, seq: int) -> bool:
         """Whether one whole entry numbered `seq` lies from `offset` to `size`."""
-        raw = os.pread(self._fd, min(size - offset, ENTRY_HEADER.size + MAX_ENTRY_BODY), offset)
+        raw = os.pread(self._box[0], min(size - offset, ENTRY_HEADER.size + MAX_ENTRY_BODY), offset)
         if len(raw) < ENTRY_HEADER.size:
             return False
         length, crc = ENTRY_HEADER.unpack_from(raw)
@@ -264,9 +370,11 @@ class Journal:
     def carry(self, carried: Carried) -> tuple[int, JournalIndex] | None:
         """Hand the descriptor and the index to a reload's exec (see `adopt`); None for a
         journal not open for writing (the next image opens it from its path)."""
-        if not self._writable:
-            return None
-        fd = carried.carry(self._fd, f"journal {self._path}")
+        if not self._writable or self._box[0] < 0:
+            return None  # parked: the next image opens it from its path, and verifies it
+        # Held open from here to the exec: never parked (by a thread opening another)
+        # while the checkpoint names its descriptor.
+        fd = carried.carry(_OPEN.acquire(self), f"journal {self._path}")
         return fd, JournalIndex(
             size=self._size,
             last_seq=self._last_seq,
@@ -276,7 +384,7 @@ class Journal:
 
     def _scan(self, size: int) -> int:
         """Index the file's first `size` bytes; return where the last whole entry ends."""
-        window = _Window(self._fd, size, SCAN_WINDOW)
+        window = _Window(self._box[0], size, SCAN_WINDOW)
         offset = 0
         while offset < size:
             header = window.take(offset, ENTRY_HEADER.size)
@@ -293,7 +401,7 @@ class Journal:
             if stored is None:
                 # The last entry half written, or a file extended by the crash
                 # but never filled (zeros): a torn tail. Anything else is damage.
-                if end == size or _zeros(self._fd, offset, size):
+                if end == size or _zeros(self._box[0], offset, size):
                     break
                 raise JournalCorrupt(self.path, offset, problem)
             self._note(offset, _entry(stored))
@@ -356,12 +464,19 @@ class Journal:
         entry = Entry(seq=self._last_seq + 1, kind=kind, data=data, at=at)
         head = _record_head(entry.seq, kind, at, data)
         length = len(head) + len(data)
-        written = os.writev(self._fd, (head, data))
-        if written != length:
-            # A short write to a regular file means the disk is full; cut it so
-            # the file stays a sequence of whole entries.
-            os.ftruncate(self._fd, self._size)
-            raise short_write("to journal", str(self.path))
+        # `_descriptor`, spelled out: the one step every byte of output takes.
+        if not self._release.alive:
+            raise ValueError(f"journal {self.path} was released")
+        fd = _OPEN.acquire(self)
+        try:
+            written = os.writev(fd, (head, data))
+            if written != length:
+                # A short write to a regular file means the disk is full; cut it so
+                # the file stays a sequence of whole entries.
+                os.ftruncate(fd, self._size)
+                raise short_write("to journal", str(self.path))
+        finally:
+            _OPEN.release_use(self)
         self._note(self._size, entry)
         self._size += length
         return entry
@@ -386,8 +501,8 @@ class Journal:
         for the disk's queue: call it in a thread, as appends go on. Readers still read
         it all, from disk.
         """
-        with contextlib.suppress(OSError):
-            os.posix_fadvise(self._fd, start, end - start, os.POSIX_FADV_DONTNEED)
+        with contextlib.suppress(OSError, JournalCorrupt), self._descriptor() as fd:
+            os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)
 
     def read(self, since: int, limit: int, max_bytes: int = PAGE_BYTES) -> list[Entry]:
         """Entries with seq > since, at most `limit` of them and about `max_bytes` of data.
@@ -403,13 +518,14 @@ class Journal:
             return _bounded(
                 (self._tail[i] for i in range(start, len(self._tail))), limit, max_bytes
             )
-        return _bounded(self._read_disk(first), limit, max_bytes)
+        with self._descriptor() as fd:
+            return _bounded(self._read_disk(fd, first), limit, max_bytes)
 
-    def _read_disk(self, first: int) -> collections.abc.Iterator[Entry]:
+    def _read_disk(self, fd: int, first: int) -> collections.abc.Iterator[Entry]:
         slot = (first - 1) // INDEX_STRIDE
         offset = self._offsets[slot]
         seq = slot * INDEX_STRIDE + 1
-        window = _Window(self._fd, self._size, PAGE_WINDOW)
+        window = _Window(fd, self._size, PAGE_WINDOW)
         while seq <= self._last_seq:
             header = window.take(offset, ENTRY_HEADER.size)
             if len(header) < ENTRY_HEADER.size:
@@ -447,13 +563,89 @@ class Journal:
     def release(self) -> None:
         """Close the descriptor now rather than when the journal is dropped."""
         self._writable = False
+        _OPEN.forget(self)
         self._release()
 
     def detach(self) -> None:
         """Let go of the descriptor without closing it: a reload's exec carried it to the
         next image, which owns it now (the in-process tests' stand-in for the exec)."""
         self._writable = False
+        _OPEN.forget(self)
         self._release.detach()
+
+    @property
+    def holds_descriptor(self) -> bool:
+        """Whether it holds a descriptor now (False while parked, or once released)."""
+        return self._release.alive and self._box[0] >= 0
+
+    @contextlib.contextmanager
+    def _descriptor(self) -> collections.abc.Iterator[int]:
+        """Its descriptor for the body, opened again if it was parked; never parked
+        meanwhile. Raises JournalCorrupt if the file at its path is no longer its own."""
+        if not self._release.alive:
+            raise ValueError(f"journal {self.path} was released")
+        fd = _OPEN.acquire(self)
+        try:
+            yield fd
+        finally:
+            _OPEN.release_use(self)
+
+    def _park(self) -> None:
+        """Close the descriptor, remembering which file it was (`_OpenJournals._trim`)."""
+        fd, self._box[0] = self._box[0], -1
+        if fd < 0:
+            return
+        try:
+            st = os.fstat(fd)
+            self._identity = st.st_dev, st.st_ino
+        except OSError:  # no identity kept: opened again, it is refused, never trusted
+            self._identity = None
+        finally:
+            os.close(fd)
+
+    def _reopen(self) -> int:
+        """Open the parked journal's file again, and check it is the one the daemon wrote:
+        the same file, one link, as long as written, its last entry whole where the index
+        says (as `adopt` checks a carried one). Anything else raises JournalCorrupt."""
+        flags = os.O_RDWR | os.O_APPEND if self._opened_writable else os.O_RDONLY
+        try:
+            fd = open_regular(self._path, flags)
+        except (FileNotFoundError, NotRegularFile) as exc:
+            raise JournalCorrupt(
+                self.path, self._size, f"its file is gone from its name while it was closed ({exc})"
+            ) from None
+        try:
+            st = os.fstat(fd)
+            problem = None
+            if (st.st_dev, st.st_ino) != self._identity:
+                problem = "another file was put at its name while it was closed"
+            elif self._opened_writable and st.st_nlink != 1:
+                problem = f"it has {st.st_nlink} links"
+            elif st.st_size != self._size:
+                problem = f"it is {st.st_size} bytes long, not the {self._size} the daemon wrote"
+            elif self._last_seq and not self._ends_with_at(fd, self._last_offset, self._size):
+                problem = f"no whole entry {self._last_seq} ends it at byte {self._last_offset}"
+            if problem is not None:
+                raise JournalCorrupt(self.path, self._size, f"{problem}: it is not reopened")
+        except BaseException:
+            os.close(fd)
+            raise
+        self._box[0] = fd
+        return fd
+
+    def _ends_with_at(self, fd: int, offset: int, size: int) -> bool:
+        was, self._box[0] = self._box[0], fd
+        try:
+            return self._ends_with(offset, size, self._last_seq)
+        finally:
+            self._box[0] = was
+
+
+def _close_box(box: list[int]) -> None:
+    """A dropped or released journal's descriptor, closed if it holds one."""
+    fd, box[0] = box[0], -1
+    if fd >= 0:
+        os.close(fd)
 
 
 def read_tail(path: Path, kind: EntryKind, limit: int) -> bytes:

@@ -27,7 +27,7 @@ from ..core._registry import Registry, WorkerRecord
 from ..processes._launcher import Launcher
 from ..processes._process import WorkerProcess, pump, write_nowait
 from ..store._archive import STDOUT_TAIL_BYTES
-from ..store._journal import Journal
+from ..store._journal import Journal, JournalCorrupt
 
 log = get_logger()
 
@@ -529,6 +529,9 @@ class Supervisor:
         except OSError as exc:
             self._disk_trouble(f"journal of {live.record.id}", exc)
             return
+        except JournalCorrupt as exc:  # its file replaced while closed: refused, said here
+            log.error("worker.journal_refused", worker=live.record.id, error=str(exc))
+            return
         grown, live.grown = live.grown, trio.Event()
         grown.set()
 
@@ -542,6 +545,9 @@ class Supervisor:
             live.journal.append("state", said, self._clock())
         except OSError as exc:  # the stop goes ahead unsaid: it matters more
             self._disk_trouble(f"journal of {live.record.id}", exc)
+            return
+        except JournalCorrupt as exc:  # its file replaced while closed: the stop goes ahead
+            log.error("worker.journal_refused", worker=live.record.id, error=str(exc))
             return
         grown, live.grown = live.grown, trio.Event()
         grown.set()
