@@ -233,6 +233,20 @@ class Cgroups:
         except FileNotFoundError:
             return []
 
+    def all_below(self) -> list[WorkerCgroup]:
+        """Every cgroup in the workers' cgroup, deepest first, then that cgroup itself (for
+        the daemon's shutdown): workers' known or not, what a worker made beside its own or
+        inside it. Itself only while the daemon stands where it lives (never caught in a
+        worker's to fork, as `WorkerCgroup.born_in` leaves it on a failed return): its
+        cgroup.kill would end the daemon too."""
+        found: list[WorkerCgroup] = []
+        for parent, dirs, _ in os.walk(self.base, topdown=False):
+            found.extend(WorkerCgroup(Path(parent) / name, self.home) for name in dirs)
+        own = _own_cgroup()
+        if self.base.is_dir() and own is not None and _parts(own) == self._listed_as[:-1]:
+            found.append(WorkerCgroup(self.base, self.home))
+        return found
+
     def remove(self) -> None:
         """Remove the workers' cgroup if it is empty (the daemon is stopping)."""
         # A worker cgroup left in it keeps it: the next start sweeps that.
@@ -329,6 +343,7 @@ async def end_cgroup(
     leader: tuple[int, int] | None = None,
     *,
     leader_termed: bool = False,
+    termed: set[int] | None = None,
 ) -> int:
     """TERM all in the cgroup, cgroup.kill what is left after `grace`; how many were killed.
 
@@ -337,14 +352,19 @@ async def end_cgroup(
     worker's own (pid, pidfd), our unreaped child, so pinned already (see `_pinned`);
     `leader_termed`: it has had its TERM (`LocalLauncher.term_leader`), and gets no
     second (to some programs a second means "quit now"). Unreaped until this returns,
-    its pid is no one else's, so the waves tell it by its pid.
+    its pid is no one else's, so the waves tell it by its pid. `termed`: where the pids
+    sent a TERM are kept, so a search for what left the cgroup (`end_escaped`) sends them
+    no second one.
     """
     termed_by_pid: set[int] = set()
+    told: set[int] = set() if termed is None else termed
     if leader_termed and leader is not None:
         termed_by_pid.add(leader[0])
+        told.add(leader[0])
     with (graces or Graces()).period(grace):
         while pids := await _members(group):
             with _pinned(group, pids, leader) as (pinned, unpinned):
+                told.update(pinned, unpinned)
                 for pid, fd in pinned.items():
                     if pid not in termed_by_pid:
                         term(fd)

@@ -12,15 +12,22 @@ carries them), its output pipes, and the wait for its exit.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Container, Iterator, Mapping
+from collections.abc import Callable, Container, Iterator, Mapping
 from typing import Literal, Protocol
+
+import trio
 
 from .._logging import get_logger
 from ._cgroup import Cgroups, WorkerCgroup, end_cgroup, peer_cgroup, term
+from ._escapes import MarkerSearch, end_escaped, end_marked_by
 from ._process import WorkerProcess
 from ._tree import Graces, ProcessTable, end_marked, end_tree
 
 log = get_logger()
+
+#: At the daemon's shutdown, what is left in its cgroups, or carries one of its workers'
+#: ids elsewhere, has this long between its TERM and its KILL.
+SWEEP_GRACE = 1.0
 
 
 class Launcher(Protocol):
@@ -114,6 +121,13 @@ class Launcher(Protocol):
         """At a clean start: end what dead images left, but for the workers in `live`."""
         ...
 
+    async def sweep_at_shutdown(self, since_of: Callable[[str], int | None]) -> None:
+        """The daemon stops, its workers ended: end what is left in any of its cgroups
+        (known workers' or not) and what carries one of its workers' ids anywhere
+        (`since_of`: when that worker's process started, 0 if not known, None for an id
+        that is not this daemon's)."""
+        ...
+
     def close(self, *, anything_live: bool) -> None:
         """The daemon stops: let go of the launcher's own resources if nothing runs."""
         ...
@@ -128,6 +142,9 @@ class LocalLauncher:
         self.tree_tracking = tree_tracking
         self.graces = Graces()
         self.processes = ProcessTable()
+        #: Searches of /proc for what left its worker's cgroup, shared by the stops asked
+        #: at about the same time.
+        self.markers = MarkerSearch()
         #: The workers' cgroups present, listed once for a reload's adoption of many (a
         #: stat each was a quarter of adopting 1,000): only while `adopting`.
         self._present: frozenset[str] | None = None
@@ -221,9 +238,21 @@ class LocalLauncher:
         graces = self.graces if hurried else None
         if process.cgroup is not None:
             leader = (process.pid, process.pidfd) if process.pidfd >= 0 else None
-            return await end_cgroup(
-                process.cgroup, grace, graces, leader, leader_termed=leader_termed
+            termed: set[int] = set()
+            deadline = trio.current_time() + grace
+            killed = await end_cgroup(
+                process.cgroup, grace, graces, leader, leader_termed=leader_termed, termed=termed
             )
+            if leader_termed:
+                # A stop (its TERM came from `term_leader`), not a worker ending by itself:
+                # what moved itself out of the cgroup goes too, within what is left of the
+                # grace. Searched once the cgroup is empty, so nothing of the tree is left
+                # to fork a child the search would miss (docs/design.md).
+                left = max(0.0, deadline - trio.current_time())
+                killed += await end_escaped(
+                    self.markers, worker_id, process.starttime, left, graces, termed
+                )
+            return killed
         return await end_tree(
             self.processes, process.pid, worker_id, process.starttime, grace, graces
         )
@@ -258,6 +287,24 @@ class LocalLauncher:
             if killed:
                 log.warning("cgroup.leftover_killed", cgroup=str(group.path), processes=killed)
             _remove(group)
+
+    async def sweep_at_shutdown(self, since_of: Callable[[str], int | None]) -> None:
+        if self.cgroups is not None:
+            groups = self.cgroups.all_below()
+            async with trio.open_nursery() as nursery:
+                for group in groups:
+                    nursery.start_soon(self._sweep_group, group)
+            for group in groups:  # deepest first: a cgroup goes once those below it have
+                if group.path.parent != self.cgroups.home:
+                    _remove(group)
+        killed = await end_marked_by(self.markers, since_of, SWEEP_GRACE, self.graces)
+        if killed:
+            log.warning("shutdown.marked_killed", processes=killed)
+
+    async def _sweep_group(self, group: WorkerCgroup) -> None:
+        killed = await end_cgroup(group, SWEEP_GRACE, self.graces)
+        if killed:
+            log.warning("shutdown.cgroup_killed", cgroup=str(group.path), processes=killed)
 
     def close(self, *, anything_live: bool) -> None:
         if self.cgroups is not None and not anything_live:

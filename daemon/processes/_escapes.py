@@ -1,0 +1,164 @@
+"""A worker's processes that left its cgroup: found by the worker id they carry, and ended.
+
+A worker's cgroup holds whatever it forks, unless a process moves itself out: a delegated
+user service may write `cgroup.procs` anywhere in its subtree (the daemon's own cgroup, a
+sibling worker's, one it makes), root anywhere, and `systemd-run --scope` moves a process
+into a scope of the user's manager. It keeps the `SUBAGENTD_WORKER_ID` it inherited, so a
+stop ends what carries the worker's id outside its cgroup too, and the daemon's shutdown
+ends what carries any of its workers' ids (`MarkerSearch`; the guarantee and its limits
+are in docs/design.md, "Stopping exactly what you mean").
+
+One search reads /proc/PID/stat of every process and the environment of those started
+since the oldest worker asked about: its cost grows with the machine's processes, not
+with the stops, since the stops asked while one is made share the next.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import trio
+
+from ._tree import DESCRIPTOR_ERRNOS, Graces, ProcStat, end_found, running, with_descendants
+from ._tree import scan as scan_table
+
+#: What a worker's processes inherit in their environment, before the worker's id.
+MARKER = b"SUBAGENTD_WORKER_ID="
+#: At most this many worker ids are taken from one process's environment (getenv reads
+#: the first; a child of a worker that set its own has two).
+MARKERS_READ = 4
+
+
+@dataclass(frozen=True)
+class Marked:
+    """One search of /proc: every process, and those carrying a worker id by that id."""
+
+    table: dict[int, ProcStat]
+    by_worker: dict[str, list[int]]
+
+    def carriers(self, worker_id: str, since: int) -> list[ProcStat]:
+        """The processes carrying `worker_id` started at or after `since` (a process older
+        than the worker cannot be its: one that merely claims its id is spared), and
+        everything descended from them (a child that cleared its environment)."""
+        roots = {
+            pid for pid in self.by_worker.get(worker_id, ()) if self.table[pid].starttime >= since
+        }
+        return [stat for stat in with_descendants(self.table, roots) if running(stat)]
+
+
+def worker_ids_of(pid: int) -> list[str]:
+    """The worker ids process `pid` carries in its environment (none if it cannot be read:
+    another user's process, to a daemon not run as root, is not ours to end anyway).
+    Raises OSError for want of a descriptor, as `read_stat` does."""
+    try:
+        fd = os.open(f"/proc/{pid}/environ", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno in DESCRIPTOR_ERRNOS:
+            raise
+        return []
+    try:
+        chunks = []
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+    except OSError:
+        return []
+    finally:
+        os.close(fd)
+    environ = b"".join(chunks)
+    if MARKER not in environ:  # the common case: one search of the bytes, no split
+        return []
+    found = [
+        entry[len(MARKER) :].decode(errors="replace")
+        for entry in environ.split(b"\0")
+        if entry.startswith(MARKER)
+    ]
+    return found[:MARKERS_READ]  # a forger's thousand claims cost no more than a few
+
+
+def search(since: int) -> Marked:
+    """Every process now, and the worker ids carried by those started at or after `since`
+    (clock ticks after boot); never the daemon."""
+    table = scan_table()
+    me = os.getpid()
+    by_worker: dict[str, list[int]] = {}
+    for stat in table.values():
+        if stat.starttime < since or stat.pid == me:
+            continue
+        for worker_id in worker_ids_of(stat.pid):
+            by_worker.setdefault(worker_id, []).append(stat.pid)
+    return Marked(table, by_worker)
+
+
+class MarkerSearch:
+    """Searches of /proc for worker ids, shared by every stop asked at about the same time.
+
+    A caller gets a search that started after it asked, and reached back to the start it
+    asked for, so it sees every process forked before its question; but a run's ten
+    thousand stops share one or two searches rather than make ten thousand.
+    """
+
+    def __init__(self) -> None:
+        self._lock = trio.Lock()
+        self._started = 0
+        self._finished = 0
+        self._latest = Marked({}, {})
+        self._latest_since = 0
+        #: The starts asked for by callers waiting for the next search.
+        self._waiting: list[int] = []
+        #: How many searches were made (for tests and `info`'s cost figures).
+        self.made = 0
+
+    async def marked(self, since: int) -> Marked:
+        fresh_enough = self._started + 1
+        self._waiting.append(since)
+        async with self._lock:
+            if self._finished >= fresh_enough and self._latest_since <= since:
+                return self._latest
+            self._started += 1
+            number = self._started
+            reach = min([since, *self._waiting])
+            self._waiting.clear()
+            found = await trio.to_thread.run_sync(search, reach)
+            self.made += 1
+            self._finished, self._latest, self._latest_since = number, found, reach
+            return found
+
+
+async def end_escaped(
+    markers: MarkerSearch,
+    worker_id: str,
+    since: int,
+    grace: float,
+    graces: Graces | None = None,
+    termed: set[int] | None = None,
+) -> int:
+    """TERM what carries `worker_id` and was started at or after `since`, wherever it runs,
+    KILL what is left after `grace`; how many were killed. Searches again until a search
+    finds nothing, so a child forked meanwhile is found by the next. `termed`: the pids
+    already sent a TERM by this stop (its cgroup's), which get no second one."""
+
+    async def find() -> list[ProcStat]:
+        return (await markers.marked(since)).carriers(worker_id, since)
+
+    return await end_found(find, grace, graces, termed)
+
+
+async def end_marked_by(
+    markers: MarkerSearch, since_of: Callable[[str], int | None], grace: float, graces: Graces
+) -> int:
+    """At the daemon's shutdown: end what carries any of its workers' ids (`since_of`: when
+    that worker's process started, 0 if not known; None for an id that is not one of ours,
+    as another daemon's worker's), wherever it runs; how many were killed."""
+
+    async def find() -> list[ProcStat]:
+        marked = await markers.marked(0)
+        found: dict[int, ProcStat] = {}
+        for worker_id in marked.by_worker:
+            since = since_of(worker_id)
+            if since is not None:
+                found.update((s.pid, s) for s in marked.carriers(worker_id, since))
+        return list(found.values())
+
+    return await end_found(find, grace, graces)
