@@ -164,3 +164,129 @@ async def test_a_child_that_moved_itself_out_of_its_workers_cgroup_ends_with_the
         with reaped_after(made, [pid]):
             assert cgrouped.terminate() == 0
             assert not alive(pid), f"the child that moved into {move}'s cgroup survived"
+
+
+#: A child that ignores TERM and moves itself round and round, as fast as it can, through
+#: the cgroups named (its own worker's among them), printing "hopper <pid>" once started.
+HOPPER = r"""
+sh -c 'trap "" TERM; echo hopper $$
+while :; do for d in "$@"; do echo $$ > "$d/cgroup.procs"; done 2>/dev/null; done' sh "$@" &
+exec sleep 60
+"""
+
+
+async def test_a_child_that_moves_itself_round_and_round_during_the_stop_ends_with_it(
+    user: AsyncClient,
+) -> None:
+    """Through its own cgroup, the daemon's, a sibling's and one it made, ignoring TERM:
+    wherever it is when the grace runs out, it is killed, and the sibling runs on."""
+    with trio.fail_after(30):
+        base = base_of((await user.info()).tree_tracking)
+        sibling = await user.spawn(["sleep", "60"], grace=0)
+        made = base / f"hop-{secrets.token_hex(4)}"
+        made.mkdir()
+        # Its own cgroup is known once it is spawned: it moves in there by the worker's id.
+        worker = await user.spawn(
+            [
+                *sh(f'set -- "{base}/$SUBAGENTD_WORKER_ID" "$@"{HOPPER}'),
+                "sh",
+                str(base.parent),
+                str(base / sibling.id),
+                str(made),
+            ],
+            grace=0.3,
+        )
+        out = await wait_output(user, worker.id, b"\n")
+        pid = int(out.split()[1])
+        with reaped_after([made], [pid]):
+            assert alive(pid)
+            assert await user.stop(worker.id)
+            assert not alive(pid), "the child moving round and round survived its stop"
+            assert (await user.status(sibling.id)).state == "running"
+
+
+#: A forger: it claims the worker id it reads from its stdin by writing it over a
+#: placeholder in its own environment (as /proc/PID/environ shows it), then says "claimed".
+FORGER = r"""
+import ctypes, sys, time
+fields = open("/proc/self/stat").read().rsplit(")", 1)[1].split()
+env_start = int(fields[47])  # field 50 of /proc/PID/stat, counted from its third
+environ = open("/proc/self/environ", "rb").read()
+at = environ.index(b"SUBAGENTD_WORKER_ID=") + len(b"SUBAGENTD_WORKER_ID=")
+claimed = sys.stdin.readline().strip().encode()
+ctypes.memmove(env_start + at, claimed, len(claimed))
+print("claimed", flush=True)
+time.sleep(60)
+"""
+PLACEHOLDER = "w-0000000000"  # as long as any worker id
+
+
+@contextlib.contextmanager
+def forger_in(cgroup: Path) -> Iterator[subprocess.Popen[str]]:
+    """A process of the same user, in a cgroup of its own outside the daemon's, ready to
+    claim a worker's id in its environment (`_claim`); killed on the way out."""
+    env = {**os.environ, "SUBAGENTD_WORKER_ID": PLACEHOLDER}
+    with subprocess.Popen(
+        [PYTHON, "-c", FORGER], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    ) as proc:
+        try:
+            (cgroup / "cgroup.procs").write_text(str(proc.pid))
+            yield proc
+        finally:
+            proc.kill()
+
+
+def _claim(forger: subprocess.Popen[str], worker_id: str) -> None:
+    assert len(worker_id) == len(PLACEHOLDER)
+    assert forger.stdin is not None
+    assert forger.stdout is not None
+    forger.stdin.write(worker_id + "\n")
+    forger.stdin.flush()
+    assert forger.stdout.readline() == "claimed\n"
+    marker = f"SUBAGENTD_WORKER_ID={worker_id}".encode()
+    assert marker in Path(f"/proc/{forger.pid}/environ").read_bytes().split(b"\0")
+
+
+@contextlib.contextmanager
+def forger_cgroup(base: Path) -> Iterator[Path]:
+    """A cgroup beside the daemon's, not one of its own: the forger's."""
+    cgroup = base.parent / f"forger-{secrets.token_hex(4)}"
+    cgroup.mkdir()
+    try:
+        yield cgroup
+    finally:
+        with contextlib.suppress(OSError):
+            cgroup.rmdir()
+
+
+async def test_a_process_older_than_the_worker_that_claims_its_id_is_spared(
+    cgrouped: DaemonProcess,
+) -> None:
+    """A process that merely claims a worker's id, started before that worker (so it cannot
+    be its), is no process of its: neither its stop nor the daemon's shutdown ends it."""
+    with trio.fail_after(30):
+        async with AsyncClient(cgrouped.socket) as client:
+            base = base_of((await client.info()).tree_tracking)
+            with forger_cgroup(base) as cgroup, forger_in(cgroup) as forger:
+                worker = await client.spawn(["sleep", "60"], grace=0)
+                await trio.to_thread.run_sync(_claim, forger, worker.id)
+                assert await client.stop(worker.id)
+                assert forger.poll() is None, "a stop ended an older process claiming its id"
+                assert cgrouped.terminate() == 0
+                assert forger.poll() is None, "the shutdown ended an older one claiming an id"
+
+
+async def test_a_younger_process_that_claims_a_workers_id_outside_its_cgroups_ends_with_it(
+    user: AsyncClient,
+) -> None:
+    """One started after the worker, outside every cgroup of the daemon's, that claims its
+    id cannot be told from a child of the worker that moved out: a stop ends it (a process
+    of the same user gains nothing by it that it could not do itself: README.md, "Security
+    and limits")."""
+    with trio.fail_after(30):
+        base = base_of((await user.info()).tree_tracking)
+        worker = await user.spawn(["sleep", "60"], grace=0)
+        with forger_cgroup(base) as cgroup, forger_in(cgroup) as forger:
+            await trio.to_thread.run_sync(_claim, forger, worker.id)
+            assert await user.stop(worker.id)
+            assert not alive(forger.pid)

@@ -16,8 +16,8 @@ with the stops, since the stops asked while one is made share the next.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
 
 import trio
 
@@ -77,14 +77,16 @@ def worker_ids_of(pid: int) -> list[str]:
     return found[:MARKERS_READ]  # a forger's thousand claims cost no more than a few
 
 
-def search(since: int) -> Marked:
+def search(since: int, leaders: Collection[int] = ()) -> Marked:
     """Every process now, and the worker ids carried by those started at or after `since`
-    (clock ticks after boot); never the daemon."""
+    (clock ticks after boot); never the daemon, nor the `leaders` of live workers (the
+    daemon's children, each carrying its own id: at ten thousand live workers, ten thousand
+    environments not read)."""
     table = scan_table()
     me = os.getpid()
     by_worker: dict[str, list[int]] = {}
     for stat in table.values():
-        if stat.starttime < since or stat.pid == me:
+        if stat.starttime < since or stat.pid == me or stat.pid in leaders:
             continue
         for worker_id in worker_ids_of(stat.pid):
             by_worker.setdefault(worker_id, []).append(stat.pid)
@@ -99,7 +101,9 @@ class MarkerSearch:
     thousand stops share one or two searches rather than make ten thousand.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, leaders: Collection[int] = ()) -> None:
+        #: The live workers' own pids (the launcher's, kept up to date): never searched.
+        self._leaders = leaders
         self._lock = trio.Lock()
         self._started = 0
         self._finished = 0
@@ -120,10 +124,29 @@ class MarkerSearch:
             number = self._started
             reach = min([since, *self._waiting])
             self._waiting.clear()
-            found = await trio.to_thread.run_sync(search, reach)
+            found = await trio.to_thread.run_sync(search, reach, self._leaders)
             self.made += 1
             self._finished, self._latest, self._latest_since = number, found, reach
             return found
+
+
+@dataclass(eq=False)
+class StopBatch:
+    """The stops asked together (one request's: a stop_run's thousands, a worker's subtree,
+    a shutdown's all): each, its cgroup empty, waits for the others' to be, so that one
+    search serves them all rather than one search each as their trees end one by one."""
+
+    #: The leaders' pids of those whose cgroups are not yet empty.
+    pending: set[int] = field(default_factory=set)
+    all_empty: trio.Event = field(default_factory=trio.Event)
+
+    def join(self, leader: int) -> None:
+        self.pending.add(leader)
+
+    def emptied(self, leader: int) -> None:
+        self.pending.discard(leader)
+        if not self.pending:
+            self.all_empty.set()
 
 
 async def end_escaped(

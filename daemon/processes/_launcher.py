@@ -19,7 +19,7 @@ import trio
 
 from .._logging import get_logger
 from ._cgroup import Cgroups, WorkerCgroup, end_cgroup, peer_cgroup, term
-from ._escapes import MarkerSearch, end_escaped, end_marked_by
+from ._escapes import MarkerSearch, StopBatch, end_escaped, end_marked_by
 from ._process import WorkerProcess
 from ._tree import Graces, ProcessTable, end_marked, end_tree
 
@@ -144,7 +144,13 @@ class LocalLauncher:
         self.processes = ProcessTable()
         #: Searches of /proc for what left its worker's cgroup, shared by the stops asked
         #: at about the same time.
-        self.markers = MarkerSearch()
+        #: The live workers' own processes (by pid, our unreaped children): never one
+        #: that left another worker's cgroup.
+        self.leaders: set[int] = set()
+        self.markers = MarkerSearch(self.leaders)
+        #: The batch stops asked now join (`term_leader`), until the first of them ends.
+        self._batch: StopBatch | None = None
+        self._batch_of: dict[int, StopBatch] = {}  # by leader pid, until its tree has ended
         #: The workers' cgroups present, listed once for a reload's adoption of many (a
         #: stat each was a quarter of adopting 1,000): only while `adopting`.
         self._present: frozenset[str] | None = None
@@ -203,6 +209,7 @@ class LocalLauncher:
         )
         if process.cgroup_error is not None:
             log.warning("worker.no_cgroup", worker=worker_id, error=process.cgroup_error)
+        self.leaders.add(process.pid)
         return process
 
     def adopt(
@@ -214,15 +221,21 @@ class LocalLauncher:
         stderr: int | None,
         stdin: int | None = None,
     ) -> WorkerProcess:
-        return WorkerProcess.adopt(
+        process = WorkerProcess.adopt(
             pid, pid_start, stdout, stderr, cgroup=self._adopted_group(worker_id), stdin=stdin
         )
+        self.leaders.add(process.pid)
+        return process
 
     def term_leader(self, process: WorkerProcess) -> bool:
         # Only where a cgroup finds the tree: a scan of /proc TERMs all it finds at once,
         # the leader among them, and must not send it a second.
         if process.cgroup is None or process.pidfd < 0:
             return False
+        if self._batch is None:
+            self._batch = StopBatch()
+        self._batch.join(process.pid)
+        self._batch_of[process.pid] = self._batch
         term(process.pidfd)
         return True
 
@@ -236,18 +249,34 @@ class LocalLauncher:
         leader_termed: bool = False,
     ) -> int:
         graces = self.graces if hurried else None
+        # Exited, or about to be ended: from here its pid is no live worker's to skip.
+        self.leaders.discard(process.pid)
         if process.cgroup is not None:
             leader = (process.pid, process.pidfd) if process.pidfd >= 0 else None
             termed: set[int] = set()
             deadline = trio.current_time() + grace
-            killed = await end_cgroup(
-                process.cgroup, grace, graces, leader, leader_termed=leader_termed, termed=termed
-            )
-            if leader_termed:
+            batch = self._batch_of.pop(process.pid, None)
+            if batch is self._batch:
+                self._batch = None  # stops asked from now on are another request's
+            try:
+                killed = await end_cgroup(
+                    process.cgroup,
+                    grace,
+                    graces,
+                    leader,
+                    leader_termed=leader_termed,
+                    termed=termed,
+                )
+            finally:
+                if batch is not None:
+                    batch.emptied(process.pid)
+            if batch is not None:
                 # A stop (its TERM came from `term_leader`), not a worker ending by itself:
                 # what moved itself out of the cgroup goes too, within what is left of the
-                # grace. Searched once the cgroup is empty, so nothing of the tree is left
-                # to fork a child the search would miss (docs/design.md).
+                # grace. Searched once every cgroup of the batch is empty, so nothing of
+                # their trees is left to fork a child the search would miss, and one search
+                # serves the batch (docs/design.md, "Stopping exactly what you mean").
+                await batch.all_empty.wait()
                 left = max(0.0, deadline - trio.current_time())
                 killed += await end_escaped(
                     self.markers, worker_id, process.starttime, left, graces, termed
@@ -274,6 +303,9 @@ class LocalLauncher:
         return group is not None and group.exists()
 
     def released(self, process: WorkerProcess) -> None:
+        self.leaders.discard(process.pid)
+        if (batch := self._batch_of.pop(process.pid, None)) is not None:
+            batch.emptied(process.pid)  # ended without its tree's end (never left waiting)
         if process.cgroup is not None:
             _remove(process.cgroup)
 
