@@ -745,8 +745,11 @@ class Daemon:
             log.info("daemon.stopping_workers", count=len(ids))
             await self.supervisor.wait_ended(self.supervisor.ids())
         # What moved itself out of its worker's cgroup, or outlived a worker that ended by
-        # itself, goes with the daemon (processes/_escapes.py).
-        await self.launcher.sweep_at_shutdown(self._worker_started)
+        # itself, goes with the daemon (processes/_escapes.py); never a reason not to stop.
+        try:
+            await self.launcher.sweep_at_shutdown(self._worker_started)
+        except Exception:
+            log.exception("daemon.sweep_failed")
 
     def _worker_started(self, worker_id: str) -> int | None:
         """When one of this daemon's workers' process started (clock ticks after boot; 0 if
