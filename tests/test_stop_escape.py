@@ -12,6 +12,7 @@ where it went; the test checks in /proc that nothing of it is left once the stop
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import secrets
 import signal
@@ -24,6 +25,8 @@ import pytest
 import trio
 
 from subagentd.client import AsyncClient, Client
+from subagentd.daemon.processes._cgroup import Cgroups, CgroupsUnavailable
+from subagentd.daemon.processes._launcher import LocalLauncher
 
 from .conftest import DaemonProcess
 from .helpers import alive, sh, wait_output
@@ -290,3 +293,57 @@ async def test_a_younger_process_that_claims_a_workers_id_outside_its_cgroups_en
             await trio.to_thread.run_sync(_claim, forger, worker.id)
             assert await user.stop(worker.id)
             assert not alive(forger.pid)
+
+
+@pytest.fixture
+def launcher(short_tmp: Path) -> Iterator[LocalLauncher]:
+    """A launcher whose workers have cgroups of their own, in this process (root, or a
+    delegated cgroup, is needed: skipped where there is none)."""
+    state_dir = short_tmp / "state"
+    state_dir.mkdir()
+    try:
+        cgroups = Cgroups.find(state_dir)
+    except CgroupsUnavailable as exc:
+        pytest.skip(f"no cgroup for workers here: {exc}")
+    try:
+        yield LocalLauncher(cgroups, f"cgroup {cgroups.base}")
+    finally:
+        cgroups.remove()
+
+
+async def _stopped_together(launcher: LocalLauncher, count: int) -> None:
+    """Start `count` workers, then stop them as one request does: each one's leader TERMed
+    in turn, then their trees ended at once."""
+    processes = [
+        await launcher.start(f"w-batch{i:05d}", ["sleep", "60"], cwd="/", env={}, stdin_path=None)
+        for i in range(count)
+    ]
+    try:
+        for process in processes:
+            assert launcher.term_leader(process)
+        async with trio.open_nursery() as nursery:
+            for i, process in enumerate(processes):
+                nursery.start_soon(
+                    functools.partial(
+                        launcher.end_tree, f"w-batch{i:05d}", process, 5.0, leader_termed=True
+                    )
+                )
+    finally:
+        for process in processes:
+            await process.wait_exited()
+            process.reap()
+            process.close()
+            launcher.released(process)
+
+
+@pytest.mark.parametrize("count", [1, 50])
+async def test_the_stops_asked_together_share_one_search_for_what_left_their_cgroups(
+    launcher: LocalLauncher, count: int
+) -> None:
+    """A stop_run's workers do not search /proc one by one as each tree ends (at 10,000
+    workers that was 10,000 reads of every process): one search, once all are empty."""
+    with trio.fail_after(30):
+        await _stopped_together(launcher, count)
+        assert launcher.markers.made == 1
+        await _stopped_together(launcher, count)  # the next request's: a search of its own
+        assert launcher.markers.made == 2
