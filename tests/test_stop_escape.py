@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -211,7 +212,10 @@ async def test_a_child_that_moves_itself_round_and_round_during_the_stop_ends_wi
 #: A forger: it claims the worker id it reads from its stdin by writing it over a
 #: placeholder in its own environment (as /proc/PID/environ shows it), then says "claimed".
 FORGER = r"""
-import ctypes, sys, time
+import ctypes, os, sys, time
+if pid := os.fork():  # orphaned at once, as a worker's child that moved out would be
+    print("pid", pid, flush=True)
+    sys.exit(0)
 fields = open("/proc/self/stat").read().rsplit(")", 1)[1].split()
 env_start = int(fields[47])  # field 50 of /proc/PID/stat, counted from its third
 environ = open("/proc/self/environ", "rb").read()
@@ -224,28 +228,41 @@ time.sleep(60)
 PLACEHOLDER = "w-0000000000"  # as long as any worker id
 
 
+@dataclass
+class Forger:
+    """A process of the same user, orphaned (where a worker's child that moved out would
+    be), in a cgroup of its own outside the daemon's."""
+
+    pid: int
+    proc: subprocess.Popen[str]  # its parent, gone at once; its pipes are the forger's
+
+
 @contextlib.contextmanager
-def forger_in(cgroup: Path) -> Iterator[subprocess.Popen[str]]:
-    """A process of the same user, in a cgroup of its own outside the daemon's, ready to
-    claim a worker's id in its environment (`_claim`); killed on the way out."""
+def forger_in(cgroup: Path) -> Iterator[Forger]:
+    """A forger ready to claim a worker's id in its environment (`_claim`); killed on
+    the way out."""
     env = {**os.environ, "SUBAGENTD_WORKER_ID": PLACEHOLDER}
     with subprocess.Popen(
         [PYTHON, "-c", FORGER], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     ) as proc:
+        assert proc.stdout is not None
+        pid = int(proc.stdout.readline().split()[1])
         try:
-            (cgroup / "cgroup.procs").write_text(str(proc.pid))
-            yield proc
+            (cgroup / "cgroup.procs").write_text(str(pid))
+            yield Forger(pid, proc)
         finally:
-            proc.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
-def _claim(forger: subprocess.Popen[str], worker_id: str) -> None:
+def _claim(forger: Forger, worker_id: str) -> None:
     assert len(worker_id) == len(PLACEHOLDER)
-    assert forger.stdin is not None
-    assert forger.stdout is not None
-    forger.stdin.write(worker_id + "\n")
-    forger.stdin.flush()
-    assert forger.stdout.readline() == "claimed\n"
+    stdin, stdout = forger.proc.stdin, forger.proc.stdout
+    assert stdin is not None
+    assert stdout is not None
+    stdin.write(worker_id + "\n")
+    stdin.flush()
+    assert stdout.readline() == "claimed\n"
     marker = f"SUBAGENTD_WORKER_ID={worker_id}".encode()
     assert marker in Path(f"/proc/{forger.pid}/environ").read_bytes().split(b"\0")
 
@@ -274,9 +291,9 @@ async def test_a_process_older_than_the_worker_that_claims_its_id_is_spared(
                 worker = await client.spawn(["sleep", "60"], grace=0)
                 await trio.to_thread.run_sync(_claim, forger, worker.id)
                 assert await client.stop(worker.id)
-                assert forger.poll() is None, "a stop ended an older process claiming its id"
+                assert alive(forger.pid), "a stop ended an older process claiming its id"
                 assert cgrouped.terminate() == 0
-                assert forger.poll() is None, "the shutdown ended an older one claiming an id"
+                assert alive(forger.pid), "the shutdown ended an older one claiming an id"
 
 
 async def test_a_younger_process_that_claims_a_workers_id_outside_its_cgroups_ends_with_it(

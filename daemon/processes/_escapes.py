@@ -8,9 +8,9 @@ stop ends what carries the worker's id outside its cgroup too, and the daemon's 
 ends what carries any of its workers' ids (`MarkerSearch`; the guarantee and its limits
 are in docs/design.md, "Stopping exactly what you mean").
 
-One search reads /proc/PID/stat of every process and the environment of those started
-since the oldest worker asked about: its cost grows with the machine's processes, not
-with the stops, since the stops asked while one is made share the next.
+One search reads /proc/PID/stat of every process and the environment of the orphans
+started since the oldest worker asked about (`search`): its cost grows with the
+machine's processes, not with the stops, since the stops asked together share one.
 """
 
 from __future__ import annotations
@@ -78,19 +78,41 @@ def worker_ids_of(pid: int) -> list[str]:
 
 
 def search(since: int, leaders: Collection[int] = ()) -> Marked:
-    """Every process now, and the worker ids carried by those started at or after `since`
-    (clock ticks after boot); never the daemon, nor the `leaders` of live workers (the
-    daemon's children, each carrying its own id: at ten thousand live workers, ten thousand
-    environments not read)."""
+    """Every process now, and the worker ids carried by the orphans among them started at
+    or after `since` (clock ticks after boot): never the daemon, nor the `leaders` of live
+    workers (the daemon's children, each carrying its own id).
+
+    Made once nothing of a tree is left in its cgroup, whatever of it still runs was
+    orphaned (its parents in the cgroup have exited) or descends from what was: so only
+    the children of where an orphan goes, the daemon's ancestors (init, a subreaper such
+    as the user's systemd) and the daemon, have their environment read, and what they
+    forked is theirs by its parent (`Marked.carriers`). A machine's other processes, a
+    thousand agents of another daemon among them, cost one `stat` each.
+    """
     table = scan_table()
     me = os.getpid()
+    adopters = _ancestors(table, me)
     by_worker: dict[str, list[int]] = {}
     for stat in table.values():
-        if stat.starttime < since or stat.pid == me or stat.pid in leaders:
+        if (
+            stat.ppid not in adopters
+            or stat.starttime < since
+            or stat.pid == me
+            or stat.pid in leaders
+        ):
             continue
         for worker_id in worker_ids_of(stat.pid):
             by_worker.setdefault(worker_id, []).append(stat.pid)
     return Marked(table, by_worker)
+
+
+def _ancestors(table: dict[int, ProcStat], pid: int) -> set[int]:
+    """`pid` and every ancestor of it in `table`, init (1) always among them."""
+    found = {1}
+    while pid not in found and (stat := table.get(pid)) is not None:
+        found.add(pid)
+        pid = stat.ppid
+    return found
 
 
 class MarkerSearch:
