@@ -364,3 +364,35 @@ async def test_the_stops_asked_together_share_one_search_for_what_left_their_cgr
         assert launcher.markers.made == 1
         await _stopped_together(launcher, count)  # the next request's: a search of its own
         assert launcher.markers.made == 2
+
+
+#: As ESCAPE, but the worker exits (0) once its child has moved, leaving it running.
+ESCAPE_THEN_EXIT = r"""
+dest=$1
+own=$(sed -n 's/^0:://p' /proc/$$/cgroup)
+mkdir -p "$dest"
+sh -c 'echo escaped $$ && echo $$ > "$1/cgroup.procs" && exec sleep 60' sh "$dest" &
+child=$!
+while [ "$(sed -n 's/^0:://p' /proc/$child/cgroup)" = "$own" ]; do :; done
+exit 0
+"""
+
+
+@pytest.mark.parametrize("move", ["daemon", "new"])
+async def test_what_moved_out_of_a_worker_that_ended_by_itself_ends_with_the_daemon(
+    cgrouped: DaemonProcess, move: str
+) -> None:
+    """A worker's own ending searches nothing (that would tax every ending): its child that
+    moved out runs on, until the daemon's shutdown ends it by the worker's id (or by the
+    cgroup it made under the daemon's)."""
+    with trio.fail_after(30):
+        async with AsyncClient(cgrouped.socket) as client:
+            base = base_of((await client.info()).tree_tracking)
+            dest = base.parent if move == "daemon" else base / f"escape-{secrets.token_hex(4)}"
+            worker = await client.spawn([*sh(ESCAPE_THEN_EXIT), "sh", str(dest)], grace=0.5)
+            pid = await _escaped_pid(client, worker.id)
+            assert (await client.wait(worker.id)).state == "finished"
+        with reaped_after([dest] if move == "new" else [], [pid]):
+            assert alive(pid), "the child was ended with its worker: nothing to test"
+            assert cgrouped.terminate() == 0
+            assert not alive(pid), f"the child that moved into {move}'s cgroup survived"
