@@ -35,11 +35,13 @@ from .helpers import alive, sh, wait_output
 PYTHON = sys.executable
 
 #: A child that writes its own pid into the cgroup named first (making it if it is not
-#: there), prints "escaped <pid>", and sleeps on; the worker itself waits.
+#: there; "@W@" is its worker's id), prints "escaped <pid>", and sleeps on (through the
+#: command named second: `env -i` clears its environment); the worker itself waits.
 ESCAPE = r"""
-dest=$1
+dest=$(echo "$1" | sed "s/@W@/$SUBAGENTD_WORKER_ID/")
 mkdir -p "$dest"
-sh -c 'echo $$ > "$1/cgroup.procs" && echo escaped $$ && exec sleep 60' sh "$dest" &
+sh -c 'echo $$ > "$1/cgroup.procs" && exec $2 sh -c "echo escaped \$\$; exec sleep 60"' \
+  sh "$dest" "$2" &
 exec sleep 60
 """
 
@@ -90,6 +92,10 @@ def base_of(client_info_tracking: str) -> Path:
     return Path(client_info_tracking.removeprefix("cgroup "))
 
 
+def carries_an_id(pid: int) -> bool:
+    return b"SUBAGENTD_WORKER_ID=" in Path(f"/proc/{pid}/environ").read_bytes()
+
+
 def cgroup_of(pid: int) -> str:
     for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
         if line.startswith("0::"):
@@ -106,7 +112,8 @@ async def _escaping_worker(
     client: AsyncClient, move: str, *, run: str | None = None
 ) -> tuple[str, int, Path, list[Path]]:
     """A worker whose child moved itself `move`: ("daemon": into the daemon's own cgroup,
-    "sibling": into another worker's, "new": into one it made beside its own); its id,
+    "sibling": into another worker's, "new": into one it made beside its own, "inside":
+    into one it made inside its own); its id,
     the child's pid, where it went, and the cgroups made for it (to clean up)."""
     base = base_of((await client.info()).tree_tracking)
     made: list[Path] = []
@@ -115,10 +122,13 @@ async def _escaping_worker(
     elif move == "sibling":
         sibling = await client.spawn(["sleep", "60"], grace=0)
         dest = base / sibling.id
+    elif move == "inside":
+        dest = base / "@W@" / "inner"
     else:
         dest = base / f"escape-{secrets.token_hex(4)}"
         made.append(dest)
     worker = await client.spawn([*sh(ESCAPE), "sh", str(dest)], run=run, grace=0.5)
+    dest = Path(str(dest).replace("@W@", worker.id))
     pid = await _escaped_pid(client, worker.id)
     assert alive(pid)
     assert str(pid) in (dest / "cgroup.procs").read_text().split(), (
@@ -127,7 +137,7 @@ async def _escaping_worker(
     return worker.id, pid, dest, made
 
 
-MOVES = ["daemon", "sibling", "new"]
+MOVES = ["daemon", "sibling", "new", "inside"]
 
 
 @pytest.mark.parametrize("move", MOVES)
@@ -396,3 +406,23 @@ async def test_what_moved_out_of_a_worker_that_ended_by_itself_ends_with_the_dae
             assert alive(pid), "the child was ended with its worker: nothing to test"
             assert cgrouped.terminate() == 0
             assert not alive(pid), f"the child that moved into {move}'s cgroup survived"
+
+
+async def test_a_child_that_moved_into_a_cgroup_inside_its_own_and_dropped_its_id_ends(
+    user: AsyncClient,
+) -> None:
+    """A cgroup the worker made inside its own is still the worker's: its stop ends what
+    is in there by the cgroup, not by the id (cleared here), and removes both cgroups."""
+    with trio.fail_after(30):
+        base = base_of((await user.info()).tree_tracking)
+        dest = base / "@W@" / "inner"
+        worker = await user.spawn([*sh(ESCAPE), "sh", str(dest), "env -i"], grace=0.5)
+        own = base / worker.id
+        pid = await _escaped_pid(user, worker.id)
+        with reaped_after([own / "inner", own], [pid]):
+            assert str(pid) in (own / "inner" / "cgroup.procs").read_text().split()
+            assert not carries_an_id(pid)
+            assert await user.stop(worker.id)
+            assert not alive(pid), "the child in a cgroup inside its worker's survived"
+            while own.exists():  # removed right after the answer, nested cgroup and all
+                await user.info()
