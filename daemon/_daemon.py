@@ -756,6 +756,24 @@ class Daemon:
             self.supervisor.ask_stop(ids)
             log.info("daemon.stopping_workers", count=len(ids))
             await self.supervisor.wait_ended(self.supervisor.ids())
+        # What moved itself out of its worker's cgroup, or outlived a worker that ended by
+        # itself, goes with the daemon (processes/_escapes.py); never a reason not to stop.
+        try:
+            await self.launcher.sweep_at_shutdown(self._worker_started)
+        except Exception:
+            log.exception("daemon.sweep_failed")
+
+    def _worker_started(self, worker_id: str) -> int | None:
+        """When one of this daemon's workers' process started (clock ticks after boot; 0 if
+        not known), by its id; None for an id that is not one of its workers'."""
+        if self.state_dir.archive(worker_id) is None:
+            return None  # not an id at all: never worth a look in the store
+        try:
+            found = self.reader.lookup(worker_id)
+        except (NotFound, OSError):
+            return None
+        start = getattr(found, "pid_start", None)
+        return start if isinstance(start, int) else 0
 
     def info(self, caller: str | None = None) -> DaemonInfo:
         """The daemon's state, as told to a connection acting as `caller` (None: the user)."""

@@ -123,27 +123,44 @@ class WorkerCgroup:
                     os.close(fd)
 
     def _listed(self) -> list[int]:
-        # Read twice a stop and once a spawn: bare system calls, at half the cost of a
-        # file object (about 15 us against 31 here, bench/README.md).
+        """The pids in the cgroup, and in any cgroup the worker made inside it (a process
+        that moved itself in there is still the worker's: `cgroup.kill` ends it too)."""
+        listed = _read_procs(self._procs)
+        if not listed and self._populated():  # only what is nested: rare, so looked for last
+            for nested in self._nested():
+                listed += _read_procs(os.fsencode(nested / "cgroup.procs"))
+        return listed
+
+    def _populated(self) -> bool:
+        """Whether any process is in the cgroup or below it (`cgroup.events`)."""
         try:
-            fd = os.open(self._procs, os.O_RDONLY | os.O_CLOEXEC)
+            return b"populated 1" in _read_small(self._events).encode()
         except FileNotFoundError:
-            return []
-        try:
-            listed = bytearray()
-            while chunk := os.read(fd, _PROCS_READ):
-                listed += chunk
-        finally:
-            os.close(fd)
-        return [int(pid) for pid in listed.split()]
+            return False
+
+    def _nested(self) -> list[Path]:
+        """The cgroups the worker made inside its own, deepest first."""
+        return [
+            Path(parent) / name
+            for parent, dirs, _ in os.walk(self.path, topdown=False)
+            for name in dirs
+        ]
+
+    @functools.cached_property
+    def _events(self) -> str:
+        return str(self.path / "cgroup.events")
 
     @functools.cached_property
     def _procs(self) -> bytes:
         return os.fsencode(self.path / "cgroup.procs")
 
     def remove(self) -> bool:
-        """Remove the (empty) cgroup; False if something still lives in it."""
+        """Remove the (empty) cgroup, and those the worker made inside it; False if
+        something still lives in it."""
         try:
+            for nested in self._nested():
+                with contextlib.suppress(FileNotFoundError):
+                    nested.rmdir()
             self.path.rmdir()
         except FileNotFoundError:
             return True
@@ -233,11 +250,42 @@ class Cgroups:
         except FileNotFoundError:
             return []
 
+    def all_below(self) -> list[WorkerCgroup]:
+        """Every cgroup in the workers' cgroup, deepest first, then that cgroup itself (for
+        the daemon's shutdown): workers' known or not, what a worker made beside its own or
+        inside it. Itself only while the daemon stands where it lives (never caught in a
+        worker's to fork, as `WorkerCgroup.born_in` leaves it on a failed return): its
+        cgroup.kill would end the daemon too."""
+        found: list[WorkerCgroup] = []
+        for parent, dirs, _ in os.walk(self.base, topdown=False):
+            found.extend(WorkerCgroup(Path(parent) / name, self.home) for name in dirs)
+        own = _own_cgroup()
+        if self.base.is_dir() and own is not None and _parts(own) == self._listed_as[:-1]:
+            found.append(WorkerCgroup(self.base, self.home))
+        return found
+
     def remove(self) -> None:
         """Remove the workers' cgroup if it is empty (the daemon is stopping)."""
         # A worker cgroup left in it keeps it: the next start sweeps that.
         with contextlib.suppress(OSError):
             self.base.rmdir()
+
+
+def _read_procs(procs: bytes) -> list[int]:
+    """The pids a `cgroup.procs` lists (none if the cgroup is gone). Read twice a stop and
+    once a spawn: bare system calls, at half the cost of a file object (about 15 us
+    against 31 here, bench/README.md)."""
+    try:
+        fd = os.open(procs, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return []
+    try:
+        listed = bytearray()
+        while chunk := os.read(fd, _PROCS_READ):
+            listed += chunk
+    finally:
+        os.close(fd)
+    return [int(pid) for pid in listed.split()]
 
 
 def _cgroup2_mount() -> Path | None:
@@ -329,6 +377,7 @@ async def end_cgroup(
     leader: tuple[int, int] | None = None,
     *,
     leader_termed: bool = False,
+    termed: set[int] | None = None,
 ) -> int:
     """TERM all in the cgroup, cgroup.kill what is left after `grace`; how many were killed.
 
@@ -337,14 +386,19 @@ async def end_cgroup(
     worker's own (pid, pidfd), our unreaped child, so pinned already (see `_pinned`);
     `leader_termed`: it has had its TERM (`LocalLauncher.term_leader`), and gets no
     second (to some programs a second means "quit now"). Unreaped until this returns,
-    its pid is no one else's, so the waves tell it by its pid.
+    its pid is no one else's, so the waves tell it by its pid. `termed`: where the pids
+    sent a TERM are kept, so a search for what left the cgroup (`end_escaped`) sends them
+    no second one.
     """
     termed_by_pid: set[int] = set()
+    told: set[int] = set() if termed is None else termed
     if leader_termed and leader is not None:
         termed_by_pid.add(leader[0])
+        told.add(leader[0])
     with (graces or Graces()).period(grace):
         while pids := await _members(group):
             with _pinned(group, pids, leader) as (pinned, unpinned):
+                told.update(pinned, unpinned)
                 for pid, fd in pinned.items():
                     if pid not in termed_by_pid:
                         term(fd)

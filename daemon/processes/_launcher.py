@@ -12,15 +12,22 @@ carries them), its output pipes, and the wait for its exit.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Container, Iterator, Mapping
+from collections.abc import Callable, Container, Iterator, Mapping
 from typing import Literal, Protocol
+
+import trio
 
 from .._logging import get_logger
 from ._cgroup import Cgroups, WorkerCgroup, end_cgroup, peer_cgroup, term
+from ._escapes import MarkerSearch, StopBatch, end_escaped, end_marked_by
 from ._process import WorkerProcess
 from ._tree import Graces, ProcessTable, end_marked, end_tree
 
 log = get_logger()
+
+#: At the daemon's shutdown, what is left in its cgroups, or carries one of its workers'
+#: ids elsewhere, has this long between its TERM and its KILL.
+SWEEP_GRACE = 1.0
 
 
 class Launcher(Protocol):
@@ -114,6 +121,13 @@ class Launcher(Protocol):
         """At a clean start: end what dead images left, but for the workers in `live`."""
         ...
 
+    async def sweep_at_shutdown(self, since_of: Callable[[str], int | None]) -> None:
+        """The daemon stops, its workers ended: end what is left in any of its cgroups
+        (known workers' or not) and what carries one of its workers' ids anywhere
+        (`since_of`: when that worker's process started, 0 if not known, None for an id
+        that is not this daemon's)."""
+        ...
+
     def close(self, *, anything_live: bool) -> None:
         """The daemon stops: let go of the launcher's own resources if nothing runs."""
         ...
@@ -128,6 +142,15 @@ class LocalLauncher:
         self.tree_tracking = tree_tracking
         self.graces = Graces()
         self.processes = ProcessTable()
+        #: Searches of /proc for what left its worker's cgroup, shared by the stops asked
+        #: at about the same time.
+        #: The live workers' own processes (by pid, our unreaped children): never one
+        #: that left another worker's cgroup.
+        self.leaders: set[int] = set()
+        self.markers = MarkerSearch(self.leaders)
+        #: The batch stops asked now join (`term_leader`), until the first of them ends.
+        self._batch: StopBatch | None = None
+        self._batch_of: dict[int, StopBatch] = {}  # by leader pid, until its tree has ended
         #: The workers' cgroups present, listed once for a reload's adoption of many (a
         #: stat each was a quarter of adopting 1,000): only while `adopting`.
         self._present: frozenset[str] | None = None
@@ -186,6 +209,7 @@ class LocalLauncher:
         )
         if process.cgroup_error is not None:
             log.warning("worker.no_cgroup", worker=worker_id, error=process.cgroup_error)
+        self.leaders.add(process.pid)
         return process
 
     def adopt(
@@ -197,15 +221,21 @@ class LocalLauncher:
         stderr: int | None,
         stdin: int | None = None,
     ) -> WorkerProcess:
-        return WorkerProcess.adopt(
+        process = WorkerProcess.adopt(
             pid, pid_start, stdout, stderr, cgroup=self._adopted_group(worker_id), stdin=stdin
         )
+        self.leaders.add(process.pid)
+        return process
 
     def term_leader(self, process: WorkerProcess) -> bool:
         # Only where a cgroup finds the tree: a scan of /proc TERMs all it finds at once,
         # the leader among them, and must not send it a second.
         if process.cgroup is None or process.pidfd < 0:
             return False
+        if self._batch is None:
+            self._batch = StopBatch()
+        self._batch.join(process.pid)
+        self._batch_of[process.pid] = self._batch
         term(process.pidfd)
         return True
 
@@ -219,11 +249,39 @@ class LocalLauncher:
         leader_termed: bool = False,
     ) -> int:
         graces = self.graces if hurried else None
+        # Exited, or about to be ended: from here its pid is no live worker's to skip.
+        self.leaders.discard(process.pid)
         if process.cgroup is not None:
             leader = (process.pid, process.pidfd) if process.pidfd >= 0 else None
-            return await end_cgroup(
-                process.cgroup, grace, graces, leader, leader_termed=leader_termed
-            )
+            termed: set[int] = set()
+            deadline = trio.current_time() + grace
+            batch = self._batch_of.pop(process.pid, None)
+            if batch is self._batch:
+                self._batch = None  # stops asked from now on are another request's
+            try:
+                killed = await end_cgroup(
+                    process.cgroup,
+                    grace,
+                    graces,
+                    leader,
+                    leader_termed=leader_termed,
+                    termed=termed,
+                )
+            finally:
+                if batch is not None:
+                    batch.emptied(process.pid)
+            if batch is not None:
+                # A stop (its TERM came from `term_leader`), not a worker ending by itself:
+                # what moved itself out of the cgroup goes too, within what is left of the
+                # grace. Searched once every cgroup of the batch is empty, so nothing of
+                # their trees is left to fork a child the search would miss, and one search
+                # serves the batch (docs/design.md, "Stopping exactly what you mean").
+                await batch.all_empty.wait()
+                left = max(0.0, deadline - trio.current_time())
+                killed += await end_escaped(
+                    self.markers, worker_id, process.starttime, left, graces, termed
+                )
+            return killed
         return await end_tree(
             self.processes, process.pid, worker_id, process.starttime, grace, graces
         )
@@ -245,6 +303,9 @@ class LocalLauncher:
         return group is not None and group.exists()
 
     def released(self, process: WorkerProcess) -> None:
+        self.leaders.discard(process.pid)
+        if (batch := self._batch_of.pop(process.pid, None)) is not None:
+            batch.emptied(process.pid)  # ended without its tree's end (never left waiting)
         if process.cgroup is not None:
             _remove(process.cgroup)
 
@@ -258,6 +319,24 @@ class LocalLauncher:
             if killed:
                 log.warning("cgroup.leftover_killed", cgroup=str(group.path), processes=killed)
             _remove(group)
+
+    async def sweep_at_shutdown(self, since_of: Callable[[str], int | None]) -> None:
+        if self.cgroups is not None:
+            groups = self.cgroups.all_below()
+            async with trio.open_nursery() as nursery:
+                for group in groups:
+                    nursery.start_soon(self._sweep_group, group)
+            for group in groups:  # deepest first: a cgroup goes once those below it have
+                if group.path.parent != self.cgroups.home:
+                    _remove(group)
+        killed = await end_marked_by(self.markers, since_of, SWEEP_GRACE, self.graces)
+        if killed:
+            log.warning("shutdown.marked_killed", processes=killed)
+
+    async def _sweep_group(self, group: WorkerCgroup) -> None:
+        killed = await end_cgroup(group, SWEEP_GRACE, self.graces)
+        if killed:
+            log.warning("shutdown.cgroup_killed", cgroup=str(group.path), processes=killed)
 
     def close(self, *, anything_live: bool) -> None:
         if self.cgroups is not None and not anything_live:

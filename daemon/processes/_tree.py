@@ -188,7 +188,7 @@ def tree_members(
             and _carries(pid, marker)
         ):
             roots.add(pid)
-    return _with_descendants(table, roots)
+    return with_descendants(table, roots)
 
 
 def carries_worker_id(pid: int, pid_start: int, worker_id: str) -> bool:
@@ -208,10 +208,10 @@ def marked_members(table: dict[int, ProcStat], worker_id: str) -> list[ProcStat]
     marker = f"SUBAGENTD_WORKER_ID={worker_id}".encode()
     me = os.getpid()
     roots = {pid for pid in table if pid != me and _carries(pid, marker)}
-    return _with_descendants(table, roots)
+    return with_descendants(table, roots)
 
 
-def _with_descendants(table: dict[int, ProcStat], roots: set[int]) -> list[ProcStat]:
+def with_descendants(table: dict[int, ProcStat], roots: set[int]) -> list[ProcStat]:
     children: dict[int, list[int]] = {}
     for stat in table.values():
         children.setdefault(stat.ppid, []).append(stat.pid)
@@ -319,7 +319,7 @@ async def end_tree(
     async def find() -> list[ProcStat]:
         return tree_members(await processes.scan(), leader, worker_id, leader_start)
 
-    return await _end_all(find, grace, graces)
+    return await end_found(find, grace, graces)
 
 
 async def end_marked(processes: ProcessTable, worker_id: str, grace: float) -> int:
@@ -329,10 +329,10 @@ async def end_marked(processes: ProcessTable, worker_id: str, grace: float) -> i
         table = await processes.scan()
         return await trio.to_thread.run_sync(marked_members, table, worker_id)
 
-    return await _end_all(find, grace, None)
+    return await end_found(find, grace, None)
 
 
-def _running(stat: ProcStat) -> bool:
+def running(stat: ProcStat) -> bool:
     """Whether a process found still runs: a zombie has exited, unless only its main
     thread has (pthread_exit) and others run on, which a signal still ends."""
     if stat.state != "Z":
@@ -343,21 +343,27 @@ def _running(stat: ProcStat) -> bool:
         return False
 
 
-async def _end_all(
-    find: Callable[[], Awaitable[list[ProcStat]]], grace: float, graces: Graces | None
+async def end_found(
+    find: Callable[[], Awaitable[list[ProcStat]]],
+    grace: float,
+    graces: Graces | None,
+    termed: set[int] | None = None,
 ) -> int:
-    termed: set[int] = set()
+    """TERM what `find` finds until it finds nothing, KILL what is left after `grace`; how
+    many were killed. `termed`: pids sent their TERM already (by another search of the same
+    stop, as a cgroup's), sent no second one; those this sends are added."""
+    termed = set[int]() if termed is None else termed
     with (graces or Graces()).period(grace):
         # Scanned again once each wave has exited: what was forked meanwhile, and what no
         # descriptor was left to pin, get their TERM too.
-        while members := [m for m in await patiently(find) if _running(m)]:
+        while members := [m for m in await patiently(find) if running(m)]:
             with Pinned(members) as pinned:
                 pinned.signal(signal.SIGTERM, sent=termed)
                 await pinned.wait_exited()
         return 0  # all gone within the grace: the scan that said so is the last
     killed = 0
     for _ in range(10):
-        members = [m for m in await patiently(find) if _running(m)]
+        members = [m for m in await patiently(find) if running(m)]
         if not members:
             break
         with Pinned(members) as pinned:
