@@ -99,6 +99,7 @@ from ..lifecycle._resume import Resumer
 from ..processes._cgroup import SO_PEERPIDFD, PeerUnplaced
 from ..processes._tree import patiently
 from ..store._store import StoreWriteFailed
+from ._outgoing import PAGE_BUDGET, PageBudget, queued, room, send_buffer
 
 log = get_logger()
 
@@ -165,6 +166,9 @@ class Connection:
     receiving: trio.CancelScope = field(default_factory=trio.CancelScope)
     reading: bool = False  # waiting for bytes (or for the frame budget), nothing else
     stopped_reading: trio.Event = field(default_factory=trio.Event)
+    #: Set once the socket takes bytes again, for those waiting on it (`wait_writable`).
+    _writable: trio.Event | None = None
+    _send_buffer: int = 0  # SO_SNDBUF, once asked
 
     async def seal(self, reloads: set[int]) -> None:
         """Stop reading here, then answer each request in flight but `reloads`: with its
@@ -183,7 +187,7 @@ class Connection:
             for _scope, done in ending:
                 await done.wait()
             for reply in self.session.owed(cut, RELOAD_RETRY):
-                await self.stream.send_all(encode(reply))
+                await self._write(memoryview(encode(reply)))
             self.sealed = True
 
     @contextlib.contextmanager
@@ -221,9 +225,52 @@ class Connection:
                 self.send_lock.release()
                 return
         try:
-            await self.stream.send_all(data)
+            await self._write(data)
         finally:
             self.send_lock.release()
+
+    async def _write(self, data: memoryview) -> None:
+        """Write all of `data`, waiting (`wait_writable`) while the socket is full."""
+        while data:
+            try:
+                data = data[os.write(self.stream.socket.fileno(), data) :]
+            except BlockingIOError:
+                await self.wait_writable()
+            except OSError as exc:  # EPIPE, ECONNRESET: the client is gone
+                raise trio.BrokenResourceError(str(exc)) from exc
+
+    async def wait_writable(self) -> None:
+        """Until the socket takes bytes again. trio lets one task wait on a socket at a
+        time: the first waits on it, the others (a reply and pages of two followed
+        watches, say) on its word, and try again."""
+        if self._writable is not None:
+            await self._writable.wait()
+            return
+        self._writable = trio.Event()
+        try:
+            await trio.lowlevel.wait_writable(self.stream.socket)
+        finally:
+            writable, self._writable = self._writable, None
+            writable.set()
+
+    @contextlib.asynccontextmanager
+    async def page_room(self, budget: PageBudget, most: int) -> AsyncIterator[int]:
+        """For the body, the bytes the next followed page may take (at most `most`): what
+        the socket takes at once, reserved in `budget` until the body is done. While the
+        socket is more than half full it waits (its client is not reading), holding
+        nothing: a page is read only when it can be sent."""
+        sock = self.stream.socket
+        if not self._send_buffer:
+            self._send_buffer = send_buffer(sock)
+        free = room(self._send_buffer, queued(sock.fileno()))
+        if free < self._send_buffer // 2:
+            await self.wait_writable()
+            free = room(self._send_buffer, queued(sock.fileno()))
+        size = await budget.reserve(min(most, free))
+        try:
+            yield size
+        finally:
+            budget.release(size)
 
     async def refuse(self, error: Error) -> None:
         """Send `error` as the last word, then let the peer read it before the close.
@@ -244,6 +291,7 @@ class Server:
         self.daemon = daemon
         self.frame_limit = frame_limit
         self.budget = FrameBudget(FRAME_BUDGET)
+        self.pages = PageBudget(PAGE_BUDGET)
         self.connections = 0  # open now
         self.reloader: Reloader | None = None
         self.resumer = Resumer(daemon)
@@ -651,7 +699,8 @@ class Server:
             case Watch(worker=worker, since=since, limit=limit, follow=follow):
                 bounds = (request.max_bytes, request.offset)
                 if follow:
-                    await daemon.reader.follow(worker, since, limit, _sender(conn, rid), *bounds)
+                    outlet = _PageOutlet(conn, rid, self.pages)
+                    await daemon.reader.follow(worker, since, limit, outlet, *bounds)
                     return None
                 page = await daemon.reader.watch_page(worker, since, limit, *bounds)
                 page.id = rid
@@ -809,17 +858,26 @@ def _wake_sender(conn: Connection, rid: int) -> Callable[[list[Wake], bool], Awa
     async def send(wakes: list[Wake], complete: bool) -> None:
         await conn.send(Wakes(id=rid, wakes=wakes, complete=complete))
         conn.session.delivered_wakes(w.seq for w in wakes)
-        await trio.lowlevel.checkpoint()  # see _sender
+        await trio.lowlevel.checkpoint()  # see _PageOutlet.send
 
     return send
 
 
-def _sender(conn: Connection, rid: int) -> Callable[[Page], Awaitable[None]]:
-    async def send(page: Page) -> None:
-        page.id = rid
-        await conn.send(page)
+@dataclass(eq=False)
+class _PageOutlet:
+    """Where a followed watch's pages go: room for each in the connection's socket and
+    the server's page budget, then the connection."""
+
+    conn: Connection
+    rid: int
+    budget: PageBudget
+
+    def room(self, most: int) -> contextlib.AbstractAsyncContextManager[int]:
+        return self.conn.page_room(self.budget, most)
+
+    async def send(self, page: Page) -> None:
+        page.id = self.rid
+        await self.conn.send(page)
         # A send that the socket took whole does not yield: a stream of pages
         # to a client that keeps up must still let every other task run.
         await trio.lowlevel.checkpoint()
-
-    return send

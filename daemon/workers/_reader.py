@@ -11,7 +11,7 @@ from __future__ import annotations
 import bisect
 import collections
 import functools
-from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Protocol
 
@@ -63,6 +63,17 @@ INLINE_SCAN_BYTES = 64 * 1024
 SCANS = 2
 #: Places to start a grep again kept for one journal: one a MiB of the scan's bound.
 MAX_CHECKPOINTS = MAX_GREP_SCAN_BYTES // CHECKPOINT_BYTES
+
+
+class PageOutlet(Protocol):
+    """Where a followed watch's pages go (a connection's, see serving/_server.py)."""
+
+    def room(self, most: int) -> AbstractAsyncContextManager[int]:
+        """For its body, the bytes of the next page (at most `most`), held for it: once
+        there is room to send one, and only then."""
+        ...
+
+    async def send(self, page: Page) -> None: ...
 
 
 class Releases(Protocol):
@@ -393,26 +404,30 @@ class Reader:
         worker_id: str,
         since: int,
         limit: int,
-        send: Callable[[Page], Awaitable[None]],
+        outlet: PageOutlet,
         max_bytes: int = DEFAULT_ANSWER_BYTES,
         offset: int = 0,
     ) -> None:
         """Send pages from `since` (and `offset`) as the journal grows, until it is complete.
 
-        Each page is read when the previous one has been sent, so a follower
-        that does not read holds back only itself: nothing is buffered for it.
+        Each page is read once the previous one has been sent and the outlet has
+        room for another, at the size it has room for (an entry longer than that
+        comes in pieces): a follower that does not read holds back only itself,
+        and nothing is read or held for it meanwhile.
         """
         cursor = since
         while True:
             live = self._supervisor.get(worker_id)
             grown = live.grown if live is not None else None
-            page = await self.watch_page(worker_id, cursor, limit, max_bytes, offset)
-            if page.entries or page.complete:
-                await send(page)
+            async with outlet.room(max_bytes) as room:
+                page = await self.watch_page(worker_id, cursor, limit, room, offset)
+                if page.entries or page.complete:
+                    await outlet.send(page)
             if page.complete:
                 return
-            cursor, offset = page.next, page.next_offset
-            if not page.entries and grown is not None:
+            cursor, offset, empty = page.next, page.next_offset, not page.entries
+            del page  # not held while the outlet has no room for the next
+            if empty and grown is not None:
                 await grown.wait()
 
     def _releases(self) -> Releases:
