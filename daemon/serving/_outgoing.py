@@ -64,6 +64,13 @@ class PageBudget:
             raise
         return size
 
+    def reserve_nowait(self, size: int) -> bool:
+        """Take `size` bytes if they are free now and nobody waits; whether taken."""
+        if self._waiting or size > self.free:
+            return False
+        self.free -= size
+        return True
+
     def release(self, size: int) -> None:
         self.free += size
         self._grant()
@@ -73,6 +80,35 @@ class PageBudget:
             size, granted = self._waiting.popleft()
             self.free -= size
             granted.set()
+
+
+class Reservation:
+    """What one follower holds of a `PageBudget`: taken for a page, grown to keep the page
+    longer than its room, given back when it is sent or let go."""
+
+    def __init__(self, budget: PageBudget) -> None:
+        self.budget = budget
+        self.size = 0
+
+    async def take(self, size: int) -> None:
+        """Hold `size` bytes (at most the whole budget), once they are free."""
+        self.release()
+        self.size = await self.budget.reserve(size)
+
+    def grow_nowait(self, size: int) -> bool:
+        """Hold `size` bytes if they are free now (the more than held); whether held."""
+        more = min(size, self.budget.total) - self.size
+        if more <= 0:
+            return True
+        if not self.budget.reserve_nowait(more):
+            return False
+        self.size += more
+        return True
+
+    def release(self) -> None:
+        if self.size:
+            size, self.size = self.size, 0
+            self.budget.release(size)
 
 
 def send_buffer(sock: socket.socket | trio.socket.SocketType) -> int:
