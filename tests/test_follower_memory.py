@@ -9,6 +9,8 @@ it stayed connected.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import trio
@@ -41,17 +43,24 @@ def _expected_lines() -> bytes:
     return "".join(f"{i} " + "x" * (i * 7919 % 400) + "\n" for i in range(20000)).encode()
 
 
-async def _stalled(daemon: DaemonProcess, worker: str, count: int) -> list[RawConnection]:
+@contextlib.asynccontextmanager
+async def _stalled(
+    daemon: DaemonProcess, worker: str, count: int
+) -> AsyncIterator[list[RawConnection]]:
     """`count` connections following `worker` from its start, never reading, each once
-    the daemon began sending to it."""
-    followers = []
-    for _ in range(count):
-        conn = await RawConnection.open(daemon.socket)
-        await conn.send(p.Watch(id=2, worker=worker, follow=True))
-        followers.append(conn)
-    for conn in followers:
-        await trio.lowlevel.wait_readable(conn.stream.socket)
-    return followers
+    the daemon began sending to it; closed after."""
+    followers: list[RawConnection] = []
+    try:
+        for _ in range(count):
+            conn = await RawConnection.open(daemon.socket)
+            followers.append(conn)
+            await conn.send(p.Watch(id=2, worker=worker, follow=True))
+        for conn in followers:
+            await trio.lowlevel.wait_readable(conn.stream.socket)
+        yield followers
+    finally:
+        for conn in followers:
+            await trio.aclose_forcefully(conn.stream)
 
 
 async def _read_all(
@@ -99,13 +108,11 @@ async def test_idle_followers_cost_the_daemon_a_few_kib_each(daemon: DaemonProce
             await client.wait(worker.id)
             await client.watch_page(worker.id)  # its journal opened, verified and kept
             before = _rss(daemon.proc.pid)
-            followers = await _stalled(daemon, worker.id, count)
-            await client.info()  # each follower's first page was read and sent by now
-            grown = _rss(daemon.proc.pid) - before
+            async with _stalled(daemon, worker.id, count):
+                await client.info()  # each follower's first page was read and sent by now
+                grown = _rss(daemon.proc.pid) - before
             # Before issue 24: about 2 MiB each, here 200 to 300 MiB.
             assert grown < 40 * MIB, f"{count} idle followers grew the daemon {grown} bytes"
-            for conn in followers:
-                await conn.stream.aclose()
 
 
 async def test_readers_get_every_byte_while_hundreds_do_not_read(daemon: DaemonProcess) -> None:
@@ -115,15 +122,16 @@ async def test_readers_get_every_byte_while_hundreds_do_not_read(daemon: DaemonP
         async with AsyncClient(daemon.socket) as client:
             worker = await client.spawn(FLOOD)
             await client.wait(worker.id)
-            followers = await _stalled(daemon, worker.id, 200)
-            async with trio.open_nursery() as readers:
+            async with (
+                _stalled(daemon, worker.id, 200) as followers,
+                trio.open_nursery() as readers,
+            ):
                 for _ in range(4):
                     reader = await RawConnection.open(daemon.socket)
+                    followers.append(reader)  # closed with them
                     await reader.send(p.Watch(id=2, worker=worker.id, follow=True))
                     readers.start_soon(_reads_the_flood, reader)
                 readers.start_soon(_reads_the_flood, followers[0])
-            for conn in followers:
-                await conn.stream.aclose()
 
 
 async def _reads_the_flood(conn: RawConnection) -> None:
@@ -132,7 +140,6 @@ async def _reads_the_flood(conn: RawConnection) -> None:
     assert stdout.count(0) == len(stdout)
     _in_order(pieces)
     assert all(at == 0 for _, at, _ in pieces), "no entry is cut unless the client asks"
-    await conn.stream.aclose()
 
 
 async def test_slow_readers_get_every_line_in_order_once(daemon: DaemonProcess) -> None:
@@ -141,7 +148,6 @@ async def test_slow_readers_get_every_line_in_order_once(daemon: DaemonProcess) 
     with trio.fail_after(120):
         async with AsyncClient(daemon.socket) as client:
             worker = await client.spawn(["python3", "-c", LINES])
-            stalled = await _stalled(daemon, worker.id, 20)
             results: list[tuple[bytes, list[tuple[int, int, int]]]] = []
 
             async def follow(max_bytes: int, chunk: int, pause: float) -> None:
@@ -152,7 +158,7 @@ async def test_slow_readers_get_every_line_in_order_once(daemon: DaemonProcess) 
                     )
                     results.append(await _read_all(conn, chunk=chunk, pause=pause))
 
-            async with trio.open_nursery() as readers:
+            async with _stalled(daemon, worker.id, 20), trio.open_nursery() as readers:
                 readers.start_soon(follow, p.DEFAULT_ANSWER_BYTES, 65536, 0.0)
                 readers.start_soon(follow, p.DEFAULT_ANSWER_BYTES, 4096, 0.001)
                 readers.start_soon(follow, 1024, 4096, 0.0)
@@ -161,8 +167,6 @@ async def test_slow_readers_get_every_line_in_order_once(daemon: DaemonProcess) 
             for stdout, pieces in results:
                 assert stdout == expected
                 _in_order(pieces)
-            for conn in stalled:
-                await conn.stream.aclose()
 
 
 async def test_a_follower_stalled_mid_page_then_reading_gets_the_rest(
@@ -175,19 +179,20 @@ async def test_a_follower_stalled_mid_page_then_reading_gets_the_rest(
         async with AsyncClient(daemon.socket) as client:
             script = "head -c 8388608 /dev/zero; read line; head -c 8388608 /dev/zero"
             worker = await client.spawn(["sh", "-c", script], stdin_open=True)
-            (follower,) = await _stalled(daemon, worker.id, 1)
-            data = await follower.stream.receive_some(100_000)  # part of a page, no more
-            follower.decoder.feed(data)
-            await trio.sleep(1.5)  # the stall: past HOLD_SECONDS, the page is let go
-            await client.send(worker.id, b"go on\n", eof=True)
-            await client.wait(worker.id)
-            await trio.sleep(1.5)  # and again, with the worker ended
-            stdout, pieces = await _read_all(follower, chunk=8192)
+            async with _stalled(daemon, worker.id, 1) as (follower,):
+                data = await follower.stream.receive_some(100_000)  # part of a page, no more
+                follower.decoder.feed(data)
+                # The stall is the point (past HOLD_SECONDS the page is let go), and the
+                # daemon's clock is its own: a real one.
+                await trio.sleep(1.5)
+                await client.send(worker.id, b"go on\n", eof=True)
+                await client.wait(worker.id)
+                await trio.sleep(1.5)  # and again, with the worker ended
+                stdout, pieces = await _read_all(follower, chunk=8192)
             assert len(stdout) == 16 * MIB
             assert stdout.count(0) == len(stdout)
             _in_order(pieces)
             assert pieces[0][0] == 1
-            await follower.stream.aclose()
 
 
 async def test_two_follows_on_one_connection_both_get_everything(
