@@ -4,8 +4,10 @@
 
 One worker writes `--mib` MiB to its stdout (`head -c`) and ends. Then `--idle`
 connections each ask to follow its journal from the start and never read
-(their sockets fill and stay full); once each has had its first bytes, the
-daemon's RSS (/proc/PID/status) is read: what idle followers cost it. Then
+(their sockets fill and stay full); once each has had its first bytes, and a
+second later (the daemon keeps the rest of a page a socket took part of for half
+a second), the daemon's RSS (/proc/PID/status) is read: what idle followers
+cost it. Then
 `--reading` more follow it too and read as fast as they can (bytes thrown away
 unparsed, in one thread) for `--seconds`, the RSS read every 0.1 s: its peak is
 what readers cost, sharing the daemon's budget for pages being sent. Each
@@ -84,9 +86,7 @@ def read_for(pid: int, socks: list[socket.socket], seconds: float) -> tuple[list
     return samples, read
 
 
-def measure(
-    idle: int = 200, reading: int = 100, mib: int = 100, seconds: float = 5
-) -> list[Figure]:
+def measure(idle: int = 200, reading: int = 50, mib: int = 100, seconds: float = 4) -> list[Figure]:
     raise_fd_limit(4 * (idle + reading) + 1024)
     with running_daemon() as daemon, Client(daemon.socket, timeout=600) as client:
         worker = client.spawn(["head", "-c", str(mib * 2**20), "/dev/zero"])
@@ -97,6 +97,7 @@ def measure(
         stalled = [follower(str(daemon.socket), worker.id) for _ in range(idle)]
         wait_bytes(stalled)
         client.info()  # every follower's request taken in
+        time.sleep(1)  # past the half second a page its socket took part of is kept
         with_idle = rss(pid) / 2**20
         readers = [follower(str(daemon.socket), worker.id) for _ in range(reading)]
         samples, read = read_for(pid, readers, seconds)
@@ -123,9 +124,9 @@ def measure(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--idle", type=int, default=200)
-    parser.add_argument("--reading", type=int, default=100)
+    parser.add_argument("--reading", type=int, default=50)
     parser.add_argument("--mib", type=int, default=100)
-    parser.add_argument("--seconds", type=float, default=5)
+    parser.add_argument("--seconds", type=float, default=4)
     args = parser.parse_args()
     report(measure(args.idle, args.reading, args.mib, args.seconds))
 
