@@ -48,8 +48,9 @@ class PageBudget:
         waiter served; take them."""
         size = min(size, self.total)
         if not self._waiting and size <= self.free:
+            await trio.lowlevel.checkpoint_if_cancelled()  # (yields only to raise)
             self.free -= size
-            await trio.lowlevel.checkpoint()
+            await trio.lowlevel.cancel_shielded_checkpoint()  # taken: not lost to a cancel
             return size
         turn = (size, trio.Event())
         self._waiting.append(turn)
