@@ -221,3 +221,36 @@ async def test_two_follows_on_one_connection_both_get_everything(
                     done.add(page.id)
             assert len(got[2]) == 24 * MIB
             assert got[3] == _expected_lines()
+
+
+async def test_an_abort_of_a_follow_half_sent_ends_its_stream_there(
+    daemon: DaemonProcess,
+) -> None:
+    """Its client stopped reading mid-page, aborts, then reads: the stream ends with
+    whole frames (the page finished, then `done` for the abort), or the connection is
+    closed in the page; never a torn frame with another after it. Others are served."""
+    assert daemon.proc is not None
+    with trio.fail_after(60):
+        async with AsyncClient(daemon.socket) as client:
+            worker = await client.spawn(FLOOD)
+            await client.wait(worker.id)
+            async with _stalled(daemon, worker.id, 1) as (follower,):
+                # Into a page of half a MiB by a few KiB: more than its socket holds is
+                # still to be sent.
+                decoder = follower.decoder
+                while (decoder.incomplete_length or 0) < 256 * 1024:
+                    decoder.feed(await follower.stream.receive_some(4096))
+                    while decoder.next_frame() is not None:
+                        pass
+                await follower.send(p.Abort(id=3, request=2))
+                before_done: list[p.Reply] = []
+                while (reply := await follower.receive()) is not None:
+                    if isinstance(reply, p.Done):
+                        break
+                    before_done.append(reply)
+                if reply is None:
+                    assert decoder.incomplete_length, "closed, yet no page was left torn"
+                else:
+                    assert reply.id == 3
+                    assert all(isinstance(r, p.Page) and r.id == 2 for r in before_done)
+            assert (await client.info()).pid == daemon.proc.pid
