@@ -3,16 +3,23 @@ never more than its total out, and nothing of it lost to a cancel."""
 
 from __future__ import annotations
 
+import socket
+
+import msgspec
 import pytest
 import trio
 import trio.testing
 
+from subagentd import protocol as p
+from subagentd.daemon.core._session import Session
 from subagentd.daemon.serving._outgoing import (
     MIN_PAGE_BYTES,
     PageBudget,
     Reservation,
     room,
 )
+from subagentd.daemon.serving._server import HOLD_SECONDS, Connection
+from subagentd.daemon.workers._reader import PageInHand
 
 
 async def test_waiters_are_served_in_the_order_they_asked() -> None:
@@ -103,3 +110,46 @@ def test_the_room_of_a_socket_is_what_its_buffer_has_free(
     buffer: int, in_use: int, expected: int
 ) -> None:
     assert room(buffer, in_use) == expected
+
+
+def _connection(sock: trio.socket.SocketType) -> Connection:
+    session = Session(lambda token: None, pid=1, daemon_version="test", frame_limit=1 << 24)
+    return Connection(stream=trio.SocketStream(sock), conn_id=1, session=session)
+
+
+def _page(size: int) -> p.Page:
+    entry = p.Entry(seq=1, kind="stdout", data=b"z" * size, at=1.5)
+    return p.Page(id=0, entries=[entry], next=1, next_offset=0, complete=True)
+
+
+async def test_a_page_its_socket_stops_taking_is_let_go_then_read_again_whole(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The rest of a page the socket took part of is kept HOLD_SECONDS (its bytes in the
+    budget), then let go (the budget back); once its client reads, it is read again and
+    the rest sent: the client gets the one frame, whole."""
+    daemon_end, client_end = trio.socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn = _connection(daemon_end)
+    budget = PageBudget(16 * 1024 * 1024)
+    held = Reservation(budget)
+    reads_again = 0
+
+    async def again() -> p.Page:
+        nonlocal reads_again
+        reads_again += 1
+        return _page(600_000)
+
+    expected = p.encode(msgspec.structs.replace(_page(600_000), id=7))
+    with daemon_end, client_end:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(conn.send_page, PageInHand(_page(600_000), again), 7, held)
+            await trio.sleep(HOLD_SECONDS / 2)
+            assert budget.free < budget.total  # the rest kept, and counted
+            await trio.sleep(HOLD_SECONDS)
+            assert budget.free == budget.total  # let go
+            assert reads_again == 0
+            received = b""
+            while len(received) < len(expected):
+                received += await client_end.recv(1 << 20)
+    assert reads_again == 1
+    assert received == expected
