@@ -45,6 +45,8 @@ BENCHES: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     ("journal", {"mib": 256, "runs": 5}, {"mib": 16, "runs": 1}),
     ("scale", {"workers": 1000, "seconds": 10}, {"workers": 50, "seconds": 2}),
     ("collect", {"workers": 1000, "rounds": 3}, {"workers": 50, "rounds": 1}),
+    ("followers", {"idle": 200, "reading": 50, "mib": 100, "seconds": 4},
+     {"idle": 20, "reading": 5, "mib": 8, "seconds": 1}),
     ("many", {"workers": 10_000, "collect": 10_000, "lists": 5, "reloads": 3},
      {"workers": 100, "collect": 100, "lists": 2, "reloads": 1}),
     ("retention", {"workers": 10_000}, {"workers": 100}),

@@ -99,6 +99,8 @@ from ..lifecycle._resume import Resumer
 from ..processes._cgroup import SO_PEERPIDFD, PeerUnplaced
 from ..processes._tree import patiently
 from ..store._store import StoreWriteFailed
+from ..workers._reader import PageInHand
+from ._outgoing import PAGE_BUDGET, PageBudget, Reservation, queued, room, send_buffer
 
 log = get_logger()
 
@@ -114,6 +116,9 @@ REFUSAL_DRAIN_BYTES = 1024 * 1024
 #: socket is broken: wait and accept again (as trio.serve_listeners does).
 ACCEPT_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 ACCEPT_RETRY_SECONDS = 0.1
+#: How long the rest of a followed page its socket took part of is kept while the socket
+#: takes no more (see `Connection.send_page`).
+HOLD_SECONDS = 0.5
 #: Bytes of frames still arriving that all connections together may hold (a frame
 #: longer than `_session.BUDGETED_FROM` is read only once its length is reserved here).
 FRAME_BUDGET = 64 * 1024 * 1024
@@ -165,6 +170,9 @@ class Connection:
     receiving: trio.CancelScope = field(default_factory=trio.CancelScope)
     reading: bool = False  # waiting for bytes (or for the frame budget), nothing else
     stopped_reading: trio.Event = field(default_factory=trio.Event)
+    #: Set once the socket takes bytes again, for those waiting on it (`wait_writable`).
+    _writable: trio.Event | None = None
+    _send_buffer: int = 0  # SO_SNDBUF, once asked
 
     async def seal(self, reloads: set[int]) -> None:
         """Stop reading here, then answer each request in flight but `reloads`: with its
@@ -183,7 +191,7 @@ class Connection:
             for _scope, done in ending:
                 await done.wait()
             for reply in self.session.owed(cut, RELOAD_RETRY):
-                await self.stream.send_all(encode(reply))
+                await self._write(memoryview(encode(reply)))
             self.sealed = True
 
     @contextlib.contextmanager
@@ -221,9 +229,106 @@ class Connection:
                 self.send_lock.release()
                 return
         try:
-            await self.stream.send_all(data)
+            await self._write(data)
         finally:
             self.send_lock.release()
+
+    async def _write(self, data: memoryview) -> None:
+        """Write all of `data`, waiting (`wait_writable`) while the socket is full."""
+        while data:
+            try:
+                data = data[os.write(self.stream.socket.fileno(), data) :]
+            except BlockingIOError:
+                await self.wait_writable()
+            except OSError as exc:  # EPIPE, ECONNRESET: the client is gone
+                raise trio.BrokenResourceError(str(exc)) from exc
+
+    async def wait_writable(self) -> None:
+        """Until the socket takes bytes again. trio lets one task wait on a socket at a
+        time: the first waits on it, the others (a reply and pages of two followed
+        watches, say) on its word, and try again."""
+        if self._writable is not None:
+            await self._writable.wait()
+            return
+        self._writable = trio.Event()
+        try:
+            await trio.lowlevel.wait_writable(self.stream.socket)
+        finally:
+            writable, self._writable = self._writable, None
+            writable.set()
+
+    @contextlib.asynccontextmanager
+    async def page_room(self, held: Reservation, most: int) -> AsyncIterator[int]:
+        """For the body, which reads a followed page and sends it (`send_page`), the bytes
+        it may take (at most `most`): what the socket takes at once, `held` in the page
+        budget meanwhile, and the connection's sending its alone. While the socket is more
+        than half full it waits (its client is not reading) holding no budget: a page is
+        read only when it can be sent."""
+        sock = self.stream.socket
+        if not self._send_buffer:
+            self._send_buffer = send_buffer(sock)
+        async with self.send_lock:
+            free = room(self._send_buffer, queued(sock.fileno()))
+            if free < self._send_buffer // 2:
+                await self.wait_writable()
+                free = room(self._send_buffer, queued(sock.fileno()))
+            await held.take(min(most, free))
+            try:
+                yield held.size
+            finally:
+                held.release()
+
+    async def send_page(self, in_hand: PageInHand, rid: int, held: Reservation) -> None:
+        """Send a followed page under `rid`, within `page_room`. What the socket does not
+        take at once is kept (the budget grown to hold it, if it can be now) while the
+        socket takes more within HOLD_SECONDS; else it is let go, and read again
+        (`PageInHand.again`) once the socket takes more, to send the rest: a follower
+        that stops reading mid-page holds no page, and no budget."""
+        if self.sealed:
+            return  # its request was answered `reloading`, to be sent again
+        frame = _page_frame(in_hand.take(), rid)
+        length, sent = len(frame), 0
+        try:
+            while True:
+                sent += self._write_some(frame[sent:])
+                if sent == length:
+                    return
+                if held.grow_nowait(length):
+                    with trio.move_on_after(HOLD_SECONDS):
+                        await self.wait_writable()
+                        continue
+                frame = memoryview(b"")  # let go while the socket takes nothing
+                held.release()
+                await self.wait_writable()
+                await held.take(length)
+                frame = await self._page_again(in_hand, rid, length)
+        except BaseException:
+            if 0 < sent < length:
+                # Half a frame sent: nothing can follow it on this stream.
+                with contextlib.suppress(OSError):
+                    self.stream.socket.shutdown(socket.SHUT_RDWR)
+            raise
+
+    async def _page_again(self, in_hand: PageInHand, rid: int, length: int) -> memoryview:
+        """The page being sent, read again: the same frame, or the connection is broken."""
+        try:
+            frame = _page_frame(await in_hand.again(), rid)
+        except Exception as exc:
+            log.warning("conn.page_not_read_again", error=str(exc))
+            raise trio.BrokenResourceError(f"a page half sent cannot be read again: {exc}") from exc
+        if len(frame) != length:
+            log.warning("conn.page_changed", was=length, now=len(frame))
+            raise trio.BrokenResourceError("a page half sent reads otherwise now")
+        return frame
+
+    def _write_some(self, data: memoryview) -> int:
+        """What of `data` the socket takes now."""
+        try:
+            return os.write(self.stream.socket.fileno(), data)
+        except BlockingIOError:
+            return 0
+        except OSError as exc:  # EPIPE, ECONNRESET: the client is gone
+            raise trio.BrokenResourceError(str(exc)) from exc
 
     async def refuse(self, error: Error) -> None:
         """Send `error` as the last word, then let the peer read it before the close.
@@ -244,6 +349,7 @@ class Server:
         self.daemon = daemon
         self.frame_limit = frame_limit
         self.budget = FrameBudget(FRAME_BUDGET)
+        self.pages = PageBudget(PAGE_BUDGET)
         self.connections = 0  # open now
         self.reloader: Reloader | None = None
         self.resumer = Resumer(daemon)
@@ -652,7 +758,8 @@ class Server:
             case Watch(worker=worker, since=since, limit=limit, follow=follow):
                 bounds = (request.max_bytes, request.offset)
                 if follow:
-                    await daemon.reader.follow(worker, since, limit, _sender(conn, rid), *bounds)
+                    outlet = _PageOutlet(conn, rid, self.pages)
+                    await daemon.reader.follow(worker, since, limit, outlet, *bounds)
                     return None
                 page = await daemon.reader.watch_page(worker, since, limit, *bounds)
                 page.id = rid
@@ -806,21 +913,31 @@ def _duplicates(conns: list[Connection]) -> dict[Connection, int]:
     return fds
 
 
+def _page_frame(page: Page, rid: int) -> memoryview:
+    page.id = rid
+    return memoryview(encode(page))
+
+
 def _wake_sender(conn: Connection, rid: int) -> Callable[[list[Wake], bool], Awaitable[None]]:
     async def send(wakes: list[Wake], complete: bool) -> None:
         await conn.send(Wakes(id=rid, wakes=wakes, complete=complete))
         conn.session.delivered_wakes(w.seq for w in wakes)
-        await trio.lowlevel.checkpoint()  # see _sender
+        await trio.lowlevel.checkpoint()  # see _PageOutlet.send
 
     return send
 
 
-def _sender(conn: Connection, rid: int) -> Callable[[Page], Awaitable[None]]:
-    async def send(page: Page) -> None:
-        page.id = rid
-        await conn.send(page)
-        # A send that the socket took whole does not yield: a stream of pages
-        # to a client that keeps up must still let every other task run.
-        await trio.lowlevel.checkpoint()
+class _PageOutlet:
+    """Where a followed watch's pages go: room for each in the connection's socket and
+    the server's page budget, then the connection."""
 
-    return send
+    def __init__(self, conn: Connection, rid: int, budget: PageBudget) -> None:
+        self.conn = conn
+        self.rid = rid
+        self.held = Reservation(budget)
+
+    def room(self, most: int) -> contextlib.AbstractAsyncContextManager[int]:
+        return self.conn.page_room(self.held, most)
+
+    async def send(self, page: PageInHand) -> None:
+        await self.conn.send_page(page, self.rid, self.held)

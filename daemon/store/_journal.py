@@ -526,8 +526,13 @@ class Journal:
         offset = self._offsets[slot]
         seq = slot * INDEX_STRIDE + 1
         window = _Window(fd, self._size, PAGE_WINDOW)
+        skipped = 0  # the length of the entry before, if it was passed over unread
         while seq <= self._last_seq:
-            header = window.take(offset, ENTRY_HEADER.size)
+            # Past a long entry skipped, the next header alone is read: a page of a
+            # journal of long entries (a flood's) passes over up to INDEX_STRIDE - 1 of
+            # them to its first, and would read a window for each header.
+            long_skip = skipped >= PAGE_WINDOW // 8
+            header = (window.peek if long_skip else window.take)(offset, ENTRY_HEADER.size)
             if len(header) < ENTRY_HEADER.size:
                 raise JournalCorrupt(self.path, offset, "the file was cut short")
             length, crc = ENTRY_HEADER.unpack(header)
@@ -540,6 +545,9 @@ class Journal:
                 if stored is None:
                     raise JournalCorrupt(self.path, offset, problem)
                 yield _entry(stored)
+                skipped = 0
+            else:
+                skipped = length
             offset = end
             seq += 1
 
@@ -749,6 +757,14 @@ class _Window:
             want = min(max(length, self._chunk), self._size - offset)
             self._buffer = os.pread(self._fd, want, offset) if want > 0 else b""
             self._start, at = offset, 0
+        return memoryview(self._buffer)[at : at + length]
+
+    def peek(self, offset: int, length: int) -> memoryview:
+        """As `take`, but what the buffer does not hold is read alone, the buffer kept."""
+        at = offset - self._start
+        if at < 0 or at + length > len(self._buffer):
+            want = min(length, self._size - offset)
+            return memoryview(os.pread(self._fd, want, offset) if want > 0 else b"")
         return memoryview(self._buffer)[at : at + length]
 
 

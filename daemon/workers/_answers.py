@@ -40,20 +40,22 @@ def fit_entries(entries: list[Entry], since: int, offset: int, max_bytes: int) -
     fitted: list[Entry] = []
     for index, entry in enumerate(entries):
         skip = offset if index == 0 else 0
-        data = entry.data[skip:] if skip else entry.data
-        cost = ENTRY_COST + len(data)
+        cost = ENTRY_COST + len(entry.data) - skip
         if cost <= room:
-            fitted.append(entry if not skip else _piece(entry, data))
+            fitted.append(_piece(entry, skip, len(entry.data)) if skip else entry)
             room -= cost
             continue
         if fitted:
             return FittedPage(fitted, fitted[-1].seq, 0)
-        piece = data[: room - ENTRY_COST]
-        return FittedPage([_piece(entry, piece)], entry.seq - 1, skip + len(piece))
+        end = skip + room - ENTRY_COST
+        return FittedPage([_piece(entry, skip, end)], entry.seq - 1, end)
     return FittedPage(fitted, fitted[-1].seq if fitted else since, 0)
 
 
-def _piece(entry: Entry, data: bytes) -> Entry:
+def _piece(entry: Entry, start: int, end: int) -> Entry:
+    """The entry with its data from `start` to `end` alone (copied once: pieces of an
+    entry of a MiB are cut one after another)."""
+    data = bytes(memoryview(entry.data)[start:end])
     return Entry(seq=entry.seq, kind=entry.kind, data=data, at=entry.at)
 
 

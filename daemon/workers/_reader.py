@@ -12,6 +12,7 @@ import bisect
 import collections
 import functools
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Protocol
 
@@ -63,6 +64,33 @@ INLINE_SCAN_BYTES = 64 * 1024
 SCANS = 2
 #: Places to start a grep again kept for one journal: one a MiB of the scan's bound.
 MAX_CHECKPOINTS = MAX_GREP_SCAN_BYTES // CHECKPOINT_BYTES
+
+
+class PageOutlet(Protocol):
+    """Where a followed watch's pages go (a connection's, see serving/_server.py)."""
+
+    def room(self, most: int) -> AbstractAsyncContextManager[int]:
+        """For its body, the bytes of the next page (at most `most`), held for it: once
+        there is room to send one, and only then."""
+        ...
+
+    async def send(self, page: PageInHand) -> None: ...
+
+
+class PageInHand:
+    """A followed page on its way, and how to read it again: once its socket took part of
+    it and no more for a while, the outlet lets it go, and reads it again to send the
+    rest (a follower that stops reading mid-page holds nothing meanwhile)."""
+
+    def __init__(self, page: Page, again: Callable[[], Awaitable[Page]]) -> None:
+        self._page: Page | None = page
+        self.again = again
+
+    def take(self) -> Page:
+        """The page, given up: the taker holds it alone."""
+        page, self._page = self._page, None
+        assert page is not None, "a page in hand is taken once"
+        return page
 
 
 class Releases(Protocol):
@@ -157,20 +185,28 @@ class Reader:
         limit: int,
         max_bytes: int = DEFAULT_ANSWER_BYTES,
         offset: int = 0,
+        *,
+        room: int | None = None,
     ) -> Page:
         """The entries after `since` (`offset` bytes into the first already sent) that fit
-        in `max_bytes` of answer: whole entries, or a piece of one alone over it."""
+        in `max_bytes` of answer: whole entries, or a piece of one alone over it. With
+        `room` (less than `max_bytes`: a follower's socket takes no more at once), those
+        that fit in `room`, or the first alone, whole or cut as `max_bytes` would cut it:
+        never cut to fit the room."""
         if since < 0 or limit < 1:
             raise Invalid(f"{op(Watch)} needs since >= 0 and limit >= 1, not {since} and {limit}")
+        fit = max_bytes if room is None else min(room, max_bytes)
         journal, live, entries = await self._entries(
-            worker_id, since, min(limit, MAX_PAGE_ENTRIES), min(max_bytes, PAGE_BYTES)
+            worker_id, since, min(limit, MAX_PAGE_ENTRIES), min(fit, PAGE_BYTES)
         )
         if offset and not (entries and offset < len(entries[0].data)):
             raise Invalid(
                 f"{op(Watch)}'s offset {offset} is not within entry {since + 1} of worker "
                 f"{worker_id}: send the next_offset of the page before, with its next as since"
             )
-        page = fit_entries(entries, since, offset, max_bytes)
+        page = fit_entries(entries, since, offset, fit)
+        if page.next_offset and fit < max_bytes:
+            page = fit_entries(entries[:1], since, offset, max_bytes)  # read whole: a bound
         more = page.next_offset > 0 or page.next < journal.last_seq
         return Page(
             id=0,
@@ -398,27 +434,59 @@ class Reader:
         worker_id: str,
         since: int,
         limit: int,
-        send: Callable[[Page], Awaitable[None]],
+        outlet: PageOutlet,
         max_bytes: int = DEFAULT_ANSWER_BYTES,
         offset: int = 0,
     ) -> None:
         """Send pages from `since` (and `offset`) as the journal grows, until it is complete.
 
-        Each page is read when the previous one has been sent, so a follower
-        that does not read holds back only itself: nothing is buffered for it.
+        Each page is read once the previous one has been sent and the outlet has
+        room for another, at the size it has room for (see `watch_page`): a
+        follower that does not read holds back only itself, and nothing is read
+        for it meanwhile. A page its socket takes only part of may be let go and
+        read again to send the rest (`PageInHand`).
         """
         cursor = since
         while True:
             live = self._supervisor.get(worker_id)
             grown = live.grown if live is not None else None
-            page = await self.watch_page(worker_id, cursor, limit, max_bytes, offset)
-            if page.entries or page.complete:
-                await send(page)
-            if page.complete:
+            async with outlet.room(max_bytes) as room:
+                page = await self.watch_page(worker_id, cursor, limit, max_bytes, offset, room=room)
+                complete, empty = page.complete, not page.entries
+                going_on = page.next, page.next_offset
+                if page.entries or page.complete:
+                    again = functools.partial(
+                        self._page_again, worker_id, cursor, len(page.entries), max_bytes,
+                        offset, room, page.complete, page.truncated,
+                    )  # fmt: skip
+                    in_hand = PageInHand(page, again)
+                    del page  # the outlet's alone, to let go of
+                    await outlet.send(in_hand)
+                else:
+                    del page
+            if complete:
                 return
-            cursor, offset = page.next, page.next_offset
-            if not page.entries and grown is not None:
+            cursor, offset = going_on
+            if empty and grown is not None:
                 await grown.wait()
+
+    async def _page_again(
+        self,
+        worker_id: str,
+        since: int,
+        count: int,
+        max_bytes: int,
+        offset: int,
+        room: int,
+        complete: bool,
+        truncated: bool,
+    ) -> Page:
+        """A followed page read again as it was read the first time: its `count` entries
+        from the same place, fitted the same way (the journal only grows, so they are
+        the same entries), with the flags it had then."""
+        page = await self.watch_page(worker_id, since, max(count, 1), max_bytes, offset, room=room)
+        page.complete, page.truncated = complete, truncated
+        return page
 
     def _releases(self) -> Releases:
         assert self._retention is not None, "Reader.releasing_through was not called"
