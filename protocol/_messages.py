@@ -241,6 +241,17 @@ class Wake(msgspec.Struct, kw_only=True):
     attempt: int = 1
 
 
+class Recovery(msgspec.Struct, kw_only=True):
+    """How far a restart's recovery has come (`DaemonInfo.recovering`): `phase` is what it
+    does now (`reading the store`, `ending what was running`, `rebuilding the registry`,
+    `sweeping`), `done` of `total` the workers it has taken back, `seconds` since it began."""
+
+    phase: str
+    done: int
+    total: int
+    seconds: float
+
+
 class DaemonInfo(msgspec.Struct, kw_only=True):
     version: str
     protocol: int
@@ -261,6 +272,9 @@ class DaemonInfo(msgspec.Struct, kw_only=True):
     authority: Literal["kernel", "token"] = "token"
     #: The worker the connection that asked acts as; None: the user.
     caller: str | None = None
+    #: Set while a restart takes its workers back (most requests are then answered
+    #: `recovering`); None once it serves them all.
+    recovering: Recovery | None = None
 
 
 # -- replies and events: daemon to client --------------------------------------
