@@ -244,12 +244,14 @@ class Wake(msgspec.Struct, kw_only=True):
 class Recovery(msgspec.Struct, kw_only=True):
     """How far a restart's recovery has come (`DaemonInfo.recovering`): `phase` is what it
     does now (`reading the store`, `ending what was running`, `rebuilding the registry`,
-    `sweeping`), `done` of `total` the workers it has taken back, `seconds` since it began."""
+    `sweeping`), `done` of `total` the workers it has taken back, `seconds` since it began,
+    `answered` how many requests it has answered `recovering` meanwhile."""
 
     phase: str
     done: int
     total: int
     seconds: float
+    answered: int = 0
 
 
 class DaemonInfo(msgspec.Struct, kw_only=True):

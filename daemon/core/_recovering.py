@@ -31,6 +31,8 @@ class RecoveryProgress:
         self.total = 0
         self._counted_from = now
         self._counted = 0
+        #: Requests answered `recovering` so far (said in `info`).
+        self.answered = 0
 
     def begin(self, phase: str, total: int, now: float) -> None:
         """A new phase, over `total` workers (the rate of the last is forgotten)."""
@@ -47,6 +49,7 @@ class RecoveryProgress:
             done=self.done,
             total=self.total,
             seconds=round(max(0.0, now - self.started_at), 3),
+            answered=self.answered,
         )
 
     def retry_after(self, now: float) -> float:
@@ -61,6 +64,7 @@ class RecoveryProgress:
 
     def refusal(self, request: ClientMessage | None, now: float) -> Recovering:
         """The answer to `request` (None: a hello's worker token) while recovery runs."""
+        self.answered += 1
         what = f"{op(request)} needs" if request is not None else "a worker's token needs"
         return Recovering(
             f"the daemon is recovering its workers after a restart ({self.phase}: "

@@ -62,7 +62,6 @@ async def recover(
     rebuilding = list(dict.fromkeys([*damaged, *(unread or ())]))
     if progress is not None:
         progress.begin("rebuilding damaged records", len(rebuilding), trio.current_time())
-        await daemon.held("recovery", "held")  # a test's hold: see protocol/README.md, Recovery
     for worker_id in rebuilding:
         path = daemon.state_dir.archive(worker_id)
         rebuilt = await _rebuild_alone(daemon, Archive(path)) if path is not None else None
@@ -72,6 +71,7 @@ async def recover(
     running = [r for r in records if not r.ended and r.id not in carried]
     if progress is not None:
         progress.begin("ending what was running", len(running), trio.current_time())
+        await daemon.held("recovery", "held")  # a test's hold: see protocol/README.md, Recovery
     # Each worker's wake, if it posted one, found once for all (not a walk of every
     # pending wake a worker: 10,000 finished and 2,000 running made that seconds).
     posted = daemon.mailbox.posted_by_attempt() if running else {}
