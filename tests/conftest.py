@@ -48,9 +48,7 @@ class DaemonProcess:
         env["SUBAGENTD_SOCKET"] = str(self.socket)
         return env
 
-    def start(
-        self, *args: str, env: dict[str, str] | None = None, ready: str = "READY=1"
-    ) -> None:
+    def start(self, *args: str, env: dict[str, str] | None = None, ready: str = "READY=1") -> None:
         """Start the daemon (`env`: variables for it alone) and wait for its READY=1 (or
         `ready`: say, STATUS=recovering, told before a restart's recovery)."""
         if self._notify is None:
