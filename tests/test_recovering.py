@@ -99,6 +99,9 @@ async def test_a_restart_answers_info_while_it_recovers_the_rest_recovering_and_
                     0,
                     3,
                 ), recovery
+                shown = await trio.to_thread.run_sync(daemon_dirs.ctl, "info")
+                assert shown.returncode == 0, shown.stderr
+                assert "recovering: ending what was running: 0 of 3" in shown.stdout, shown.stdout
                 assert_recovering(await ask(conn, p.ListWorkers(id=3)), 3, "list_workers")
                 assert_recovering(await ask(conn, p.Spawn(id=4, argv=["true"])), 4, "spawn")
                 assert_recovering(await ask(conn, p.Stop(id=5, worker=marked.id)), 5, "stop")
