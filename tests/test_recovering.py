@@ -27,6 +27,7 @@ from subagentd.daemon.core._recovering import (
     RETRY_AFTER_MIN,
     RecoveryProgress,
 )
+from subagentd.daemon.core._session import Session
 
 from .conftest import DaemonProcess
 from .helpers import RawConnection, sh, wait_output
@@ -253,3 +254,26 @@ def test_a_clients_pause_on_recovering_is_bounded_whatever_the_daemon_says(
     assert _core.give_up_at(reply, 10.0, 1.5) == 11.5
     assert _core.give_up_at(reply, 10.0, None) == 10.0 + _core.RECONNECT_WINDOW
     assert _core.give_up_at(reply, 10.0, 1e9) == 10.0 + _core.RECONNECT_WINDOW
+
+
+def test_a_tokens_hello_while_recovering_is_answered_and_may_be_said_again() -> None:
+    """The session's side, by calling it: `recovering`, not `forbidden`, and no close; the
+    same connection's next hello is welcomed once the token is known."""
+    progress: RecoveryProgress | None = RecoveryProgress(now=0.0)
+
+    def worker_for_token(token: str) -> str | None:
+        if progress is not None:
+            raise progress.refusal(None, 1.0)
+        return {"tok": "w-1"}.get(token)
+
+    session = Session(worker_for_token, pid=1, daemon_version="0", frame_limit=1 << 20)
+    session.receive(p.encode(p.Hello(id=1, token="tok")))
+    refused = session.next_event()
+    assert isinstance(refused, p.Error), refused
+    assert (refused.id, refused.code, refused.retry_after) == (1, "recovering", 0.2), refused
+    assert not session.welcomed
+    progress = None
+    session.receive(p.encode(p.Hello(id=2, token="tok")))
+    welcome = session.next_event()
+    assert isinstance(welcome, p.Welcome), welcome
+    assert welcome.worker == "w-1"
