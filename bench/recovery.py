@@ -26,7 +26,7 @@ from pathlib import Path
 
 from _harness import daemon_command, raise_fd_limit, wait_ready
 
-from subagentd.client import Client
+from subagentd.client import Client, SubagentdError
 
 
 def start(root: Path, notify: socket.socket) -> subprocess.Popen[bytes]:
@@ -78,7 +78,7 @@ def main() -> None:
                     with Client(root / "s.sock", timeout=60) as client:
                         client.info()
                     first.append(time.monotonic() - began)
-                except OSError:
+                except (OSError, SubagentdError):
                     pass  # not listening yet
                 waits.append(time.monotonic() - asked)
                 time.sleep(0.01)
