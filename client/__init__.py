@@ -31,6 +31,7 @@ from subagentd.protocol.errors import Internal as Internal
 from subagentd.protocol.errors import Invalid as Invalid
 from subagentd.protocol.errors import NotFound as NotFound
 from subagentd.protocol.errors import ProtocolError as ProtocolError
+from subagentd.protocol.errors import Recovering as Recovering
 from subagentd.protocol.errors import Refused as Refused
 from subagentd.protocol.errors import Reloading as Reloading
 from subagentd.protocol.errors import RemoteError as RemoteError

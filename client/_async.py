@@ -433,9 +433,11 @@ class AsyncClient:
     async def request(self, message: Request[Reply]) -> Reply:
         """Send any request under a fresh id and answer its reply, or raise the error it carries.
 
-        A spawn or resume refused because a reload is under way is sent again once it is over.
+        A spawn or resume refused because a reload is under way is sent again once it is over;
+        any request a restart answers `recovering` (it did nothing), after its `retry_after`,
+        until it is answered, for at most `RECONNECT_WINDOW` (bound it with `trio.fail_after`).
         """
-        deadline = trio.current_time() + _core.RECONNECT_WINDOW
+        started = trio.current_time()
         while True:
             request_id = await self._send(message)
             try:
@@ -446,7 +448,9 @@ class AsyncClient:
                 raise
             self._conn.finish(request_id)
             delay = _core.retry_delay(message, reply)
-            if delay is None or trio.current_time() + delay > deadline:
+            if delay is None or trio.current_time() + delay > _core.give_up_at(
+                reply, started, None
+            ):
                 return _core.checked(reply)
             await trio.sleep(delay)
 

@@ -282,6 +282,7 @@ class Human:
                 ("image_generation", info.image_generation),
                 ("reloads", info.reloads),
                 ("workers", counts or "none"),
+                *_recovering_field(info),
                 ("holds_park", info.holds_park),
                 ("tree_tracking", info.tree_tracking),
                 ("authority", AUTHORITY_MEANS.get(info.authority, info.authority)),
@@ -589,6 +590,14 @@ def send(daemon: Client, args: argparse.Namespace, out: Output) -> None:
         if written == len(data) and (took == len(chunk)):
             break
     out.sent(args.worker, written, args.eof)
+
+
+def _recovering_field(info: DaemonInfo) -> list[tuple[str, object]]:
+    """While a restart recovers: how far along (every other request then waits for it)."""
+    at = info.recovering
+    if at is None:
+        return []
+    return [("recovering", f"{at.phase}: {at.done} of {at.total}, {at.seconds:.1f} s so far")]
 
 
 def info(daemon: Client, args: argparse.Namespace, out: Output) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import math
 import os
 import secrets
 from collections import deque
@@ -83,6 +84,7 @@ from subagentd.protocol.errors import (
     DaemonUnavailable,
     NotFound,
     ProtocolError,
+    Recovering,
     Reloading,
     RemoteError,
     remote_error,
@@ -104,6 +106,11 @@ RECONNECT_PAUSE = 0.02
 RECONNECT_PAUSE_MAX = 0.5
 #: A connect failing so is "not serving yet": the socket is being re-bound, or its backlog is full.
 RETRY_CONNECT_ERRNOS = frozenset({errno.ENOENT, errno.ECONNREFUSED, errno.EAGAIN})
+#: A request answered `recovering` (a restart taking its workers back) is sent again after
+#: the daemon's `retry_after`, kept within these bounds (`recovery_pause`).
+RECOVERY_PAUSE = 0.2
+RECOVERY_PAUSE_MIN = 0.01
+RECOVERY_PAUSE_MAX = 1.0
 
 
 # -- where the daemon is and who we are ----------------------------------------
@@ -415,11 +422,32 @@ def retry_delay(request: Request[Reply], reply: Reply) -> float | None:
     only asks, cut short on the connection that asked for a reload; None: no retry. No
     other request is sent twice: the daemon answers one that took effect (a stop that
     was waiting) with what it did, and a second stop would say it stopped nothing."""
+    if isinstance(reply, Error) and reply.code == Recovering.code and reply.id != 0:
+        return recovery_pause(reply.retry_after)
     if not (isinstance(reply, Error) and reply.code == Reloading.code and reply.id != 0):
         return None
     if not (request.again_after_reloading or request.resendable()):
         return None
     return reply.retry_after if reply.retry_after is not None else 0.2
+
+
+def recovery_pause(retry_after: float | None) -> float:
+    """How long to wait before asking again a daemon that answered `recovering` (any
+    request: it did nothing): its `retry_after`, within `RECOVERY_PAUSE_MIN` and
+    `RECOVERY_PAUSE_MAX` whatever it says (a nan, an hour), else `RECOVERY_PAUSE`."""
+    if retry_after is None or not math.isfinite(retry_after):
+        return RECOVERY_PAUSE
+    return min(max(retry_after, RECOVERY_PAUSE_MIN), RECOVERY_PAUSE_MAX)
+
+
+def give_up_at(reply: Reply, started: float, timeout: float | None) -> float:
+    """Until when a shell sends again a request first sent at `started` and answered
+    `reply`: within `RECONNECT_WINDOW`, and a `recovering` answer within the client's own
+    `timeout` too: a recovery that never ends is an error then, not a hang."""
+    window = RECONNECT_WINDOW
+    if timeout is not None and isinstance(reply, Error) and reply.code == Recovering.code:
+        window = min(window, max(timeout, 0.0))
+    return started + window
 
 
 class ListingCursor:
@@ -1032,7 +1060,7 @@ def retry_reconnect(exc: BaseException) -> bool:
     if isinstance(exc, OSError) and not isinstance(exc, TimeoutError):
         return exc.errno in RETRY_CONNECT_ERRNOS or isinstance(exc, ConnectionError)
     if isinstance(exc, RemoteError):
-        return exc.code in (Reloading.code, "busy")
+        return exc.code in (Reloading.code, Recovering.code, "busy")
     return isinstance(exc, ConnectionLost)
 
 

@@ -425,9 +425,11 @@ class Client:
     def request(self, message: Request[Reply]) -> Reply:
         """Send any request under a fresh id and answer its reply, or raise the error it carries.
 
-        A spawn or resume refused because a reload is under way is sent again once it is over.
+        A spawn or resume refused because a reload is under way is sent again once it is over;
+        any request a restart answers `recovering` (it did nothing), after its `retry_after`,
+        until it is answered, for at most `RECONNECT_WINDOW` within the client's ``timeout``.
         """
-        deadline = time.monotonic() + _core.RECONNECT_WINDOW
+        started = time.monotonic()
         while True:
             request_id = self._send(message)
             try:
@@ -440,7 +442,9 @@ class Client:
             if not isinstance(reply, Error):
                 return reply  # nothing to raise, nothing to send again
             delay = _core.retry_delay(message, reply)
-            if delay is None or time.monotonic() + delay > deadline:
+            if delay is None or time.monotonic() + delay > _core.give_up_at(
+                reply, started, self.timeout
+            ):
                 return _core.checked(reply)
             time.sleep(delay)
 

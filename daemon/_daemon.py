@@ -39,6 +39,7 @@ from subagentd.protocol.errors import (
 
 from ._logging import get_logger
 from ._problems import Problems
+from .core._recovering import RecoveryProgress
 from .core._registry import (
     DEFAULT_FINISHED_TTL,
     DEFAULT_KEEP_ARCHIVES_DAYS,
@@ -147,6 +148,9 @@ class Daemon:
         self.reloading = False
         #: Set once for good when the daemon begins to stop: no spawn, resume or reload.
         self.shutting_down = False
+        #: While a restart takes its workers back (set by `serve`, moved on by `recover`):
+        #: requests that need them are answered `recovering` (see `RecoveryProgress`).
+        self.recovering: RecoveryProgress | None = None
         self._run_stopped: dict[str, trio.Event] = {}
         #: What a request's answer need not wait for (log lines): see `after_answer`.
         self._after_answer: list[Callable[[], None]] = []
@@ -784,7 +788,8 @@ class Daemon:
             image_generation=self.image_generation,
             reloads=self.reloads,
             workers=self.registry.counts(),
-            holds_park=self.registry.holds_park(),
+            # Recovering, the registry is not yet what the store holds: say it may hold.
+            holds_park=self.recovering is not None or self.registry.holds_park(),
             tree_tracking=self.launcher.tree_tracking,
             authority=self.launcher.authority,
             caller=caller,
@@ -794,6 +799,9 @@ class Daemon:
             + self._unwritten_problem()
             + self.store.problems
             + self.registry.damage,
+            recovering=None
+            if self.recovering is None
+            else self.recovering.view(trio.current_time()),
         )
 
     def _unwritten_problem(self) -> list[str]:

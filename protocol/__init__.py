@@ -62,6 +62,7 @@ from ._messages import Name as Name
 from ._messages import NewRun as NewRun
 from ._messages import OutputKind as OutputKind
 from ._messages import Page as Page
+from ._messages import Recovery as Recovery
 from ._messages import Reload as Reload
 from ._messages import ReloadReply as ReloadReply
 from ._messages import ReopenRun as ReopenRun

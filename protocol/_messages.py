@@ -245,6 +245,19 @@ class Wake(msgspec.Struct, kw_only=True):
     attempt: int = 1
 
 
+class Recovery(msgspec.Struct, kw_only=True):
+    """How far a restart's recovery has come (`DaemonInfo.recovering`): `phase` is what it
+    does now (`reading the store`, `ending what was running`, `rebuilding the registry`,
+    `sweeping`), `done` of `total` the workers it has taken back, `seconds` since it began,
+    `answered` how many requests it has answered `recovering` meanwhile."""
+
+    phase: str
+    done: int
+    total: int
+    seconds: float
+    answered: int = 0
+
+
 class DaemonInfo(msgspec.Struct, kw_only=True):
     version: str
     protocol: int
@@ -268,6 +281,9 @@ class DaemonInfo(msgspec.Struct, kw_only=True):
     #: What the daemon waits for before it can serve in full, and since when (another
     #: process's lock on its store); None: nothing. Meanwhile only `info` is answered.
     store_wait: str | None = None
+    #: Set while a restart takes its workers back (most requests are then answered
+    #: `recovering`); None once it serves them all.
+    recovering: Recovery | None = None
 
 
 # -- replies and events: daemon to client --------------------------------------

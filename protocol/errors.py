@@ -15,6 +15,8 @@
         │   └── Frozen            frozen
         ├── Busy                  busy
         ├── Reloading             reloading (retry after `retry_after` seconds)
+        ├── Recovering            recovering (a restart is taking its workers back:
+        │                         retry after `retry_after` seconds)
         ├── UnsupportedVersion    unsupported_version
         ├── TooLarge              too_large
         └── Internal              internal
@@ -38,6 +40,7 @@ class ErrorCode(enum.StrEnum):
     FROZEN = "frozen"
     BUSY = "busy"
     RELOADING = "reloading"
+    RECOVERING = "recovering"
     UNSUPPORTED_VERSION = "unsupported_version"
     TOO_LARGE = "too_large"
     INTERNAL = "internal"
@@ -124,6 +127,14 @@ class Reloading(RemoteError):
     code = ErrorCode.RELOADING
 
 
+class Recovering(RemoteError):
+    """Not answered yet: the daemon is taking its workers back after a restart, and this
+    request needs what it is taking back; nothing was done, so it may be sent again (after
+    `retry_after` seconds), whatever it asks."""
+
+    code = ErrorCode.RECOVERING
+
+
 class UnsupportedVersion(RemoteError):
     code = ErrorCode.UNSUPPORTED_VERSION
 
@@ -147,6 +158,7 @@ _BY_CODE: dict[str, type[RemoteError]] = {
         Frozen,
         Busy,
         Reloading,
+        Recovering,
         UnsupportedVersion,
         TooLarge,
         Internal,

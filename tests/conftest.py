@@ -48,8 +48,9 @@ class DaemonProcess:
         env["SUBAGENTD_SOCKET"] = str(self.socket)
         return env
 
-    def start(self, *args: str, env: dict[str, str] | None = None) -> None:
-        """Start the daemon (`env`: variables for it alone) and wait for its READY=1."""
+    def start(self, *args: str, env: dict[str, str] | None = None, ready: str = "READY=1") -> None:
+        """Start the daemon (`env`: variables for it alone) and wait for its READY=1 (or
+        `ready`: say, STATUS=recovering, told before a restart's recovery)."""
         if self._notify is None:
             self._notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
             self._notify.bind(str(self.notify_path))
@@ -77,7 +78,7 @@ class DaemonProcess:
                 stderr=log,
                 stdin=subprocess.DEVNULL,
             )  # fmt: skip
-        self.wait_notify("READY=1", mainpid=self.proc.pid)
+        self.wait_notify(ready, mainpid=self.proc.pid)
 
     def wait_notify(
         self, wanted: str, timeout: float = START_TIMEOUT, mainpid: int | None = None

@@ -32,7 +32,7 @@ from subagentd.protocol import (
     client_decoder,
     op,
 )
-from subagentd.protocol.errors import ErrorCode, Forbidden, FrameTooLarge, Invalid
+from subagentd.protocol.errors import ErrorCode, Forbidden, FrameTooLarge, Invalid, Recovering
 
 from ._authority import WorkerForToken, caller_at_hello
 
@@ -171,6 +171,12 @@ class Session:
             )
         try:
             self.caller = caller_at_hello(message.token, self.within, self._worker_for_token)
+        except Recovering as exc:
+            # No token is known until a restart's recovery is over: not welcomed yet, the
+            # connection stays open for the hello to be said again after `retry_after`.
+            return Error(
+                id=message.id, code=exc.code, message=exc.message, retry_after=exc.retry_after
+            )
         except Forbidden as exc:
             return self._close(Error(id=message.id, code=exc.code, message=exc.message))
         self.welcomed = True

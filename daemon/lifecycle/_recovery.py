@@ -36,11 +36,12 @@ from typing import cast
 
 import trio
 
-from subagentd.protocol import TERMINAL_STATES, WorkerState
+from subagentd.protocol import TERMINAL_STATES, Wake, WorkerState
 from subagentd.protocol.errors import Refused
 
 from .._daemon import Daemon
 from .._logging import get_logger
+from ..core._recovering import RecoveryProgress
 from ..core._registry import WorkerRecord, new_token
 from ..processes._process import reap
 from ..processes._tree import carries_worker_id, read_stat
@@ -66,19 +67,34 @@ async def recover(
     `held`: `Store.held_workers()` as the caller just read it, with nothing written since
     (else it is read here).
     """
+    progress = daemon.recovering  # None for a reload's new image: it serves after
     records, damaged = held if held is not None else daemon.store.held_workers()
     # First: it may find that the store lost rows, which changes what an unended row means.
     records += await reconcile(daemon)
     interrupted: list[str] = []
-    for worker_id in dict.fromkeys([*damaged, *(unread or ())]):
+    rebuilding = list(dict.fromkeys([*damaged, *(unread or ())]))
+    if progress is not None:
+        progress.begin("rebuilding damaged records", len(rebuilding), trio.current_time())
+    for worker_id in rebuilding:
         path = daemon.state_dir.archive(worker_id)
         rebuilt = await _rebuild_alone(daemon, Archive(path)) if path is not None else None
         if rebuilt is not None:
             records.append(rebuilt)
-    for record in records:
-        if not record.ended and record.id not in carried:
-            await _interrupt_alone(daemon, record, daemon.reader.archive_of(record.id))
-            interrupted.append(record.id)
+        await _took(progress)
+    running = [r for r in records if not r.ended and r.id not in carried]
+    if progress is not None:
+        progress.begin("ending what was running", len(running), trio.current_time())
+        await daemon.held("recovery", "held")  # a test's hold: see protocol/README.md, Recovery
+    # Each worker's wake, if it posted one, found once for all (not a walk of every
+    # pending wake a worker: 10,000 finished and 2,000 running made that seconds).
+    posted = daemon.mailbox.posted_by_attempt() if running else {}
+    for record in running:
+        archive = daemon.reader.archive_of(record.id)
+        await _interrupt_alone(daemon, record, archive, posted.get((record.id, record.attempt)))
+        interrupted.append(record.id)
+        await _took(progress)
+    if progress is not None:
+        progress.begin("rebuilding the registry", len(records), trio.current_time())
     launch = daemon.store.launch()
     daemon.registry.restore(
         runs=daemon.store.runs(),
@@ -250,10 +266,20 @@ def _last_state(journal: Journal, record: WorkerRecord) -> None:
         record.exit_code = int(code) if code.lstrip("-").isdigit() else None
 
 
-async def _interrupt_alone(daemon: Daemon, record: WorkerRecord, archive: Archive) -> None:
+async def _took(progress: RecoveryProgress | None) -> None:
+    """One more worker taken back: said in `info`, and the server's turn (it answers
+    meanwhile: `info` at once, the rest `recovering`)."""
+    if progress is not None:
+        progress.took()
+        await trio.lowlevel.checkpoint()
+
+
+async def _interrupt_alone(
+    daemon: Daemon, record: WorkerRecord, archive: Archive, posted: Wake | None
+) -> None:
     """`_interrupt`, as a fault boundary: whatever fails, the worker is held as ended."""
     try:
-        await _interrupt(daemon, record, archive)
+        await _interrupt(daemon, record, archive, posted)
     except Exception as exc:
         log.exception("recovery.worker_failed", worker=record.id)
         daemon.problems.recovery.append(
@@ -265,8 +291,11 @@ async def _interrupt_alone(daemon: Daemon, record: WorkerRecord, archive: Archiv
         record.ended_at = daemon.clock()
 
 
-async def _interrupt(daemon: Daemon, record: WorkerRecord, archive: Archive) -> None:
-    posted = daemon.mailbox.posted(record)
+async def _interrupt(
+    daemon: Daemon, record: WorkerRecord, archive: Archive, posted: Wake | None
+) -> None:
+    """End what is left of a worker that was running: `posted` is the wake its attempt
+    posted, if it had ended just before the daemon died."""
     if posted is not None:
         # It had ended, and its wake was written, just before the daemon died.
         record.state, record.exit_code = posted.state, posted.exit_code

@@ -23,6 +23,7 @@ from subagentd.protocol.errors import RemoteError
 from .._daemon import Daemon
 from .._logging import get_logger
 from .._settings import FAULT_ENV, Settings, read_faults
+from ..core._recovering import RecoveryProgress
 from ..processes._cgroup import Cgroups, CgroupsUnavailable
 from ..processes._launcher import LocalLauncher
 from ..serving._listener import ControlSocket, activated_socket, bind_control_socket
@@ -157,7 +158,11 @@ async def serve(
     # An older image's record.json and run files, taken into the store once.
     unread = _import_old_state(daemon)
     adopted: list[Handover] = []
-    if handoff is not None:
+    if handoff is None:
+        # A restart serves while it recovers (`_recover_serving`): from here on, until the
+        # registry is rebuilt, requests that need it are answered `recovering`.
+        daemon.recovering = RecoveryProgress(trio.current_time())
+    else:
         carried, stopped = await adopt(daemon, handoff, unread)
         adopted = [
             Handover(
@@ -177,14 +182,7 @@ async def serve(
             carried_live=carried,
             stopped_by_reload=stopped,
         )
-    else:
-        await recover(daemon, unread=unread)
-        await daemon.launcher.sweep(daemon.supervisor)
-    if unread:  # rebuilt by recovery into the store: not to be looked for again
-        try:
-            mark_old_state_imported(daemon.store)
-        except OSError as exc:  # looked for, and rebuilt, again at the next start
-            daemon.problems.disk_failed("store (an older state dir)", exc)
+        _old_state_rebuilt(daemon, unread)
     server = Server(daemon)
     reloader = Reloader(
         daemon,
@@ -205,8 +203,17 @@ async def serve(
             signal.pthread_sigmask(signal.SIG_UNBLOCK, RELOAD_SIGNALS)
             async with trio.open_nursery() as nursery:
                 reloader.nursery = nursery
+                if daemon.recovering is not None:
+                    await nursery.start(server.serve, listener, [])
+                    if not await _recover_serving(daemon, signals, unread):
+                        nursery.cancel_scope.cancel()  # stopped before it had recovered
+                        return
                 await nursery.start(daemon.run)
-                await nursery.start(server.serve, listener, adopted)
+                if daemon.recovering is not None:
+                    daemon.recovering = None  # every request is answered from here on
+                    daemon.touch()  # and the streams held meanwhile go on
+                if handoff is not None:
+                    await nursery.start(server.serve, listener, adopted)
                 notify("READY=1", f"MAINPID={os.getpid()}", "STATUS=serving")
                 daemon.supervisor.serving()
                 log.info(
@@ -269,6 +276,48 @@ async def _open_store(
         image_generation=handoff.image_generation + 1 if handoff is not None else 1,
     )
     return await waiting.open(control.sock, server)
+
+
+async def _recover_serving(daemon: Daemon, signals: AsyncIterator[int], unread: list[str]) -> bool:
+    """Recover (`recover`, then the sweep of leftover cgroups) while the server answers
+    what it can (`daemon.recovering` says how far along); False if SIGTERM or SIGINT came
+    first: what is not yet taken back stays in the store for the next start, each worker
+    whole (its ending is one transaction), and the image stops. A SIGHUP meanwhile is
+    refused: there is nothing to reload yet."""
+    log.info("recovery.serving", pid=os.getpid())
+    notify(f"MAINPID={os.getpid()}", "STATUS=recovering")
+    stopped = False
+    async with trio.open_nursery() as recovering:
+
+        async def until_stop() -> None:
+            nonlocal stopped
+            async for signum in signals:
+                if signum == signal.SIGHUP:
+                    log.warning("reload.refused", error="the daemon is still recovering")
+                    continue
+                log.warning("daemon.stopping", signal=signal.Signals(signum).name, recovered=False)
+                stopped = True
+                recovering.cancel_scope.cancel()
+                return
+
+        recovering.start_soon(until_stop)
+        await recover(daemon, unread=unread)
+        assert daemon.recovering is not None
+        daemon.recovering.begin("sweeping", 0, trio.current_time())
+        await daemon.launcher.sweep(daemon.supervisor)
+        _old_state_rebuilt(daemon, unread)
+        recovering.cancel_scope.cancel()
+    return not stopped
+
+
+def _old_state_rebuilt(daemon: Daemon, unread: list[str]) -> None:
+    """What did not read of an older image's records, rebuilt by recovery into the store:
+    not to be looked for again."""
+    if unread:
+        try:
+            mark_old_state_imported(daemon.store)
+        except OSError as exc:  # looked for, and rebuilt, again at the next start
+            daemon.problems.disk_failed("store (an older state dir)", exc)
 
 
 def _collect_from_now_on(nursery: trio.Nursery) -> None:

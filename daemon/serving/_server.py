@@ -125,6 +125,9 @@ FRAME_BUDGET = 64 * 1024 * 1024
 #: The most one read takes off a connection.
 RECEIVE_SIZE = 65536
 _PEERCRED = struct.Struct("3i")
+#: What a restart answers while it recovers (`Server._until_recovered`): nothing else
+#: can be answered without the registry it is rebuilding.
+ANSWERED_WHILE_RECOVERING = (Info, Abort)
 _conn_ids = itertools.count(1)
 
 
@@ -524,7 +527,7 @@ class Server:
     async def handle(self, stream: trio.SocketStream, adopted: Handover | None = None) -> None:
         """Serve one connection; ``adopted``: one handed over by a reload (past its hello)."""
         session = Session(
-            self.daemon.registry.worker_for_token,
+            self._worker_for_token,
             pid=os.getpid(),
             daemon_version=package_version(),
             frame_limit=self.frame_limit,
@@ -709,6 +712,8 @@ class Server:
     async def _reply(self, conn: Connection, request: ClientMessage) -> Reply | None:
         """What answers `request`: its reply, or the error it met."""
         try:
+            if self.daemon.recovering is not None:
+                await self._until_recovered(request)
             self.authority.check(conn.session.caller, request)
             return await self._dispatch(conn, request)
         except RemoteError as exc:
@@ -731,6 +736,28 @@ class Server:
                 message=f"internal error ({type(exc).__name__}: {exc}); the daemon log "
                 "has the details",
             )
+
+    async def _until_recovered(self, request: ClientMessage) -> None:
+        """While a restart recovers: return for a request it can answer now (`info`, an
+        `abort`), or, for a stream (a followed watch, a subscribe: they wait anyway), once
+        recovery is over; raise `Recovering` for every other, which needs the registry
+        recovery is rebuilding. Nothing is done for it, so any request (a stop, a keyless
+        spawn) may be sent again: a stop is never lost, nor a spawn let past one."""
+        if isinstance(request, ANSWERED_WHILE_RECOVERING):
+            return
+        if request.streams():
+            while self.daemon.recovering is not None:
+                await self.daemon.activity.wait()
+            return
+        assert self.daemon.recovering is not None
+        raise self.daemon.recovering.refusal(request, trio.current_time())
+
+    def _worker_for_token(self, token: str) -> str | None:
+        """The registry's `worker_for_token`, which while a restart recovers knows no token
+        yet: its hello is answered `recovering` (and may be said again), not `forbidden`."""
+        if self.daemon.recovering is not None:
+            raise self.daemon.recovering.refusal(None, trio.current_time())
+        return self.daemon.registry.worker_for_token(token)
 
     async def _dispatch(self, conn: Connection, request: ClientMessage) -> Reply | None:
         daemon, registry, caller = self.daemon, self.daemon.registry, conn.session.caller

@@ -83,6 +83,11 @@ class Mailbox:
             None,
         )
 
+    def posted_by_attempt(self) -> dict[tuple[str, int], Wake]:
+        """Every unacknowledged wake by the (worker, attempt) that posted it: `posted` for
+        many workers at once (recovery's), in one walk of the pending wakes."""
+        return {(w.id, w.attempt): w for w in self._queue.pending.values()}
+
     def announce(self) -> None:
         """A wake was committed: subscribers that follow see it now."""
         posted, self._posted = self._posted, trio.Event()
