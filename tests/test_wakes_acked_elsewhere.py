@@ -4,17 +4,27 @@ A client that got wakes before a reload has an `ack` of them wait for their
 redelivery (a recall of their parent, protocol/README.md "Acknowledging across a
 reconnect"). A wake the recall did not bring again was acknowledged by someone
 else: this client's later `ack` of it is done, in either client, whether it comes
-in the same call as the one that made the recall or in a later one.
+in the same call as the one that made the recall or in a later one. Two slow consumers
+following one run through a reload storm acknowledge each other's wakes so.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import trio
 
 from subagentd.client import AsyncClient, Client, Wake
 
 from .conftest import DaemonProcess
-from .test_wakes_reload_storm import ended_run, nothing_left, reload_from_elsewhere
+from .test_wakes_reload_storm import (
+    HOLD,
+    ended_run,
+    nothing_left,
+    reload_from_elsewhere,
+    spawn_wakers,
+    storm_while,
+)
 
 
 async def acknowledged_by_another(daemon: DaemonProcess, run: str, seq: int) -> None:
@@ -55,4 +65,38 @@ async def test_a_blocking_ack_of_a_wake_another_client_took_during_a_reload_is_d
             await acknowledged_by_another(daemon, run, second.seq)
             await trio.to_thread.run_sync(client.ack, [first.seq])
             await trio.to_thread.run_sync(client.ack, [second.seq])
+        assert await nothing_left(daemon, run) == []
+
+
+async def test_two_slow_consumers_of_one_run_ack_each_others_wakes_through_a_reload_storm(
+    daemon_dirs: DaemonProcess,
+) -> None:
+    daemon_dirs.start("--reload-interval", "0")
+    daemon = daemon_dirs
+    with trio.fail_after(150):
+        run, ids = await spawn_wakers(daemon)
+        got: dict[str, list[Wake]] = {"one": [], "other": []}
+
+        async def consume() -> list[Wake]:
+            async def follow(name: str, all_handed: trio.CancelScope) -> None:
+                async with (
+                    AsyncClient(daemon.socket) as client,
+                    contextlib.aclosing(client.events(run=run, follow=True)) as wakes,
+                ):
+                    async for wake in wakes:
+                        got[name].append(wake)
+                        await trio.sleep(HOLD)
+                        if {w.id for w in got["one"] + got["other"]} == ids:
+                            all_handed.cancel()
+
+            async with trio.open_nursery() as consumers:
+                for name in got:
+                    consumers.start_soon(follow, name, consumers.cancel_scope)
+            return got["one"] + got["other"]
+
+        handed, reloads = await storm_while(daemon, consume)
+        assert len(reloads) >= 1
+        for wakes in got.values():  # each consumer was handed each wake at most once
+            assert len(wakes) == len({wake.seq for wake in wakes})
+        assert {wake.id for wake in handed} == ids
         assert await nothing_left(daemon, run) == []
