@@ -87,6 +87,15 @@ class AckLedger:
         an acknowledgement of them must wait (`hold`)."""
         return any(self._stale(seq) for seq in seqs)
 
+    def settle(self, seqs: Iterable[int]) -> list[int]:
+        """`seqs` but those a recall found acknowledged already (by whoever, for another
+        acknowledgement's sake): nothing is sent for them, and nothing more kept of them."""
+        seqs = list(seqs)
+        gone = {seq for seq in seqs if self._generation_of(seq) == _GONE}
+        for seq in gone:
+            del self._where[seq]
+        return [seq for seq in seqs if seq not in gone]
+
     def hold(self, request_id: int, seqs: Iterable[int]) -> list[Parent]:
         """Hold acknowledgement `request_id` until its wakes came again here; answers the
         parents to recall now (none while one is out for them already)."""

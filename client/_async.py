@@ -8,6 +8,7 @@ followed watch and a stop can share the connection, from different tasks.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 from collections.abc import (
     AsyncGenerator,
@@ -563,7 +564,7 @@ class AsyncClient:
             pause = _core.RECONNECT_PAUSE
             while True:
                 try:
-                    stream, handshake = await self._handshake()
+                    stream, handshake = await self._handshake(deadline)
                 except (OSError, SubagentdError, trio.BrokenResourceError) as exc:
                     if not _core.retry_reconnect(exc) or trio.current_time() + pause > deadline:
                         self._conn.reconnect_failed(exc)
@@ -580,14 +581,20 @@ class AsyncClient:
                 break
         self._arrivals.unpark_all()
 
-    async def _handshake(self) -> tuple[trio.SocketStream, _core.Handshake]:
-        """A new connection past its hello, and the hello's welcome and what came after it."""
+    async def _handshake(self, deadline: float) -> tuple[trio.SocketStream, _core.Handshake]:
+        """A new connection past its hello, and the hello's welcome and what came after it.
+        A socket that takes the connection and never answers by `deadline` (a daemon
+        stopped, a new image stuck before it serves) is TimeoutError, as in `Client`."""
         stream = await _open(self.socket)
         try:
             handshake = _core.Handshake(_core.token())
-            await stream.send_all(handshake.frame)
-            while handshake.receive_data(await stream.receive_some()) is None:
-                pass
+            # At least a moment, as `Client` gives its socket: a try begun at the end still asks.
+            with trio.move_on_at(max(deadline, trio.current_time() + 0.1)) as waited:
+                await stream.send_all(handshake.frame)
+                while handshake.receive_data(await stream.receive_some()) is None:
+                    pass
+            if waited.cancelled_caught:
+                raise TimeoutError(errno.ETIMEDOUT, "no welcome within the reconnect window")
         except BaseException:
             with trio.CancelScope(shield=True):
                 await stream.aclose()

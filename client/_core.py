@@ -751,6 +751,12 @@ class Connection:
         request_id = self._next_id
         self._next_id = request_id + 1
         self._inboxes[request_id] = deque()
+        if isinstance(request, Ack) and request.wakes:
+            # A recall (for another ack) found some of them acknowledged already: done for those.
+            if not (wakes := self._acks.settle(request.wakes)):
+                self._inboxes[request_id].append(Done(id=request_id))
+                return request_id, None
+            request = msgspec.structs.replace(request, wakes=wakes)
         if again is None and request.resendable():
             again = functools.partial(_same, request)
         if isinstance(request, Ack) and (self._reconnecting or self._acks.stale(request.wakes)):
