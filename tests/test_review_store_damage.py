@@ -1,0 +1,107 @@
+"""A second look at the store's reconciliation with archives/ (issue 24, item 2): what is
+no damage must not be reported or rebuilt as damage, and what is must not be handled
+twice."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import trio
+from trio.testing import MockClock
+
+from subagentd.client import AsyncClient
+from subagentd.daemon.store._store import STORE_NAME
+
+from .conftest import DaemonProcess
+from .helpers import alive, pending_wakes, sh, wait_output
+from .inprocess import held, in_process
+
+
+async def test_a_prunings_leftover_without_its_snapshot_is_no_damage(
+    autojump_clock: MockClock, short_tmp: Path
+) -> None:
+    """A pruning that cannot delete an archive whole (its worker left a file there that
+    cannot be unlinked: a directory its user cannot write, or, run as root as the tests
+    are, an immutable file) deletes its snapshot and journal, then its row. What is left
+    is the pruning's, not a row the store lost: no start after may say the store lost
+    rows or that an archive cannot be rebuilt, nor skip seqs."""
+    async with in_process(short_tmp, keep_archives_days=1) as d:
+        async with d.client() as client:
+            with held(autojump_clock):
+                worker = await client.spawn(sh('mkdir "${SUBAGENTD_RESULT%/*}/kept"'))
+                await client.collect(worker.id, wait=True)
+        kept = Path(worker.archive) / "kept" / "file"
+        kept.write_bytes(b"")
+        undeletable = _undeletable(kept) if os.geteuid() == 0 else None
+        if os.geteuid() != 0:
+            kept.parent.chmod(0o500)
+        elif undeletable is None:
+            pytest.skip("no immutable files here (chattr +i) to make a pruning fail with")
+        try:
+            await trio.sleep(1.5 * 86400)  # past the keep period, before a daily pruning
+            await d.daemon.retention.prune_archives_once()
+            assert not d.daemon.store.known_workers()  # its row is forgotten
+            assert list(d.state_dir.glob("archives/*/kept/file"))  # not deleted whole
+            await d.crash_and_restart()
+            async with d.client() as client:
+                problems = (await client.info()).problems
+            assert problems == [], problems
+            assert not d.daemon.store.damaged
+        finally:
+            for left in d.state_dir.glob("archives/*/kept/file"):
+                if undeletable is not None:
+                    undeletable(left)
+                left.parent.chmod(0o700)
+
+
+def _undeletable(path: Path) -> Callable[[Path], None] | None:
+    """Make `path` immutable (chattr +i), if this file system can; what undoes it."""
+    if shutil.which("chattr") is None:
+        return None
+    made = subprocess.run(["chattr", "+i", str(path)], capture_output=True, check=False)
+    if made.returncode != 0:
+        return None
+
+    def undo(left: Path) -> None:
+        subprocess.run(["chattr", "-i", str(left)], check=True)
+
+    return undo
+
+
+async def test_an_old_state_dirs_unread_record_is_rebuilt_once_not_as_a_lost_row(
+    daemon_dirs: DaemonProcess,
+) -> None:
+    """An older image's record.json that does not read is rebuilt from its snapshot by
+    recovery (`unread`). Its archive has no row, as a lost row's has none: it must be
+    rebuilt once, its parent woken once, and the store not said to have lost rows (it
+    had none to lose: there was no store)."""
+    state, archives = daemon_dirs.state_dir, daemon_dirs.state_dir / "archives"
+    with trio.fail_after(90):
+        await trio.to_thread.run_sync(daemon_dirs.start)
+        async with AsyncClient(daemon_dirs.socket) as client:
+            run = await client.new_run()
+            live = await client.spawn(sh("echo up; exec sleep 600"), run=run)
+            await wait_output(client, live.id, b"up")
+            pid = (await client.status(live.id)).pid
+        await trio.to_thread.run_sync(daemon_dirs.kill)
+        # As an image before the store left it: record.json files, no state.db.
+        for suffix in ("", "-wal", "-shm"):
+            (state / f"{STORE_NAME}{suffix}").unlink(missing_ok=True)
+        (archives / live.id / "record.json").write_bytes(b"{ not a record")
+        await trio.to_thread.run_sync(daemon_dirs.start)
+        async with AsyncClient(daemon_dirs.socket) as client:
+            assert (await client.status(live.id)).state == "interrupted"
+            problems = (await client.info()).problems
+        assert pid is not None
+        assert not alive(pid)
+        assert not any("had no row" in p for p in problems), problems
+        rebuilt = [p for p in problems if live.id in p and "rebuilt" in p]
+        assert len(rebuilt) == 1, problems  # rebuilt once
+        woken = [w for w in await pending_wakes(daemon_dirs, run) if w.id == live.id]
+        assert len(woken) == 1, woken
+        assert woken[0].seq < 2**32, woken  # no store lost its seqs: none skipped
