@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sqlite3
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -105,3 +106,56 @@ async def test_an_old_state_dirs_unread_record_is_rebuilt_once_not_as_a_lost_row
         woken = [w for w in await pending_wakes(daemon_dirs, run) if w.id == live.id]
         assert len(woken) == 1, woken
         assert woken[0].seq < 2**32, woken  # no store lost its seqs: none skipped
+
+
+async def test_a_store_unlinked_just_before_a_reload_is_put_back_not_lost(
+    daemon: DaemonProcess,
+) -> None:
+    """state.db unlinked, then a reload before the idle check's next round (or any change)
+    noticed: the reload must not hand the new image a name that links nothing (it would
+    start a fresh store, and every row only the store held, a named run's, a wake's seq,
+    would be lost, the rest rebuilt from the archives as after damage)."""
+    with trio.fail_after(90):
+        async with AsyncClient(daemon.socket) as client:
+            run = await client.new_run()
+            worker = await client.spawn(sh('echo done > "$SUBAGENTD_RESULT"'), run=run)
+            await client.wait(worker.id)
+        (daemon.state_dir / STORE_NAME).unlink()
+        async with AsyncClient(daemon.socket) as client:
+            await client.reload()
+            problems = (await client.info()).problems
+            assert (await client.collect(worker.id)).result == "done\n"
+        assert not any("had no row" in p for p in problems), problems
+        woken = [w for w in await pending_wakes(daemon, run) if w.id == worker.id]
+        assert len(woken) == 1, woken
+        assert woken[0].seq < 2**32, woken  # the store's own seqs, none skipped
+        await trio.to_thread.run_sync(daemon.kill)
+    db = sqlite3.connect(daemon.state_dir / STORE_NAME)
+    try:
+        runs = {str(row[0]) for row in db.execute("SELECT id FROM runs")}
+    finally:
+        db.close()
+    assert run in runs, runs  # the named run's row, which only the store held
+
+
+async def test_a_store_unlinked_just_before_a_stop_is_put_back_not_lost(
+    daemon: DaemonProcess,
+) -> None:
+    """state.db unlinked, then the daemon stopped (SIGTERM) before anything noticed: the
+    next start must find the store whole at its name, not start afresh from the
+    archives."""
+    with trio.fail_after(90):
+        async with AsyncClient(daemon.socket) as client:
+            run = await client.new_run()
+            worker = await client.spawn(sh('echo done > "$SUBAGENTD_RESULT"'), run=run)
+            await client.wait(worker.id)
+        (daemon.state_dir / STORE_NAME).unlink()
+        await trio.to_thread.run_sync(daemon.terminate)
+        await trio.to_thread.run_sync(daemon.start)
+        async with AsyncClient(daemon.socket) as client:
+            problems = (await client.info()).problems
+            assert (await client.collect(worker.id)).result == "done\n"
+        assert problems == [], problems
+        woken = [w for w in await pending_wakes(daemon, run) if w.id == worker.id]
+        assert len(woken) == 1, woken
+        assert woken[0].seq < 2**32, woken

@@ -557,6 +557,9 @@ class Store:
             rows = {}
         changed = [r for r in records if rows.get(r.id) != _encoder.encode(r)]
         self.commit(Change(workers=changed), what)
+        # None changed is no commit, and so no check: the next image opens the store by
+        # its name, and a name unlinked since the last check would give it an empty one.
+        self.check_linked()
 
     def held_workers(self) -> tuple[list[WorkerRecord], list[str]]:
         """The workers the daemon holds handles for (not ended, or ended and neither
@@ -700,6 +703,10 @@ class Store:
         self.problems.append(problem)
 
     def close(self) -> None:
+        """Close the store, put back first if its name no longer links it (the next start
+        opens it by that name: else what it held since it was unlinked is lost)."""
+        with contextlib.suppress(sqlite3.Error, OSError):
+            self.check_linked()
         with contextlib.suppress(sqlite3.Error):
             self._db.close()
 
