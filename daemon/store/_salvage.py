@@ -47,8 +47,12 @@ def dropped_commits(path: Path, db: sqlite3.Connection) -> int:
     and every commit after it is dropped. Frames of the WAL's current generation (its
     salts) marked as a commit, past the last frame sqlite verified, are such commits;
     frames of an uncommitted transaction (a kill -9 mid-write) carry no commit mark, and
-    stale frames of an earlier generation other salts. A WAL cut exactly at a frame's end
-    leaves nothing to see: recovery's reconciliation with the archives finds what it cost."""
+    stale frames of an earlier generation other salts. One such commit alone is no sign
+    of damage: sqlite writes a frame as two writes (its header, then its page), and a kill
+    -9 between them, in a WAL's space reused after a checkpoint, leaves the in-flight
+    commit's header over a stale page (a torn write is only ever the last transaction's).
+    A WAL cut exactly at a frame's end, or damaged in its last commit alone, leaves nothing
+    to tell: recovery's reconciliation with the archives finds what it cost."""
     try:
         fd = os.open(f"{path}-wal", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
@@ -74,7 +78,7 @@ def dropped_commits(path: Path, db: sqlite3.Connection) -> int:
             if (frame_salt1, frame_salt2) == (salt1, salt2) and commit:
                 dropped += 1
             offset += frame
-        return dropped
+        return dropped if dropped > 1 else 0
     finally:
         os.close(fd)
 
