@@ -240,3 +240,24 @@ async def test_a_wal_cut_short_through_an_ending_gives_that_ending_back(
         async with AsyncClient(daemon.socket) as client:
             view = await client.status(worker.id)
             assert (view.state, view.exit_code) == ("finished", 0), view
+
+
+async def test_a_lost_row_of_a_result_still_held_is_rebuilt_not_pruned(
+    autojump_clock: MockClock, short_tmp: Path
+) -> None:
+    """A finished worker's handle is held, uncollected, for finished_ttl; a pruning never
+    deletes a held worker's archive, even past the keep period. Its row lost, recovery
+    must not take its archive for a pruning's leftover and delete its result: it is
+    rebuilt, collectable as before."""
+    async with in_process(short_tmp, keep_archives_days=1, finished_ttl=3 * 86400) as d:
+        async with d.client() as client:
+            with held(autojump_clock):
+                worker = await client.spawn(sh('echo kept > "$SUBAGENTD_RESULT"'))
+                await client.wait(worker.id)
+        await trio.sleep(1.5 * 86400)  # past the keep period, within its handle's TTL
+        await d.daemon.retention.prune_archives_once()
+        assert await trio.Path(worker.archive).exists()  # held: not pruned
+        d.daemon.store.forget([worker.id])  # as damage would lose its row
+        await d.crash_and_restart()
+        async with d.client() as client:
+            assert (await client.collect(worker.id)).result == "kept\n"

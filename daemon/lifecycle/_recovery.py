@@ -116,8 +116,11 @@ async def reconcile(daemon: Daemon, *, rebuilt_below: Iterable[str] = ()) -> lis
     rebuilt: list[WorkerRecord] = []
     pruned: list[Path] = []
     # A pruning deletes archives before their rows: one it could not delete whole, of a
-    # worker that ended before the keep period, is its leftover, not a row lost.
-    cutoff = daemon.clock() - daemon.retention.keep_archives_days * 86400
+    # worker that ended before the keep period, is its leftover, not a row lost. (Never
+    # one whose handle could still be held, uncollected: a pruning keeps those.)
+    retention = daemon.retention
+    kept_for = max(retention.keep_archives_days * 86400, retention.finished_ttl)
+    cutoff = daemon.clock() - kept_for
     for worker_id in unrecorded:
         archive = Archive(daemon.state_dir.archives / worker_id)
         record = await _rebuild_alone(daemon, archive, row_lost=True)
