@@ -292,3 +292,42 @@ async def test_a_wal_cut_short_through_a_wake_gives_no_seq_twice(
         again = [w.seq for w in await pending_wakes(daemon, run) if w.id == worker.id]
         assert again, "its parent is woken again"
         assert given not in again, (given, again)
+
+
+_COMMITS_LEFT_IN_THE_WAL = """
+import os, pathlib
+from subagentd.daemon.store._store import Change, Store
+from subagentd.daemon.core._registry import WorkerRecord
+def record(i):
+    return WorkerRecord(id=f"w-{{i}}", run="r-1", parent=None, name="", state="running",
+        argv=["x" * 10], cwd="/", agent=None, grace=1.0, timeout=None, token=f"t-{{i}}",
+        archive=f"/a/w-{{i}}", started_at=1.0)
+path = pathlib.Path({path!r})
+Store.open(path).close()  # the schema, checkpointed into the database
+store = Store.open(path)
+for i in range(50):
+    store.commit(Change(workers=[record(i)]), "left in the WAL")
+os._exit(0)
+"""
+
+
+def test_a_wal_whose_header_is_damaged_has_its_dropped_commits_counted(tmp_path: Path) -> None:
+    """A byte of the WAL's header damaged (here its salt): sqlite then takes no frame of
+    it, dropping every commit, silently. The salts to count the dropped commits by are
+    the first frame's, not the damaged header's: the damage is named, and the store is
+    taken as damaged (recovery then trusts the journals' endings)."""
+    path = tmp_path / STORE_NAME
+    script = _COMMITS_LEFT_IN_THE_WAL.format(path=str(path))
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
+    fd = os.open(f"{path}-wal", os.O_WRONLY)
+    try:
+        os.pwrite(fd, b"\xa5", 17)  # inside the header's first salt
+    finally:
+        os.close(fd)
+    store = Store.open(path)
+    try:
+        assert store.known_workers() == set()  # sqlite took none of it
+        assert any("cut short or corrupted" in p for p in store.problems), store.problems
+        assert store.damaged
+    finally:
+        store.close()
