@@ -331,3 +331,28 @@ def test_a_wal_whose_header_is_damaged_has_its_dropped_commits_counted(tmp_path:
         assert store.damaged
     finally:
         store.close()
+
+
+async def test_reloads_then_a_kill_9_are_no_damage(daemon: DaemonProcess) -> None:
+    """What a daemon does to its own store is never damage: reloads (each exec leaves the
+    WAL), a kill -9, a clean restart: problems stay empty, seqs stay the store's own."""
+    with trio.fail_after(120):
+        async with AsyncClient(daemon.socket) as client:
+            run = await client.new_run()
+            live = await client.spawn(sh("echo up; exec sleep 600"), run=run)
+            await wait_output(client, live.id, b"up")
+            for _ in range(3):
+                done = await client.spawn(sh('echo x > "$SUBAGENTD_RESULT"'), run=run)
+                await client.wait(done.id)
+                await client.reload()
+                assert (await client.info()).problems == []
+            assert (await client.status(live.id)).state == "running"
+        await trio.to_thread.run_sync(daemon.kill)
+        await trio.to_thread.run_sync(daemon.start)
+        async with AsyncClient(daemon.socket) as client:
+            assert (await client.info()).problems == []
+        await trio.to_thread.run_sync(daemon.terminate)
+        await trio.to_thread.run_sync(daemon.start)
+        async with AsyncClient(daemon.socket) as client:
+            assert (await client.info()).problems == []
+        assert all(w.seq < 2**32 for w in await pending_wakes(daemon, run))
