@@ -356,3 +356,55 @@ async def test_reloads_then_a_kill_9_are_no_damage(daemon: DaemonProcess) -> Non
         async with AsyncClient(daemon.socket) as client:
             assert (await client.info()).problems == []
         assert all(w.seq < 2**32 for w in await pending_wakes(daemon, run))
+
+
+async def test_a_store_put_back_beside_a_planted_journal_name_still_serves(
+    daemon: DaemonProcess,
+) -> None:
+    """state.db unlinked and a directory planted at state.db-journal (a name a WAL-mode
+    store never uses): the copy put back must open without it, so the daemon goes on with
+    a database (not a closed one whose every read fails), and a restart finds every row."""
+    with trio.fail_after(90):
+        async with AsyncClient(daemon.socket) as client:
+            run = await client.new_run()
+            (daemon.state_dir / STORE_NAME).unlink()
+            (daemon.state_dir / f"{STORE_NAME}-journal").mkdir()
+            worker = await client.spawn(sh('echo done > "$SUBAGENTD_RESULT"'), run=run)
+            await client.wait(worker.id)
+            problems = (await client.info()).problems
+            assert any("put back" in p and "nothing written is lost" in p for p in problems), (
+                problems
+            )
+            later = await client.spawn(["true"], run=run)
+            await client.wait(later.id)
+        await trio.to_thread.run_sync(daemon.kill)
+        await trio.to_thread.run_sync(daemon.start)
+        async with AsyncClient(daemon.socket) as client:
+            assert (await client.info()).problems == []
+            assert (await client.collect(worker.id)).result == "done\n"
+            assert (await client.status(later.id)).state == "finished"
+
+
+@pytest.mark.parametrize("planted", ["fifo", "directory"])
+async def test_a_journal_name_not_the_daemons_costs_only_itself(
+    daemon: DaemonProcess, planted: str
+) -> None:
+    """A FIFO or a directory at state.db-journal: sqlite opens a journal it finds at every
+    open to see whether it is hot (a FIFO blocks that for good, a directory fails it), so
+    it is set aside alone, as one at -shm is, and the store kept with every worker."""
+    with trio.fail_after(90):
+        async with AsyncClient(daemon.socket) as client:
+            worker = await client.spawn(sh('echo done > "$SUBAGENTD_RESULT"'))
+            await client.wait(worker.id)
+        await trio.to_thread.run_sync(daemon.kill)
+        journal = daemon.state_dir / f"{STORE_NAME}-journal"
+        if planted == "fifo":
+            os.mkfifo(journal)
+        else:
+            journal.mkdir()
+        await trio.to_thread.run_sync(daemon.start)
+        async with AsyncClient(daemon.socket) as client:
+            problems = (await client.info()).problems
+            assert (await client.collect(worker.id)).result == "done\n"
+        assert any(f"{STORE_NAME}-journal is" in p and "alone" in p for p in problems), problems
+        assert not any("had no row" in p for p in problems), problems

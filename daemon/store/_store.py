@@ -113,8 +113,10 @@ READS_VERSIONS = tuple(range(1, SCHEMA_VERSION + 1))
 #: How far seqs skip ahead when the store's record of the highest one given is lost: the
 #: seqs given before are then unknown, and no daemon gives out this many wakes in its life.
 SEQ_SKIP_WITHOUT_FLOOR = 2**32
-#: What follows the database's name in the files sqlite keeps beside it.
-_COMPANIONS = ("", "-wal", "-shm")
+#: What follows the database's name in the files sqlite keeps beside it. (A WAL-mode store
+#: makes no -journal, but sqlite opens one it finds, to see whether it is hot, at every
+#: open and reopen: a FIFO there blocks the open for good, a directory fails it.)
+_COMPANIONS = ("", "-wal", "-shm", "-journal")
 _WAKE_COLUMNS = ("seq", "id", "run", "parent", "state", "exit_code", "preview", "attempt")
 
 
