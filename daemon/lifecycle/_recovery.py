@@ -30,7 +30,7 @@ its journal says ended takes that ending (its ending's commit was lost), not
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import cast
 
@@ -70,7 +70,7 @@ async def recover(
     progress = daemon.recovering  # None for a reload's new image: it serves after
     records, damaged = held if held is not None else daemon.store.held_workers()
     # First: it may find that the store lost rows, which changes what an unended row means.
-    records += await reconcile(daemon)
+    records += await reconcile(daemon, rebuilt_below=unread or ())
     interrupted: list[str] = []
     rebuilding = list(dict.fromkeys([*damaged, *(unread or ())]))
     if progress is not None:
@@ -113,13 +113,16 @@ async def recover(
     return interrupted
 
 
-async def reconcile(daemon: Daemon) -> list[WorkerRecord]:
+async def reconcile(daemon: Daemon, *, rebuilt_below: Iterable[str] = ()) -> list[WorkerRecord]:
     """The workers whose archive the store has no row for, rebuilt from their archives
     and written to the store (the ended ones with their wake), each in its own fault
     boundary; the not-ended ones are left to the caller to interrupt. Archive names that
     are no directory are reported, never followed. Run before `Registry.restore` (as
-    `recover` does); run after it, take each record in with `Registry.restore_worker`."""
-    unrecorded, foreign = daemon.state_dir.unrecorded(daemon.store.known_workers)
+    `recover` does); run after it, take each record in with `Registry.restore_worker`.
+    `rebuilt_below`: ids without a row that `recover` rebuilds itself (an older image's
+    record.json that did not read: no store lost them), neither rebuilt nor said here."""
+    unread = set(rebuilt_below)
+    unrecorded, foreign = daemon.state_dir.unrecorded(lambda: daemon.store.known_workers() | unread)
     for name, what in foreign:
         daemon.problems.recovery.append(
             f"archive {daemon.state_dir.archives / name} is {what}: skipped, not followed"
@@ -129,8 +132,11 @@ async def reconcile(daemon: Daemon) -> list[WorkerRecord]:
     rebuilt: list[WorkerRecord] = []
     pruned: list[Path] = []
     # A pruning deletes archives before their rows: one it could not delete whole, of a
-    # worker that ended before the keep period, is its leftover, not a row lost.
-    cutoff = daemon.clock() - daemon.retention.keep_archives_days * 86400
+    # worker that ended before the keep period, is its leftover, not a row lost. (Never
+    # one whose handle could still be held, uncollected: a pruning keeps those.)
+    retention = daemon.retention
+    kept_for = max(retention.keep_archives_days * 86400, retention.finished_ttl)
+    cutoff = daemon.clock() - kept_for
     for worker_id in unrecorded:
         archive = Archive(daemon.state_dir.archives / worker_id)
         record = await _rebuild_alone(daemon, archive, row_lost=True)

@@ -48,10 +48,28 @@ RESULT_REFUSED = "[result file is not a regular file: ignored; the end of stdout
 RESULT_UNREADABLE = "[result file could not be read ({}); the end of stdout follows]\n"
 
 
+#: An archive is renamed to this prefix and its name before it is deleted: what a pruning
+#: cannot delete whole (a directory inside that its user cannot empty) is then no worker's
+#: archive, which recovery would take for one whose row the store lost (its row goes
+#: after), and the next pruning tries it again.
+PRUNED_PREFIX = ".pruned-"
+
+
 def prune_archives(archives: list[Path]) -> None:
-    """Delete these archives (of workers that ended before the keep period)."""
+    """Delete these archives (of workers that ended before the keep period), and what
+    earlier prunings beside them could not delete whole."""
+    for parent in {path.parent for path in archives}:
+        for left in parent.glob(f"{PRUNED_PREFIX}*"):
+            shutil.rmtree(left, ignore_errors=True)
     for path in archives:
-        shutil.rmtree(path, ignore_errors=True)  # never follows a symlink inside
+        doomed = path.with_name(f"{PRUNED_PREFIX}{path.name}")
+        try:
+            os.rename(path, doomed)  # a symlink is moved itself, never followed
+        except FileNotFoundError:
+            continue
+        except OSError:
+            doomed = path  # (deleted where it is: as much of it as can be)
+        shutil.rmtree(doomed, ignore_errors=True)  # never follows a symlink inside
 
 
 def decode_written(raw: bytes, kind: type[_Written]) -> _Written:

@@ -47,8 +47,12 @@ def dropped_commits(path: Path, db: sqlite3.Connection) -> int:
     and every commit after it is dropped. Frames of the WAL's current generation (its
     salts) marked as a commit, past the last frame sqlite verified, are such commits;
     frames of an uncommitted transaction (a kill -9 mid-write) carry no commit mark, and
-    stale frames of an earlier generation other salts. A WAL cut exactly at a frame's end
-    leaves nothing to see: recovery's reconciliation with the archives finds what it cost."""
+    stale frames of an earlier generation other salts. One such commit alone is no sign
+    of damage: sqlite writes a frame as two writes (its header, then its page), and a kill
+    -9 between them, in a WAL's space reused after a checkpoint, leaves the in-flight
+    commit's header over a stale page (a torn write is only ever the last transaction's).
+    A WAL cut exactly at a frame's end, or damaged in its last commit alone, leaves nothing
+    to tell: recovery's reconciliation with the archives finds what it cost."""
     try:
         fd = os.open(f"{path}-wal", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
@@ -57,13 +61,23 @@ def dropped_commits(path: Path, db: sqlite3.Connection) -> int:
         head = os.pread(fd, _WAL_HEADER.size, 0)
         if len(head) < _WAL_HEADER.size:
             return 0
-        magic, _, page_size, _, salt1, salt2, _, _ = _WAL_HEADER.unpack(head)
-        if magic not in _WAL_MAGICS or page_size < 512 or page_size & (page_size - 1):
+        magic, _, page_size, _, salt1, salt2, *sums = _WAL_HEADER.unpack(head)
+        whole = magic in _WAL_MAGICS and _checksum(head[:24], magic & 1) == tuple(sums)
+        if not whole:  # the database's page size is its WAL's
+            (page_size,) = db.execute("PRAGMA page_size").fetchone()
+        if page_size < 512 or page_size & (page_size - 1):
             return 0
         # The number of frames sqlite verified (its mxFrame): a passive checkpoint says it.
         _, verified, _ = db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
         if verified < 0:
             return 0
+        if not whole:
+            # SQLite takes no frame of a WAL whose header does not verify, silently: the
+            # salts of its generation are then its first frame's, written after it.
+            first = os.pread(fd, _FRAME_HEADER.size, _WAL_HEADER.size)
+            if len(first) < _FRAME_HEADER.size:
+                return 0
+            _, _, salt1, salt2 = _FRAME_HEADER.unpack(first)
         frame = _FRAME_HEADER_BYTES + page_size
         size = min(os.fstat(fd).st_size, WAL_SCAN_LIMIT)
         dropped = 0
@@ -74,9 +88,19 @@ def dropped_commits(path: Path, db: sqlite3.Connection) -> int:
             if (frame_salt1, frame_salt2) == (salt1, salt2) and commit:
                 dropped += 1
             offset += frame
-        return dropped
+        return dropped if dropped > 1 else 0
     finally:
         os.close(fd)
+
+
+def _checksum(data: bytes, big_endian: int) -> tuple[int, int]:
+    """SQLite's WAL checksum of `data` (a multiple of 8 bytes), its words read in the byte
+    order the WAL's magic names (wal.c's walChecksumBytes)."""
+    s1 = s2 = 0
+    for x1, x2 in struct.iter_unpack(">II" if big_endian else "<II", data):
+        s1 = (s1 + x1 + s2) & 0xFFFFFFFF
+        s2 = (s2 + x2 + s1) & 0xFFFFFFFF
+    return s1, s2
 
 
 @dataclass(frozen=True)

@@ -118,8 +118,10 @@ READS_VERSIONS = tuple(range(1, SCHEMA_VERSION + 1))
 #: How far seqs skip ahead when the store's record of the highest one given is lost: the
 #: seqs given before are then unknown, and no daemon gives out this many wakes in its life.
 SEQ_SKIP_WITHOUT_FLOOR = 2**32
-#: What follows the database's name in the files sqlite keeps beside it.
-_COMPANIONS = ("", "-wal", "-shm")
+#: What follows the database's name in the files sqlite keeps beside it. (A WAL-mode store
+#: makes no -journal, but sqlite opens one it finds, to see whether it is hot, at every
+#: open and reopen: a FIFO there blocks the open for good, a directory fails it.)
+_COMPANIONS = ("", "-wal", "-shm", "-journal")
 _WAKE_COLUMNS = ("seq", "id", "run", "parent", "state", "exit_code", "preview", "attempt")
 
 
@@ -593,6 +595,9 @@ class Store:
             rows = {}
         changed = [r for r in records if rows.get(r.id) != _encoder.encode(r)]
         self.commit(Change(workers=changed), what)
+        # None changed is no commit, and so no check: the next image opens the store by
+        # its name, and a name unlinked since the last check would give it an empty one.
+        self.check_linked()
 
     def held_workers(self) -> tuple[list[WorkerRecord], list[str]]:
         """The workers the daemon holds handles for (not ended, or ended and neither
@@ -736,6 +741,10 @@ class Store:
         self.problems.append(problem)
 
     def close(self) -> None:
+        """Close the store, put back first if its name no longer links it (the next start
+        opens it by that name: else what it held since it was unlinked is lost)."""
+        with contextlib.suppress(sqlite3.Error, OSError):
+            self.check_linked()
         with contextlib.suppress(sqlite3.Error):
             self._db.close()
         if self.lock is not None:
