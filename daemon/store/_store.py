@@ -105,7 +105,7 @@ from .._logging import get_logger
 from ..core._registry import LaunchFence, RunRecord, Tombstone, WorkerRecord
 from ..core._request_keys import KeyRecord
 from ._salvage import FileIdentity, copy_whole, dropped_commits, empty_beside_wal, relinked_why
-from ._store_lock import StoreLock
+from ._store_lock import StoreLock, StoreLocked
 
 log = get_logger()
 
@@ -404,7 +404,7 @@ class Store:
             return True
         try:
             aside = self._put_back()
-        except (sqlite3.Error, OSError) as exc:
+        except (sqlite3.Error, OSError, StoreLocked) as exc:
             self._problem_once(
                 f"the store {self.path} is no longer linked in the state dir "
                 f"({'; '.join(why)}) and a whole copy could not be put back ({exc}): tried "
@@ -426,9 +426,15 @@ class Store:
         If the rename fails, the store goes on in the whole copy (put back at the next
         check), never without a database."""
         copy = copy_whole(self._db, self.path.parent, self.path.name)
+        # The copy locked before it is renamed into place: no other process gets in
+        # between; the lock held so far is on the file let go of.
+        fresh = StoreLock.take(copy)
         # Closed first: its last checkpoint goes into the file it has open, and sqlite
         # then deletes the WAL by name, which no new database's WAL holds yet.
         self._db.close()
+        if self.lock is not None:
+            self.lock.release()
+        self.lock = fresh
         opened_at, aside = copy, None
         try:
             for suffix in _COMPANIONS:
@@ -445,11 +451,7 @@ class Store:
             os.replace(copy, self.path)
             opened_at = self.path
         finally:
-            # The lock follows the store to its new file (`StoreLock.follow`): the one it
-            # held was the file let go of.
-            if self.lock is None:
-                self.lock = StoreLock.take(opened_at)
-            self._db = _connect(opened_at, self.lock)
+            self._db = _connect(opened_at, fresh)
             self._remember_files()
         return aside
 
