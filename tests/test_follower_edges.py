@@ -1,0 +1,78 @@
+"""Followers at the edges of the page budget's design (issue 24, item 6, reviewed): a
+follower stalled mid-page whose worker is collected meanwhile, and a reload while an
+idle follower's socket is more than half full."""
+
+from __future__ import annotations
+
+import trio
+
+from subagentd import protocol as p
+from subagentd.client import AsyncClient
+
+from .conftest import DaemonProcess
+from .helpers import RawConnection, reload_on_own_connection
+from .test_follower_memory import FLOOD, MIB, _in_order, _read_all, _stalled
+
+
+async def test_a_follower_stalled_mid_page_of_a_worker_collected_meanwhile_gets_the_rest(
+    daemon: DaemonProcess,
+) -> None:
+    """The page let go while its client did not read is read again to send its rest: a
+    collect meanwhile must not cost the follower the bytes it was already being sent
+    (the daemon had them; before the page budget it held them and sent them)."""
+    with trio.fail_after(120):
+        async with AsyncClient(daemon.socket) as client:
+            worker = await client.spawn(FLOOD)
+            await client.wait(worker.id)
+            async with _stalled(daemon, worker.id, 1) as (follower,):
+                follower.decoder.feed(await follower.stream.receive_some(100_000))
+                # The stall is the point: past HOLD_SECONDS (the daemon's real clock) the
+                # page is let go.
+                await trio.sleep(1.5)
+                await client.collect(worker.id)
+                stdout, pieces = await _read_all(follower, chunk=8192)
+            assert len(stdout) == 24 * MIB
+            _in_order(pieces)
+
+
+async def test_a_reload_keeps_an_idle_follower_whose_socket_is_half_full(
+    daemon: DaemonProcess,
+) -> None:
+    """A follower that read nothing of a page its socket took whole, its worker quiet: no
+    frame is half sent, so the reload keeps its connection and tells it `reloading` (as
+    before the page budget), rather than holding the reload KEEP_SECONDS and closing it;
+    asked again from its cursor, it gets the rest, every byte once."""
+    with trio.fail_after(120):
+        async with AsyncClient(daemon.socket) as client:
+            script = "head -c 150000 /dev/zero; read line; head -c 1000 /dev/zero"
+            worker = await client.spawn(["sh", "-c", script], stdin_open=True)
+            follower = await RawConnection.open(daemon.socket)
+            async with follower.stream:
+                await follower.send(p.Watch(id=2, worker=worker.id, follow=True))
+                await trio.lowlevel.wait_readable(follower.stream.socket)
+                got = 0
+                while got < 150000:  # every byte in its journal, and so sent or on its way
+                    got = sum(
+                        len(e.data)
+                        for e in (await client.watch_page(worker.id)).entries
+                        if e.kind == "stdout"
+                    )
+                await reload_on_own_connection(daemon)
+                stdout, cursor = b"", (0, 0)
+                while isinstance(reply := await follower.receive(), p.Page):
+                    stdout += b"".join(e.data for e in reply.entries if e.kind == "stdout")
+                    cursor = reply.next, reply.next_offset
+                assert reply is not None, "the reload closed an idle follower's connection"
+                assert isinstance(reply, p.Error), reply
+                assert reply.code == "reloading", reply
+            await client.send(worker.id, b"go\n", eof=True)
+            await client.wait(worker.id)
+            again = await RawConnection.open(daemon.socket)
+            async with again.stream:
+                since, offset = cursor
+                await again.send(
+                    p.Watch(id=2, worker=worker.id, since=since, offset=offset, follow=True)
+                )
+                rest, _ = await _read_all(again)
+            assert len(stdout + rest) == 151000
+            assert (stdout + rest).count(0) == 151000
