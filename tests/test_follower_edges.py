@@ -76,3 +76,25 @@ async def test_a_reload_keeps_an_idle_follower_whose_socket_is_half_full(
                 rest, _ = await _read_all(again)
             assert len(stdout + rest) == 151000
             assert (stdout + rest).count(0) == 151000
+
+
+async def test_followers_gone_mid_page_give_back_their_budget(daemon: DaemonProcess) -> None:
+    """Followers by the hundred that read part of a page, then abort or just close (more
+    than the 16 MiB budget's worth of pages begun): none keeps its share; a follower
+    after them gets the whole flood."""
+    with trio.fail_after(180):
+        async with AsyncClient(daemon.socket) as client:
+            worker = await client.spawn(FLOOD)
+            await client.wait(worker.id)
+            for round_ in range(3):
+                async with _stalled(daemon, worker.id, 60) as followers:
+                    for n, follower in enumerate(followers):
+                        follower.decoder.feed(await follower.stream.receive_some(100_000))
+                        if (n + round_) % 2:
+                            await follower.send(p.Abort(id=3, request=2))
+            reader = await RawConnection.open(daemon.socket)
+            async with reader.stream:
+                await reader.send(p.Watch(id=2, worker=worker.id, follow=True))
+                stdout, pieces = await _read_all(reader)
+            assert len(stdout) == 24 * MIB
+            _in_order(pieces)
