@@ -98,3 +98,44 @@ async def test_followers_gone_mid_page_give_back_their_budget(daemon: DaemonProc
                 stdout, pieces = await _read_all(reader)
             assert len(stdout) == 24 * MIB
             _in_order(pieces)
+
+
+async def test_a_reload_while_a_follower_is_stalled_mid_page_loses_it_no_byte(
+    daemon: DaemonProcess,
+) -> None:
+    """Half a frame sent and its client not reading: the reload goes ahead (the connection
+    cannot be kept mid-frame, so it is closed); asked again from its last whole page,
+    the follower gets the rest, every byte once, from the next image."""
+    with trio.fail_after(120):
+        async with AsyncClient(daemon.socket) as client:
+            worker = await client.spawn(FLOOD)
+            await client.wait(worker.id)
+        async with _stalled(daemon, worker.id, 1) as (follower,):
+            stdout, cursor = b"", (0, 0)
+            decoder = follower.decoder
+            while (decoder.incomplete_length or 0) < 256 * 1024:  # into a page, not through
+                decoder.feed(await follower.stream.receive_some(4096))
+                while (body := decoder.next_frame()) is not None:
+                    page = p.daemon_decoder.decode(body)
+                    assert isinstance(page, p.Page), page
+                    stdout += b"".join(e.data for e in page.entries if e.kind == "stdout")
+                    cursor = page.next, page.next_offset
+            reply = await reload_on_own_connection(daemon)
+            assert isinstance(reply, p.ReloadReply), reply
+            while data := await follower.stream.receive_some(65536):
+                decoder.feed(data)
+                while (body := decoder.next_frame()) is not None:
+                    page = p.daemon_decoder.decode(body)
+                    if not isinstance(page, p.Page):
+                        break
+                    stdout += b"".join(e.data for e in page.entries if e.kind == "stdout")
+                    cursor = page.next, page.next_offset
+        again = await RawConnection.open(daemon.socket)
+        async with again.stream:
+            since, offset = cursor
+            await again.send(
+                p.Watch(id=2, worker=worker.id, since=since, offset=offset, follow=True)
+            )
+            rest, _ = await _read_all(again)
+        assert len(stdout) + len(rest) == 24 * MIB
+        assert (stdout + rest).count(0) == 24 * MIB
