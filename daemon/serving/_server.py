@@ -270,11 +270,12 @@ class Connection:
         sock = self.stream.socket
         if not self._send_buffer:
             self._send_buffer = send_buffer(sock)
+        if room(self._send_buffer, queued(sock.fileno())) < self._send_buffer // 2:
+            # Waited without the send lock: nothing is half sent meanwhile, so a reload's
+            # seal goes ahead (and keeps the connection) while its client does not read.
+            await self.wait_writable()
         async with self.send_lock:
             free = room(self._send_buffer, queued(sock.fileno()))
-            if free < self._send_buffer // 2:
-                await self.wait_writable()
-                free = room(self._send_buffer, queued(sock.fileno()))
             await held.take(min(most, free))
             try:
                 yield held.size

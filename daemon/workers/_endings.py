@@ -16,7 +16,7 @@ from .._logging import get_logger
 from .._problems import Problems
 from ..core._registry import Registry, WorkerRecord
 from ..store._archive import STDOUT_TAIL_BYTES
-from ..store._journal import Journal
+from ..store._journal import Journal, JournalCorrupt
 from ..store._store import Change, Store
 from ..store._together import GroupCommit
 from ._mailbox import Mailbox
@@ -124,6 +124,8 @@ class Endings:
                 journal.append("state", f"{record.state} exit_code={returncode}".encode(), now)
         except OSError as exc:
             self._problems.disk_failed(f"journal of {record.id}", exc)
+        except JournalCorrupt as exc:  # its file replaced while closed: the ending goes on
+            log.error("worker.journal_refused", worker=record.id, error=str(exc))
         journal.close()
         # Its tail serves the collect that follows.
         self._reader.keep_journal_open(record.id, journal)
