@@ -105,7 +105,7 @@ from .._logging import get_logger
 from ..core._registry import LaunchFence, RunRecord, Tombstone, WorkerRecord
 from ..core._request_keys import KeyRecord
 from ._salvage import FileIdentity, copy_whole, dropped_commits, empty_beside_wal, relinked_why
-from ._store_lock import StoreLock
+from ._store_lock import StoreLock, StoreLocked
 
 log = get_logger()
 
@@ -424,9 +424,22 @@ class Store:
         If the rename fails, the store goes on in the whole copy (put back at the next
         check), never without a database."""
         copy = copy_whole(self._db, self.path.parent, self.path.name)
+        # The copy is held before it is renamed into place, and before the store lets go
+        # of the file it has: the copy sat in the state dir under a name any process may
+        # read there, and one that locked it first would hold the store out.
+        try:
+            held = StoreLock.take(copy)
+        except (StoreLocked, OSError) as exc:
+            copy.unlink(missing_ok=True)
+            if isinstance(exc, StoreLocked):
+                raise OSError(errno.EAGAIN, f"its copy was locked first by {exc.holder}") from exc
+            raise
         # Closed first: its last checkpoint goes into the file it has open, and sqlite
         # then deletes the WAL by name, which no new database's WAL holds yet.
         self._db.close()
+        if self.lock is not None:
+            self.lock.release()
+        self.lock = held
         opened_at, aside = copy, None
         try:
             for suffix in _COMPANIONS:
@@ -443,10 +456,8 @@ class Store:
             os.replace(copy, self.path)
             opened_at = self.path
         finally:
-            # The lock follows the store to its new file (`StoreLock.follow`): the one it
-            # held was the file let go of.
-            if self.lock is None:
-                self.lock = StoreLock.take(opened_at)
+            # The lock went with the copy, to whichever name it has now.
+            self.lock.path = opened_at
             self._db = _connect(opened_at, self.lock)
             self._remember_files()
         return aside
