@@ -3,17 +3,22 @@ process could still get a lock on the store file the daemon has open."""
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import subprocess
 import sys
 
+import pytest
 import trio
 
+from subagentd import protocol as p
 from subagentd.client import AsyncClient
 from subagentd.daemon.store._store import STORE_NAME
 
 from .conftest import DaemonProcess
-from .helpers import sh
+from .helpers import RawConnection, sh, wait_output
+
+TICKING = "echo up; while :; do echo tick; sleep 0.05; done"
 
 #: A same-user process that takes a reader's shared lock (a POSIX read lock on sqlite's
 #: shared bytes, as any sqlite reader's) on the copy a put-back makes of the store, once
@@ -121,3 +126,66 @@ async def test_a_lock_taken_on_the_put_back_copy_costs_the_daemon_nothing(
             locker.kill()
             locker.wait()
         locker.stdout.close()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="_rebuilt.with_live_workers gives a pipe to the first worker (by id) whose fd 0-2 "
+    "is it: a worker that made another's stdout pipe its own fd 1 takes that pipe, and its "
+    "owner's output goes to the taker's journal; what the kernel shows cannot say whose a "
+    "pipe was (the old image would have to write the pipes' inodes down, e.g. in the store)",
+)
+async def test_a_rebuilt_handoff_gives_no_worker_the_pipe_of_another(
+    daemon_dirs: DaemonProcess,
+) -> None:
+    """A checkpoint handed over unreadable: the new image finds each live worker's pipes
+    by what its fd 0, 1 and 2 are now. A worker that opened another worker's stdout pipe
+    (/proc/<pid>/fd/1, the same user's) and made it its own fd 1 must not take that pipe
+    from its owner: the owner's output still goes to the owner's journal."""
+    daemon_dirs.start(env={"SUBAGENTD_FAULT": "handoff:garbage"})
+    told = daemon_dirs.root / "told"
+    told.mkdir()
+    # Each worker waits to be told its part: the thief must be the one the store lists
+    # first (by id), so that it is looked at before the worker whose pipe it holds.
+    either = (
+        f'f="{told}/$SUBAGENTD_WORKER_ID"; while [ ! -p "$f" ]; do sleep 0.01; done; '
+        'read part victim < "$f"; if [ "$part" = thief ]; then '
+        "echo stolen; exec >/proc/$victim/fd/1; exec sleep 600; "
+        "else while :; do echo tick; sleep 0.05; done; fi"
+    )
+    with trio.fail_after(90):
+        async with AsyncClient(daemon_dirs.socket) as client:
+            thief, victim = sorted(
+                [await client.spawn(sh(either)) for _ in range(2)], key=lambda w: w.id
+            )
+            for worker in (thief, victim):
+                os.mkfifo(told / worker.id)
+            await trio.to_thread.run_sync((told / victim.id).write_text, "victim 0\n")
+            await wait_output(client, victim.id, b"tick")
+            await trio.to_thread.run_sync((told / thief.id).write_text, f"thief {victim.pid}\n")
+            await wait_output(client, thief.id, b"stolen")
+        conn = await RawConnection.open(daemon_dirs.socket)
+        async with conn.stream:
+            await conn.send(p.Reload(id=2))
+            assert await conn.receive() is None  # its answer is lost with the checkpoint
+        async with AsyncClient(daemon_dirs.socket) as client:
+            first: list[str] = []
+
+            async def victim_ticks(cancel: trio.CancelScope) -> None:
+                seen = await wait_output(client, victim.id, b"tick")
+                await wait_output(client, victim.id, b"tick\n" * (seen.count(b"tick") + 3))
+                first.append("victim")
+                cancel.cancel()
+
+            async def thief_ticks(cancel: trio.CancelScope) -> None:
+                await wait_output(client, thief.id, b"tick")
+                first.append("thief")
+                cancel.cancel()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(victim_ticks, nursery.cancel_scope)
+                nursery.start_soon(thief_ticks, nursery.cancel_scope)
+            assert first == ["victim"], "the victim's ticks went into the thief's journal"
+            for worker in (thief, victim):
+                await client.stop(worker.id)
+    assert daemon_dirs.terminate() == 0
