@@ -17,6 +17,7 @@ from subagentd.daemon.store._store import STORE_NAME
 
 from .conftest import DaemonProcess
 from .helpers import RawConnection, sh, wait_output
+from .helpers import reload_on_own_connection as reload
 
 TICKING = "echo up; while :; do echo tick; sleep 0.05; done"
 
@@ -189,3 +190,49 @@ async def test_a_rebuilt_handoff_gives_no_worker_the_pipe_of_another(
             for worker in (thief, victim):
                 await client.stop(worker.id)
     assert daemon_dirs.terminate() == 0
+
+
+async def test_a_store_file_replaced_just_before_a_reload_is_not_taken_as_the_store(
+    daemon: DaemonProcess,
+) -> None:
+    """Another process renames its own database over state.db and the daemon reloads at
+    once (before a change or its idle check notices): the new image must not serve from
+    that file, losing the store the old image had open; the store comes through whole."""
+    assert daemon.proc is not None
+    with trio.fail_after(90):
+        async with AsyncClient(daemon.socket) as client:
+            run = await client.new_run()
+            done = await client.spawn(sh("echo done"), run=run)
+            await client.wait(done.id)
+        # A stop closes the store: its WAL checkpointed into state.db and removed.
+        assert await trio.to_thread.run_sync(daemon.terminate) == 0
+        await trio.to_thread.run_sync(daemon.start)
+        assert daemon.proc is not None
+        async with AsyncClient(daemon.socket) as client:
+            live = await client.spawn(sh(TICKING), run=run)
+            await wait_output(client, live.id, b"tick")
+        foreign = daemon.root / "foreign.db"
+        conn = sqlite3.connect(foreign)
+        try:
+            conn.execute("CREATE TABLE theirs (a)")
+            conn.commit()
+        finally:
+            conn.close()
+        os.replace(foreign, daemon.state_dir / STORE_NAME)
+        reply = await reload(daemon)
+        assert isinstance(reply, p.ReloadReply), (reply, daemon.log()[-3000:])
+        async with AsyncClient(daemon.socket) as client:
+            info = await client.info()
+            assert info.pid == daemon.proc.pid
+            assert (await client.status(done.id)).state == "finished", info.problems
+            view = await client.status(live.id)
+            assert (view.state, view.pid) == ("running", live.pid), info.problems
+            assert any("replaced by another file during a reload" in x for x in info.problems)
+        (theirs,) = daemon.state_dir.glob(f"{STORE_NAME}.not-ours-*")
+        conn = sqlite3.connect(theirs)
+        try:
+            assert conn.execute("SELECT name FROM sqlite_master").fetchall() == [("theirs",)]
+        finally:
+            conn.close()
+        async with AsyncClient(daemon.socket) as client:
+            await client.stop(live.id)

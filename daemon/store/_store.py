@@ -87,6 +87,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import secrets
 import shutil
 import sqlite3
 import stat
@@ -104,8 +105,9 @@ from subagentd.protocol import Wake
 from .._logging import get_logger
 from ..core._registry import LaunchFence, RunRecord, Tombstone, WorkerRecord
 from ..core._request_keys import KeyRecord
+from ._files import SAFE_FLAGS
 from ._salvage import FileIdentity, copy_whole, dropped_commits, empty_beside_wal, relinked_why
-from ._store_lock import StoreLock, StoreLocked
+from ._store_lock import StoreLock, StoreLocked, is_store_lock
 
 log = get_logger()
 
@@ -321,6 +323,8 @@ class Store:
         problems: list[str] = []
         lock: StoreLock | None = None
         try:
+            if lock_fd is not None and not StoreLock(path, lock_fd).holds(path):
+                lock_fd = _inherited_put_back(path, lock_fd, problems)
             lost = _set_aside_foreign(path, problems)
             lost |= _set_aside_empty(path, problems)
             # A WAL is left only by a daemon that did not close the store (a kill, an exec).
@@ -1034,6 +1038,47 @@ def _report_dropped_commits(path: Path, db: sqlite3.Connection, problems: list[s
     log.error("store.wal_damaged", problem=problem)
     problems.append(problem)
     return True
+
+
+def _inherited_put_back(path: Path, fd: int, problems: list[str]) -> int:
+    """The store's lock a reload carried (`fd`) holds a file that is no longer the one at
+    `path`: another process put its own there during the exec. The file the old image had
+    open is what the store is (its WAL still at its name): a whole copy of it, held before
+    it is linked, is renamed into place, and what was there set aside. The lock on the copy;
+    or `fd` itself if it holds no store's lock (a checkpoint named it wrongly: let go)."""
+    if not is_store_lock(fd):
+        return fd
+    copy = path.with_name(f".{path.name}.put-back-{secrets.token_hex(8)}")
+    try:
+        held = StoreLock.take(
+            copy, os.open(copy, os.O_RDWR | os.O_CREAT | os.O_EXCL | SAFE_FLAGS, 0o600)
+        )
+        try:
+            size, offset = os.fstat(fd).st_size, 0
+            while offset < size:
+                copied = os.copy_file_range(fd, held.fd, size - offset, offset, offset)
+                if copied == 0:
+                    raise OSError(errno.EIO, f"{path}: the file held came short of its size")
+                offset += copied
+            os.fsync(held.fd)
+            aside = path.with_name(f"{path.name}.not-ours-{_stamp()}")
+            for suffix in ("", "-shm"):  # its WAL is the store's, else sqlite says it is damaged
+                if os.path.lexists(f"{path}{suffix}"):
+                    os.rename(f"{path}{suffix}", f"{aside}{suffix}")
+            os.replace(copy, path)
+        except BaseException:
+            held.release()
+            copy.unlink(missing_ok=True)
+            raise
+    finally:
+        os.close(fd)
+    problem = (
+        f"the store {path} was replaced by another file during a reload's exec (kept as "
+        f"{aside}): the store the daemon had open was put back whole in its place"
+    )
+    log.error("store.replaced_in_exec", problem=problem)
+    problems.append(problem)
+    return held.fd
 
 
 def _refuse_if_swapped(path: Path) -> None:
