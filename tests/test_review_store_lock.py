@@ -8,6 +8,7 @@ import shutil
 import sqlite3
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import trio
@@ -17,7 +18,7 @@ from subagentd.client import AsyncClient
 from subagentd.daemon.store._store import STORE_NAME
 
 from .conftest import DaemonProcess
-from .helpers import RawConnection, sh, wait_output
+from .helpers import RawConnection, pending_wakes, sh, wait_output
 from .helpers import reload_on_own_connection as reload
 
 TICKING = "echo up; while :; do echo tick; sleep 0.05; done"
@@ -281,3 +282,100 @@ async def test_a_wal_replaced_just_before_a_reload_is_not_replayed_into_the_stor
             view = await client.status(live.id)
             assert (view.state, view.pid) == ("running", live.pid), info.problems
             await client.stop(live.id)
+
+
+#: A poller of state.db as a monitoring script might be written: it leaves the file it
+#: found there alone (the daemon's), and opens whatever file is at the name once that
+#: changes, holding on to it for a second once in, then ending.
+POLLER = r"""
+import os, sqlite3, sys, time
+path = sys.argv[1]
+first = os.stat(path).st_ino
+print("ready", flush=True)
+while True:
+    try:
+        if os.stat(path).st_ino == first:
+            continue
+    except FileNotFoundError:
+        pass
+    db = sqlite3.connect(path, timeout=0)
+    try:
+        db.execute("BEGIN")
+        db.execute("SELECT count(*) FROM sqlite_master").fetchall()
+    except sqlite3.OperationalError:
+        db.close()
+        continue
+    print("in", flush=True)
+    time.sleep(1)
+    db.close()
+    break
+"""
+
+#: What makes a salvage take a while: a WAL of this many bytes to read again.
+BIG_WAL = 48 * 1024 * 1024
+
+
+def _damage_with_a_big_wal(store: Path) -> None:
+    """Overwrite the page of `counters` in the (closed) store at `store`, and leave beside
+    it a WAL of BIG_WAL bytes of frames that do not touch that page."""
+    conn = sqlite3.connect(store, isolation_level=None)
+    try:
+        ((counters,),) = conn.execute(
+            "SELECT rootpage FROM sqlite_master WHERE name = 'counters'"
+        ).fetchall()
+        (page_size,) = conn.execute("PRAGMA page_size").fetchone()
+        conn.execute("PRAGMA wal_autocheckpoint = 0")
+        conn.execute("CREATE TABLE bulk (a)")
+        for _ in range(BIG_WAL // (1024 * 1024)):
+            conn.execute("INSERT INTO bulk VALUES (zeroblob(1024 * 1024))")
+        shutil.copyfile(f"{store}-wal", f"{store}.wal-kept")
+    finally:
+        conn.close()
+    os.rename(f"{store}.wal-kept", f"{store}-wal")
+    fd = os.open(store, os.O_WRONLY)
+    try:
+        os.pwrite(fd, b"\xa5" * int(page_size), (int(counters) - 1) * int(page_size))
+    finally:
+        os.close(fd)
+
+
+def _start_poller(store: Path) -> subprocess.Popen[str]:
+    poller = subprocess.Popen(
+        [sys.executable, "-c", POLLER, str(store)], stdout=subprocess.PIPE, text=True
+    )
+    assert poller.stdout is not None
+    assert poller.stdout.readline() == "ready\n"
+    return poller
+
+
+async def test_a_damaged_store_set_aside_gives_no_reader_its_name_in_between(
+    daemon: DaemonProcess,
+) -> None:
+    """A damaged state.db at a start is set aside and a fresh one, with what it still
+    gives, takes its place. A reader that opens the name in between (sqlite makes the file
+    if there is none) must not leave the daemon with an empty store that says nothing."""
+    # Before: the lock was let go for the whole salvage; the reader got in, the open gave
+    # up with StoreLocked, and the next attempt took the reader's empty file as the store:
+    # every wake the damaged one held gone, and no problem said.
+    store = daemon.state_dir / STORE_NAME
+    with trio.fail_after(120):
+        async with AsyncClient(daemon.socket) as client:
+            run = await client.new_run()
+            for _ in range(3):
+                await client.wait((await client.spawn(["true"], run=run)).id)
+        pending = await pending_wakes(daemon, run)
+        assert len(pending) == 3
+        assert await trio.to_thread.run_sync(daemon.terminate) == 0
+        await trio.to_thread.run_sync(_damage_with_a_big_wal, store)
+        poller = _start_poller(store)
+        try:
+            await trio.to_thread.run_sync(daemon.start)
+            async with AsyncClient(daemon.socket) as client:
+                problems = (await client.info()).problems
+            assert any("was damaged" in problem for problem in problems), problems
+            assert await pending_wakes(daemon, run) == pending
+        finally:
+            poller.kill()
+            poller.wait()
+            assert poller.stdout is not None
+            poller.stdout.close()

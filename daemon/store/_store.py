@@ -335,7 +335,6 @@ class Store:
             except sqlite3.DatabaseError as exc:
                 if isinstance(exc, sqlite3.OperationalError) and not _is_damage(exc):
                     raise
-                lock.release()  # salvage reads the damaged file with sqlite's own locks
                 db = _recover_from_damage(path, str(exc), problems, lock)
                 lost = True
             if left_wal:
@@ -1102,8 +1101,25 @@ def _recover_from_damage(
     path: Path, error: str, problems: list[str], lock: StoreLock
 ) -> sqlite3.Connection:
     """Set the damaged database aside, read back what it still gives, and start a fresh
-    one with that. Only what sat in damaged pages is lost; no seq is given twice."""
-    aside = _move_aside(path, "damaged")
+    one with that. Only what sat in damaged pages is lost; no seq is given twice.
+
+    The fresh file is held (`lock` moves to it) before it is renamed into place, and the
+    damaged one let go only then (salvage reads it with sqlite's own locks): a reader
+    that opened the name in between would have made a file there, held it, and been
+    taken for the store at the next try, with nothing of the damaged one in it."""
+    fresh = path.with_name(f".{path.name}.fresh-{secrets.token_hex(8)}")
+    held = StoreLock.take(
+        fresh, os.open(fresh, os.O_RDWR | os.O_CREAT | os.O_EXCL | SAFE_FLAGS, 0o600)
+    )
+    try:
+        aside = _move_aside(path, "damaged")
+        os.replace(fresh, path)
+    except BaseException:
+        held.release()
+        fresh.unlink(missing_ok=True)
+        raise
+    lock.release()
+    lock.path, lock.fd = path, held.fd
     wakes, floor, unread = _salvage(aside)
     db = _connect(path, lock)
     store = Store(path, db, problems)
