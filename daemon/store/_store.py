@@ -87,6 +87,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import secrets
 import shutil
 import sqlite3
 import stat
@@ -104,8 +105,9 @@ from subagentd.protocol import Wake
 from .._logging import get_logger
 from ..core._registry import LaunchFence, RunRecord, Tombstone, WorkerRecord
 from ..core._request_keys import KeyRecord
+from ._files import SAFE_FLAGS
 from ._salvage import FileIdentity, copy_whole, dropped_commits, empty_beside_wal, relinked_why
-from ._store_lock import StoreLock, StoreLocked
+from ._store_lock import StoreLock, StoreLocked, is_store_lock
 
 log = get_logger()
 
@@ -323,6 +325,8 @@ class Store:
         problems: list[str] = []
         lock: StoreLock | None = None
         try:
+            if lock_fd is not None and not StoreLock(path, lock_fd).holds(path):
+                lock_fd = _inherited_put_back(path, lock_fd, problems)
             lost = _set_aside_foreign(path, problems)
             lost |= _set_aside_empty(path, problems)
             # A WAL is left only by a daemon that did not close the store (a kill, an exec).
@@ -333,7 +337,6 @@ class Store:
             except sqlite3.DatabaseError as exc:
                 if isinstance(exc, sqlite3.OperationalError) and not _is_damage(exc):
                     raise
-                lock.release()  # salvage reads the damaged file with sqlite's own locks
                 db = _recover_from_damage(path, str(exc), problems, lock)
                 lost = True
             if left_wal:
@@ -426,15 +429,22 @@ class Store:
         If the rename fails, the store goes on in the whole copy (put back at the next
         check), never without a database."""
         copy = copy_whole(self._db, self.path.parent, self.path.name)
-        # The copy locked before it is renamed into place: no other process gets in
-        # between; the lock held so far is on the file let go of.
-        fresh = StoreLock.take(copy)
+        # The copy is held before it is renamed into place, and before the store lets go
+        # of the file it has: the copy sat in the state dir under a name any process may
+        # read there, and one that locked it first would hold the store out.
+        try:
+            held = StoreLock.take(copy)
+        except (StoreLocked, OSError) as exc:
+            copy.unlink(missing_ok=True)
+            if isinstance(exc, StoreLocked):
+                raise OSError(errno.EAGAIN, f"its copy was locked first by {exc.holder}") from exc
+            raise
         # Closed first: its last checkpoint goes into the file it has open, and sqlite
         # then deletes the WAL by name, which no new database's WAL holds yet.
         self._db.close()
         if self.lock is not None:
             self.lock.release()
-        self.lock = fresh
+        self.lock = held
         opened_at, aside = copy, None
         try:
             for suffix in _COMPANIONS:
@@ -451,7 +461,9 @@ class Store:
             os.replace(copy, self.path)
             opened_at = self.path
         finally:
-            self._db = _connect(opened_at, fresh)
+            # The lock went with the copy, to whichever name it has now.
+            self.lock.path = opened_at
+            self._db = _connect(opened_at, self.lock)
             self._remember_files()
         return aside
 
@@ -1036,6 +1048,47 @@ def _report_dropped_commits(path: Path, db: sqlite3.Connection, problems: list[s
     return True
 
 
+def _inherited_put_back(path: Path, fd: int, problems: list[str]) -> int:
+    """The store's lock a reload carried (`fd`) holds a file that is no longer the one at
+    `path`: another process put its own there during the exec. The file the old image had
+    open is what the store is (its WAL still at its name): a whole copy of it, held before
+    it is linked, is renamed into place, and what was there set aside. The lock on the copy;
+    or `fd` itself if it holds no store's lock (a checkpoint named it wrongly: let go)."""
+    if not is_store_lock(fd):
+        return fd
+    copy = path.with_name(f".{path.name}.put-back-{secrets.token_hex(8)}")
+    try:
+        held = StoreLock.take(
+            copy, os.open(copy, os.O_RDWR | os.O_CREAT | os.O_EXCL | SAFE_FLAGS, 0o600)
+        )
+        try:
+            size, offset = os.fstat(fd).st_size, 0
+            while offset < size:
+                copied = os.copy_file_range(fd, held.fd, size - offset, offset, offset)
+                if copied == 0:
+                    raise OSError(errno.EIO, f"{path}: the file held came short of its size")
+                offset += copied
+            os.fsync(held.fd)
+            aside = path.with_name(f"{path.name}.not-ours-{_stamp()}")
+            for suffix in ("", "-shm"):  # its WAL is the store's, else sqlite says it is damaged
+                if os.path.lexists(f"{path}{suffix}"):
+                    os.rename(f"{path}{suffix}", f"{aside}{suffix}")
+            os.replace(copy, path)
+        except BaseException:
+            held.release()
+            copy.unlink(missing_ok=True)
+            raise
+    finally:
+        os.close(fd)
+    problem = (
+        f"the store {path} was replaced by another file during a reload's exec (kept as "
+        f"{aside}): the store the daemon had open was put back whole in its place"
+    )
+    log.error("store.replaced_in_exec", problem=problem)
+    problems.append(problem)
+    return held.fd
+
+
 def _refuse_if_swapped(path: Path) -> None:
     """Refuse a database whose name became a symlink while sqlite opened it."""
     why = _foreign(path)
@@ -1057,8 +1110,25 @@ def _recover_from_damage(
     path: Path, error: str, problems: list[str], lock: StoreLock
 ) -> sqlite3.Connection:
     """Set the damaged database aside, read back what it still gives, and start a fresh
-    one with that. Only what sat in damaged pages is lost; no seq is given twice."""
-    aside = _move_aside(path, "damaged")
+    one with that. Only what sat in damaged pages is lost; no seq is given twice.
+
+    The fresh file is held (`lock` moves to it) before it is renamed into place, and the
+    damaged one let go only then (salvage reads it with sqlite's own locks): a reader
+    that opened the name in between would have made a file there, held it, and been
+    taken for the store at the next try, with nothing of the damaged one in it."""
+    fresh = path.with_name(f".{path.name}.fresh-{secrets.token_hex(8)}")
+    held = StoreLock.take(
+        fresh, os.open(fresh, os.O_RDWR | os.O_CREAT | os.O_EXCL | SAFE_FLAGS, 0o600)
+    )
+    try:
+        aside = _move_aside(path, "damaged")
+        os.replace(fresh, path)
+    except BaseException:
+        held.release()
+        fresh.unlink(missing_ok=True)
+        raise
+    lock.release()
+    lock.path, lock.fd = path, held.fd
     wakes, floor, unread = _salvage(aside)
     db = _connect(path, lock)
     store = Store(path, db, problems)

@@ -148,6 +148,24 @@ class StoreLock:
         return f"pid {pid} ({describe_process(pid)}; {what})"
 
 
+def is_store_lock(fd: int) -> bool:
+    """Whether the descriptor `fd` holds a store's lock (`StoreLock`), as the kernel says
+    of its open file description: a descriptor a checkpoint names wrongly is not one."""
+    try:
+        with open(f"/proc/self/fdinfo/{fd}", encoding="ascii", errors="replace") as file:
+            lines = file.read().splitlines()
+    except OSError:
+        return False
+    # lock:	1: OFDLCK  ADVISORY  WRITE -1 <dev>:<ino> <first> <last>
+    held = ["OFDLCK", "ADVISORY", "WRITE"]
+    bytes_held = [str(PENDING_BYTE), str(PENDING_BYTE + LOCKED_LENGTH - 1)]
+    return any(
+        line.split()[2:5] == held and line.split()[-2:] == bytes_held
+        for line in lines
+        if line.startswith("lock:")
+    )
+
+
 def describe_process(pid: int) -> str:
     """A process as a person would know it: its command line, shortened."""
     try:
