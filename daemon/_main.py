@@ -241,6 +241,7 @@ def _take_over_handed(fd: int, settings: Settings) -> int:
         handoff, pipes = rebuilt_handoff(settings)
         return _serve(settings, None, handoff, problems, pipes)
     else:
+        problems += handoff.problems
         problems += _settings_differing(handoff.settings, settings)
         handoff = _its_socket(msgspec.structs.replace(handoff, settings=settings))
         if KEEP_HANDED_FAULT in read_faults(os.environ.get(FAULT_ENV, "")):

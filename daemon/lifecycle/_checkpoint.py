@@ -100,6 +100,9 @@ class Checkpoint(msgspec.Struct, kw_only=True):
     requesters: list[CarriedConnection] = []
     #: Workers the old image had to stop rather than carry.
     stopped_by_reload: list[str] = []
+    #: What the old image's store found wrong (`info.problems`), still to be seen after
+    #: the reload: a store put back just before the exec says so only there.
+    problems: list[str] = []
     #: Read from a version 1 checkpoint: the registry it carried (None in what this image
     #: writes: the store holds it).
     v1_state: CheckpointV1State | None = None

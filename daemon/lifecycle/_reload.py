@@ -81,6 +81,8 @@ CHECK_TIMEOUT = 60.0
 #: What supervision holds that an exec would lose (a journal write the disk refuses, a
 #: failed worker's ending) not put down within this refuses the reload.
 IN_HAND_SECONDS = 5.0
+#: The store's problems a reload hands on (the newest): what a person has still to see.
+CARRIED_PROBLEMS = 100
 #: Environment variable naming workers (by name, comma-separated) a reload must
 #: not carry live: a fault-injection hook for tests of the stop-and-archive path.
 NO_CARRY_ENV = "SUBAGENTD_FAULT_NO_CARRY"
@@ -376,6 +378,7 @@ class Reloader:
             lock_file_fd=lock_file_fd,
             store_lock_fd=None if store_lock is None else store_lock.carry(carried),
             live=[_carried(live, carried, journals) for live in daemon.supervisor.workers()],
+            problems=daemon.store.problems[-CARRIED_PROBLEMS:],
             requesters=[
                 CarriedConnection(
                     fd=carried.carry(conn.fd, "a connection that asked for the reload"),
