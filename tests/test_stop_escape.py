@@ -222,10 +222,15 @@ async def test_a_child_that_moves_itself_round_and_round_during_the_stop_ends_wi
 #: A forger: it claims the worker id it reads from its stdin by writing it over a
 #: placeholder in its own environment (as /proc/PID/environ shows it), then says "claimed".
 FORGER = r"""
-import ctypes, os, sys, time
+import ctypes, os, select, sys, time
+parent = os.getpid()
 if pid := os.fork():  # orphaned at once, as a worker's child that moved out would be
     print("pid", pid, flush=True)
     sys.exit(0)
+try:  # until the parent has exited (left unreaped by the test), so the forger is adopted
+    select.select([os.pidfd_open(parent)], [], [])
+except ProcessLookupError:
+    pass
 fields = open("/proc/self/stat").read().rsplit(")", 1)[1].split()
 env_start = int(fields[47])  # field 50 of /proc/PID/stat, counted from its third
 environ = open("/proc/self/environ", "rb").read()

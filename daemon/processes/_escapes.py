@@ -8,27 +8,41 @@ stop ends what carries the worker's id outside its cgroup too, and the daemon's 
 ends what carries any of its workers' ids (`MarkerSearch`; the guarantee and its limits
 are in docs/design.md, "Stopping exactly what you mean").
 
-One search reads /proc/PID/stat of every process and the environment of the orphans
-started since the oldest worker asked about (`search`): its cost grows with the
-machine's processes, not with the stops, since the stops asked together share one.
+One search reads /proc/PID/stat of the processes whose pids were handed out since the
+oldest worker asked about started (`_pidclock`: of every process, if the pid counter may
+have gone round since), and the environment of the orphans among them (`search`): its
+cost grows with the forks since, not with the machine's processes nor with the stops,
+since the stops asked together share one.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
 import trio
 
-from ._tree import DESCRIPTOR_ERRNOS, Graces, ProcStat, end_found, running, with_descendants
-from ._tree import scan as scan_table
+from ._pidclock import WHOLE, PidClock
+from ._tree import (
+    DESCRIPTOR_ERRNOS,
+    Graces,
+    ProcStat,
+    end_found,
+    read_stat,
+    running,
+    with_descendants,
+)
 
 #: What a worker's processes inherit in their environment, before the worker's id.
 MARKER = b"SUBAGENTD_WORKER_ID="
 #: At most this many worker ids are taken from one process's environment (getenv reads
 #: the first; a child of a worker that set its own has two).
 MARKERS_READ = 4
+#: The pids handed out since a worker started are read one by one where they are at most
+#: this many numbers (a failed open of a pid not in use costs a few microseconds); more,
+#: and they are picked from one listing of /proc.
+PROBE_MAX = 128
 
 
 @dataclass(frozen=True)
@@ -77,39 +91,51 @@ def worker_ids_of(pid: int) -> list[str]:
     return found[:MARKERS_READ]  # a forger's thousand claims cost no more than a few
 
 
-def search(since: int, leaders: Collection[int] = ()) -> Marked:
-    """Every process now, and the worker ids carried by the orphans among them started at
-    or after `since` (clock ticks after boot): never the daemon, nor the `leaders` of live
-    workers (the daemon's children, each carrying its own id).
+def search(since: int, leaders: Collection[int] = (), clock: PidClock | None = None) -> Marked:
+    """The processes started at or after `since` (clock ticks after boot), by the pids
+    handed out since (`clock`; all, without one), and the worker ids carried by the
+    orphans among them: never the daemon, nor the `leaders` of live workers (the daemon's
+    children, each carrying its own id), which are not even read.
 
     Made once nothing of a tree is left in its cgroup, whatever of it still runs was
     orphaned (its parents in the cgroup have exited) or descends from what was: so only
     the children of where an orphan goes, the daemon's ancestors (init, a subreaper such
     as the user's systemd) and the daemon, have their environment read, and what they
-    forked is theirs by its parent (`Marked.carriers`). A machine's other processes, a
-    thousand agents of another daemon among them, cost one `stat` each.
+    forked is theirs by its parent (`Marked.carriers`), forked later, so on the same arc
+    of pids. The machine's older processes, a thousand agents of another daemon among
+    them, cost nothing; the younger ones a `stat` each.
     """
-    table = scan_table()
     me = os.getpid()
-    adopters = _ancestors(table, me)
+    arc = WHOLE if clock is None or since <= 0 else clock.arc_since(since)
+    span = arc.span()
+    pids: Iterable[int]
+    if span is not None and span <= PROBE_MAX:
+        pids = arc.pids()
+    else:
+        names = os.listdir("/proc")
+        if clock is not None and not arc.whole:
+            arc = clock.arc_since(since)  # read after the listing: all it lists is on it
+        pids = [int(name) for name in names if name.isdigit()]
+    table: dict[int, ProcStat] = {}
+    for pid in pids:
+        if pid in arc and pid != me and pid not in leaders:
+            stat = read_stat(pid)
+            if stat is not None and stat.starttime >= since:
+                table[pid] = stat
+    adopters = _ancestors(me)
     by_worker: dict[str, list[int]] = {}
     for stat in table.values():
-        if (
-            stat.ppid not in adopters
-            or stat.starttime < since
-            or stat.pid == me
-            or stat.pid in leaders
-        ):
-            continue
-        for worker_id in worker_ids_of(stat.pid):
-            by_worker.setdefault(worker_id, []).append(stat.pid)
+        if stat.ppid in adopters:
+            for worker_id in worker_ids_of(stat.pid):
+                by_worker.setdefault(worker_id, []).append(stat.pid)
     return Marked(table, by_worker)
 
 
-def _ancestors(table: dict[int, ProcStat], pid: int) -> set[int]:
-    """`pid` and every ancestor of it in `table`, init (1) always among them."""
+def _ancestors(pid: int) -> set[int]:
+    """`pid` and every ancestor of it, init (1) always among them: where an orphan of a
+    worker's tree goes."""
     found = {1}
-    while pid not in found and (stat := table.get(pid)) is not None:
+    while pid not in found and (stat := read_stat(pid)) is not None:
         found.add(pid)
         pid = stat.ppid
     return found
@@ -126,6 +152,8 @@ class MarkerSearch:
     def __init__(self, leaders: Collection[int] = ()) -> None:
         #: The live workers' own pids (the launcher's, kept up to date): never searched.
         self._leaders = leaders
+        #: Which pids were handed out since when (`spawning` keeps it close behind).
+        self.clock = PidClock()
         self._lock = trio.Lock()
         self._started = 0
         self._finished = 0
@@ -135,6 +163,11 @@ class MarkerSearch:
         self._waiting: list[int] = []
         #: How many searches were made (for tests and `info`'s cost figures).
         self.made = 0
+
+    def spawning(self) -> None:
+        """A worker is about to be forked: a sample of the pid counter before it, unless
+        one was taken a moment ago, so its stop reads only the pids handed out since."""
+        self.clock.take_if_stale()
 
     async def marked(self, since: int) -> Marked:
         fresh_enough = self._started + 1
@@ -146,7 +179,7 @@ class MarkerSearch:
             number = self._started
             reach = min([since, *self._waiting])
             self._waiting.clear()
-            found = await trio.to_thread.run_sync(search, reach, self._leaders)
+            found = await trio.to_thread.run_sync(search, reach, self._leaders, self.clock)
             self.made += 1
             self._finished, self._latest, self._latest_since = number, found, reach
             return found
