@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import trio
 
-from ._pidclock import WHOLE, PidClock
+from ._pidclock import WHOLE, PidClock, PidSample
 from ._tree import (
     DESCRIPTOR_ERRNOS,
     Graces,
@@ -59,7 +59,13 @@ class Marked:
         roots = {
             pid for pid in self.by_worker.get(worker_id, ()) if self.table[pid].starttime >= since
         }
-        return [stat for stat in with_descendants(self.table, roots) if running(stat)]
+        found = []
+        for stat in with_descendants(self.table, roots):
+            # Read again: the table may hold what an earlier search read (`Recall`).
+            now = read_stat(stat.pid)
+            if now is not None and now.starttime == stat.starttime and running(now):
+                found.append(now)
+        return found
 
 
 def worker_ids_of(pid: int) -> list[str]:
@@ -91,7 +97,23 @@ def worker_ids_of(pid: int) -> list[str]:
     return found[:MARKERS_READ]  # a forger's thousand claims cost no more than a few
 
 
-def search(since: int, leaders: Collection[int] = (), clock: PidClock | None = None) -> Marked:
+@dataclass
+class Recall:
+    """What a search read, for the next to take again where nothing can have changed: the
+    `stat` of each process on its arc and the worker ids of the orphans among them, read
+    after `sample` was taken."""
+
+    stats: dict[int, ProcStat] = field(default_factory=dict)
+    ids: dict[int, list[str]] = field(default_factory=dict)
+    sample: PidSample | None = None
+
+
+def search(
+    since: int,
+    leaders: Collection[int] = (),
+    clock: PidClock | None = None,
+    recall: Recall | None = None,
+) -> Marked:
     """The processes started at or after `since` (clock ticks after boot), by the pids
     handed out since (`clock`; all, without one), and the worker ids carried by the
     orphans among them: never the daemon, nor the `leaders` of live workers (the daemon's
@@ -103,31 +125,87 @@ def search(since: int, leaders: Collection[int] = (), clock: PidClock | None = N
     as the user's systemd) and the daemon, have their environment read, and what they
     forked is theirs by its parent (`Marked.carriers`), forked later, so on the same arc
     of pids. The machine's older processes, a thousand agents of another daemon among
-    them, cost nothing; the younger ones a `stat` each.
+    them, cost nothing.
+
+    `recall`, what the last search read (updated here for the next): a process whose pid
+    was not handed out again since is the same process, and its parent is the same while
+    that parent runs, so it is taken from there once its parent is read (one read per
+    parent: the bench's or a shell's hundred children cost one); its environment too (one
+    a process rewrites in place, or gains by an exec, between two searches is not read
+    again: docs/design.md).
     """
     me = os.getpid()
-    arc = WHOLE if clock is None or since <= 0 else clock.arc_since(since)
+    # Always asked (the whole cycle for a `since` of 0): its sample is the one `recall`
+    # keeps, and `renewed` reaches to.
+    arc = WHOLE if clock is None else clock.arc_since(since)
     span = arc.span()
     pids: Iterable[int]
+    listed = False
     if span is not None and span <= PROBE_MAX:
-        pids = arc.pids()
+        pids = arc.pids()  # not known to be in use: none is taken from `recall`
     else:
+        listed = True
         names = os.listdir("/proc")
-        if clock is not None and not arc.whole:
-            arc = clock.arc_since(since)  # read after the listing: all it lists is on it
+        if clock is not None:
+            arc2 = clock.arc_since(since)  # read after the listing: all it lists is on it
+            arc = arc if arc.whole else arc2
         pids = [int(name) for name in names if name.isdigit()]
-    table: dict[int, ProcStat] = {}
+    # What was handed out since the last search's reads began: read again; the rest may be
+    # taken from them.
+    kept = listed and recall is not None and clock is not None and clock.now is not None
+    renewed = clock.arc_after(recall.sample) if kept and recall is not None and clock else WHOLE
+    recalled: dict[int, ProcStat] = {}
+    if kept and not renewed.whole and recall is not None:
+        recalled = recall.stats
+    stats: dict[int, ProcStat] = {}
+    taken: set[int] = set()  # from `recalled`, their parents not yet read
     for pid in pids:
-        if pid in arc and pid != me and pid not in leaders:
-            stat = read_stat(pid)
-            if stat is not None and stat.starttime >= since:
-                table[pid] = stat
+        if pid not in arc or pid == me or pid in leaders:
+            continue
+        if pid not in renewed and (old := recalled.get(pid)) is not None:
+            stats[pid] = old
+            taken.add(pid)
+        elif (stat := read_stat(pid)) is not None:
+            stats[pid] = stat
+    fresh: dict[int, ProcStat | None] = {}
+
+    def runs(pid: int) -> bool:
+        """Whether `pid`, not handed out again since the last search, still runs."""
+        if pid in renewed:
+            return False
+        if pid in stats and pid not in taken:  # read in this search already
+            return stats[pid].state != "Z"
+        if pid not in fresh:
+            fresh[pid] = stat = read_stat(pid)
+            if pid in taken:
+                taken.discard(pid)
+                if stat is None:
+                    del stats[pid]
+                else:
+                    stats[pid] = stat
+        stat = fresh[pid]
+        return stat is not None and stat.state != "Z"
+
+    for pid in list(taken):
+        if pid in taken and not runs(stats[pid].ppid):  # orphaned since: read again
+            taken.discard(pid)
+            if (stat := read_stat(pid)) is None:
+                del stats[pid]
+            else:
+                stats[pid] = stat
+    table = {pid: stat for pid, stat in stats.items() if stat.starttime >= since}
     adopters = _ancestors(me)
     by_worker: dict[str, list[int]] = {}
+    ids: dict[int, list[str]] = {}
+    recalled_ids = recall.ids if recalled and recall is not None else {}
     for stat in table.values():
         if stat.ppid in adopters:
-            for worker_id in worker_ids_of(stat.pid):
+            old_ids = recalled_ids.get(stat.pid) if stat.pid in taken else None
+            ids[stat.pid] = found = worker_ids_of(stat.pid) if old_ids is None else old_ids
+            for worker_id in found:
                 by_worker.setdefault(worker_id, []).append(stat.pid)
+    if recall is not None and clock is not None:
+        recall.stats, recall.ids, recall.sample = stats, ids, clock.now
     return Marked(table, by_worker)
 
 
@@ -154,6 +232,8 @@ class MarkerSearch:
         self._leaders = leaders
         #: Which pids were handed out since when (`spawning` keeps it close behind).
         self.clock = PidClock()
+        #: What the last search read, for the next to take again (`Recall`).
+        self._recall = Recall()
         self._lock = trio.Lock()
         self._started = 0
         self._finished = 0
@@ -179,7 +259,9 @@ class MarkerSearch:
             number = self._started
             reach = min([since, *self._waiting])
             self._waiting.clear()
-            found = await trio.to_thread.run_sync(search, reach, self._leaders, self.clock)
+            found = await trio.to_thread.run_sync(
+                search, reach, self._leaders, self.clock, self._recall
+            )
             self.made += 1
             self._finished, self._latest, self._latest_since = number, found, reach
             return found

@@ -157,6 +157,9 @@ class PidClock:
     def __init__(self) -> None:
         self._samples: list[PidSample] = []
         self._lock = threading.Lock()  # taken at spawns on the loop, at searches in a thread
+        #: The sample the last `arc_since` took, and the pid_max it read.
+        self.now: PidSample | None = None
+        self.pid_max: int | None = None
         self.take()
 
     def take(self) -> PidSample | None:
@@ -192,8 +195,15 @@ class PidClock:
         `tick`: the whole cycle if there is no sample from before it to go by."""
         now = read_sample()
         pid_max = read_pid_max()
+        self.now, self.pid_max = now, pid_max
         if now is None or pid_max is None:
             return WHOLE
         arc = arc_since(self.before(tick), now, pid_max)
         self._keep(now)
         return arc
+
+    def arc_after(self, then: PidSample | None) -> PidArc:
+        """The pids handed out between `then` and the sample the last `arc_since` took."""
+        if self.now is None or self.pid_max is None:
+            return WHOLE
+        return arc_since(then, self.now, self.pid_max)
