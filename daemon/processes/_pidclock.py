@@ -5,9 +5,10 @@ that worker started, and pids are handed out in order: each fork takes the next 
 after the last one handed out, up to `pid_max`, then from the bottom again. So the pids
 handed out between a `PidSample` taken before the worker started and now lie on the arc
 of that cycle from the sample's last pid to now's (`PidArc`), unless the counter has gone
-once round since, which takes more passes than the forks counted since (each pass hands
-out a pid, or skips one held by a task: at most three numbers a task, its pid, group and
-session) can make; then every pid may be new, and the arc is the whole (`arc_since`).
+once round since, which takes more passes than the forks counted since can make (each
+pass hands out a pid, or skips one held: by a task, or by a group or session whose leader
+has exited, `HELD_PER_TASK`); then every pid may be new, and the arc is the whole
+(`arc_since`).
 
 Read from /proc/loadavg (the last pid handed out in the reader's pid namespace, and how
 many tasks exist), /proc/stat (how many forks since boot) and /proc/sys/kernel/pid_max:
@@ -26,9 +27,12 @@ from dataclasses import dataclass
 
 #: After a wrap the counter starts again above the pids the kernel keeps for its own.
 RESERVED_PIDS = 300
-#: Pid numbers a task may hold: its own, its group's and its session's (a group or
-#: session outlives its leader while a member runs).
-NUMBERS_PER_TASK = 3
+#: Pid numbers held per task, beyond its own, counted against a full cycle: a group or
+#: session outlives its leader while a member runs, and holds the leader's number (a
+#: task may hold two: its group's and its session's). Half a number a task is far above
+#: what a machine's shells and services leave (a few dozen); a process that makes
+#: thousands of leaderless groups to hide a full cycle could as well clear its id.
+HELD_PER_TASK = 0.5
 #: A sample is kept at most this often (clock ticks) when asked for at a spawn.
 SAMPLE_EVERY = 10
 #: Samples kept; past this the older half is thinned to every other one.
@@ -91,7 +95,9 @@ def arc_since(then: PidSample | None, now: PidSample, pid_max: int) -> PidArc:
     forks = now.forks - then.forks
     if forks < 0:
         return WHOLE  # not this boot's counter (a checkpoint restored elsewhere)
-    passes = forks + NUMBERS_PER_TASK * (then.tasks + forks)
+    # A full cycle passes every number once: handed out (a fork since), or skipped as held
+    # (by a task then or forked since, or a group or session whose leader had exited).
+    passes = forks + (then.tasks + forks) + HELD_PER_TASK * then.tasks
     if passes >= pid_max - RESERVED_PIDS:
         return WHOLE
     return PidArc(then.last_pid, now.last_pid, pid_max)
