@@ -40,10 +40,12 @@ MARKER = b"SUBAGENTD_WORKER_ID="
 #: the first; a child of a worker that set its own has two).
 MARKERS_READ = 4
 #: The pids handed out since a worker started are read one by one where they are at most
-#: this many numbers, or fewer than the tasks on the machine (a failed open of a pid not
-#: in use costs a few microseconds, about what a listing of /proc costs per process: 36
-#: ms for 11,000 under load here); more, and they are picked from one listing.
+#: this many numbers, or a fifth of the tasks on the machine (a failed open of a pid not
+#: in use costs a few microseconds, about what a listing of /proc costs per process, 36
+#: ms for 11,000 under load here; a pid in use a `stat` read, five times that, which a
+#: listing may take from `Recall`); more, and they are picked from one listing.
 PROBE_MAX = 128
+PROBE_PER_TASK = 1 / 5
 
 
 @dataclass(frozen=True)
@@ -143,7 +145,7 @@ def search(
     pids: Iterable[int]
     listed = False
     tasks = clock.now.tasks if clock is not None and clock.now is not None else 0
-    if span is not None and span <= max(PROBE_MAX, tasks):
+    if span is not None and span <= max(PROBE_MAX, tasks * PROBE_PER_TASK):
         pids = arc.pids()  # not known to be in use: none is taken from `recall`
     else:
         listed = True
