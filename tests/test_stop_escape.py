@@ -27,6 +27,7 @@ import trio
 
 from subagentd.client import AsyncClient, Client
 from subagentd.daemon.processes._cgroup import Cgroups, CgroupsUnavailable
+from subagentd.daemon.processes._escapes import PROBE_MAX
 from subagentd.daemon.processes._launcher import LocalLauncher
 
 from .conftest import DaemonProcess
@@ -222,10 +223,15 @@ async def test_a_child_that_moves_itself_round_and_round_during_the_stop_ends_wi
 #: A forger: it claims the worker id it reads from its stdin by writing it over a
 #: placeholder in its own environment (as /proc/PID/environ shows it), then says "claimed".
 FORGER = r"""
-import ctypes, os, sys, time
+import ctypes, os, select, sys, time
+parent = os.getpid()
 if pid := os.fork():  # orphaned at once, as a worker's child that moved out would be
     print("pid", pid, flush=True)
     sys.exit(0)
+try:  # until the parent has exited (left unreaped by the test), so the forger is adopted
+    select.select([os.pidfd_open(parent)], [], [])
+except ProcessLookupError:
+    pass
 fields = open("/proc/self/stat").read().rsplit(")", 1)[1].split()
 env_start = int(fields[47])  # field 50 of /proc/PID/stat, counted from its third
 environ = open("/proc/self/environ", "rb").read()
@@ -426,3 +432,22 @@ async def test_a_child_that_moved_into_a_cgroup_inside_its_own_and_dropped_its_i
             assert not alive(pid), "the child in a cgroup inside its worker's survived"
             while own.exists():  # removed right after the answer, nested cgroup and all
                 await user.info()
+
+
+async def test_a_child_read_by_an_earlier_stops_search_is_found_once_orphaned(
+    user: AsyncClient,
+) -> None:
+    """A search takes again what the last one read where nothing can have changed; a
+    child that moved out, read while its parent (the worker) ran, is orphaned by its
+    worker's stop, and that stop reads it again and ends it. (More pids than PROBE_MAX
+    are handed out between, so both searches list /proc, where they take again.)"""
+    with trio.fail_after(30):
+        other = await user.spawn(["sleep", "60"], grace=0)
+        worker_id, pid, _, made = await _escaping_worker(user, "new")
+        with reaped_after(made, [pid]):
+            forks = f"for i in $(seq {PROBE_MAX + 50}); do /bin/true; done"
+            await trio.run_process(["sh", "-c", forks])
+            assert await user.stop(other.id)  # a search that reads the child, not orphaned
+            assert alive(pid)
+            assert await user.stop(worker_id)
+            assert not alive(pid), "the child read by the earlier search survived its stop"

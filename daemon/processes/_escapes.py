@@ -8,27 +8,44 @@ stop ends what carries the worker's id outside its cgroup too, and the daemon's 
 ends what carries any of its workers' ids (`MarkerSearch`; the guarantee and its limits
 are in docs/design.md, "Stopping exactly what you mean").
 
-One search reads /proc/PID/stat of every process and the environment of the orphans
-started since the oldest worker asked about (`search`): its cost grows with the
-machine's processes, not with the stops, since the stops asked together share one.
+One search reads /proc/PID/stat of the processes whose pids were handed out since the
+oldest worker asked about started (`_pidclock`: of every process, if the pid counter may
+have gone round since), and the environment of the orphans among them (`search`): its
+cost grows with the forks since, not with the machine's processes nor with the stops,
+since the stops asked together share one.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
 import trio
 
-from ._tree import DESCRIPTOR_ERRNOS, Graces, ProcStat, end_found, running, with_descendants
-from ._tree import scan as scan_table
+from ._pidclock import WHOLE, PidClock, PidSample
+from ._tree import (
+    DESCRIPTOR_ERRNOS,
+    Graces,
+    ProcStat,
+    end_found,
+    read_stat,
+    running,
+    with_descendants,
+)
 
 #: What a worker's processes inherit in their environment, before the worker's id.
 MARKER = b"SUBAGENTD_WORKER_ID="
 #: At most this many worker ids are taken from one process's environment (getenv reads
 #: the first; a child of a worker that set its own has two).
 MARKERS_READ = 4
+#: The pids handed out since a worker started are read one by one where they are at most
+#: this many numbers, or a fifth of the tasks on the machine (a failed open of a pid not
+#: in use costs a few microseconds, about what a listing of /proc costs per process, 36
+#: ms for 11,000 under load here; a pid in use a `stat` read, five times that, which a
+#: listing may take from `Recall`); more, and they are picked from one listing.
+PROBE_MAX = 128
+PROBE_PER_TASK = 1 / 5
 
 
 @dataclass(frozen=True)
@@ -45,7 +62,13 @@ class Marked:
         roots = {
             pid for pid in self.by_worker.get(worker_id, ()) if self.table[pid].starttime >= since
         }
-        return [stat for stat in with_descendants(self.table, roots) if running(stat)]
+        found = []
+        for stat in with_descendants(self.table, roots):
+            # Read again: the table may hold what an earlier search read (`Recall`).
+            now = read_stat(stat.pid)
+            if now is not None and now.starttime == stat.starttime and running(now):
+                found.append(now)
+        return found
 
 
 def worker_ids_of(pid: int) -> list[str]:
@@ -77,39 +100,124 @@ def worker_ids_of(pid: int) -> list[str]:
     return found[:MARKERS_READ]  # a forger's thousand claims cost no more than a few
 
 
-def search(since: int, leaders: Collection[int] = ()) -> Marked:
-    """Every process now, and the worker ids carried by the orphans among them started at
-    or after `since` (clock ticks after boot): never the daemon, nor the `leaders` of live
-    workers (the daemon's children, each carrying its own id).
+@dataclass
+class Recall:
+    """What a search read, for the next to take again where nothing can have changed: the
+    `stat` of each process on its arc and the worker ids of the orphans among them, read
+    after `sample` was taken."""
+
+    stats: dict[int, ProcStat] = field(default_factory=dict)
+    ids: dict[int, list[str]] = field(default_factory=dict)
+    sample: PidSample | None = None
+
+
+def search(
+    since: int,
+    leaders: Collection[int] = (),
+    clock: PidClock | None = None,
+    recall: Recall | None = None,
+) -> Marked:
+    """The processes started at or after `since` (clock ticks after boot), by the pids
+    handed out since (`clock`; all, without one), and the worker ids carried by the
+    orphans among them: never the daemon, nor the `leaders` of live workers (the daemon's
+    children, each carrying its own id), which are not even read.
 
     Made once nothing of a tree is left in its cgroup, whatever of it still runs was
     orphaned (its parents in the cgroup have exited) or descends from what was: so only
     the children of where an orphan goes, the daemon's ancestors (init, a subreaper such
     as the user's systemd) and the daemon, have their environment read, and what they
-    forked is theirs by its parent (`Marked.carriers`). A machine's other processes, a
-    thousand agents of another daemon among them, cost one `stat` each.
+    forked is theirs by its parent (`Marked.carriers`), forked later, so on the same arc
+    of pids. The machine's older processes, a thousand agents of another daemon among
+    them, cost nothing.
+
+    `recall`, what the last search read (updated here for the next): a process whose pid
+    was not handed out again since is the same process, and its parent is the same while
+    that parent runs, so it is taken from there once its parent is read (one read per
+    parent: the bench's or a shell's hundred children cost one); its environment too (one
+    a process rewrites in place, or gains by an exec, between two searches is not read
+    again: docs/design.md).
     """
-    table = scan_table()
     me = os.getpid()
-    adopters = _ancestors(table, me)
-    by_worker: dict[str, list[int]] = {}
-    for stat in table.values():
-        if (
-            stat.ppid not in adopters
-            or stat.starttime < since
-            or stat.pid == me
-            or stat.pid in leaders
-        ):
+    # Always asked (the whole cycle for a `since` of 0): its sample is the one `recall`
+    # keeps, and `renewed` reaches to.
+    arc = WHOLE if clock is None else clock.arc_since(since)
+    span = arc.span()
+    pids: Iterable[int]
+    listed = False
+    tasks = clock.now.tasks if clock is not None and clock.now is not None else 0
+    if span is not None and span <= max(PROBE_MAX, tasks * PROBE_PER_TASK):
+        pids = arc.pids()  # not known to be in use: none is taken from `recall`
+    else:
+        listed = True
+        names = os.listdir("/proc")
+        if clock is not None:
+            arc2 = clock.arc_since(since)  # read after the listing: all it lists is on it
+            arc = arc if arc.whole else arc2
+        pids = [int(name) for name in names if name.isdigit()]
+    # What was handed out since the last search's reads began: read again; the rest may be
+    # taken from them.
+    kept = listed and recall is not None and clock is not None and clock.now is not None
+    renewed = clock.arc_after(recall.sample) if kept and recall is not None and clock else WHOLE
+    recalled: dict[int, ProcStat] = {}
+    if kept and not renewed.whole and recall is not None:
+        recalled = recall.stats
+    stats: dict[int, ProcStat] = {}
+    taken: set[int] = set()  # from `recalled`, their parents not yet read
+    for pid in pids:
+        if pid not in arc or pid == me or pid in leaders:
             continue
-        for worker_id in worker_ids_of(stat.pid):
-            by_worker.setdefault(worker_id, []).append(stat.pid)
+        if pid not in renewed and (old := recalled.get(pid)) is not None:
+            stats[pid] = old
+            taken.add(pid)
+        elif (stat := read_stat(pid)) is not None:
+            stats[pid] = stat
+    fresh: dict[int, ProcStat | None] = {}
+
+    def runs(pid: int) -> bool:
+        """Whether `pid`, not handed out again since the last search, still runs."""
+        if pid in renewed:
+            return False
+        if pid in stats and pid not in taken:  # read in this search already
+            return stats[pid].state != "Z"
+        if pid not in fresh:
+            fresh[pid] = stat = read_stat(pid)
+            if pid in taken:
+                taken.discard(pid)
+                if stat is None:
+                    del stats[pid]
+                else:
+                    stats[pid] = stat
+        stat = fresh[pid]
+        return stat is not None and stat.state != "Z"
+
+    for pid in list(taken):
+        if pid in taken and not runs(stats[pid].ppid):  # orphaned since: read again
+            taken.discard(pid)
+            if (stat := read_stat(pid)) is None:
+                del stats[pid]
+            else:
+                stats[pid] = stat
+    table = {pid: stat for pid, stat in stats.items() if stat.starttime >= since}
+    adopters = _ancestors(me)
+    by_worker: dict[str, list[int]] = {}
+    ids: dict[int, list[str]] = {}
+    recalled_ids = recall.ids if recalled and recall is not None else {}
+    for stat in table.values():
+        if stat.ppid in adopters:
+            old_ids = recalled_ids.get(stat.pid) if stat.pid in taken else None
+            ids[stat.pid] = found = worker_ids_of(stat.pid) if old_ids is None else old_ids
+            for worker_id in found:
+                by_worker.setdefault(worker_id, []).append(stat.pid)
+    if recall is not None and clock is not None:
+        recall.stats, recall.ids, recall.sample = stats, ids, clock.now
     return Marked(table, by_worker)
 
 
-def _ancestors(table: dict[int, ProcStat], pid: int) -> set[int]:
-    """`pid` and every ancestor of it in `table`, init (1) always among them."""
+def _ancestors(pid: int) -> set[int]:
+    """`pid` and every ancestor of it, init (1) always among them: where an orphan of a
+    worker's tree goes."""
     found = {1}
-    while pid not in found and (stat := table.get(pid)) is not None:
+    while pid not in found and (stat := read_stat(pid)) is not None:
         found.add(pid)
         pid = stat.ppid
     return found
@@ -126,6 +234,10 @@ class MarkerSearch:
     def __init__(self, leaders: Collection[int] = ()) -> None:
         #: The live workers' own pids (the launcher's, kept up to date): never searched.
         self._leaders = leaders
+        #: Which pids were handed out since when (`spawning` keeps it close behind).
+        self.clock = PidClock()
+        #: What the last search read, for the next to take again (`Recall`).
+        self._recall = Recall()
         self._lock = trio.Lock()
         self._started = 0
         self._finished = 0
@@ -135,6 +247,11 @@ class MarkerSearch:
         self._waiting: list[int] = []
         #: How many searches were made (for tests and `info`'s cost figures).
         self.made = 0
+
+    def spawning(self) -> None:
+        """A worker is about to be forked: a sample of the pid counter before it, unless
+        one was taken a moment ago, so its stop reads only the pids handed out since."""
+        self.clock.take_if_stale()
 
     async def marked(self, since: int) -> Marked:
         fresh_enough = self._started + 1
@@ -146,7 +263,9 @@ class MarkerSearch:
             number = self._started
             reach = min([since, *self._waiting])
             self._waiting.clear()
-            found = await trio.to_thread.run_sync(search, reach, self._leaders)
+            found = await trio.to_thread.run_sync(
+                search, reach, self._leaders, self.clock, self._recall
+            )
             self.made += 1
             self._finished, self._latest, self._latest_since = number, found, reach
             return found

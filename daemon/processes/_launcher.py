@@ -194,6 +194,8 @@ class LocalLauncher:
         stdin_path: str | None,
         stdin_open: bool = False,
     ) -> WorkerProcess:
+        if self.cgroups is not None:
+            self.markers.spawning()  # its stop's search reads only the pids handed out since
         # On the event loop, not in a thread: a posix_spawn (vfork) costs less than the
         # hop to a thread and back (see _spawn), and blocks only until the exec.
         process = WorkerProcess.spawn(
