@@ -1,0 +1,184 @@
+"""Which of the daemon's children exited, told by SIGCHLD: no descriptor held a worker.
+
+A worker is the daemon's own child, so once it exits it stays a zombie until the daemon
+reaps it, and its pid (its process group's id) cannot be recycled meanwhile. The reaper
+never reaps a worker's zombie itself: it hands the exit to the worker
+(`Watched.exited`), whose supervision ends what is left of its tree and then reaps it
+by its pid (`WorkerProcess.reap`). Across a reload's exec the zombie keeps the exit
+status (the same process, the same children), and the new image's reaper finds it at
+its start (`run` collects once before the first SIGCHLD).
+
+One task waits for SIGCHLD and then peeks, `waitid(P_ALL, WNOWAIT)`, at the first
+zombie the kernel has: a watched worker's is handed over. The peek sees only the first,
+so once that one is a zombie already handed (its supervision still ending its tree) or
+a child that is not a worker's (trio's, as a reload's `--check` child, reaped by the
+thread that waits for it), it sees no further; the watched workers that could be behind
+it are then asked one by one, `waitid(P_PID, WNOWAIT)`, and the loop waits for the next
+SIGCHLD. Behind an own zombie, that is those forked after it (the kernel keeps a
+parent's children in the order they were forked, and start times follow that order);
+behind a stranger, every watched worker. A child that is not a watched worker's is
+never reaped here ("no other reaper steals": nor does this one), and the asking is
+paced by its own cost (PROBE_SHARE) so a lingering zombie cannot make the loop spin,
+and a slow full look (FULL_LOOK_SECONDS) stands behind the ordering it relies on.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+
+import trio
+
+from .._logging import get_logger
+
+log = get_logger()
+
+#: While the peek is blocked, asking the workers one by one takes at most this share of
+#: the daemon's time: the next asking waits this many times as long as the last took.
+PROBE_SHARE = 0.2
+#: Nor sooner than this after the last (a burst of SIGCHLDs is one asking, not many).
+PROBE_GAP = 0.002
+#: While the peek is blocked, every watched worker is asked at least this often.
+FULL_LOOK_SECONDS = 1.0
+
+
+@dataclass(eq=False)
+class Watched:
+    """A worker's process as the reaper knows it, until its worker reaps it."""
+
+    pid: int
+    starttime: int
+    #: Set once it has exited (a zombie, not reaped yet).
+    exited: trio.Event = field(default_factory=trio.Event)
+    handed: bool = False
+    #: Its supervision let it go unexited (a fault): reaped here when it exits.
+    abandoned: bool = False
+
+
+class Reaper:
+    """The daemon's children that are workers', and the SIGCHLD loop handing their exits."""
+
+    def __init__(self) -> None:
+        self._watched: dict[int, Watched] = {}
+        #: (starttime, pid) of the watched, sorted; entries of those gone are skipped.
+        self._order: list[tuple[int, int]] = []
+        self._last_full = -math.inf
+
+    def __len__(self) -> int:
+        return len(self._watched)
+
+    def watch(self, pid: int, starttime: int) -> Watched:
+        """Watch a child just spawned or adopted (our child, unreaped): with no await
+        between its start and this, an exit meanwhile is found by the next peek."""
+        watched = self._watched[pid] = Watched(pid, starttime)
+        key = (starttime, pid)
+        if not self._order or self._order[-1] <= key:
+            self._order.append(key)
+        else:
+            bisect.insort(self._order, key)
+        return watched
+
+    def reap(self, watched: Watched) -> int | None:
+        """Reap an exited watched child by its pid; its returncode (negative: the signal
+        that killed it), None if it was not there to reap (reaped by someone else)."""
+        self.forget(watched)
+        try:
+            info = os.waitid(os.P_PID, watched.pid, os.WEXITED | os.WNOHANG)
+        except ChildProcessError:
+            log.error("reaper.stolen", pid=watched.pid)
+            return None
+        if info is None:  # not exited after all: never the case once `exited` is set
+            log.error("reaper.not_exited", pid=watched.pid)
+            return None
+        if info.si_code == os.CLD_EXITED:
+            return info.si_status
+        return -info.si_status
+
+    def abandon(self, watched: Watched) -> None:
+        """Its supervision gives it up before it exited: reaped here once it has, so no
+        zombie is left behind."""
+        watched.abandoned = True
+        if watched.handed:
+            self._reap_abandoned(watched)
+
+    def forget(self, watched: Watched) -> None:
+        """Watch it no longer (reaped, or left to another reaper)."""
+        if self._watched.get(watched.pid) is watched:
+            del self._watched[watched.pid]
+        if len(self._order) > 2 * len(self._watched) + 64:
+            self._order = sorted((w.starttime, w.pid) for w in self._watched.values())
+
+    def _hand(self, watched: Watched) -> None:
+        watched.handed = True
+        if watched.abandoned:
+            self._reap_abandoned(watched)
+        else:
+            watched.exited.set()
+
+    def _reap_abandoned(self, watched: Watched) -> None:
+        self.reap(watched)
+        log.info("worker.reaped_late", pid=watched.pid)
+
+    def collect(self, *, full: bool = False) -> bool:
+        """Hand every exit the kernel has for a watched worker; True if the peek was blocked
+        (and the workers behind what blocked it were asked one by one). `full`: ask every
+        watched worker, whatever blocked the peek."""
+        while True:
+            try:
+                info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                return False  # no child at all
+            if info is None or info.si_pid == 0:
+                return False
+            watched = self._watched.get(info.si_pid)
+            if watched is not None and not watched.handed:
+                self._hand(watched)
+                continue  # the next peek sees it again unless it was reaped (abandoned)
+            since = None if full or watched is None else watched.starttime
+            self._probe(since)
+            return True
+
+    def _probe(self, since: int | None) -> None:
+        """Ask each watched worker not yet handed, started at `since` or later (None:
+        every one), whether it has exited."""
+        if since is None:
+            self._last_full = time.monotonic()
+            start = 0
+        else:
+            start = bisect.bisect_left(self._order, (since, -1))
+        for starttime, pid in self._order[start:]:
+            watched = self._watched.get(pid)
+            if watched is None or watched.handed or watched.starttime != starttime:
+                continue
+            try:
+                info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                continue  # reaped by someone else: said when its worker reaps it
+            if info is not None and info.si_pid:
+                self._hand(watched)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Hand exits until cancelled: once at the start (what exited before, or during a
+        reload's exec, sent its SIGCHLD to no one), then at each SIGCHLD."""
+        with trio.open_signal_receiver(signal.SIGCHLD) as signals:
+            task_status.started()
+            while True:
+                began = time.monotonic()
+                full = began - self._last_full >= FULL_LOOK_SECONDS
+                blocked = self.collect(full=full)
+                if blocked:
+                    took = time.monotonic() - began
+                    await trio.sleep(max(PROBE_GAP, took / PROBE_SHARE))
+                    left = FULL_LOOK_SECONDS - (time.monotonic() - self._last_full)
+                    with trio.move_on_after(max(0.0, left)):
+                        await signals.__anext__()
+                else:
+                    await signals.__anext__()
+
+
+#: The daemon's one reaper: SIGCHLD, and the children it tells of, are the process's.
+REAPER = Reaper()
