@@ -14,22 +14,24 @@ so once that one is a zombie already handed (its supervision still ending its tr
 a child that is not a worker's (trio's, as a reload's `--check` child, reaped by the
 thread that waits for it), it sees no further; the watched workers that could be behind
 it are then asked one by one, `waitid(P_PID, WNOWAIT)`, and the loop waits for the next
-SIGCHLD. Behind an own zombie, that is those forked after it (the kernel keeps a
-parent's children in the order they were forked, and start times follow that order);
-behind a stranger, every watched worker. A child that is not a watched worker's is
-never reaped here ("no other reaper steals": nor does this one), and the asking is
-paced by its own cost (PROBE_SHARE) so a lingering zombie cannot make the loop spin,
-and a slow full look (FULL_LOOK_SECONDS) stands behind the ordering it relies on.
+SIGCHLD, or the reap that unblocks it. Behind an own zombie, that is those forked after
+it (the kernel keeps a parent's children in the order they were forked, and start times
+follow that order); behind a stranger, every watched worker, and again every while
+(STRANGER_RETRY_*) until it is gone. A child that is not a watched worker's is never
+reaped here ("no other reaper steals": nor does this one), and the asking is paced by
+its own cost (PROBE_SHARE), so a lingering zombie can neither starve a worker's exit
+nor make the loop spin.
 """
 
 from __future__ import annotations
 
 import bisect
-import math
 import os
 import signal
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Literal
 
 import trio
 
@@ -40,10 +42,15 @@ log = get_logger()
 #: While the peek is blocked, asking the workers one by one takes at most this share of
 #: the daemon's time: the next asking waits this many times as long as the last took.
 PROBE_SHARE = 0.2
-#: Nor sooner than this after the last (a burst of SIGCHLDs is one asking, not many).
-PROBE_GAP = 0.002
-#: While the peek is blocked, every watched worker is asked at least this often.
-FULL_LOOK_SECONDS = 1.0
+#: An asking that took less than this (a few hundred workers) is not paced.
+PROBE_GAP = 0.001
+#: While a stranger's zombie blocks the peek, the workers are asked again after this,
+#: doubling up to the max (its reaper, trio's thread, says nothing when it reaps it).
+STRANGER_RETRY_FIRST = 0.01
+STRANGER_RETRY_MAX = 1.0
+
+#: What blocked the peek: a zombie handed already ("own"), a stranger's, or nothing.
+Blocked = Literal["own", "stranger"] | None
 
 
 @dataclass(eq=False)
@@ -66,7 +73,8 @@ class Reaper:
         self._watched: dict[int, Watched] = {}
         #: (starttime, pid) of the watched, sorted; entries of those gone are skipped.
         self._order: list[tuple[int, int]] = []
-        self._last_full = -math.inf
+        self._wake = trio.Event()
+        self._blocked: Blocked = None
 
     def __len__(self) -> int:
         return len(self._watched)
@@ -86,6 +94,8 @@ class Reaper:
         """Reap an exited watched child by its pid; its returncode (negative: the signal
         that killed it), None if it was not there to reap (reaped by someone else)."""
         self.forget(watched)
+        if self._blocked == "own":
+            self._wake.set()  # what blocked the peek may be gone: look again
         try:
             info = os.waitid(os.P_PID, watched.pid, os.WEXITED | os.WNOHANG)
         except ChildProcessError:
@@ -123,33 +133,27 @@ class Reaper:
         self.reap(watched)
         log.info("worker.reaped_late", pid=watched.pid)
 
-    def collect(self, *, full: bool = False) -> bool:
-        """Hand every exit the kernel has for a watched worker; True if the peek was blocked
-        (and the workers behind what blocked it were asked one by one). `full`: ask every
-        watched worker, whatever blocked the peek."""
+    def collect(self) -> Blocked:
+        """Hand every exit the kernel has for a watched worker; what blocked the peek, if
+        anything (the workers behind it were then asked one by one)."""
         while True:
             try:
                 info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
             except ChildProcessError:
-                return False  # no child at all
+                return None  # no child at all
             if info is None or info.si_pid == 0:
-                return False
+                return None
             watched = self._watched.get(info.si_pid)
             if watched is not None and not watched.handed:
                 self._hand(watched)
                 continue  # the next peek sees it again unless it was reaped (abandoned)
-            since = None if full or watched is None else watched.starttime
-            self._probe(since)
-            return True
+            self._probe(None if watched is None else watched.starttime)
+            return "stranger" if watched is None else "own"
 
     def _probe(self, since: int | None) -> None:
         """Ask each watched worker not yet handed, started at `since` or later (None:
         every one), whether it has exited."""
-        if since is None:
-            self._last_full = time.monotonic()
-            start = 0
-        else:
-            start = bisect.bisect_left(self._order, (since, -1))
+        start = 0 if since is None else bisect.bisect_left(self._order, (since, -1))
         for starttime, pid in self._order[start:]:
             watched = self._watched.get(pid)
             if watched is None or watched.handed or watched.starttime != starttime:
@@ -163,21 +167,41 @@ class Reaper:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Hand exits until cancelled: once at the start (what exited before, or during a
-        reload's exec, sent its SIGCHLD to no one), then at each SIGCHLD."""
+        reload's exec, sent its SIGCHLD to no one), then at each SIGCHLD; while the peek
+        is blocked by an own zombie, also once it is reaped; by a stranger's, also every
+        while (its reaper tells us nothing)."""
         with trio.open_signal_receiver(signal.SIGCHLD) as signals:
-            task_status.started()
-            while True:
-                began = time.monotonic()
-                full = began - self._last_full >= FULL_LOOK_SECONDS
-                blocked = self.collect(full=full)
-                if blocked:
-                    took = time.monotonic() - began
-                    await trio.sleep(max(PROBE_GAP, took / PROBE_SHARE))
-                    left = FULL_LOOK_SECONDS - (time.monotonic() - self._last_full)
-                    with trio.move_on_after(max(0.0, left)):
-                        await signals.__anext__()
-                else:
-                    await signals.__anext__()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._signalled, signals)
+                task_status.started()
+                await self._collecting()
+
+    async def _signalled(self, signals: AsyncIterator[int]) -> None:
+        async for _ in signals:
+            self._wake.set()
+
+    async def _collecting(self) -> None:
+        retry = STRANGER_RETRY_FIRST
+        while True:
+            self._wake = trio.Event()  # before the look: a SIGCHLD during it looks again
+            began = time.perf_counter()
+            blocked = self._blocked = self.collect()
+            if blocked is None:
+                retry = STRANGER_RETRY_FIRST
+                await self._wake.wait()
+                continue
+            # Paced by its cost: a lingering zombie makes no spin of asking.
+            took = time.perf_counter() - began
+            if took >= PROBE_GAP:
+                await trio.sleep(took / PROBE_SHARE)
+            else:
+                await trio.lowlevel.checkpoint()
+            if blocked == "own":
+                await self._wake.wait()  # a SIGCHLD, or the reap of a zombie handed
+            else:
+                with trio.move_on_after(retry):
+                    await self._wake.wait()
+                retry = min(retry * 2, STRANGER_RETRY_MAX)
 
 
 #: The daemon's one reaper: SIGCHLD, and the children it tells of, are the process's.
