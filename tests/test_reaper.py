@@ -24,8 +24,8 @@ from .helpers import RawConnection
 AT_ONCE = 200
 
 
-def _child(code: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-c", code])
+def _child(code: str, keep: tuple[int, ...] = ()) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-c", code], pass_fds=keep)
 
 
 def _watch(reaper: Reaper, child: subprocess.Popen[bytes]) -> Watched:
@@ -35,8 +35,16 @@ def _watch(reaper: Reaper, child: subprocess.Popen[bytes]) -> Watched:
 
 
 async def _until_zombie(pid: int) -> None:
-    while not os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT):
-        await trio.sleep(0.01)
+    pidfd = os.pidfd_open(pid)
+    try:
+        await trio.lowlevel.wait_readable(pidfd)
+    finally:
+        os.close(pidfd)
+
+
+def _zombie(pid: int) -> bool:
+    """Whether `pid` is our child, exited and unreaped (one look, reaping nothing)."""
+    return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
 
 
 async def test_a_strangers_zombie_is_never_reaped_and_hides_no_workers_exit() -> None:
@@ -71,8 +79,8 @@ async def test_a_strangers_zombie_is_never_reaped_and_hides_no_workers_exit() ->
             await trio.sleep(0.5)  # the stranger lingers: the loop waits, it does not spin
             assert collects - before <= 10, collects - before
             # Still a zombie, for its own reaper alone.
-            assert os.waitid(os.P_PID, stranger.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-            assert stranger.wait() == 7
+            assert _zombie(stranger.pid)
+            assert stranger.wait() == 7  # noqa: ASYNC222 - a zombie: no wait
             nursery.cancel_scope.cancel()
 
 
@@ -93,9 +101,7 @@ async def test_many_exits_at_once_behind_a_zombie_handed_are_each_handed_once() 
     first = _watch(reaper, held)
     read, write = os.pipe()
     go = f"import os; os.read({read}, 1); raise SystemExit(5)"
-    workers = [
-        subprocess.Popen([sys.executable, "-c", go], pass_fds=(read,)) for _ in range(AT_ONCE)
-    ]
+    workers = [_child(go, keep=(read,)) for _ in range(AT_ONCE)]
     os.close(read)
     watched = [_watch(reaper, child) for child in workers]
     with trio.fail_after(60):
