@@ -223,7 +223,8 @@ class InProcess:
 
     def _close_on_exec(self, checkpoint: Checkpoint) -> None:
         """What the exec closes of the old image (its store, its reaper's watches, journals
-        not carried), and its objects' hold on the descriptors carried, which the new image owns now."""
+        not carried), and its objects' hold on the descriptors carried, which the new image
+        owns now."""
         daemon = self.daemon
         if checkpoint.store_lock_fd is not None and daemon.store.lock is not None:
             daemon.store.lock.detach()  # carried: the new image's now, still held

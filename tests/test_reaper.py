@@ -80,7 +80,7 @@ async def test_a_strangers_zombie_is_never_reaped_and_hides_no_workers_exit() ->
             assert collects - before <= 10, collects - before
             # Still a zombie, for its own reaper alone.
             assert _zombie(stranger.pid)
-            assert stranger.wait() == 7  # noqa: ASYNC222 - a zombie: no wait
+            assert stranger.wait() == 7
             nursery.cancel_scope.cancel()
 
 
