@@ -83,6 +83,10 @@ class Reaper:
         """Watch a child just spawned or adopted (our child, unreaped): with no await
         between its start and this, an exit meanwhile is found by the next peek."""
         watched = self._watched[pid] = Watched(pid, starttime)
+        if len(self._order) > 2 * len(self._watched) + 64:  # of those gone, kept till now
+            self._order = sorted(
+                (w.starttime, w.pid) for w in self._watched.values() if not w.handed
+            )
         key = (starttime, pid)
         if not self._order or self._order[-1] <= key:
             self._order.append(key)
@@ -119,8 +123,6 @@ class Reaper:
         """Watch it no longer (reaped, or left to another reaper)."""
         if self._watched.get(watched.pid) is watched:
             del self._watched[watched.pid]
-        if len(self._order) > 2 * len(self._watched) + 64:
-            self._order = sorted((w.starttime, w.pid) for w in self._watched.values())
 
     def _hand(self, watched: Watched) -> None:
         watched.handed = True
@@ -152,18 +154,23 @@ class Reaper:
 
     def _probe(self, since: int | None) -> None:
         """Ask each watched worker not yet handed, started at `since` or later (None:
-        every one), whether it has exited."""
+        every one), whether it has exited. Those handed (or gone) leave the order as
+        they are passed, so an asking costs what is still running, not what ended."""
         start = 0 if since is None else bisect.bisect_left(self._order, (since, -1))
-        for starttime, pid in self._order[start:]:
-            watched = self._watched.get(pid)
-            if watched is None or watched.handed or watched.starttime != starttime:
+        running: list[tuple[int, int]] = []
+        for key in self._order[start:]:
+            watched = self._watched.get(key[1])
+            if watched is None or watched.handed or watched.starttime != key[0]:
                 continue
             try:
-                info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+                info = os.waitid(os.P_PID, key[1], os.WEXITED | os.WNOHANG | os.WNOWAIT)
             except ChildProcessError:
                 continue  # reaped by someone else: said when its worker reaps it
             if info is not None and info.si_pid:
                 self._hand(watched)
+            else:
+                running.append(key)
+        self._order[start:] = running
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Hand exits until cancelled: once at the start (what exited before, or during a
