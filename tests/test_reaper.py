@@ -18,10 +18,26 @@ from subagentd.daemon.processes._reaper import Reaper, Watched
 from subagentd.daemon.processes._tree import read_stat
 
 from .conftest import DaemonProcess
-from .helpers import RawConnection
+from .helpers import RawConnection, reload_on_own_connection, wait_output
 
 #: Workers ending at once.
 AT_ONCE = 200
+#: A worker that exits while its daemon execs a reload's new image: once it has seen the
+#: daemon catch SIGCHLD (the reaper runs), it exits as soon as the daemon no longer does
+#: (an exec resets every handler; the new image's reaper has not begun yet).
+EXITS_IN_THE_EXEC = """
+import os, sys, time
+def catches_sigchld():
+    with open(f"/proc/{os.getppid()}/status") as f:
+        mask = next(line for line in f if line.startswith("SigCgt:")).split()[1]
+    return bool(int(mask, 16) & (1 << (17 - 1)))
+while not catches_sigchld():
+    time.sleep(0.001)
+print("watching", flush=True)
+while catches_sigchld():
+    time.sleep(0.0005)
+sys.exit(3)
+"""
 
 
 def _child(code: str, keep: tuple[int, ...] = ()) -> subprocess.Popen[bytes]:
@@ -159,3 +175,25 @@ async def test_workers_ending_at_once_each_end_with_one_wake(daemon: DaemonProce
                 assert isinstance(page, p.Wakes), page
                 woken += [w.id for w in page.wakes]
             assert sorted(woken) == sorted(w.id for w in spawned)  # each once
+
+
+async def test_a_worker_exiting_during_a_reloads_exec_ends_once(daemon: DaemonProcess) -> None:
+    """A worker exits in the exec, its SIGCHLD sent to an image that no longer catches
+    it: the new image's reaper finds it at its first look, and it ends with its exit
+    code and one wake."""
+    with trio.fail_after(60):
+        async with AsyncClient(daemon.socket) as client:
+            run = await client.new_run()
+            worker = await client.spawn([sys.executable, "-c", EXITS_IN_THE_EXEC], run=run)
+            await wait_output(client, worker.id, b"watching\n")
+        await reload_on_own_connection(daemon)
+        async with AsyncClient(daemon.socket) as client:
+            ended = await client.wait(worker.id)
+            assert ended.exit_code == 3
+            assert ended.state not in ("interrupted", "stopped_by_reload"), ended.state
+        conn = await RawConnection.open(daemon.socket)
+        async with conn.stream:
+            await conn.send(p.Subscribe(id=1, run=run))
+            page = await conn.receive()
+            assert isinstance(page, p.Wakes), page
+            assert [w.id for w in page.wakes] == [worker.id]  # once
