@@ -9,18 +9,19 @@ status (the same process, the same children), and the new image's reaper finds i
 its start (`run` collects once before the first SIGCHLD).
 
 One task waits for SIGCHLD and then peeks, `waitid(P_ALL, WNOWAIT)`, at the first
-zombie the kernel has: a watched worker's is handed over. The peek sees only the first,
-so once that one is a zombie already handed (its supervision still ending its tree) or
-a child that is not a worker's (trio's, as a reload's `--check` child, reaped by the
-thread that waits for it), it sees no further; the watched workers that could be behind
-it are then asked one by one, `waitid(P_PID, WNOWAIT)`, and the loop waits for the next
-SIGCHLD, or the reap that unblocks it. Behind an own zombie, that is those forked after
-it (the kernel keeps a parent's children in the order they were forked, and start times
-follow that order); behind a stranger, every watched worker, and again every while
-(STRANGER_RETRY_*) until it is gone. A child that is not a watched worker's is never
-reaped here ("no other reaper steals": nor does this one), and the asking is paced by
-its own cost (PROBE_SHARE), so a lingering zombie can neither starve a worker's exit
-nor make the loop spin.
+zombie the kernel has (one peek walks every child of the daemon: ~1 ms with 10,000
+live): a watched worker's is handed over. The peek sees only the first, and that one
+stays a zombie (handed, its supervision still ending its tree) or is a child that is
+not a worker's (trio's, as a reload's `--check` child, reaped by the thread that waits
+for it): the watched workers that could be behind it are then asked one by one,
+`waitid(P_PID, WNOWAIT)`, and the loop waits for the next SIGCHLD (each exit sends one,
+and is found by the look it starts). Behind an own zombie, those are the ones forked
+after it (the kernel keeps a parent's children in the order they were forked, and start
+times follow that order); behind a stranger's, every watched worker, and again every
+while (STRANGER_RETRY_*) until it is gone. A child that is not a watched worker's is
+never reaped here ("no other reaper steals": nor does this one), and the asking is
+paced by its own cost (PROBE_SHARE), so a lingering zombie can neither starve a
+worker's exit nor make the loop spin.
 """
 
 from __future__ import annotations
@@ -74,7 +75,6 @@ class Reaper:
         #: (starttime, pid) of the watched, sorted; entries of those gone are skipped.
         self._order: list[tuple[int, int]] = []
         self._wake = trio.Event()
-        self._blocked: Blocked = None
 
     def __len__(self) -> int:
         return len(self._watched)
@@ -98,8 +98,6 @@ class Reaper:
         """Reap an exited watched child by its pid; its returncode (negative: the signal
         that killed it), None if it was not there to reap (reaped by someone else)."""
         self.forget(watched)
-        if self._blocked == "own":
-            self._wake.set()  # what blocked the peek may be gone: look again
         try:
             info = os.waitid(os.P_PID, watched.pid, os.WEXITED | os.WNOHANG)
         except ChildProcessError:
@@ -148,7 +146,11 @@ class Reaper:
             watched = self._watched.get(info.si_pid)
             if watched is not None and not watched.handed:
                 self._hand(watched)
-                continue  # the next peek sees it again unless it was reaped (abandoned)
+                if watched.abandoned:
+                    continue  # reaped here: the next peek sees past it
+            # The first zombie stays (handed, unreaped) or is a stranger's: the next peek
+            # would see it again, so those behind it are asked (one peek walks every
+            # child of the daemon: ~1 ms with 10,000 live).
             self._probe(None if watched is None else watched.starttime)
             return "stranger" if watched is None else "own"
 
@@ -192,7 +194,7 @@ class Reaper:
         while True:
             self._wake = trio.Event()  # before the look: a SIGCHLD during it looks again
             began = time.perf_counter()
-            blocked = self._blocked = self.collect()
+            blocked = self.collect()
             if blocked is None:
                 retry = STRANGER_RETRY_FIRST
                 await self._wake.wait()
@@ -204,7 +206,8 @@ class Reaper:
             else:
                 await trio.lowlevel.checkpoint()
             if blocked == "own":
-                await self._wake.wait()  # a SIGCHLD, or the reap of a zombie handed
+                # Each exit behind it sends a SIGCHLD, and is found by the asking then.
+                await self._wake.wait()
             else:
                 with trio.move_on_after(retry):
                     await self._wake.wait()
