@@ -74,7 +74,7 @@ COMMAND = ["sleep", "3600"]
 DESCRIPTORS_PER_WORKER = 2
 #: Descriptors the daemon holds besides its workers' (its store, logs, sockets, the
 #: journals held open, the bench's connections and the reload prober's), with room.
-DAEMON_DESCRIPTORS = 500
+DAEMON_DESCRIPTORS = 1000
 #: The smaller collect, the rate the larger one is compared with.
 COLLECT_BASE = 1000
 #: Targets on this machine (issue 24).
