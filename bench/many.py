@@ -37,7 +37,7 @@ hard limit first, and the hard one to what `--workers` need where it may (root w
 CAP_SYS_RESOURCE); the daemon, its child, inherits them (and raises its own soft
 limit to its hard one at start anyway). Where the hard limit cannot hold
 `--workers`, the bench runs as many as it can hold and says so in the notes (at
-20,000: 9,750), with the limits the daemon ran with.
+20,000: 9,500), with the limits the daemon ran with.
 """
 
 from __future__ import annotations
