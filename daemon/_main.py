@@ -8,9 +8,9 @@ checkpoint version 4 is given only `--handoff CHECKPOINT`, a file: its settings
 are the checkpoint's.)
 
 A serving daemon first raises its soft RLIMIT_NOFILE to the hard limit (and the
-hard one where it may): each live worker holds three descriptors here (stdout
-and stderr pipes, pidfd; its journal only while among the 256 used last), so a
-login shell's soft 1024 would refuse spawns past about 330.
+hard one where it may): each live worker holds two descriptors here (stdout
+and stderr pipes; its journal only while among the 256 used last), so a
+login shell's soft 1024 would refuse spawns past about 380.
 """
 
 from __future__ import annotations
@@ -297,8 +297,8 @@ DESCRIPTOR_LIMIT = 524288
 
 def _raise_descriptor_limit() -> None:
     """Raise the soft RLIMIT_NOFILE to the hard one: each live worker holds descriptors
-    here (its pipes and its pidfd; its journal only while it is among those used last),
-    so a login shell's soft 1024 would refuse spawns past about 330 live workers where
+    here (its pipes; its journal only while it is among those used last),
+    so a login shell's soft 1024 would refuse spawns past about 380 live workers where
     the hard limit allows many more. Where the daemon may (CAP_SYS_RESOURCE), the hard
     one is raised first, to DESCRIPTOR_LIMIT (or the kernel's fs.nr_open, if lower)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

@@ -222,8 +222,9 @@ class InProcess:
         return self
 
     def _close_on_exec(self, checkpoint: Checkpoint) -> None:
-        """What the exec closes of the old image (its store, pidfds, journals not carried),
-        and its objects' hold on the descriptors carried, which the new image owns now."""
+        """What the exec closes of the old image (its store, its reaper's watches, journals
+        not carried), and its objects' hold on the descriptors carried, which the new image
+        owns now."""
         daemon = self.daemon
         if checkpoint.store_lock_fd is not None and daemon.store.lock is not None:
             daemon.store.lock.detach()  # carried: the new image's now, still held
@@ -231,7 +232,7 @@ class InProcess:
         carried = {w.id for w in checkpoint.live if w.journal is not None}
         for live in daemon.supervisor.workers():
             assert live.process is not None
-            os.close(live.process.pidfd)  # the new image opens its own; the pipes go on
+            live.process.unwatch()  # the new image watches it anew; the pipes go on
             if live.record.id in carried:
                 live.journal.detach()  # its descriptor is the new image's now
             else:
@@ -247,7 +248,8 @@ class InProcess:
             daemon.store.close()
         for live in daemon.supervisor.workers():
             if live.process is not None:
-                live.process.close()  # its pidfd and pipes: the workers write into the void
+                live.process.unwatch()  # init reaps them (here: the harness, below)
+                live.process.close()  # its pipes: the workers write into the void
             live.journal.release()
         self.control.sock.close()  # the socket file stays, as after a kill
         # The lock goes with the process; the file naming the holder stays. (Forgotten by

@@ -29,6 +29,7 @@ from subagentd.client import AsyncClient, Client
 from subagentd.daemon.processes._cgroup import Cgroups, CgroupsUnavailable
 from subagentd.daemon.processes._escapes import PROBE_MAX
 from subagentd.daemon.processes._launcher import LocalLauncher
+from subagentd.daemon.processes._reaper import REAPER
 
 from .conftest import DaemonProcess
 from .helpers import alive, sh, wait_output
@@ -346,27 +347,33 @@ def launcher(short_tmp: Path) -> Iterator[LocalLauncher]:
 
 async def _stopped_together(launcher: LocalLauncher, count: int) -> None:
     """Start `count` workers, then stop them as one request does: each one's leader TERMed
-    in turn, then their trees ended at once."""
-    processes = [
-        await launcher.start(f"w-batch{i:05d}", ["sleep", "60"], cwd="/", env={}, stdin_path=None)
-        for i in range(count)
-    ]
-    try:
-        for process in processes:
-            assert launcher.term_leader(process)
-        async with trio.open_nursery() as nursery:
-            for i, process in enumerate(processes):
-                nursery.start_soon(
-                    functools.partial(
-                        launcher.end_tree, f"w-batch{i:05d}", process, 5.0, leader_termed=True
+    in turn, then their trees ended at once. (Their exits told by the daemon's reaper,
+    run here as the supervisor runs it.)"""
+    async with trio.open_nursery() as reaping:
+        await reaping.start(REAPER.run)
+        processes = [
+            await launcher.start(
+                f"w-batch{i:05d}", ["sleep", "60"], cwd="/", env={}, stdin_path=None
+            )
+            for i in range(count)
+        ]
+        try:
+            for process in processes:
+                assert launcher.term_leader(process)
+            async with trio.open_nursery() as nursery:
+                for i, process in enumerate(processes):
+                    nursery.start_soon(
+                        functools.partial(
+                            launcher.end_tree, f"w-batch{i:05d}", process, 5.0, leader_termed=True
+                        )
                     )
-                )
-    finally:
-        for process in processes:
-            await process.wait_exited()
-            process.reap()
-            process.close()
-            launcher.released(process)
+        finally:
+            for process in processes:
+                await process.wait_exited()
+                process.reap()
+                process.close()
+                launcher.released(process)
+        reaping.cancel_scope.cancel()
 
 
 @pytest.mark.parametrize("count", [1, 50])

@@ -585,7 +585,7 @@ async def adopt(
             except (_NoRecord, OSError, JournalCorrupt) as exc:  # OSError: pid gone too
                 log.error("reload.cannot_adopt", worker=carried.id, pid=carried.pid, error=str(exc))
                 if process is not None:
-                    os.close(process.pidfd)  # its pipes are closed by _stop_unadoptable
+                    process.unwatch()  # reaped there; its pipes closed there too
                 if journal is not None:
                     journal.release()
                 await _stop_unadoptable(daemon, carried)

@@ -12,13 +12,15 @@ carries them), its output pipes, and the wait for its exit.
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 from collections.abc import Callable, Container, Iterator, Mapping
 from typing import Literal, Protocol
 
 import trio
 
 from .._logging import get_logger
-from ._cgroup import Cgroups, WorkerCgroup, end_cgroup, peer_cgroup, term
+from ._cgroup import Cgroups, WorkerCgroup, end_cgroup, peer_cgroup
 from ._escapes import MarkerSearch, StopBatch, end_escaped, end_marked_by
 from ._process import WorkerProcess
 from ._tree import Graces, ProcessTable, end_marked, end_tree
@@ -232,13 +234,13 @@ class LocalLauncher:
     def term_leader(self, process: WorkerProcess) -> bool:
         # Only where a cgroup finds the tree: a scan of /proc TERMs all it finds at once,
         # the leader among them, and must not send it a second.
-        if process.cgroup is None or process.pidfd < 0:
+        if process.cgroup is None or process.reaped:
             return False
         if self._batch is None:
             self._batch = StopBatch()
         self._batch.join(process.pid)
         self._batch_of[process.pid] = self._batch
-        term(process.pidfd)
+        process.signal(signal.SIGTERM)  # by its pid: unreaped, it is no one else's
         return True
 
     async def end_tree(
@@ -254,7 +256,9 @@ class LocalLauncher:
         # Exited, or about to be ended: from here its pid is no live worker's to skip.
         self.leaders.discard(process.pid)
         if process.cgroup is not None:
-            leader = (process.pid, process.pidfd) if process.pidfd >= 0 else None
+            # Its pidfd, opened for this stop only: a live worker holds none.
+            pin = process.pin()
+            leader = (process.pid, pin) if pin is not None else None
             termed: set[int] = set()
             deadline = trio.current_time() + grace
             batch = self._batch_of.pop(process.pid, None)
@@ -270,6 +274,8 @@ class LocalLauncher:
                     termed=termed,
                 )
             finally:
+                if pin is not None:
+                    os.close(pin)
                 if batch is not None:
                     batch.emptied(process.pid)
             if batch is not None:

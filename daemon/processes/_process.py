@@ -1,10 +1,13 @@
-"""The OS side of one worker: its pid, its pidfd, the read ends of its output pipes and,
-for a worker spawned with its stdin open, the write end of its stdin.
+"""The OS side of one worker: its pid, the read ends of its output pipes and, for a
+worker spawned with its stdin open, the write end of its stdin. No pidfd: a live worker
+holds its pipes only (2 descriptors, 3 with its stdin open).
 
-Every worker, whether this image spawned it or adopted it across a reload, is
-waited on through its pidfd, never waitpid(-1), so no other reaper can steal
-its status. The fds live here and nowhere else, which is what lets a reload
-hand them to the next image.
+Every worker, whether this image spawned it or adopted it across a reload, is the
+daemon's own child: its exit is told by SIGCHLD (`_reaper`), and it is reaped by its
+pid, never by waitpid(-1), so no other reaper can steal its status nor this one
+another's. Unreaped, its pid is no one else's, so it is signalled by its pid; a stop
+that pins its tree opens a pidfd for it then (`pin`). The fds live here and nowhere
+else, which is what lets a reload hand them to the next image.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import trio
 from ..store._files import open_regular
 from . import _spawn
 from ._cgroup import WorkerCgroup
+from ._reaper import REAPER, Watched
 from ._tree import DESCRIPTOR_ERRNOS, read_stat
 
 if TYPE_CHECKING:
@@ -64,7 +68,8 @@ class _CgroupRequired(Exception):
 @dataclass(eq=False)
 class WorkerProcess:
     pid: int
-    pidfd: int
+    #: How the reaper tells of its exit; the process is our unreaped child until `reap`.
+    watched: Watched
     starttime: int  # from /proc/PID/stat: with the pid, the process's identity
     stdout: int | None
     stderr: int | None
@@ -77,6 +82,10 @@ class WorkerProcess:
     cgroup: WorkerCgroup | None = None
     #: Why it has no cgroup although one was asked for.
     cgroup_error: str | None = None
+    #: It has been reaped (or given up to the reaper): its pid may be anyone's.
+    reaped: bool = False
+    #: Once reaped, its returncode (None: not known).
+    returncode: int | None = None
 
     @classmethod
     def spawn(
@@ -161,18 +170,13 @@ class WorkerProcess:
         finally:
             for fd in (out_w, err_w, stdin):
                 os.close(fd)
-        # The child is ours and unreaped, so its pid cannot be recycled before
-        # the pidfd pins it.
-        pidfd = -1
+        # The child is ours and unreaped, so its pid is no one else's until it is reaped.
         try:
-            pidfd = os.pidfd_open(pid)
             stat = read_stat(pid)  # its start time: OSError only for want of a descriptor
         except OSError as exc:
             # Unwatchable, so it must not run on: end it before anyone relies on it.
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
-            if pidfd >= 0:
-                os.close(pidfd)
             for end in (out_r, err_r, stdin_w):
                 if end is not None:
                     os.close(end)
@@ -183,12 +187,13 @@ class WorkerProcess:
                 raise OutOfDescriptors(exc) from exc
             raise SpawnFailed(f"cannot watch {argv[0]!r} (pid {pid}): {exc}") from exc
         assert stat is not None, "an unreaped child always has a /proc entry"
+        watched = REAPER.watch(pid, stat.starttime)  # no await since the start: none missed
         for end in (out_r, err_r, stdin_w):
             if end is not None:
                 os.set_blocking(end, False)  # a send never waits for room: see write_stdin
         return cls(
             pid=pid,
-            pidfd=pidfd,
+            watched=watched,
             starttime=stat.starttime,
             stdout=out_r,
             stderr=err_r,
@@ -216,18 +221,16 @@ class WorkerProcess:
         Raises ProcessLookupError if the pid is not a child of this process. A child
         unreaped keeps its pid, so no /proc read is needed to know it is the worker still
         (one a worker: a reload adopting 1,000 spent ~50 ms on them); whether it is our
-        child at all, one waitid that reaps nothing says (it may have exited meanwhile:
-        its supervision reaps it).
+        child at all, one waitid that reaps nothing says (it may have exited meanwhile,
+        during the exec: the reaper's first look finds it, and its supervision reaps it).
         """
-        pidfd = os.pidfd_open(pid)
         try:
-            os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
         except ChildProcessError as exc:
-            os.close(pidfd)
             raise ProcessLookupError(f"pid {pid} is not this daemon's child") from exc
         return cls(
             pid=pid,
-            pidfd=pidfd,
+            watched=REAPER.watch(pid, starttime),
             starttime=starttime,
             stdout=stdout,
             stderr=stderr,
@@ -236,9 +239,8 @@ class WorkerProcess:
         )
 
     def carry(self, carried: Carried) -> tuple[int | None, int | None, int | None]:
-        """Hand the pipes to a reload's exec; (stdout, stderr, stdin). The pidfd stays
-        behind: the pid stays our child, unreaped, so the next image opens its own on the
-        same process."""
+        """Hand the pipes to a reload's exec; (stdout, stderr, stdin). The pid stays our
+        child, unreaped (exited or not), so the next image watches the same process."""
         return (
             carried.carry_if(self.stdout, f"worker pid {self.pid}'s stdout"),
             carried.carry_if(self.stderr, f"worker pid {self.pid}'s stderr"),
@@ -258,17 +260,50 @@ class WorkerProcess:
         Until `reap`, the zombie keeps its pid, and so the worker's process
         group id, from being recycled: finding and ending its tree stays safe.
         """
-        await trio.lowlevel.wait_readable(self.pidfd)
+        await self.watched.exited.wait()
 
-    def reap(self) -> int:
-        """Collect the exited process; its returncode (negative: the signal that killed it)."""
-        info = os.waitid(os.P_PIDFD, self.pidfd, os.WEXITED)
-        assert info is not None  # WNOHANG is not set
-        os.close(self.pidfd)
-        self.pidfd = -1
-        if info.si_code == os.CLD_EXITED:
-            return info.si_status
-        return -info.si_status
+    def reap(self) -> int | None:
+        """Collect the exited process; its returncode (negative: the signal that killed
+        it), None if someone else reaped it (never, but said in the log)."""
+        assert self.watched.exited.is_set(), "reaped before its exit was told"
+        if not self.reaped:
+            self.reaped = True
+            self.returncode = REAPER.reap(self.watched)
+        return self.returncode
+
+    def signal(self, sig: signal.Signals) -> bool:
+        """Send `sig` by its pid, which is no one else's while it is unreaped; False if it
+        was reaped (or is not ours to signal)."""
+        if self.reaped:
+            return False
+        try:
+            os.kill(self.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+
+    def pin(self) -> int | None:
+        """A pidfd of the process, opened now for a stop that waits on it (the caller
+        closes it); None once it is reaped, or with no descriptor to spare."""
+        if self.reaped:
+            return None
+        try:
+            return os.pidfd_open(self.pid)
+        except OSError:
+            return None
+
+    def abandon(self) -> None:
+        """Its supervision lets it go, perhaps before it exited: reaped once it has, so
+        no zombie is left behind."""
+        if not self.reaped:
+            self.reaped = True
+            REAPER.abandon(self.watched)
+
+    def unwatch(self) -> None:
+        """Leave it to another reaper (`reap` below, by a pidfd): the reaper forgets it."""
+        if not self.reaped:
+            self.reaped = True
+            REAPER.forget(self.watched)
 
     def close(self) -> None:
         for name in ("stdout", "stderr"):
@@ -278,9 +313,6 @@ class WorkerProcess:
                 os.close(fd)
                 setattr(self, name, None)
         self.close_stdin()
-        if self.pidfd >= 0:
-            os.close(self.pidfd)
-            self.pidfd = -1
 
 
 def _start(
@@ -293,8 +325,8 @@ def _start(
         return _spawn.spawn(argv, cwd=cwd, env=env, stdin=stdin, stdout=stdout, stderr=stderr)
     # Popen only forks and execs here: its C fork_exec is safe in a threaded process
     # and reports exec errors synchronously. Its finaliser would waitpid() a child it
-    # thinks unreaped and steal the status the pidfd wait expects: tell it the child
-    # is accounted for, which leaves the pidfd as the only reaper.
+    # thinks unreaped and steal the status the worker's reap expects: tell it the child
+    # is accounted for, which leaves the worker's reap (`_reaper`) as the only one.
     popen = subprocess.Popen(
         argv,
         stdin=stdin,

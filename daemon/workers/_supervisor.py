@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -26,6 +25,7 @@ from .._logging import get_logger
 from ..core._registry import Registry, WorkerRecord
 from ..processes._launcher import Launcher
 from ..processes._process import WorkerProcess, pump, write_nowait
+from ..processes._reaper import REAPER
 from ..store._archive import STDOUT_TAIL_BYTES
 from ..store._journal import Journal, JournalCorrupt
 
@@ -163,7 +163,7 @@ class Supervisor:
         self._disk_ok = disk_ok
         self._live: dict[str, LiveWorker] = {}
         self._nursery: trio.Nursery | None = None
-        self._background: trio.Nursery | None = None  # late reaps
+        self._background: trio.Nursery | None = None  # the reaper
         #: Tasks holding what an exec would lose (see `wait_nothing_in_hand`).
         self._in_hand = Tally()
         self._launches = Tally()  # between registration and their supervise task
@@ -222,6 +222,9 @@ class Supervisor:
         tasks, ~30 ms). A reload leaves them as they stand: see `wait_nothing_in_hand`."""
         async with trio.open_nursery() as background:
             self._background = background
+            # The workers' exits, told by SIGCHLD: what exited before (during a reload's
+            # exec) is found by its first look, before any supervision waits.
+            await background.start(REAPER.run)
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 unsupervised = list(self._live.values())  # spawns from now: supervised
@@ -372,12 +375,10 @@ class Supervisor:
         why = f"supervision failed ({type(error).__name__}: {error}); the worker was ended"
         log.error("worker.supervision_failed", worker=record.id, error=why, exc_info=error)
         try:
-            if process is not None and process.pidfd >= 0:  # not reaped: its tree may run on
+            if process is not None and not process.reaped:  # its tree may run on
                 await self._end_tree_after_fault(live, process)
                 live.returncode = await _reap_after_fault(process)
-                if live.returncode is None and self._background is not None:
-                    pidfd, process.pidfd = process.pidfd, -1  # kept, to reap it when it exits
-                    self._background.start_soon(_reap_when_exited, process.pid, pidfd)
+                process.abandon()  # not exited yet: the reaper reaps it when it does
                 process.close()
                 self._launcher.released(process)
             elif process is not None:
@@ -584,13 +585,3 @@ async def _reap_after_fault(process: WorkerProcess) -> int | None:
         return process.reap()
     log.error("worker.not_exited", pid=process.pid, then="reaped when it exits")
     return None
-
-
-async def _reap_when_exited(pid: int, pidfd: int) -> None:
-    """Reap, whenever it exits, a killed process that had not: no zombie is left behind."""
-    try:
-        await trio.lowlevel.wait_readable(pidfd)
-        os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG)  # noqa: ASYNC222 - readable: exited
-        log.info("worker.reaped_late", pid=pid)
-    finally:
-        os.close(pidfd)
