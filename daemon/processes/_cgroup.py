@@ -158,10 +158,15 @@ class WorkerCgroup:
         """Remove the (empty) cgroup, and those the worker made inside it; False if
         something still lives in it."""
         try:
-            for nested in self._nested():
-                with contextlib.suppress(FileNotFoundError):
-                    nested.rmdir()
-            self.path.rmdir()
+            try:
+                os.rmdir(self._path_bytes)  # the common case: none nested, no walk of it
+            except OSError as exc:
+                if exc.errno not in (errno.EBUSY, errno.ENOTEMPTY):
+                    raise
+                for nested in self._nested():
+                    with contextlib.suppress(FileNotFoundError):
+                        nested.rmdir()
+                self.path.rmdir()
         except FileNotFoundError:
             return True
         except OSError as exc:
@@ -169,6 +174,10 @@ class WorkerCgroup:
                 return False
             raise
         return True
+
+    @functools.cached_property
+    def _path_bytes(self) -> bytes:
+        return os.fsencode(self.path)
 
 
 class Cgroups:
