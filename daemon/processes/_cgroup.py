@@ -126,15 +126,16 @@ class WorkerCgroup:
         """The pids in the cgroup, and in any cgroup the worker made inside it (a process
         that moved itself in there is still the worker's: `cgroup.kill` ends it too)."""
         listed = _read_procs(self._procs)
-        if not listed and self._populated():  # only what is nested: rare, so looked for last
+        if not listed and self.populated():  # only what is nested: rare, so looked for last
             for nested in self._nested():
                 listed += _read_procs(os.fsencode(nested / "cgroup.procs"))
         return listed
 
-    def _populated(self) -> bool:
-        """Whether any process is in the cgroup or below it (`cgroup.events`)."""
+    def populated(self) -> bool:
+        """Whether any process is in the cgroup or below it (`cgroup.events`); an exited
+        process is not (a zombie has left its cgroup), nor one in a removed cgroup."""
         try:
-            return b"populated 1" in _read_small(self._events).encode()
+            return "populated 1" in _read_small(self._events)
         except FileNotFoundError:
             return False
 
@@ -405,7 +406,8 @@ async def end_cgroup(
         termed_by_pid.add(leader[0])
         told.add(leader[0])
     with (graces or Graces()).period(grace):
-        while pids := await _members(group):
+        pids = await _members(group)
+        while pids:
             with _pinned(group, pids, leader) as (pinned, unpinned):
                 told.update(pinned, unpinned)
                 for pid, fd in pinned.items():
@@ -419,6 +421,9 @@ async def end_cgroup(
                     await trio.lowlevel.wait_readable(fd)
                 if not pinned:  # none could be pinned (out of fds?): never spin without yielding
                     await trio.sleep(0.01)
+            # One read of `cgroup.events` says most waves were the last: no list of the
+            # members (an empty one, then its events) for each of a stop_run's thousands.
+            pids = await _members(group) if await _populated(group) else []
         return 0
     killed: set[int] = set()
     for _ in range(10):
@@ -443,6 +448,15 @@ async def _members(group: WorkerCgroup) -> list[int]:
 
     async def read() -> list[int]:
         return group.members()
+
+    return await patiently(read)
+
+
+async def _populated(group: WorkerCgroup) -> bool:
+    """`group.populated()`, read `patiently` as `_members` is."""
+
+    async def read() -> bool:
+        return group.populated()
 
     return await patiently(read)
 
