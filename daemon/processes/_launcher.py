@@ -18,7 +18,7 @@ from typing import Literal, Protocol
 import trio
 
 from .._logging import get_logger
-from ._cgroup import Cgroups, WorkerCgroup, end_cgroup, peer_cgroup, term
+from ._cgroup import Cgroups, Leader, WorkerCgroup, end_cgroup, peer_cgroup, term
 from ._escapes import MarkerSearch, StopBatch, end_escaped, end_marked_by
 from ._process import WorkerProcess
 from ._tree import Graces, ProcessTable, end_marked, end_tree
@@ -95,10 +95,14 @@ class Launcher(Protocol):
         *,
         hurried: bool = True,
         leader_termed: bool = False,
+        leader_exited: trio.Event | None = None,
     ) -> int:
         """TERM the worker's whole tree, KILL what is left after `grace`; how many were
         killed. `hurried`: a hurried shutdown may cut the grace short. `leader_termed`:
-        `term_leader` sent the worker's own process its TERM."""
+        `term_leader` sent the worker's own process its TERM. `leader_exited`: set by the
+        worker's supervision once its own process has exited (the supervision waits on
+        its pidfd), so the stop waits on that rather than on a descriptor of its own;
+        None where no supervision waits (its fault's cleanup)."""
         ...
 
     async def end_leftover_tree(
@@ -247,12 +251,16 @@ class LocalLauncher:
         *,
         hurried: bool = True,
         leader_termed: bool = False,
+        leader_exited: trio.Event | None = None,
     ) -> int:
         graces = self.graces if hurried else None
         # Exited, or about to be ended: from here its pid is no live worker's to skip.
         self.leaders.discard(process.pid)
         if process.cgroup is not None:
-            leader = (process.pid, process.pidfd) if process.pidfd >= 0 else None
+            # Unreaped (its pidfd still held), its pid is no one else's: signalled by pid.
+            leader = None
+            if process.pidfd >= 0 and leader_exited is not None:
+                leader = Leader(process.pid, leader_exited)
             termed: set[int] = set()
             deadline = trio.current_time() + grace
             batch = self._batch_of.pop(process.pid, None)
