@@ -28,16 +28,15 @@ subagentd only (supervisord's group of 10,000 would need minfds and a config of
   CPU per worker, and the ratio of the two rates.
 
 A live `sleep` worker holds 3 descriptors in the daemon (its stdout and stderr
-pipes, its pidfd; its journal is closed while it is idle, past the 256 journals
-held open: see store/_journal.py), and one more per process of its tree but its own
-while its stop runs (the stop pins each with a pidfd; the worker's own process, an
+pipes, its pidfd; its journal is closed while it is idle, past the 256 journals held
+open: see store/_journal.py), and one more per process of its tree but its own while
+its stop runs (the stop pins each with a pidfd; the worker's own process, an
 unreaped child, is signalled by pid and needs none). The bench raises its own soft
 RLIMIT_NOFILE to the hard limit first, and the hard one to what `--workers` need
-where it may (root with CAP_SYS_RESOURCE); the daemon, its child, inherits them (and raises its own soft
-limit to its hard one at start anyway). Where the hard limit cannot hold
-`--workers`, the bench runs as many as it can hold and says so in the notes (at
-20,000: 6,500), with the limits the daemon ran with.
-"""
+where it may (root with CAP_SYS_RESOURCE); the daemon, its child, inherits them (and
+raises its own soft limit to its hard one at start anyway). Where the hard limit
+cannot hold `--workers`, the bench runs as many as it can hold and says so in the
+notes (at 20,000: 6,500), with the limits the daemon ran with."""
 
 from __future__ import annotations
 
