@@ -238,7 +238,7 @@ class LocalLauncher:
             return False
         if self._batch is None:
             self._batch = StopBatch()
-        self._batch.join(process.pid)
+        self._batch.join(process.pid, process.starttime)
         self._batch_of[process.pid] = self._batch
         term(process.pidfd)
         return True
@@ -285,6 +285,9 @@ class LocalLauncher:
                 # their trees is left to fork a child the search would miss, and one search
                 # serves the batch (docs/design.md, "Stopping exactly what you mean").
                 await batch.all_empty.wait()
+                found = await batch.searched(self.markers)
+                if found is not None and not found.carriers(worker_id, process.starttime):
+                    return killed  # nearly every one of a stop_run's: nothing escaped
                 left = max(0.0, deadline - trio.current_time())
                 killed += await end_escaped(
                     self.markers, worker_id, process.starttime, left, graces, termed
