@@ -5,6 +5,7 @@ gathers while more keep coming), in both tree modes."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -101,3 +102,44 @@ async def test_the_endings_of_a_stop_run_share_their_transactions(
         assert written_before <= THE_ONE // 2, f"{written_before} written before"
         woken = sorted((w.id, w.state) for w in await pending_wakes(daemon_dirs, run))
         assert woken == sorted(states.items())
+
+
+def _pidfds(pid: int) -> int:
+    """How many pidfds process `pid` holds (its other descriptors come and go)."""
+    held = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(FileNotFoundError):
+            held += os.readlink(f"/proc/{pid}/fd/{fd}") == "anon_inode:[pidfd]"
+    return held
+
+
+async def test_a_stop_in_its_grace_holds_no_descriptor_for_the_workers_own_process(
+    daemon: DaemonProcess,
+) -> None:
+    """A lone worker that ignores TERM keeps its stop in its grace: meanwhile the stop
+    holds no pidfd more than the worker did live (its own process, our unreaped
+    child, is signalled by pid and its exit awaited through its supervision's, where a
+    dup of its pidfd cost each stopped worker one, and a stop_run of thousands under the
+    limit ran out). Then the grace runs out, cgroup.kill ends it, and its ending is
+    written once."""
+    assert daemon.proc is not None
+    with trio.fail_after(60):
+        async with AsyncClient(daemon.socket) as client:
+            info = await client.info()
+            if not info.tree_tracking.startswith("cgroup "):
+                pytest.skip(f"this machine gives the daemon no cgroup: {info.tree_tracking}")
+            run = await client.new_run()
+            worker = await client.spawn(
+                ["sh", "-c", "trap '' TERM; exec sleep 3600"], run=run, grace=3.0
+            )
+            await client.info()  # its supervision under way: its pipes and pidfd open
+            live = _pidfds(daemon.proc.pid)
+            await client.stop(worker.id, wait=False)
+            await client.info()  # a round trip later, the stop is waiting in its grace
+            assert (await client.status(worker.id)).state == "running"
+            assert _pidfds(daemon.proc.pid) == live == 1
+            await client.stop(worker.id)
+            ended = await client.status(worker.id)
+            assert ended.state == "stopped"
+            assert worker.pid is not None
+            assert _gone(worker.pid)
