@@ -1,6 +1,5 @@
 """Group commit: the changes handed in during one scheduling batch go into the store in
-one transaction (and those handed in while more keep coming, a stop's thousands: see
-`GroupCommit._gather`). A run's hundred stops end their workers within a few batches; each
+one transaction. A run's hundred stops end their workers within a few batches; each
 ending's own transaction (its record and its wake) cost 0.15 ms of the daemon's one
 thread (bench/README.md).
 
@@ -19,13 +18,6 @@ from dataclasses import dataclass, field
 import trio
 
 from ._store import Change, Store
-
-#: A batch goes on gathering, while each scheduling step brings more, for at most this
-#: many steps, or until it holds this many changes.
-GATHER_STEPS = 200
-GATHER_MOST = 1000
-#: ... and stops once this many steps in a row brought none.
-GATHER_QUIET = 3
 
 
 @dataclass(eq=False)
@@ -55,7 +47,7 @@ class GroupCommit:
         handed = _Handed(make, before_commit)
         self._gathering.append(handed)
         if len(self._gathering) == 1:
-            await self._gather()
+            await trio.lowlevel.cancel_shielded_checkpoint()
             batch, self._gathering = self._gathering, []
             self._write(batch)
         else:
@@ -63,23 +55,6 @@ class GroupCommit:
                 await handed.written.wait()
         if handed.error is not None:
             raise handed.error
-
-    async def _gather(self) -> None:
-        """Wait one scheduling step for the rest of the batch, and more while they keep
-        coming: a stop of thousands ends its workers a few every other step, and waiting
-        until a few steps bring none makes one transaction of tens or hundreds rather than
-        one of one or two each (two thirds of a stop_run's endings had one of their own).
-        A lone change waits GATHER_QUIET steps more than it did (a step with nothing else
-        to run is a poll of epoll: microseconds); a stream, at most GATHER_STEPS steps or
-        GATHER_MOST changes."""
-        await trio.lowlevel.cancel_shielded_checkpoint()
-        quiet = 0
-        for _ in range(GATHER_STEPS - 1):
-            gathered = len(self._gathering)
-            if gathered >= GATHER_MOST or quiet >= GATHER_QUIET:
-                return
-            await trio.lowlevel.cancel_shielded_checkpoint()
-            quiet = quiet + 1 if len(self._gathering) == gathered else 0
 
     def _write(self, batch: list[_Handed]) -> None:
         try:
