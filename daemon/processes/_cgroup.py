@@ -126,15 +126,16 @@ class WorkerCgroup:
         """The pids in the cgroup, and in any cgroup the worker made inside it (a process
         that moved itself in there is still the worker's: `cgroup.kill` ends it too)."""
         listed = _read_procs(self._procs)
-        if not listed and self._populated():  # only what is nested: rare, so looked for last
+        if not listed and self.populated():  # only what is nested: rare, so looked for last
             for nested in self._nested():
                 listed += _read_procs(os.fsencode(nested / "cgroup.procs"))
         return listed
 
-    def _populated(self) -> bool:
-        """Whether any process is in the cgroup or below it (`cgroup.events`)."""
+    def populated(self) -> bool:
+        """Whether any process is in the cgroup or below it (`cgroup.events`); an exited
+        process is not (a zombie has left its cgroup), nor one in a removed cgroup."""
         try:
-            return b"populated 1" in _read_small(self._events).encode()
+            return "populated 1" in _read_small(self._events)
         except FileNotFoundError:
             return False
 
@@ -158,10 +159,15 @@ class WorkerCgroup:
         """Remove the (empty) cgroup, and those the worker made inside it; False if
         something still lives in it."""
         try:
-            for nested in self._nested():
-                with contextlib.suppress(FileNotFoundError):
-                    nested.rmdir()
-            self.path.rmdir()
+            try:
+                os.rmdir(self._path_bytes)  # the common case: none nested, no walk of it
+            except OSError as exc:
+                if exc.errno not in (errno.EBUSY, errno.ENOTEMPTY):
+                    raise
+                for nested in self._nested():
+                    with contextlib.suppress(FileNotFoundError):
+                        nested.rmdir()
+                self.path.rmdir()
         except FileNotFoundError:
             return True
         except OSError as exc:
@@ -169,6 +175,10 @@ class WorkerCgroup:
                 return False
             raise
         return True
+
+    @functools.cached_property
+    def _path_bytes(self) -> bytes:
+        return os.fsencode(self.path)
 
 
 class Cgroups:
@@ -370,11 +380,23 @@ def _own_cgroup() -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class Leader:
+    """A worker's own process, our unreaped child, as a stop of its cgroup knows it: its
+    pid, which no other process can take until it is reaped (so it is signalled by pid,
+    and pinned by no descriptor of its own), and the event its supervision sets once it
+    has exited (the supervision waits on its pidfd: trio lets one task wait on a
+    descriptor, and a dup of it for the stop cost a descriptor a stopped worker)."""
+
+    pid: int
+    exited: trio.Event
+
+
 async def end_cgroup(
     group: WorkerCgroup,
     grace: float,
     graces: Graces | None = None,
-    leader: tuple[int, int] | None = None,
+    leader: Leader | None = None,
     *,
     leader_termed: bool = False,
     termed: set[int] | None = None,
@@ -383,20 +405,20 @@ async def end_cgroup(
 
     Reads the cgroup again once each wave has exited, so what was forked
     meanwhile is signalled too; returns once the cgroup is empty. `leader`: the
-    worker's own (pid, pidfd), our unreaped child, so pinned already (see `_pinned`);
-    `leader_termed`: it has had its TERM (`LocalLauncher.term_leader`), and gets no
-    second (to some programs a second means "quit now"). Unreaped until this returns,
-    its pid is no one else's, so the waves tell it by its pid. `termed`: where the pids
-    sent a TERM are kept, so a search for what left the cgroup (`end_escaped`) sends them
-    no second one.
+    worker's own process, our unreaped child (see `Leader`), told by its pid and
+    waited for by its supervision's event; `leader_termed`: it has had its TERM
+    (`LocalLauncher.term_leader`), and gets no second (to some programs a second means
+    "quit now"). `termed`: where the pids sent a TERM are kept, so a search for what
+    left the cgroup (`end_escaped`) sends them no second one.
     """
     termed_by_pid: set[int] = set()
     told: set[int] = set() if termed is None else termed
     if leader_termed and leader is not None:
-        termed_by_pid.add(leader[0])
-        told.add(leader[0])
+        termed_by_pid.add(leader.pid)
+        told.add(leader.pid)
     with (graces or Graces()).period(grace):
-        while pids := await _members(group):
+        pids = await _members(group)
+        while pids:
             with _pinned(group, pids, leader) as (pinned, unpinned):
                 told.update(pinned, unpinned)
                 for pid, fd in pinned.items():
@@ -405,11 +427,16 @@ async def end_cgroup(
                 for pid in unpinned:
                     if pid not in termed_by_pid:  # once each: a TERM is a request
                         termed_by_pid.add(pid)
-                        _term_unpinned(pid, leader)
+                        _term_unpinned(pid)
                 for fd in pinned.values():
                     await trio.lowlevel.wait_readable(fd)
-                if not pinned:  # none could be pinned (out of fds?): never spin without yielding
+                if leader is not None and leader.pid in unpinned:
+                    await leader.exited.wait()
+                elif not pinned:  # none could be pinned (out of fds?): never spin unyielding
                     await trio.sleep(0.01)
+            # One read of `cgroup.events` says most waves were the last: no list of the
+            # members (an empty one, then its events) for each of a stop_run's thousands.
+            pids = await _members(group) if await _populated(group) else []
         return 0
     killed: set[int] = set()
     for _ in range(10):
@@ -421,10 +448,12 @@ async def end_cgroup(
         except OSError as exc:
             log.error("cgroup.kill_failed", cgroup=str(group.path), error=str(exc))
         killed.update(pids)
-        with _pinned(group, pids, leader) as (pinned, _):
+        with _pinned(group, pids, leader) as (pinned, unpinned):
             with trio.move_on_after(1.0):
                 for fd in pinned.values():
                     await trio.lowlevel.wait_readable(fd)
+                if leader is not None and leader.pid in unpinned:
+                    await leader.exited.wait()
     return len(killed)
 
 
@@ -438,6 +467,15 @@ async def _members(group: WorkerCgroup) -> list[int]:
     return await patiently(read)
 
 
+async def _populated(group: WorkerCgroup) -> bool:
+    """`group.populated()`, read `patiently` as `_members` is."""
+
+    async def read() -> bool:
+        return group.populated()
+
+    return await patiently(read)
+
+
 def term(pidfd: int) -> None:
     """TERM a process through its pidfd. Gone already, or not ours to signal (setuid):
     cgroup.kill is, after the grace."""
@@ -445,49 +483,43 @@ def term(pidfd: int) -> None:
         signal.pidfd_send_signal(pidfd, signal.SIGTERM)
 
 
-def _term_unpinned(pid: int, leader: tuple[int, int] | None) -> None:
-    """TERM a member no pidfd could be opened for (the daemon is out of descriptors):
-    the leader through the pidfd it has held since its spawn, another by its pid, read
-    from the cgroup just now. Left without, it would get no TERM at all and be killed
-    only when its grace ran out; the one risk, a pid freed and reused in the
-    microseconds since that read, is taken only here."""
+def _term_unpinned(pid: int) -> None:
+    """TERM a member by its pid: the leader (our unreaped child, whose pid no one else can
+    have), or another no pidfd could be opened for (the daemon is out of descriptors),
+    read from the cgroup just now. Left without, it would get no TERM at all and be
+    killed only when its grace ran out; the one risk, a pid freed and reused in the
+    microseconds since that read, is taken only there."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
-        if leader is not None and pid == leader[0]:
-            signal.pidfd_send_signal(leader[1], signal.SIGTERM)
-        else:
-            os.kill(pid, signal.SIGTERM)
+        os.kill(pid, signal.SIGTERM)
 
 
 @contextlib.contextmanager
 def _pinned(
-    group: WorkerCgroup, pids: list[int], leader: tuple[int, int] | None = None
+    group: WorkerCgroup, pids: list[int], leader: Leader | None = None
 ) -> Iterator[tuple[dict[int, int], list[int]]]:
     """Pidfds (by pid) of `pids` still in the cgroup once opened (so none was recycled),
-    and the pids none could be opened for, for want of a descriptor (EMFILE, ENFILE).
-
-    The leader's is a dup of the pidfd it has had since its spawn: an unreaped child's
-    pid cannot be recycled, so it needs no second read of the cgroup, and a stop of a
-    lone worker (the common case) makes none."""
+    and the pids signalled by pid: the leader's (never pinned: no other process can have
+    it until it is reaped, so a stop of a lone worker, the common case, costs no
+    descriptor and no second read of the cgroup), and those none could be opened for,
+    for want of a descriptor (EMFILE, ENFILE)."""
     opened: dict[int, int] = {}
     unpinned: list[int] = []
     try:
         for pid in pids:
+            if leader is not None and pid == leader.pid:
+                unpinned.append(pid)
+                continue
             try:
-                if leader is not None and pid == leader[0]:
-                    # A dup: its supervision waits on the pidfd itself, and trio lets
-                    # one task only wait on a descriptor.
-                    opened[pid] = os.dup(leader[1])
-                else:
-                    opened[pid] = os.pidfd_open(pid)
+                opened[pid] = os.pidfd_open(pid)
             except OSError as exc:  # gone already (found next pass), or out of fds
                 if exc.errno in DESCRIPTOR_ERRNOS:
                     unpinned.append(pid)
-        while others := [p for p in opened if leader is None or p != leader[0]]:
+        while others := list(opened):
             try:
                 still = set(group.members())
             except OSError as exc:
                 if exc.errno not in DESCRIPTOR_ERRNOS:
-                    still = {leader[0]} if leader is not None else set()  # pin none, look again
+                    still = set()  # pin none, look again
                 else:  # no descriptor left to read it with: give one pin back, go by pid
                     os.close(opened.pop(others[-1]))
                     unpinned.append(others[-1])

@@ -12,7 +12,6 @@ carries them), its output pipes, and the wait for its exit.
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 from collections.abc import Callable, Container, Iterator, Mapping
 from typing import Literal, Protocol
@@ -20,7 +19,7 @@ from typing import Literal, Protocol
 import trio
 
 from .._logging import get_logger
-from ._cgroup import Cgroups, WorkerCgroup, end_cgroup, peer_cgroup
+from ._cgroup import Cgroups, Leader, WorkerCgroup, end_cgroup, peer_cgroup
 from ._escapes import MarkerSearch, StopBatch, end_escaped, end_marked_by
 from ._process import WorkerProcess
 from ._tree import Graces, ProcessTable, end_marked, end_tree
@@ -97,10 +96,14 @@ class Launcher(Protocol):
         *,
         hurried: bool = True,
         leader_termed: bool = False,
+        leader_exited: trio.Event | None = None,
     ) -> int:
         """TERM the worker's whole tree, KILL what is left after `grace`; how many were
         killed. `hurried`: a hurried shutdown may cut the grace short. `leader_termed`:
-        `term_leader` sent the worker's own process its TERM."""
+        `term_leader` sent the worker's own process its TERM. `leader_exited`: set by the
+        worker's supervision once its own process has exited (the supervision waits on
+        its pidfd), so the stop waits on that rather than on a descriptor of its own;
+        None where no supervision waits (its fault's cleanup)."""
         ...
 
     async def end_leftover_tree(
@@ -238,7 +241,7 @@ class LocalLauncher:
             return False
         if self._batch is None:
             self._batch = StopBatch()
-        self._batch.join(process.pid)
+        self._batch.join(process.pid, process.starttime)
         self._batch_of[process.pid] = self._batch
         process.signal(signal.SIGTERM)  # by its pid: unreaped, it is no one else's
         return True
@@ -251,14 +254,18 @@ class LocalLauncher:
         *,
         hurried: bool = True,
         leader_termed: bool = False,
+        leader_exited: trio.Event | None = None,
     ) -> int:
         graces = self.graces if hurried else None
         # Exited, or about to be ended: from here its pid is no live worker's to skip.
         self.leaders.discard(process.pid)
         if process.cgroup is not None:
-            # Its pidfd, opened for this stop only: a live worker holds none.
-            pin = process.pin()
-            leader = (process.pid, pin) if pin is not None else None
+            # Unreaped (a live worker is reaped by its supervision only once its tree is
+            # ended), its pid is no one else's: signalled by pid, waited for by the event
+            # its supervision sets; no descriptor of its own.
+            leader = None
+            if not process.reaped and leader_exited is not None:
+                leader = Leader(process.pid, leader_exited)
             termed: set[int] = set()
             deadline = trio.current_time() + grace
             batch = self._batch_of.pop(process.pid, None)
@@ -274,8 +281,6 @@ class LocalLauncher:
                     termed=termed,
                 )
             finally:
-                if pin is not None:
-                    os.close(pin)
                 if batch is not None:
                     batch.emptied(process.pid)
             if batch is not None:
@@ -285,6 +290,9 @@ class LocalLauncher:
                 # their trees is left to fork a child the search would miss, and one search
                 # serves the batch (docs/design.md, "Stopping exactly what you mean").
                 await batch.all_empty.wait()
+                found = await batch.searched(self.markers)
+                if found is not None and not found.carriers(worker_id, process.starttime):
+                    return killed  # nearly every one of a stop_run's: nothing escaped
                 left = max(0.0, deadline - trio.current_time())
                 killed += await end_escaped(
                     self.markers, worker_id, process.starttime, left, graces, termed

@@ -175,9 +175,14 @@ class Archive:
             os.close(fd)
 
     def read(self, name: str, limit: int, *, tail: bool = False) -> bytes:
-        """At most `limit` bytes of one of its files; NotRegularFile if it is no regular file."""
-        with self.opened() as dir_fd:
+        """At most `limit` bytes of one of its files; NotRegularFile if it is no regular file.
+        No context manager: read at every ending (its result, most often not there), where
+        a generator's cleanup of the FileNotFoundError cost as much as the reading."""
+        dir_fd = open_dir(self.path)
+        try:
             return read_regular(name, limit, dir_fd=dir_fd, tail=tail)
+        finally:
+            os.close(dir_fd)
 
     def has_snapshot(self) -> bool:
         """Whether a snapshot was written here: anything under its name but nothing or an

@@ -84,6 +84,9 @@ class LiveWorker:
     ended: trio.Event = field(default_factory=trio.Event)
     grown: trio.Event = field(default_factory=trio.Event)
     terminated: trio.Event = field(default_factory=trio.Event)
+    #: Its own process has exited (seen by its supervision, which waits on its pidfd):
+    #: what a stop of its cgroup waits on for it (`Launcher.end_tree`'s leader_exited).
+    exited: trio.Event = field(default_factory=trio.Event)
     terminating: bool = False
     #: Its own process has had the TERM of the stop asked (`Supervisor._begin_stop`).
     leader_termed: bool = False
@@ -106,6 +109,7 @@ class LiveWorker:
     def reset_supervision(self) -> None:
         """Fresh per-supervision state for a (re)adopted worker; a stop asked before stands."""
         self.terminated = trio.Event()
+        self.exited = trio.Event()
         self.terminating = False
         self.leader_termed = False
         self.watch = None
@@ -299,6 +303,7 @@ class Supervisor:
                 if live.stop_asked:  # asked before this supervision began (or a reload)
                     nursery.start_soon(self._stop, live)
                 await self._wait_exited(live, process)
+                live.exited.set()
                 # Whatever is left of its tree goes with it: TERM, grace, KILL.
                 await self._terminate(live)
                 await self._drain(live, pipes_closed)
@@ -414,7 +419,11 @@ class Supervisor:
         assert process is not None
         try:
             killed = await self._launcher.end_tree(
-                live.record.id, process, live.record.grace, leader_termed=live.leader_termed
+                live.record.id,
+                process,
+                live.record.grace,
+                leader_termed=live.leader_termed,
+                leader_exited=live.exited,
             )
             if killed:
                 log.info("worker.killed", worker=live.record.id, processes=killed)
