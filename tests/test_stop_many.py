@@ -85,10 +85,10 @@ async def test_a_stop_in_its_grace_holds_no_descriptor_for_the_workers_own_proce
     daemon: DaemonProcess,
 ) -> None:
     """A lone worker that ignores TERM keeps its stop in its grace: meanwhile the stop
-    holds no pidfd more than the worker did live (its own process, our unreaped
-    child, is signalled by pid and its exit awaited through its supervision's, where a
-    dup of its pidfd cost each stopped worker one, and a stop_run of thousands under the
-    limit ran out). Then the grace runs out, cgroup.kill ends it, and its ending is
+    holds no pidfd, as the worker held none live (its own process, our unreaped child,
+    is signalled by pid and its exit awaited through its supervision's, where a pidfd
+    for it cost each stopped worker one, and a stop_run of thousands under the limit
+    ran out). Then the grace runs out, cgroup.kill ends it, and its ending is
     written once."""
     assert daemon.proc is not None
     with trio.fail_after(60):
@@ -100,12 +100,12 @@ async def test_a_stop_in_its_grace_holds_no_descriptor_for_the_workers_own_proce
             worker = await client.spawn(
                 ["sh", "-c", "trap '' TERM; exec sleep 3600"], run=run, grace=3.0
             )
-            await client.info()  # its supervision under way: its pipes and pidfd open
+            await client.info()  # its supervision under way: its pipes open, no pidfd
             live = _pidfds(daemon.proc.pid)
             await client.stop(worker.id, wait=False)
             await client.info()  # a round trip later, the stop is waiting in its grace
             assert (await client.status(worker.id)).state == "running"
-            assert _pidfds(daemon.proc.pid) == live == 1
+            assert _pidfds(daemon.proc.pid) == live == 0
             await client.stop(worker.id)
             ended = await client.status(worker.id)
             assert ended.state == "stopped"
