@@ -13,6 +13,7 @@ import bisect
 import heapq
 import math
 import secrets
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 
 import msgspec
@@ -53,7 +54,7 @@ def new_token() -> str:
     return secrets.token_urlsafe(32)
 
 
-class WorkerRecord(msgspec.Struct, kw_only=True):
+class WorkerRecord(msgspec.Struct, kw_only=True, weakref=True):
     id: str
     run: str
     parent: str | None
@@ -89,7 +90,7 @@ class WorkerRecord(msgspec.Struct, kw_only=True):
         # Every change of state (or of whether a result is owed), wherever it is made,
         # moves the counts of the registry holding the record (`StateCounts`): `info`
         # reads counts, never walks the workers.
-        counts = _COUNTED.get(id(self)) if name in _COUNTED_FIELDS else None
+        counts = _counts_of(self) if name in _COUNTED_FIELDS else None
         if counts is None:
             msgspec.Struct.__setattr__(self, name, value)
             return
@@ -165,12 +166,19 @@ class StateCounts:
         self.owed = 0
 
     def add(self, record: WorkerRecord) -> None:
-        _COUNTED[id(record)] = self
+        key = id(record)
+
+        def gone(ref: weakref.ref[WorkerRecord]) -> None:
+            # Dropped without `remove` (its registry gone): its id may be another's next.
+            if _COUNTED.get(key, (None,))[0] is ref:
+                del _COUNTED[key]
+
+        _COUNTED[key] = (weakref.ref(record, gone), self)
         self._counts[record.state] = self._counts.get(record.state, 0) + 1
         self.owed += record.owes_result
 
     def remove(self, record: WorkerRecord) -> None:
-        if _COUNTED.get(id(record)) is self:
+        if _counts_of(record) is self:
             del _COUNTED[id(record)]
             self._take(record.state)
             self.owed -= record.owes_result
@@ -200,8 +208,17 @@ class StateCounts:
 
 #: The counts each held record is counted in, by the record's id(): a record is held
 #: by one registry at a time (a registry adds it when it takes it, removes it when it
-#: lets it go, so the id cannot be reused meanwhile).
-_COUNTED: dict[int, StateCounts] = {}
+#: lets it go). A registry dropped whole (a test's in-process daemon) removes none: the
+#: weak reference tells the record itself from a later one given the same id once it
+#: is freed, and its entry goes with it.
+_COUNTED: dict[int, tuple[weakref.ref[WorkerRecord], StateCounts]] = {}
+
+
+def _counts_of(record: WorkerRecord) -> StateCounts | None:
+    entry = _COUNTED.get(id(record))
+    return entry[1] if entry is not None and entry[0]() is record else None
+
+
 #: The fields a record's counts depend on (see `WorkerRecord.__setattr__`).
 _COUNTED_FIELDS = frozenset({"state", "stop_reason", "collected", "expired"})
 
