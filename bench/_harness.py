@@ -57,6 +57,17 @@ def daemon_command() -> list[str]:
     return os.environ.get("BENCH_SUBAGENTD", str(BIN / "subagentd")).split()
 
 
+def stop_daemon(proc: subprocess.Popen[bytes]) -> None:
+    """TERM a bench's daemon (subagentd or supervisord) and wait for it to stop its
+    workers; KILL it if it has not within two minutes, and reap it either way."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 @contextlib.contextmanager
 def running_daemon(*args: str) -> Iterator[BenchDaemon]:
     root = Path(tempfile.mkdtemp(prefix="sab-", dir="/tmp"))
@@ -77,11 +88,7 @@ def running_daemon(*args: str) -> Iterator[BenchDaemon]:
         wait_ready(notify, proc, root / "daemon.log")
         yield BenchDaemon(root=root, socket=sock, proc=proc)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_daemon(proc)
         notify.close()
         log.close()
         shutil.rmtree(root, ignore_errors=True)
@@ -207,11 +214,7 @@ def running_supervisord(
         wait_serving(daemon)
         yield daemon
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_daemon(proc)
         log.close()
         shutil.rmtree(root, ignore_errors=True)
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
@@ -24,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-from _harness import daemon_command, raise_fd_limit, wait_ready
+from _harness import daemon_command, raise_fd_limit, stop_daemon, wait_ready
 
 from subagentd.client import Client, SubagentdError
 
@@ -98,11 +97,7 @@ def main() -> None:
         print(f"- recovered (READY=1) after {ready * 1000:,.0f} ms")
         print(f"- workers lost: {len(lost)}")
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_daemon(proc)
         notify.close()
         shutil.rmtree(root, ignore_errors=True)
 
