@@ -53,7 +53,6 @@ from .core._request_keys import (
     RequestKeys,
     asked_key,
 )
-from .lifecycle._resumable import frozen_agent, git_state
 from .processes._launcher import Launcher
 from .processes._process import OutOfDescriptors, SpawnFailed
 from .processes._tree import DESCRIPTOR_ERRNOS
@@ -61,9 +60,10 @@ from .store._archive import Archive, Snapshot, SpareArchives
 from .store._journal import Journal
 from .store._statedir import StateDir
 from .store._store import STORE_NAME, Change, LaunchState, Store
-from .workers._agents import AgentDef, ConfigError, load_agents
+from .workers._agents import AgentDef, ConfigError, frozen_agent, load_agents
 from .workers._command import Launch, inherited_env, own_bin_dir, resolve
 from .workers._endings import Endings
+from .workers._git import git_state
 from .workers._mailbox import Mailbox
 from .workers._reader import Reader
 from .workers._retention import Retention

@@ -48,7 +48,7 @@ from ..processes._tree import carries_worker_id, read_stat
 from ..store._archive import STDOUT_TAIL_BYTES, Archive, prune_archives
 from ..store._journal import Journal, JournalCorrupt
 from ..store._store import Change
-from ._resumable import read_snapshot
+from ..workers._resumable import read_snapshot
 
 log = get_logger()
 
