@@ -50,6 +50,7 @@ from .._logging import get_logger
 from .._settings import Settings
 from ..processes._cgroup import outside_workers
 from ..processes._process import WorkerProcess, reap
+from ..serving._handover import Handover, owed_by_connection
 from ..serving._listener import ControlSocket
 from ..serving._notify import monotonic_usec, notify
 from ..store._archive import STDOUT_TAIL_BYTES, Archive
@@ -94,20 +95,6 @@ UNEXECUTABLE_FAULT = ("reload", "unexecutable")
 def image_command(*args: str) -> list[str]:
     """How to run the image installed now: this interpreter, the package on disk."""
     return [sys.executable, "-m", "subagentd.daemon", *args]
-
-
-@dataclass(frozen=True)
-class Handover:
-    """A connection handed from one serving of it to the next: across a reload's exec, or
-    back to the old image when the reload fails."""
-
-    fd: int
-    owed: list[Reply] = field(default_factory=list)  # answers it gets before anything
-    unread: bytes = b""  # read from it but not yet taken as requests: read before the socket
-    delivered: frozenset[int] = frozenset()  # wakes delivered on it, not yet acknowledged
-    #: Whom it acts as, as its hello settled it (None: the user): never decided again, so
-    #: never widened by the handing over.
-    caller: str | None = None
 
 
 @dataclass(eq=False)
@@ -491,13 +478,6 @@ def _carried(live: LiveWorker, carried: Carried, journals: bool) -> CarriedWorke
         journal=None if journal is None else CarriedJournal(fd=journal[0], index=journal[1]),
         stdout_tail=b"" if journal is None else bytes(live.stdout_tail),
     )
-
-
-def owed_by_connection(
-    requesters: list[tuple[object, int]], kept: dict[object, Handover]
-) -> list[tuple[Handover, list[int]]]:
-    """Each kept connection, once, with the ids of every reload it asked."""
-    return [(held, [rid for c, rid in requesters if c is conn]) for conn, held in kept.items()]
 
 
 def _answer(failure: Error | None, request_id: int) -> Reply | None:

@@ -10,8 +10,6 @@ not a scan.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import trio
 
 from subagentd.protocol import ResumableRun, WorkerView
@@ -27,18 +25,16 @@ from ..store._journal import Journal
 from ..store._store import Change
 from ..workers._agents import AgentDef, ConfigError, load_agents
 from ..workers._command import launch_problem, real_dir, worker_environment
-from ..workers._resumable import RESUMABLE, changes_since_spawn, check_branch, read_snapshot
+from ..workers._resumable import (
+    RESUMABLE,
+    Resumption,
+    changes_since_spawn,
+    check_branch,
+    read_snapshot,
+)
 from ..workers._supervisor import LiveWorker
 
 log = get_logger()
-
-
-@dataclass(frozen=True)
-class Resumption:
-    """A worker resumed, and what changed on disk since its spawn ("" for nothing)."""
-
-    view: WorkerView
-    changed: str
 
 
 class Resumer:

@@ -26,6 +26,7 @@ from .._settings import FAULT_ENV, Settings, read_faults
 from ..core._recovering import RecoveryProgress
 from ..processes._cgroup import Cgroups, CgroupsUnavailable
 from ..processes._launcher import LocalLauncher
+from ..serving._handover import Handover
 from ..serving._listener import ControlSocket, activated_socket, bind_control_socket
 from ..serving._notify import notify
 from ..serving._server import Server
@@ -37,7 +38,8 @@ from ._carried import take_back
 from ._checkpoint import KEEP_HANDED_FAULT, KEPT_CHECKPOINT, Checkpoint
 from ._rebuilt import with_live_workers
 from ._recovery import recover
-from ._reload import NO_CARRY_ENV, RELOAD_SIGNALS, Handover, Reloader, adopt, reload_reply
+from ._reload import NO_CARRY_ENV, RELOAD_SIGNALS, Reloader, adopt, reload_reply
+from ._resume import Resumer
 from ._store_wait import StoreWaiting
 
 log = get_logger()
@@ -183,7 +185,7 @@ async def serve(
             stopped_by_reload=stopped,
         )
         _old_state_rebuilt(daemon, unread)
-    server = Server(daemon)
+    server = Server(daemon, Resumer(daemon))
     reloader = Reloader(
         daemon,
         server,

@@ -15,9 +15,11 @@ daemon nor is an internal error.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import msgspec
 
+from subagentd.protocol import WorkerView
 from subagentd.protocol.errors import Refused
 
 from ..store._archive import (
@@ -36,6 +38,14 @@ RESUMABLE = frozenset({"stopped", "failed", "timed_out", "interrupted", "stopped
 
 #: The fields of an agent's definition a resume compares with the frozen one.
 AGENT_FIELDS = ("command", "model", "env", "timeout", "grace")
+
+
+@dataclass(frozen=True)
+class Resumption:
+    """A worker resumed, and what changed on disk since its spawn ("" for nothing)."""
+
+    view: WorkerView
+    changed: str
 
 
 def read_snapshot(archive: Archive, worker_id: str) -> Snapshot:
