@@ -90,6 +90,7 @@ from subagentd.protocol.errors import (
     remote_error,
 )
 
+from ._acks import KEPT as ACKS_KEPT
 from ._acks import AckLedger, Parent, recall
 
 T = TypeVar("T")
@@ -710,7 +711,8 @@ class Connection:
     them (the ack cut off with its connection, most often).
     """
 
-    def __init__(self, *, reconnect: bool = False) -> None:
+    def __init__(self, *, reconnect: bool = False, acks_kept: int = ACKS_KEPT) -> None:
+        """``acks_kept``: how many wakes the ack ledger keeps each by its seq (`AckLedger`)."""
         self._frames = FrameDecoder()
         self._next_id = HELLO_ID
         self._inboxes: dict[int, deque[Reply | _Lost]] = {}
@@ -720,7 +722,7 @@ class Connection:
         self._closed = False
         # Requests the daemon asked to have sent again on this connection (`outgoing`).
         self._outgoing: list[bytes] = []
-        self._acks = AckLedger()
+        self._acks = AckLedger(acks_kept)
         # Requests whose caller left without their answer (`detach`).
         self._detached: set[int] = set()
         # Why the connection ended: the daemon's parting Error (too_large,
