@@ -54,7 +54,7 @@ from .core._request_keys import (
     asked_key,
 )
 from .processes._launcher import Launcher
-from .processes._process import OutOfDescriptors, SpawnFailed
+from .processes._process import OutOfDescriptors, SpawnFailed, WorkerProcess
 from .processes._tree import DESCRIPTOR_ERRNOS
 from .store._archive import Archive, Snapshot, SpareArchives
 from .store._journal import Journal
@@ -512,7 +512,7 @@ class Daemon:
                 raise self._out_of_descriptors(record.id, exc) from exc
             return record.view()
         self.problems.descriptors = None
-        self.registry.started(record.id, process.pid, process.starttime)
+        self.registry.started(record.id, process.pid, process.starttime, _pipe_inodes(process))
         self.supervisor.supervise(
             live, process, after_start=lambda: self._write_start(live, process.pid, argv)
         )
@@ -835,3 +835,16 @@ async def _keep_running(task: Callable[[], Awaitable[None]]) -> None:
             log.exception("daemon.task_failed", task=task.__name__, retry_in=delay)
         await trio.sleep(delay)
         delay = min(delay * 2, TASK_RETRY_MAX)
+
+
+def _pipe_inodes(process: WorkerProcess) -> tuple[int, int, int]:
+    """The inodes of a worker's stdin, stdout and stderr pipes (0: none), as the daemon
+    holds their other ends: written with its start, what tells its pipes after a reload
+    whose checkpoint does not read (`lifecycle/_rebuilt.py`)."""
+    inodes = []
+    for fd in (process.stdin, process.stdout, process.stderr):
+        try:
+            inodes.append(os.fstat(fd).st_ino if fd is not None else 0)
+        except OSError:
+            inodes.append(0)
+    return inodes[0], inodes[1], inodes[2]

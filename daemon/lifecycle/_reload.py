@@ -468,6 +468,8 @@ def _carried(live: LiveWorker, carried: Carried, journals: bool) -> CarriedWorke
     assert process is not None, "no spawn is in flight once launches settled"
     stdout, stderr, stdin = process.carry(carried)
     journal = live.journal.carry(carried) if journals else None
+    # A parked one is carried by what it is, so that the next image takes that file only.
+    parked = live.journal.parked() if journals and journal is None else None
     return CarriedWorker(
         id=live.record.id,
         pid=process.pid,
@@ -476,7 +478,8 @@ def _carried(live: LiveWorker, carried: Carried, journals: bool) -> CarriedWorke
         stderr=stderr,
         stdin=stdin,
         journal=None if journal is None else CarriedJournal(fd=journal[0], index=journal[1]),
-        stdout_tail=b"" if journal is None else bytes(live.stdout_tail),
+        stdout_tail=b"" if journal is None and parked is None else bytes(live.stdout_tail),
+        parked=parked,
     )
 
 
@@ -555,6 +558,11 @@ async def adopt(
                     carried.stderr,
                     carried.stdin,
                 )
+                if journal is None and carried.parked is not None:
+                    try:
+                        journal = Journal.parked_from(path, carried.parked)
+                    except JournalNotAdopted as exc:
+                        log.warning("reload.journal_reopened", worker=carried.id, reason=str(exc))
                 if journal is not None:
                     stdout_tail = carried.stdout_tail[-STDOUT_TAIL_BYTES:]
                 else:
