@@ -6,7 +6,7 @@ import time
 
 import trio
 
-from subagentd.client import Client
+from subagentd.client import AsyncClient, Client, _core
 
 from .conftest import DaemonProcess
 from .test_wakes_reload_storm import ended_run, nothing_left, reload_from_elsewhere
@@ -72,4 +72,43 @@ async def test_a_blocking_consumers_leaving_ack_goes_out_at_its_next_call_after_
                 client.info()  # its next call, on a new connection
 
         await trio.to_thread.run_sync(consume)
+        assert await nothing_left(daemon, run) == []
+
+
+async def test_an_ack_of_wakes_let_go_into_ranges_on_this_connection_is_taken(
+    daemon: DaemonProcess,
+) -> None:
+    """A consumer with ack=False that acknowledges late, once more wakes came than the
+    ledger keeps each by seq (here 4, as 10,000 would be): the older are known only by
+    their parent's range, and their acknowledgement must still go out, on the very
+    connection they came on, so that no subscriber gets them again."""
+    with trio.fail_after(60):
+        run, ids = await ended_run(daemon, 10)
+        client = AsyncClient(daemon.socket)
+        client._conn = _core.Connection(reconnect=True, acks_kept=4)
+        async with client:
+            got = [wake async for wake in client.events(run=run, ack=False)]
+            assert {wake.id for wake in got} == ids
+            assert client._conn._acks._let_go_seqs  # the attack's premise: some let go
+            await client.ack([wake.seq for wake in got])
+        assert await nothing_left(daemon, run) == []
+
+
+async def test_an_ack_of_wakes_let_go_into_ranges_before_a_reload_is_taken_after_it(
+    daemon: DaemonProcess,
+) -> None:
+    """As above, the wakes let go on a connection a reload ended, some of them acknowledged
+    meanwhile by another client: each is acknowledged once, none handed again."""
+    with trio.fail_after(60):
+        run, ids = await ended_run(daemon, 10)
+        client = AsyncClient(daemon.socket)
+        client._conn = _core.Connection(reconnect=True, acks_kept=4)
+        async with client:
+            got = [wake async for wake in client.events(run=run, ack=False)]
+            assert client._conn._acks._let_go_seqs
+            async with AsyncClient(daemon.socket) as other:
+                theirs = [wake async for wake in other.events(run=run, ack=False)]
+                await other.ack([theirs[0].seq, theirs[-1].seq])
+            await reload_from_elsewhere(daemon)  # the client's connection goes with it
+            await client.ack([wake.seq for wake in got])
         assert await nothing_left(daemon, run) == []
