@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import trio
@@ -112,3 +113,54 @@ async def test_an_ack_of_wakes_let_go_into_ranges_before_a_reload_is_taken_after
             await reload_from_elsewhere(daemon)  # the client's connection goes with it
             await client.ack([wake.seq for wake in got])
         assert await nothing_left(daemon, run) == []
+
+
+async def test_a_trio_consumers_detached_ack_goes_out_once_a_restarted_daemon_serves(
+    daemon: DaemonProcess,
+) -> None:
+    """Cancelled with the daemon killed, the consumer left its ack to the connection; the
+    daemon starts again (seqs there are never those of other wakes) and the client's next
+    call carries the conversation on: the ack goes out, once, and the wake is not handed
+    to the next subscriber."""
+    with trio.fail_after(90):
+        run, _ids = await ended_run(daemon, 1)
+        async with AsyncClient(daemon.socket) as client:
+            with trio.CancelScope() as scope:
+                async with contextlib.aclosing(client.events(run=run, follow=True)) as wakes:
+                    async for _wake in wakes:
+                        daemon.kill()
+                        scope.cancel()
+                        await trio.sleep_forever()
+            await trio.to_thread.run_sync(daemon.start)
+            await client.info()
+            await client.info()  # and nothing of the detached ack breaks a later call
+        assert await nothing_left(daemon, run) == []
+
+
+async def test_an_unsure_wal_tail_never_gives_a_resumed_attempt_its_earlier_attempts_ending(
+    daemon_dirs: DaemonProcess,
+) -> None:
+    """A worker failed, was resumed, and the daemon died before the new attempt's start
+    was journaled; the WAL then ends inside a frame (torn: `WalTail.unsure`), so recovery
+    trusts the journals' endings. The journal's last ending is the earlier attempt's: the
+    new attempt is `interrupted`, not given that `failed`."""
+    daemon_dirs.start()
+    with trio.fail_after(90):
+        async with AsyncClient(daemon_dirs.socket) as client:
+            worker = (await client.spawn(["sh", "-c", "exit 3"], name="twice")).id
+            assert (await client.wait(worker)).state == "failed"
+        assert daemon_dirs.terminate() == 0
+        daemon_dirs.start(env={"SUBAGENTD_FAULT": "die-before-start-written:twice"})
+        assert daemon_dirs.proc is not None
+        blocking = Client(daemon_dirs.socket)
+        blocking._conn = _core.Connection(reconnect=False)  # the daemon dies next
+        with blocking:
+            assert blocking.resume(worker).attempt == 2
+        assert await trio.to_thread.run_sync(daemon_dirs.proc.wait, 30) == -9
+        wal = daemon_dirs.state_dir / "state.db-wal"
+        with open(wal, "ab") as torn:
+            torn.write(b"\0" * 10)  # a frame's first bytes, as a kill -9 amid its write
+        await trio.to_thread.run_sync(daemon_dirs.start)
+        async with AsyncClient(daemon_dirs.socket) as client:
+            view = await client.status(worker)
+            assert (view.state, view.attempt) == ("interrupted", 2)
