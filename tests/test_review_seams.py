@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import shutil
 import time
 
 import trio
@@ -164,3 +165,28 @@ async def test_an_unsure_wal_tail_never_gives_a_resumed_attempt_its_earlier_atte
         async with AsyncClient(daemon_dirs.socket) as client:
             view = await client.status(worker)
             assert (view.state, view.attempt) == ("interrupted", 2)
+
+
+async def test_a_store_restored_from_an_older_copy_gives_no_seq_again(
+    daemon_dirs: DaemonProcess,
+) -> None:
+    """state.db put back from a copy taken before some wakes were given (a person's
+    restore from backup, the seq mark left as the daemon wrote it): the store's floor is
+    behind, the mark is not, and no later wake takes a seq given before."""
+    daemon_dirs.start()
+    with trio.fail_after(90):
+        await ended_run(daemon_dirs, 2)
+        assert daemon_dirs.terminate() == 0
+        db = daemon_dirs.state_dir / "state.db"
+        backup = daemon_dirs.root / "state.db.backup"
+        shutil.copyfile(db, backup)
+        await trio.to_thread.run_sync(daemon_dirs.start)
+        run, _ids = await ended_run(daemon_dirs, 2)
+        given = {wake.seq for wake in await nothing_left(daemon_dirs, run)}
+        assert daemon_dirs.terminate() == 0
+        shutil.copyfile(backup, db)
+        await trio.to_thread.run_sync(daemon_dirs.start)
+        run, _ids = await ended_run(daemon_dirs, 2)
+        again = {wake.seq for wake in await nothing_left(daemon_dirs, run)}
+        assert len(again) == 2
+        assert min(again) > max(given), (given, again)
