@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import time
 
@@ -102,7 +103,7 @@ async def test_an_ack_of_wakes_let_go_into_ranges_before_a_reload_is_taken_after
     """As above, the wakes let go on a connection a reload ended, some of them acknowledged
     meanwhile by another client: each is acknowledged once, none handed again."""
     with trio.fail_after(60):
-        run, ids = await ended_run(daemon, 10)
+        run, _ids = await ended_run(daemon, 10)
         client = AsyncClient(daemon.socket)
         client._conn = _core.Connection(reconnect=True, acks_kept=4)
         async with client:
@@ -159,8 +160,9 @@ async def test_an_unsure_wal_tail_never_gives_a_resumed_attempt_its_earlier_atte
             assert blocking.resume(worker).attempt == 2
         assert await trio.to_thread.run_sync(daemon_dirs.proc.wait, 30) == -9
         wal = daemon_dirs.state_dir / "state.db-wal"
-        with open(wal, "ab") as torn:
-            torn.write(b"\0" * 10)  # a frame's first bytes, as a kill -9 amid its write
+        fd = os.open(wal, os.O_WRONLY | os.O_APPEND)
+        os.write(fd, b"\0" * 10)  # a frame's first bytes, as a kill -9 amid its write
+        os.close(fd)
         await trio.to_thread.run_sync(daemon_dirs.start)
         async with AsyncClient(daemon_dirs.socket) as client:
             view = await client.status(worker)
