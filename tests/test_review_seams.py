@@ -10,6 +10,7 @@ import time
 import trio
 
 from subagentd.client import AsyncClient, Client, _core
+from subagentd.protocol.errors import SubagentdError
 
 from .conftest import DaemonProcess
 from .test_wakes_reload_storm import ended_run, nothing_left, reload_from_elsewhere
@@ -192,3 +193,32 @@ async def test_a_store_restored_from_an_older_copy_gives_no_seq_again(
         again = {wake.seq for wake in await nothing_left(daemon_dirs, run)}
         assert len(again) == 2
         assert min(again) > max(given), (given, again)
+
+
+async def test_an_ack_of_a_seq_in_a_range_never_delivered_here_acknowledges_nothing(
+    daemon: DaemonProcess,
+) -> None:
+    """Runs R and Q end wakes in turn, so Q's seqs fall inside the range this client keeps
+    for R (it follows R alone). Its ack of a Q wake it never had, which the daemon would
+    refuse, is done without effect: Q's wake stays pending for Q's subscriber."""
+    with trio.fail_after(90):
+        async with AsyncClient(daemon.socket) as spawner:
+            runs = [await spawner.new_run(), await spawner.new_run()]
+            for _ in range(6):
+                for run in runs:
+                    await spawner.wait((await spawner.spawn(["true"], run=run)).id)
+        r, q = runs
+        client = AsyncClient(daemon.socket)
+        client._conn = _core.Connection(reconnect=True, acks_kept=4)
+        async with client:
+            got = [wake async for wake in client.events(run=r, ack=False)]
+            ((low, high),) = client._conn._acks._let_go_seqs.values()
+            async with AsyncClient(daemon.socket) as other:
+                theirs = [wake async for wake in other.events(run=q, ack=False)]
+            inside = [wake.seq for wake in theirs if low < wake.seq < high]
+            assert inside  # the attack's premise
+            with contextlib.suppress(SubagentdError):
+                await client.ack(inside)
+            await client.ack([wake.seq for wake in got])
+        assert await nothing_left(daemon, r) == []
+        assert [wake.seq for wake in await nothing_left(daemon, q)] == [w.seq for w in theirs]
