@@ -222,3 +222,27 @@ async def test_an_ack_of_a_seq_in_a_range_never_delivered_here_acknowledges_noth
             await client.ack([wake.seq for wake in got])
         assert await nothing_left(daemon, r) == []
         assert [wake.seq for wake in await nothing_left(daemon, q)] == [w.seq for w in theirs]
+
+
+async def test_a_seq_mark_that_cannot_be_written_costs_no_wake_and_is_said_until_it_is(
+    daemon: DaemonProcess,
+) -> None:
+    """A directory planted at the mark's name while the daemon runs (a write that fails
+    as a full disk's would, at the moment a wake must be posted): the wake is posted and
+    delivered all the same, `info` says the mark cannot be written, and once it can, the
+    next wake writes it and the problem goes."""
+    mark = daemon.state_dir / "state.db.seq-mark"
+    with trio.fail_after(60):
+        mark.unlink(missing_ok=True)
+        mark.mkdir()
+        run, ids = await ended_run(daemon, 1)
+        assert {wake.id for wake in await nothing_left(daemon, run)} == ids
+        async with AsyncClient(daemon.socket) as client:
+            problems = (await client.info()).problems
+            assert any("seq mark" in problem for problem in problems), problems
+            mark.rmdir()
+            run, ids = await ended_run(daemon, 1)
+            assert {wake.id for wake in await nothing_left(daemon, run)} == ids
+            problems = (await client.info()).problems
+            assert not any("seq mark" in problem for problem in problems), problems
+        assert mark.is_file()
