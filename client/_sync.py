@@ -571,7 +571,11 @@ class Client:
         _set_timeout(sock, _core.LEAVING_ACK_WAIT)
         request_id = None
         try:
-            request_id = self._send(_core.ack([wake.seq]).request)
+            ack = _core.ack([wake.seq]).request
+            if self._conn.reconnecting:  # opened in the core alone: `_next_reply` reconnects
+                request_id = self._conn.send(ack, now=time.monotonic())[0]
+            else:
+                request_id = self._send(ack)
             self._next_reply(request_id)
         except (_LeftWaiting, TimeoutError):
             if request_id is not None:
