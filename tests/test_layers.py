@@ -75,12 +75,6 @@ CLIENT: tuple[tuple[str, ...], ...] = (
 )
 STACKS: Mapping[str, tuple[tuple[str, ...], ...]] = {"daemon": DAEMON, "client": CLIENT}
 
-ISSUE = (
-    "issue 25, item 2: the refactor into layers has not landed "
-    "(`python -m tests.test_layers` prints what is left)"
-)
-
-
 # -- reading the imports -----------------------------------------------------------------
 
 
@@ -363,19 +357,16 @@ def test_every_module_stands_in_a_layer() -> None:
     assert not unplaced, _failing("files or parts out of the layers", unplaced)
 
 
-@pytest.mark.xfail(strict=True, reason=ISSUE)
 def test_no_import_runs_up_a_layer() -> None:
     upward = the_tree().upward()
     assert not upward, _failing("imports run up a layer", upward)
 
 
-@pytest.mark.xfail(strict=True, reason=ISSUE)
 def test_no_two_parts_import_each_other() -> None:
     mutual = the_tree().mutual()
     assert not mutual, _failing("pairs of parts import each other", mutual)
 
 
-@pytest.mark.xfail(strict=True, reason=ISSUE)
 def test_no_files_import_each_other_in_a_circle() -> None:
     circles = the_tree().circles()
     assert not circles, _failing("circles of files", circles)

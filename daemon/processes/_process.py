@@ -31,7 +31,7 @@ from ._reaper import REAPER, Watched
 from ._tree import DESCRIPTOR_ERRNOS, read_stat
 
 if TYPE_CHECKING:
-    from ..lifecycle._carried import Carried
+    from ..core._carrier import Carrier
 
 #: One read takes at most this much of what a pipe has ready, and makes one journal entry.
 ENTRY_BYTES = 512 * 1024
@@ -238,7 +238,7 @@ class WorkerProcess:
             cgroup=cgroup,
         )
 
-    def carry(self, carried: Carried) -> tuple[int | None, int | None, int | None]:
+    def carry(self, carried: Carrier) -> tuple[int | None, int | None, int | None]:
         """Hand the pipes to a reload's exec; (stdout, stderr, stdin). The pid stays our
         child, unreaped (exited or not), so the next image watches the same process."""
         return (

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from ..store._statedir import ensure_private_dir
 
 if TYPE_CHECKING:
-    from ..lifecycle._carried import Carried
+    from ..core._carrier import Carrier
 
 BACKLOG = 4096
 #: The first descriptor systemd passes to a socket-activated service.
@@ -44,7 +44,7 @@ class ControlSocket:
         again: see `_carried.take_back`)."""
         return cls(socket.socket(fileno=fd), path, owned=owned)
 
-    def carry(self, carried: Carried) -> int:
+    def carry(self, carried: Carrier) -> int:
         """Hand the listening socket to a reload's exec: connects wait in its backlog."""
         return carried.carry(self.sock.fileno(), "the listening socket")
 

@@ -52,7 +52,7 @@ from ._checksum import crc32
 from ._files import SAFE_FLAGS, NotRegularFile, open_regular, short_write
 
 if TYPE_CHECKING:
-    from ..lifecycle._carried import Carried
+    from ..core._carrier import Carrier
 
 ENTRY_HEADER: Final = struct.Struct(">II")
 #: Every INDEX_STRIDE-th entry's offset is kept, so a page read seeks near its cursor.
@@ -378,7 +378,7 @@ class Journal:
         stored, _ = self._verify(memoryview(raw)[ENTRY_HEADER.size :], crc, seq)
         return stored is not None
 
-    def carry(self, carried: Carried) -> tuple[int, JournalIndex] | None:
+    def carry(self, carried: Carrier) -> tuple[int, JournalIndex] | None:
         """Hand the descriptor and the index to a reload's exec (see `adopt`); None for a
         journal not open for writing (the next image opens it from its path)."""
         if not self._writable or self._box[0] < 0:

@@ -28,7 +28,7 @@ from .._logging import get_logger
 from ._files import SAFE_FLAGS, open_dir, read_regular, replace_in, short_write
 
 if TYPE_CHECKING:
-    from ..lifecycle._carried import Carried
+    from ..core._carrier import Carrier
 
 _WORKER_ID = re.compile(r"w-[A-Za-z0-9_-]{1,64}")
 log = get_logger()
@@ -143,7 +143,7 @@ class StateDir:
                 raise
         self._file_lock_fd = file_fd
 
-    def carry(self, carried: Carried) -> tuple[int, int | None]:
+    def carry(self, carried: Carrier) -> tuple[int, int | None]:
         """Hand the lock to a reload's exec, so that no other daemon can take the state dir
         while it runs; (the directory's, the file `lock`'s if held)."""
         assert self.lock_fd is not None, "only the state dir's owner reloads"

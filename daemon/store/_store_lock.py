@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 from ._files import SAFE_FLAGS
 
 if TYPE_CHECKING:
-    from ..lifecycle._carried import Carried
+    from ..core._carrier import Carrier
 
 #: sqlite's lock bytes in the database file (its `os.h`): PENDING_BYTE, then the
 #: reserved byte, then the shared range of 510 bytes.
@@ -104,7 +104,7 @@ class StoreLock:
         """Whether the file at `path` is the one locked (not replaced since)."""
         return _is_file_at(self.fd, path)
 
-    def carry(self, carried: Carried) -> int:
+    def carry(self, carried: Carrier) -> int:
         """Hand the lock to a reload's exec: no other process gets in between images."""
         return carried.carry(self.fd, "the store's lock")
 
