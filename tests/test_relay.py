@@ -10,6 +10,7 @@ import os
 import re
 import signal
 import subprocess
+
 import pytest
 import trio
 
@@ -117,9 +118,9 @@ async def test_the_daemons_descriptors_do_not_grow_with_relayed_workers(
     with trio.fail_after(180):
         async with AsyncClient(relayed.socket) as client:
             run = await client.new_run()
-            first = await client.spawn(["sleep", "600"], run=run)
-            await wait_started(client, first.id)
-            journals_before, others_before = _held(relayed.proc.pid)
+            first = await client.spawn(sh("echo up; exec sleep 600"), run=run)
+            await wait_output(client, first.id, b"up\n")
+            _, others_before = _held(relayed.proc.pid)
             pipes_before = _pipes(relayed.proc.pid)
             for _ in range(many):
                 await client.spawn(["sleep", "600"], run=run)
@@ -145,11 +146,6 @@ def _held(pid: int) -> tuple[int, int]:
             else:
                 others += 1
     return journals, others
-
-
-async def wait_started(client: AsyncClient, worker_id: str) -> None:
-    while (await client.status(worker_id)).state == "starting":
-        await trio.sleep(0.01)
 
 
 async def test_a_stop_of_a_relayed_tree_and_a_stop_run_leave_nothing_alive(
@@ -285,9 +281,10 @@ async def test_kill_9_of_the_daemon_with_relayed_workers_the_restart_recovers_th
                 await wait_output(client, worker_id, b"up\n")
             pids = [(await client.status(w)).pid for w in ids]
             (relay,) = _relays(relayed.proc.pid)
+        relay_exited = os.pidfd_open(relay)
         relayed.kill()
-        while alive(relay):
-            await trio.sleep(0.01)
+        await trio.lowlevel.wait_readable(relay_exited)  # its socket's end: it exits
+        os.close(relay_exited)
         relayed.start(*RELAY_ALL)
         async with AsyncClient(relayed.socket) as client:
             for worker_id in ids:

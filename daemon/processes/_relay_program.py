@@ -252,7 +252,10 @@ class _Relay:
     def _hand(self, worker: str, kinds: list[str], fds: list[int], *, cut: bool) -> None:
         why = None
         if cut:
-            why = f"the relay (pid {os.getpid()}) is out of descriptors"
+            why = (
+                f"the relay (pid {os.getpid()}) could not take every descriptor handed "
+                "(MSG_CTRUNC: past its limit, or more than one hand carries)"
+            )
         elif len(fds) != len(kinds) or len(set(kinds)) != len(kinds):
             why = f"{len(fds)} descriptors came for the streams {kinds}"
         elif any((worker, kind) in self.by_key for kind in kinds):
