@@ -7,7 +7,6 @@ from __future__ import annotations
 import array
 import os
 import socket
-import subprocess
 import sys
 from collections.abc import AsyncIterator
 
@@ -18,7 +17,7 @@ from subagentd.daemon.processes import _relay_program as wire
 
 
 class _Relay:
-    def __init__(self, sock: trio.socket.SocketType, proc: subprocess.Popen[bytes]) -> None:
+    def __init__(self, sock: trio.socket.SocketType, proc: trio.Process) -> None:
         self.sock = sock
         self.proc = proc
 
@@ -38,7 +37,7 @@ class _Relay:
 
 async def _start(env: dict[str, str] | None = None) -> AsyncIterator[_Relay]:
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    proc = subprocess.Popen(
+    proc = await trio.lowlevel.open_process(
         [sys.executable, "-I", wire.__file__, str(theirs.fileno())],
         pass_fds=(theirs.fileno(),),
         env={**os.environ, **(env or {})},
@@ -49,7 +48,8 @@ async def _start(env: dict[str, str] | None = None) -> AsyncIterator[_Relay]:
         yield relay
     finally:
         relay.sock.close()  # its socket's end: it exits
-        assert proc.wait(10) == 0
+        with trio.fail_after(10):
+            assert await proc.wait() == 0
 
 
 @pytest.fixture
