@@ -20,7 +20,14 @@ from subagentd.daemon.store._journal import OPEN_JOURNALS
 from subagentd.protocol import ReloadReply
 
 from .conftest import BIN, DaemonProcess
-from .helpers import alive, paged_stdout, reload_on_own_connection, sh, wait_output
+from .helpers import (
+    alive,
+    paged_stdout,
+    pending_wakes,
+    reload_on_own_connection,
+    sh,
+    wait_output,
+)
 
 RELAY_ALL = ("--relay-above", "0")
 
@@ -166,10 +173,12 @@ async def test_a_stop_of_a_relayed_tree_and_a_stop_run_leave_nothing_alive(
             for worker_id in ids:
                 await wait_output(client, worker_id, b"up\n")
             pids = [(await client.status(w)).pid for w in ids]
-            await client.stop_run(run)
+            assert sorted(await client.stop_run(run)) == sorted(ids)
             for worker_id in ids:
                 assert (await client.status(worker_id)).state == "stopped"
             assert not [pid for pid in pids if pid is not None and alive(pid)]
+        woken = [(w.id, w.state) for w in await pending_wakes(relayed, run)]
+        assert sorted(woken) == sorted((i, "stopped") for i in ids)  # each exactly once
 
 
 async def test_a_reload_carrying_relayed_workers_mid_output_loses_and_doubles_nothing(
@@ -322,3 +331,39 @@ def test_relay_above_refuses_what_is_not_a_descriptor_number(daemon_dirs: Daemon
         assert done.returncode == 2, (bad, done)
         assert "--relay-above" in done.stderr, done.stderr
         assert not daemon_dirs.socket.exists()
+
+
+async def test_a_rebuilt_handoff_asks_the_relay_what_it_holds_and_loses_nothing(
+    daemon_dirs: DaemonProcess,
+) -> None:
+    """A reload whose checkpoint does not decode: the new image finds the relay's socket
+    among what it inherited, asks it its inventory, and the relayed workers' output goes
+    on into their journals, every line once."""
+    daemon_dirs.start(*RELAY_ALL, env={"SUBAGENTD_FAULT": "handoff:garbage"})
+    assert daemon_dirs.proc is not None
+    lines = 30_000
+    script = f"i=0; while [ $i -lt {lines} ]; do i=$((i+1)); echo line $i; done; read x"
+    with trio.fail_after(120):
+        async with AsyncClient(daemon_dirs.socket) as client:
+            ids = [(await client.spawn(sh(script), stdin_open=True)).id for _ in range(2)]
+            for worker_id in ids:
+                await wait_output(client, worker_id, b"line 10\n")
+            (relay,) = _relays(daemon_dirs.proc.pid)
+        assert await reload_on_own_connection_lost(daemon_dirs)
+        async with AsyncClient(daemon_dirs.socket) as client:
+            problems = (await client.info()).problems
+            assert any("took over from what the kernel shows" in p for p in problems)
+            assert _relays(daemon_dirs.proc.pid) == [relay], daemon_dirs.log()[-6000:]
+            want = "".join(f"line {i}\n" for i in range(1, lines + 1)).encode()
+            for worker_id in ids:
+                assert await wait_output(client, worker_id, f"line {lines}\n".encode()) == want
+                await client.stop(worker_id)
+                assert (await client.wait(worker_id)).state == "stopped"
+
+
+async def reload_on_own_connection_lost(daemon: DaemonProcess) -> bool:
+    """A reload whose answer is lost with its checkpoint: True once the new image serves."""
+    with contextlib.suppress(AssertionError):  # no answer: it ended with the old image
+        await reload_on_own_connection(daemon)
+    async with AsyncClient(daemon.socket) as client:
+        return (await client.info()).image_generation >= 1

@@ -77,7 +77,9 @@ async def test_one_output_a_stream_until_its_credit(relay: _Relay) -> None:
         assert quiet.cancelled_caught
         await relay.send(wire.Ask())
         inventory = await relay.receive()
-        assert inventory == wire.Inventory([wire.Held("w1", "stdout", True)], ready.capacity)
+        assert inventory == wire.Inventory(
+            [wire.Held("w1", "stdout", True)], ready.capacity, relay.proc.pid
+        )
         await relay.send(wire.Credit("w1", "stdout"))
         second = await relay.receive()
         assert isinstance(second, wire.Output)

@@ -6,7 +6,8 @@ process can lie about instead.
 The descriptors the old image carried are still this process's, and inheritable (all
 it opened itself since the exec are close-on-exec), and each says what it is: the
 state dir's lock (the directory itself), the file `lock`, the store's lock (state.db),
-the listening socket (bound to the socket path), pipes. The store names the live
+the listening socket (bound to the socket path), pipes, the output relays' sockets
+(each asked what it holds: `ask_inventory`). The store names the live
 workers and their pids; /proc/<pid>/fd says which pipe is each one's stdin, stdout and
 stderr (both ends of a pipe are one inode). What nothing claims is closed: a
 connection that asked for the reload (its client connects again; the reload's answer
@@ -26,6 +27,7 @@ import stat
 from .._logging import get_logger
 from .._settings import Settings
 from ..core._registry import WorkerRecord
+from ..processes._relay import CarriedRelay, ask_inventory
 from ..serving._listener import bound_for
 from ..store._statedir import StateDir
 from ..store._store import STORE_NAME
@@ -49,6 +51,7 @@ def rebuilt_handoff(settings: Settings) -> tuple[Checkpoint, dict[int, int]]:
     }
     found: dict[str, int] = {}
     pipes: dict[int, int] = {}
+    relays: list[CarriedRelay] = []
     listen_fd, listen_owned = NOT_FOUND, True
     for fd in _inherited():
         try:
@@ -64,6 +67,8 @@ def rebuilt_handoff(settings: Settings) -> tuple[Checkpoint, dict[int, int]]:
             pipes[st.st_ino] = fd
         elif stat.S_ISSOCK(st.st_mode) and listen_fd == NOT_FOUND and _listens_at(fd):
             listen_fd, listen_owned = fd, _bound_at(fd, settings)
+        elif stat.S_ISSOCK(st.st_mode) and (relay := ask_inventory(fd)) is not None:
+            relays.append(relay)  # an output relay, asked what it holds
         else:
             os.close(fd)  # a requester's connection, a journal: see the module's docstring
     log.warning(
@@ -71,6 +76,7 @@ def rebuilt_handoff(settings: Settings) -> tuple[Checkpoint, dict[int, int]]:
         found=sorted(found),
         listening=listen_fd != NOT_FOUND,
         pipes=len(pipes),
+        relays=len(relays),
     )
     return Checkpoint(
         version=CHECKPOINT_VERSION,
@@ -83,6 +89,7 @@ def rebuilt_handoff(settings: Settings) -> tuple[Checkpoint, dict[int, int]]:
         store_lock_fd=found.get("store_lock"),
         live=[],
         settings=settings,
+        relays=relays,
     ), pipes
 
 
@@ -92,6 +99,7 @@ def with_live_workers(
     """`handoff` with every worker the store holds as running, each with its pipes as
     /proc shows them (taken from `pipes`; those left over are closed)."""
     live = []
+    relayed = {w: (r.pid, kinds) for r in handoff.relays for w, kinds in r.streams.items()}
     for record in held:
         if record.ended or record.pid is None or record.pid_start is None:
             continue
@@ -111,6 +119,8 @@ def with_live_workers(
                 stdin=ends[0],
                 stdout=ends[1],
                 stderr=ends[2],
+                relay=relayed[record.id][0] if record.id in relayed else None,
+                relayed=relayed[record.id][1] if record.id in relayed else [],
             )
         )
     for fd in pipes.values():

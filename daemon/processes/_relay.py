@@ -124,6 +124,8 @@ class Relay:
         self._unsent_added = trio.Event()
         self._reading = trio.Event()
         self._reading.set()
+        #: Messages read before this port ran (a rebuilt handoff's inventory): first.
+        self.unread: deque[bytes] = deque()
 
     @property
     def fd(self) -> int:
@@ -206,22 +208,22 @@ class Relay:
             await self._unsent_added.wait()
 
     async def run(self, on_lost: Callable[[Relay], None]) -> None:
-        """Pump the relay's messages to their streams until it is gone; then say so."""
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._write)
-                await self._read()
-                nursery.cancel_scope.cancel()
-        finally:
-            with trio.CancelScope(shield=True):
-                await self._bury()
-            on_lost(self)
+        """Pump the relay's messages to their streams until it is gone; then say so.
+        Cancelled (the daemon stops), it leaves the relay be: `Relays.close` closes its
+        socket, and the relay exits at its end."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._write)
+            await self._read()
+            nursery.cancel_scope.cancel()
+        with trio.CancelScope(shield=True):
+            await self._bury()
+        on_lost(self)
 
     async def _read(self) -> None:
         while self.lost is None:
             await self._reading.wait()
             try:
-                data = self.sock.recv(wire.MESSAGE_BYTES)
+                data = self.unread.popleft() if self.unread else self.sock.recv(wire.MESSAGE_BYTES)
             except BlockingIOError:
                 await trio.lowlevel.wait_readable(self.sock)
                 continue
@@ -318,6 +320,10 @@ class CarriedRelay(msgspec.Struct, kw_only=True):
     pid: int
     pid_start: int
     capacity: int
+    #: Found by a rebuilt handoff (`ask_inventory`), never encoded: the streams it holds
+    #: by worker, and the messages read from its socket before its inventory came.
+    streams: dict[str, list[str]] = {}
+    unread: list[bytes] = []
 
 
 class Relays:
@@ -428,6 +434,7 @@ class Relays:
             sock.setblocking(False)
             watched = REAPER.watch(c.pid, c.pid_start)
             relay = Relay(sock, c.pid, c.pid_start, watched, c.capacity)
+            relay.unread.extend(c.unread)
             self.relays.append(relay)
             if self._nursery is not None:
                 self._nursery.start_soon(relay.run, self._lost)
@@ -490,3 +497,44 @@ async def _start() -> Relay:
         ours.close()
         raise
     return Relay(ours, popen.pid, stat.starttime, watched, ready.capacity)
+
+
+def ask_inventory(fd: int) -> CarriedRelay | None:
+    """For a rebuilt handoff (an unreadable checkpoint): if the inherited socket `fd` is an
+    output relay's (a SOCK_SEQPACKET socket whose peer is this process's child), what it
+    holds, asked of it (`Ask`); None if it is not one, or does not answer within a second.
+    What the relay sent before its answer is kept, to be read first (`unread`)."""
+    sock = socket.socket(fileno=fd)
+    try:
+        if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_SEQPACKET:
+            return None
+        sock.settimeout(1.0)
+        sock.send(wire.encoder.encode(wire.Ask()))
+        unread = []
+        while True:
+            data = sock.recv(wire.MESSAGE_BYTES)
+            if not data:
+                return None
+            message = wire.from_relay.decode(data)
+            if isinstance(message, wire.Inventory):
+                break
+            unread.append(data)
+        stat = read_stat(message.pid) if message.pid > 0 else None
+        if stat is None or stat.ppid != os.getpid():
+            return None  # not a relay of this daemon's: closed as what nothing claims
+        streams: dict[str, list[str]] = {}
+        for held in message.streams:
+            streams.setdefault(held.worker, []).append(held.kind)
+        return CarriedRelay(
+            fd=fd,
+            pid=message.pid,
+            pid_start=stat.starttime,
+            capacity=message.capacity,
+            streams=streams,
+            unread=unread,
+        )
+    except (OSError, msgspec.DecodeError):
+        return None
+    finally:
+        sock.setblocking(True)
+        sock.detach()

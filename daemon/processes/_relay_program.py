@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import fcntl
 import os
 import resource
 import select
@@ -36,6 +37,10 @@ import msgspec
 #: (the socket's send buffer, ~208 KiB by default, which an unprivileged process cannot
 #: raise past net.core.wmem_max), where the pump's ENTRY_BYTES (512 KiB) would not fit.
 CHUNK_BYTES = 64 * 1024
+#: A read this long found the pipe full at the kernel's default size: its worker writes
+#: faster than it is relayed, and its pipe is grown to PIPE_BYTES, once (as the pump's).
+FULL_PIPE_BYTES = 64 * 1024
+PIPE_BYTES = 1024 * 1024
 #: The largest message either side sends, with room for its header.
 MESSAGE_BYTES = CHUNK_BYTES + 4096
 #: Descriptors the relay keeps for itself (its std streams, socket, epoll, what Python
@@ -113,6 +118,8 @@ class Held(msgspec.Struct, array_like=True):
 class Inventory(msgspec.Struct, tag="inventory", array_like=True):
     streams: list[Held]
     capacity: int
+    #: The relay's own pid (a socketpair's SO_PEERCRED names its maker, not its peer).
+    pid: int = 0
 
 
 class Unknown(msgspec.Struct, tag="unknown", array_like=True):
@@ -135,7 +142,7 @@ _READ = select.EPOLLIN | select.EPOLLONESHOT
 
 
 class _Stream:
-    __slots__ = ("fd", "kind", "state", "worker")
+    __slots__ = ("fd", "grown", "kind", "state", "worker")
 
     def __init__(self, fd: int, worker: str, kind: str) -> None:
         self.fd = fd
@@ -144,6 +151,7 @@ class _Stream:
         #: "armed" (in epoll), "ready" (readable, waiting for the socket to take a
         #: message), "sent" (an Output unacknowledged), "closed".
         self.state = "armed"
+        self.grown = False
 
 
 class _Relay:
@@ -246,7 +254,7 @@ class _Relay:
                         self._close(stream)
             case Ask():
                 held = [Held(s.worker, s.kind, s.state == "sent") for s in self.by_key.values()]
-                self._send(encoder.encode(Inventory(held, self.capacity)))
+                self._send(encoder.encode(Inventory(held, self.capacity, os.getpid())))
         _close(fds)  # descriptors only a Hand brings
 
     def _hand(self, worker: str, kinds: list[str], fds: list[int], *, cut: bool) -> None:
@@ -289,6 +297,10 @@ class _Relay:
             except OSError:
                 chunk = b""  # EIO: as good as its end
             if chunk:
+                if not stream.grown and len(chunk) >= FULL_PIPE_BYTES:
+                    stream.grown = True  # refused (past pipe-user-pages-soft): as it was
+                    with contextlib.suppress(OSError):
+                        fcntl.fcntl(stream.fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
                 stream.state = "sent"
                 self._send(encoder.encode(Output(stream.worker, stream.kind, chunk)))
             else:
