@@ -189,6 +189,7 @@ class Measured:
     relayed: int = 0
     relays: int = 0
     relay_per_worker: float = 0.0
+    relay_rss: float = 0.0
     journals: int = 0
     limits: str = ""
     memory: list[float] = dataclasses.field(default_factory=list)
@@ -206,11 +207,16 @@ class Measured:
 
 
 def measure(
-    workers: int = 10_000, collect: int = 10_000, lists: int = 5, reloads: int = 3
+    workers: int = 10_000,
+    collect: int = 10_000,
+    lists: int = 5,
+    reloads: int = 3,
+    relay_above: int | None = None,
 ) -> list[Figure]:
     workers, fewer = live_size(workers)
     out = Measured(workers=workers, fewer=fewer)
-    with running_daemon() as daemon, Client(daemon.socket, timeout=600) as client:
+    args = [] if relay_above is None else [f"--relay-above={relay_above}"]
+    with running_daemon(*args) as daemon, Client(daemon.socket, timeout=600) as client:
         pid = daemon.proc.pid
         run = client.new_run()
         before, pipes_before = held(pid), pipes_of(pid)
@@ -226,6 +232,7 @@ def measure(
         out.relayed = workers - (pipes_of(pid) - pipes_before) // DESCRIPTORS_PER_WORKER
         if out.relayed:
             out.relay_per_worker = sum(held(r) for r in relays) / out.relayed
+            out.relay_rss = sum(rss(r) for r in relays) / 2**20
         out.journals = journals_open(pid)
         out.limits = fd_limits(pid)
 
@@ -296,8 +303,8 @@ def figures(out: Measured, collect: int) -> list[Figure]:
         Figure.of(
             "many.relay_descriptors", f"descriptors per relayed worker in the relays ({size} "
             "live)", "descriptors", "lower", [out.relay_per_worker],
-            note=f"{out.relayed:,} relayed by {out.relays} relays (/proc/PID/fd of each); the "
-            "rest held by the daemon",
+            note=f"{out.relayed:,} relayed by {out.relays} relays (/proc/PID/fd of each; their "
+            f"RSS {out.relay_rss:.1f} MiB in all); the rest held by the daemon",
         ),
         Figure.of(
             "many.rss", f"daemon RSS with {size} running", "MiB", "lower", out.memory,
@@ -376,8 +383,11 @@ def main() -> None:
     parser.add_argument("--collect", type=int, default=10_000, help="0: skip the collect")
     parser.add_argument("--lists", type=int, default=5)
     parser.add_argument("--reloads", type=int, default=3)
+    parser.add_argument(
+        "--relay-above", type=int, default=None, help="the daemon's (default: its own)"
+    )
     args = parser.parse_args()
-    report(measure(args.workers, args.collect, args.lists, args.reloads))
+    report(measure(args.workers, args.collect, args.lists, args.reloads, args.relay_above))
 
 
 if __name__ == "__main__":
