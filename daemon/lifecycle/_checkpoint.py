@@ -74,6 +74,8 @@ class CarriedWorker(msgspec.Struct, kw_only=True):
     #: which of them are still open there (version 5; None: not relayed).
     relay: int | None = None
     relayed: list[str] = []
+    #: What the relay names those streams by (this attempt's key: `_relay.stream_key`).
+    relay_key: str = ""
 
 
 class CarriedConnection(msgspec.Struct, kw_only=True):

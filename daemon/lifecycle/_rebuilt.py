@@ -27,7 +27,7 @@ import stat
 from .._logging import get_logger
 from .._settings import Settings
 from ..core._registry import WorkerRecord
-from ..processes._relay import CarriedRelay, ask_inventory
+from ..processes._relay import CarriedRelay, ask_inventory, worker_of
 from ..serving._listener import bound_for
 from ..store._statedir import StateDir
 from ..store._store import STORE_NAME
@@ -99,7 +99,11 @@ def with_live_workers(
     """`handoff` with every worker the store holds as running, each with its pipes as
     /proc shows them (taken from `pipes`; those left over are closed)."""
     live = []
-    relayed = {w: (r.pid, kinds) for r in handoff.relays for w, kinds in r.streams.items()}
+    relayed = {  # by worker id: the relay's pid, the stream key, the kinds still open
+        worker_of(key): (r.pid, key, kinds)
+        for r in handoff.relays
+        for key, kinds in r.streams.items()
+    }
     for record in held:
         if record.ended or record.pid is None or record.pid_start is None:
             continue
@@ -120,7 +124,8 @@ def with_live_workers(
                 stdout=ends[1],
                 stderr=ends[2],
                 relay=relayed[record.id][0] if record.id in relayed else None,
-                relayed=relayed[record.id][1] if record.id in relayed else [],
+                relay_key=relayed[record.id][1] if record.id in relayed else "",
+                relayed=relayed[record.id][2] if record.id in relayed else [],
             )
         )
     for fd in pipes.values():

@@ -496,10 +496,10 @@ def _carried(live: LiveWorker, carried: Carried, journals: bool) -> CarriedWorke
     assert process is not None, "no spawn is in flight once launches settled"
     stdout, stderr, stdin = process.carry(carried)
     journal = live.journal.carry(carried) if journals else None
-    relay, relayed = None, []
+    relay, relayed, key = None, [], ""
     for kind, stream in (process.relayed or {}).items():
         if stream.relay is not None and not stream.eof:  # a relay lost: lost in the next too
-            relay = stream.relay.pid
+            relay, key = stream.relay.pid, stream.worker
             relayed.append(kind)
     return CarriedWorker(
         id=live.record.id,
@@ -512,6 +512,7 @@ def _carried(live: LiveWorker, carried: Carried, journals: bool) -> CarriedWorke
         stdout_tail=b"" if journal is None else bytes(live.stdout_tail),
         relay=relay,
         relayed=relayed,
+        relay_key=key,
     )
 
 
@@ -597,7 +598,9 @@ async def adopt(
                     carried.stdout,
                     carried.stderr,
                     carried.stdin,
-                    None if carried.relay is None else (carried.relay, carried.relayed),
+                    None
+                    if carried.relay is None
+                    else (carried.relay, carried.relay_key or carried.id, carried.relayed),
                 )
                 if journal is not None:
                     stdout_tail = carried.stdout_tail[-STDOUT_TAIL_BYTES:]

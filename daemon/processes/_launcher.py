@@ -76,10 +76,10 @@ class Launcher(Protocol):
         stdout: int | None,
         stderr: int | None,
         stdin: int | None = None,
-        relayed: tuple[int, list[str]] | None = None,
+        relayed: tuple[int, str, list[str]] | None = None,
     ) -> WorkerProcess:
         """Take over a worker a previous image started; ProcessLookupError if it is gone.
-        `relayed`: the pid of the relay holding its streams, and their kinds."""
+        `relayed`: the pid of the relay holding its streams, their key, and their kinds."""
         ...
 
     def adopting(self) -> contextlib.AbstractContextManager[None]:
@@ -245,20 +245,20 @@ class LocalLauncher:
         stdout: int | None,
         stderr: int | None,
         stdin: int | None = None,
-        relayed: tuple[int, list[str]] | None = None,
+        relayed: tuple[int, str, list[str]] | None = None,
     ) -> WorkerProcess:
         process = WorkerProcess.adopt(
             pid, pid_start, stdout, stderr, cgroup=self._adopted_group(worker_id), stdin=stdin
         )
         if relayed is not None:
-            relay_pid, kinds = relayed
+            relay_pid, key, kinds = relayed
             relay = self.relays.by_pid(relay_pid)
             # A relay not adopted: its streams are lost (their pumps say so, and the
             # worker ends interrupted); an empty relay stands for it.
             process.relayed = (
-                relay.adopt(worker_id, kinds)
+                relay.adopt(key, kinds)
                 if relay is not None
-                else self.relays.lost_streams(worker_id, kinds, relay_pid)
+                else self.relays.lost_streams(key, kinds, relay_pid)
             )
         self.leaders.add(process.pid)
         return process

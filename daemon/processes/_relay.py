@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -32,6 +33,8 @@ log = get_logger()
 
 #: How long a new relay may take to say it is ready.
 START_SECONDS = 10.0
+#: After a relay that would not start, spawns keep their pipes this long before the next try.
+RETRY_SECONDS = 5.0
 #: A relay is started for the next relayed spawns this many descriptors before the
 #: threshold: by the time a spawn's pipes come above it, the relay is there.
 START_MARGIN = 64
@@ -48,6 +51,18 @@ Deliver = Callable[[bytes], Awaitable[None]]
 class RelayLost(Exception):
     """The relay holding a stream is gone (killed, or it refused the stream): what the
     stream would still have carried is lost; the message says why."""
+
+
+def stream_key(worker: str, n: int) -> str:
+    """What the wire names an attempt's streams by: its worker's id, and which hand it was
+    (counted from the monotonic clock's ns at each image's start: an image after a reload
+    counts on from past the last one's, so no key comes twice)."""
+    return f"{worker}/{n}"
+
+
+def worker_of(key: str) -> str:
+    """The worker id a stream key names."""
+    return key.rpartition("/")[0] or key
 
 
 def default_relay_above(soft_limit: int) -> int:
@@ -122,6 +137,7 @@ class Relay:
         #: Messages (and the descriptors they hand) the socket would not take yet.
         self.unsent: deque[tuple[bytes, list[int]]] = deque()
         self._unsent_added = trio.Event()
+        self._drained = trio.Event()  # set (and renewed) each time `unsent` empties
         self._reading = trio.Event()
         self._reading.set()
         #: Messages read before this port ran (a rebuilt handoff's inventory): first.
@@ -163,8 +179,15 @@ class Relay:
             del self.streams[stream.worker, stream.kind]
 
     def drop(self, worker: str) -> None:
-        """`worker`'s supervision is over: the relay lets go of what it holds of it."""
+        """`worker`'s supervision is over: the relay lets go of what it holds of it (what
+        came and was not journaled is let go too, as a pipe closed unread would be)."""
         dropped = [self.streams.pop((worker, kind), None) for kind in ("stdout", "stderr")]
+        for stream in dropped:
+            if stream is not None and stream.chunks:
+                self.held -= len(stream.chunks)
+                stream.chunks.clear()
+                put_down, self._put_down = self._put_down, trio.Event()
+                put_down.set()
         if any(dropped) and self.lost is None:
             self._send(wire.encoder.encode(wire.Drop(worker)), [])
 
@@ -202,6 +225,8 @@ class Relay:
                 for fd in fds:
                     os.close(fd)
             self.unsent.clear()
+            drained, self._drained = self._drained, trio.Event()
+            drained.set()
             if self.lost is not None:
                 return
             self._unsent_added = trio.Event()
@@ -309,7 +334,7 @@ class Relay:
             if self.held:
                 await self._put_down.wait()
             else:
-                await trio.sleep(0.001)  # a relay busy: its socket takes the rest soon
+                await self._drained.wait()  # a relay busy: its socket takes the rest soon
 
 
 class CarriedRelay(msgspec.Struct, kw_only=True):
@@ -338,6 +363,8 @@ class Relays:
         self._nursery: trio.Nursery | None = None
         self._starting = trio.Lock()
         self._last_fd = 0  # the highest of the last spawn's pipes
+        self._handed = time.monotonic_ns()  # counts each attempt handed: its streams' key
+        self._failed_at: float | None = None  # the last relay that would not start
         self.started = 0  # relays started by this image
 
     def __len__(self) -> int:
@@ -368,14 +395,18 @@ class Relays:
         that cannot be started is logged; the spawn keeps its pipes in the daemon."""
         if any(r.room(streams) for r in self.relays) or len(self.relays) >= MAX_RELAYS:
             return
+        if self._failed_at is not None and trio.current_time() < self._failed_at + RETRY_SECONDS:
+            return  # the last would not start: spawns meanwhile keep their pipes
         async with self._starting:
             if any(r.room(streams) for r in self.relays):
                 return
             try:
                 relay = await _start()
             except (OSError, RuntimeError, trio.TooSlowError, msgspec.DecodeError) as exc:
-                log.error("relay.not_started", error=str(exc))
+                log.error("relay.not_started", error=str(exc), retry_after=RETRY_SECONDS)
+                self._failed_at = trio.current_time()
                 return
+            self._failed_at = None
             self.relays.append(relay)
             self.started += 1
             assert self._nursery is not None, "Relays.run is not running"
@@ -384,7 +415,9 @@ class Relays:
 
     def relay(self, worker: str, fds: dict[str, int]) -> dict[str, RelayStream] | None:
         """Hand `fds` to a relay with room, if they came above the threshold (None: kept
-        in the daemon). No await: the spawn is supervised right after."""
+        in the daemon). No await: the spawn is supervised right after. The streams are
+        named for this attempt (`stream_key`): an `Eof` of a resumed worker's last attempt
+        crossing its `Drop` is never taken for the new attempt's."""
         if not fds:
             return None
         self._last_fd = top = max(fds.values())
@@ -392,7 +425,8 @@ class Relays:
             return None
         for relay in self.relays:
             if relay.room(len(fds)):
-                return relay.hand(worker, fds)
+                self._handed += 1
+                return relay.hand(stream_key(worker, self._handed), fds)
         return None
 
     def by_pid(self, pid: int) -> Relay | None:
