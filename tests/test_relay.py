@@ -367,3 +367,31 @@ async def reload_on_own_connection_lost(daemon: DaemonProcess) -> bool:
         await reload_on_own_connection(daemon)
     async with AsyncClient(daemon.socket) as client:
         return (await client.info()).image_generation >= 1
+
+
+async def test_below_the_threshold_nothing_is_relayed_past_it_every_worker_is(
+    daemon_dirs: DaemonProcess,
+) -> None:
+    """With the default threshold (far above a test's descriptors) no relay starts; with
+    `--relay-above 80`, the first workers keep their pipes in the daemon and those whose
+    pipes come above 80 are relayed, each one's output whole either way."""
+    for args, relayed_wanted in (((), False), (("--relay-above", "80"), True)):
+        daemon_dirs.start(*args)
+        assert daemon_dirs.proc is not None
+        baseline = _pipes(daemon_dirs.proc.pid)
+        with trio.fail_after(90):
+            async with AsyncClient(daemon_dirs.socket) as client:
+                ids = [(await client.spawn(sh(f"echo n{n}; sleep 600"))).id for n in range(60)]
+                for n, worker_id in enumerate(ids):
+                    await wait_output(client, worker_id, f"n{n}\n".encode())
+                relays = _relays(daemon_dirs.proc.pid)
+                assert bool(relays) == relayed_wanted
+                piped = (_pipes(daemon_dirs.proc.pid) - baseline) // 2
+                if relayed_wanted:
+                    assert 5 < piped < 55, piped
+                    assert _pipes(relays[0]) == 2 * (60 - piped), (piped, _pipes(relays[0]))
+                else:
+                    assert piped >= 59
+                for worker_id in ids:
+                    await client.stop(worker_id)
+        assert daemon_dirs.terminate() == 0
