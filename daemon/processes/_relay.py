@@ -102,8 +102,9 @@ class RelayStream:
                 try:
                     await deliver(chunk)
                 finally:
-                    self.chunks.popleft()
-                    relay.delivered(self)
+                    if self.chunks and self.chunks[0] is chunk:  # not let go by a `drop`
+                        self.chunks.popleft()
+                        relay.delivered(self)
                 await trio.lowlevel.checkpoint()
             elif self.eof:
                 relay.forget(self)
