@@ -806,6 +806,7 @@ class Daemon:
             caller=caller,
             socket=str(self.socket_path),
             state_dir=str(self.state_dir.root),
+            relays=self.launcher.relays.info(),
             problems=self.problems.current()
             + self._unwritten_problem()
             + self.store.problems

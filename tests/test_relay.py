@@ -110,6 +110,9 @@ async def test_follow_and_wait_for_see_a_relayed_worker_as_a_piped_one(
             await client.send(worker.id, "hello\n", eof=True)
             assert await wait_output(client, worker.id, b"got hello\n")
             assert (await client.wait(worker.id)).state == "finished"
+    said = relayed.ctl("info")
+    assert said.returncode == 0, said.stderr
+    assert "relays" in said.stdout  # no worker live: its relay holds nothing now
     grep = relayed.ctl("grep", worker.id, "got")
     assert grep.returncode == 0, grep.stderr
     assert "got hello" in grep.stdout
@@ -133,6 +136,10 @@ async def test_the_daemons_descriptors_do_not_grow_with_relayed_workers(
                 await client.spawn(["sleep", "600"], run=run)
             assert (await client.info()).workers == {"running": many + 1}
             (relay,) = _relays(relayed.proc.pid)
+            said = (await client.info()).relays
+            assert said is not None
+            assert (said.relay_above, said.pids, said.streams) == (0, [relay], 2 * (many + 1))
+            assert said.capacity > 2 * (many + 1)
             journals, others = _held(relayed.proc.pid)
             assert _pipes(relayed.proc.pid) == pipes_before
             assert journals <= OPEN_JOURNALS

@@ -24,6 +24,8 @@ from pathlib import Path
 import msgspec
 import trio
 
+from subagentd.protocol import OutputRelays
+
 from .._logging import get_logger
 from . import _relay_program as wire
 from ._reaper import REAPER, Watched
@@ -373,6 +375,15 @@ class Relays:
 
     def streams(self) -> int:
         return sum(len(r.streams) for r in self.relays)
+
+    def info(self) -> OutputRelays:
+        """What `info` says of the relays (a sum over at most MAX_RELAYS)."""
+        return OutputRelays(
+            relay_above=self.relay_above,
+            pids=[r.pid for r in self.relays],
+            streams=self.streams(),
+            capacity=sum(r.capacity for r in self.relays),
+        )
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
