@@ -10,6 +10,7 @@ import os
 import re
 import signal
 import subprocess
+from pathlib import Path
 
 import pytest
 import trio
@@ -17,7 +18,7 @@ import trio
 from subagentd.client import AsyncClient
 from subagentd.daemon.processes._relay_program import NOFILE_ENV, RESERVE
 from subagentd.daemon.store._journal import OPEN_JOURNALS
-from subagentd.protocol import ReloadReply
+from subagentd.protocol import Error, ReloadReply
 
 from .conftest import BIN, DaemonProcess
 from .helpers import (
@@ -28,6 +29,7 @@ from .helpers import (
     sh,
     wait_output,
 )
+from .test_reload_handed import touched as touched
 
 RELAY_ALL = ("--relay-above", "0")
 
@@ -402,3 +404,23 @@ async def test_below_the_threshold_nothing_is_relayed_past_it_every_worker_is(
                 for worker_id in ids:
                     await client.stop(worker_id)
         assert daemon_dirs.terminate() == 0
+
+
+async def test_a_reload_into_an_image_that_cannot_carry_relayed_streams_is_refused(
+    daemon_dirs: DaemonProcess, touched: Path
+) -> None:
+    """An image on disk that reads checkpoints before version 5 would hold none of the
+    relayed workers' output: the reload is refused saying so, and they run on, relayed."""
+    daemon_dirs.start(*RELAY_ALL, env={"SUBAGENTD_FAULT": "check:reads-before-4"})
+    assert daemon_dirs.proc is not None
+    with trio.fail_after(60):
+        async with AsyncClient(daemon_dirs.socket) as client:
+            worker = await client.spawn(sh("echo one; read x; echo $x"), stdin_open=True)
+            await wait_output(client, worker.id, b"one\n")
+            os.utime(touched)  # the image on disk changed: its --check says what it reads
+            reply = await reload_on_own_connection(daemon_dirs)
+            assert isinstance(reply, Error), reply
+            assert "relays hold" in reply.message, reply
+            await client.send(worker.id, "two\n", eof=True)
+            assert (await client.wait(worker.id)).state == "finished"
+            assert await paged_stdout(client, worker.id) == b"one\ntwo\n"
