@@ -5,6 +5,7 @@ cannot act on (a stream it does not hold, garbage, descriptors past its own limi
 from __future__ import annotations
 
 import array
+import fcntl
 import os
 import socket
 import sys
@@ -68,10 +69,14 @@ async def test_one_output_a_stream_until_its_credit(relay: _Relay) -> None:
         r, w = os.pipe()
         await relay.send(wire.Hand("w1", ["stdout"]), [r])
         os.close(r)
-        os.write(w, b"x" * (wire.CHUNK_BYTES + 10))
+        fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 2 * wire.MOST_CHUNK_BYTES)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as probe:
+            chunk = wire.chunk_bytes(probe)
+        assert wire.CHUNK_BYTES <= chunk <= wire.MOST_CHUNK_BYTES
+        os.write(w, b"x" * (chunk + 10))
         first = await relay.receive()
         assert isinstance(first, wire.Output)
-        assert (first.worker, first.kind, len(first.data)) == ("w1", "stdout", wire.CHUNK_BYTES)
+        assert (first.worker, first.kind, len(first.data)) == ("w1", "stdout", chunk)
         with trio.move_on_after(0.3) as quiet:  # uncredited: it does not read the pipe again
             await relay.receive()
         assert quiet.cancelled_caught

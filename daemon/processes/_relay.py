@@ -145,6 +145,7 @@ class Relay:
         self._reading.set()
         #: Messages read before this port ran (a rebuilt handoff's inventory): first.
         self.unread: deque[bytes] = deque()
+        self._buffer = bytearray(wire.MESSAGE_BYTES)
 
     @property
     def fd(self) -> int:
@@ -251,7 +252,10 @@ class Relay:
         while self.lost is None:
             await self._reading.wait()
             try:
-                data = self.unread.popleft() if self.unread else self.sock.recv(wire.MESSAGE_BYTES)
+                if self.unread:
+                    data = self.unread.popleft()
+                else:  # into one buffer: a recv's own would be half a MiB each, mostly unused
+                    data = bytes(self._buffer[: self.sock.recv_into(self._buffer)])
             except BlockingIOError:
                 await trio.lowlevel.wait_readable(self.sock)
                 continue

@@ -5,7 +5,7 @@ short, and forwards what they carry over one SOCK_SEQPACKET socket (docs/design.
 worker's; it imports neither trio nor anything of the daemon, so it starts in tens of ms,
 and the daemon imports its wire (the message Structs below) from here.
 
-Credit, per stream: the relay reads a pipe once (at most CHUNK_BYTES), sends one `Output`,
+Credit, per stream: the relay reads a pipe once (at most `chunk_bytes`), sends one `Output`,
 and reads that pipe again only once the daemon has sent its `Credit` (it journaled the
 chunk): the pump's read, journal, read again, across two processes. A flood from one
 worker neither starves another nor piles up memory in either process. While the daemon
@@ -33,16 +33,18 @@ from collections import deque
 import msgspec
 
 #: One read of a relayed pipe takes at most this, and makes one message and one journal
-#: entry: a default pipe's whole capacity, and well inside a seqpacket message's limit
-#: (the socket's send buffer, ~208 KiB by default, which an unprivileged process cannot
-#: raise past net.core.wmem_max), where the pump's ENTRY_BYTES (512 KiB) would not fit.
+#: entry: the pump's ENTRY_BYTES, where the socket takes a message that long.
+MOST_CHUNK_BYTES = 512 * 1024
+#: ...and at least this: a default pipe's whole capacity, inside any seqpacket message's
+#: limit (the socket's send buffer less 32 bytes: 2 x net.core.wmem_max at most, ~416 KiB
+#: by default, which an unprivileged process cannot raise).
 CHUNK_BYTES = 64 * 1024
 #: A read this long found the pipe full at the kernel's default size: its worker writes
 #: faster than it is relayed, and its pipe is grown to PIPE_BYTES, once (as the pump's).
 FULL_PIPE_BYTES = 64 * 1024
 PIPE_BYTES = 1024 * 1024
 #: The largest message either side sends, with room for its header.
-MESSAGE_BYTES = CHUNK_BYTES + 4096
+MESSAGE_BYTES = MOST_CHUNK_BYTES + 4096
 #: Descriptors the relay keeps for itself (its std streams, socket, epoll, what Python
 #: opens): what its limit holds beyond this is its capacity, counted in streams.
 RESERVE = 16
@@ -158,6 +160,7 @@ class _Relay:
     def __init__(self, sock: socket.socket, capacity: int) -> None:
         self.sock = sock
         self.capacity = capacity
+        self.chunk = chunk_bytes(sock)
         self.epoll = select.epoll()
         self.by_fd: dict[int, _Stream] = {}
         self.by_key: dict[tuple[str, str], _Stream] = {}
@@ -289,7 +292,7 @@ class _Relay:
             if stream.state != "ready":
                 continue  # dropped meanwhile
             try:
-                chunk = os.read(stream.fd, CHUNK_BYTES)
+                chunk = os.read(stream.fd, self.chunk)
             except BlockingIOError:
                 stream.state = "armed"
                 self.epoll.modify(stream.fd, _READ)
@@ -318,6 +321,19 @@ def _close(fds: list[int]) -> None:
     for fd in fds:
         with contextlib.suppress(OSError):
             os.close(fd)
+
+
+def chunk_bytes(sock: socket.socket) -> int:
+    """The longest read this relay sends whole: the largest power of two, from CHUNK_BYTES
+    to MOST_CHUNK_BYTES, that a message of the socket's send buffer holds with its header
+    (asked as large as MOST_CHUNK_BYTES' messages need; the kernel caps it)."""
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 2 * MESSAGE_BYTES)
+    room = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) - 32 - 4096
+    chunk = CHUNK_BYTES
+    while chunk * 2 <= min(room, MOST_CHUNK_BYTES):
+        chunk *= 2
+    return chunk
 
 
 def _limit() -> int:
