@@ -70,6 +70,10 @@ class AsyncClient:
         # waiter shielded from that cancel (a switch stopping its run) reads for itself.
         self._reader_running = True
         self._receiving = trio.Lock()
+        # Callers leaving a wake stream, waiting (bounded) for their last acknowledgement's
+        # answer: cancelled once a connect is refused, nothing serving (`_ack_leaving`).
+        self._leaving: set[trio.CancelScope] = set()
+        self._refused = False
         self._exit_stack = contextlib.AsyncExitStack()
 
     async def __aenter__(self) -> Self:
@@ -216,8 +220,10 @@ class AsyncClient:
     ) -> AsyncGenerator[Wake, None]:
         """The wakes of one parent (a ``run``'s top-level workers, or a ``worker``'s children)
         not yet acknowledged, each acknowledged once handed over: when the caller asks for
-        the next one, or leaves the loop having got it (even cancelled). A wake never
-        handed over stays for the next subscriber. With ``follow``, then each new wake
+        the next one, or leaves the loop having got it (even cancelled: at once if the
+        daemon is gone, the wake then pending for the next subscriber unless this client
+        gets back to a daemon while open). A wake never handed over stays for the next
+        subscriber. With ``follow``, then each new wake
         until the caller leaves; iterate inside ``contextlib.aclosing(daemon.events(...))``
         to have the stream aborted, and the last wake acknowledged, at once.
 
@@ -475,6 +481,11 @@ class AsyncClient:
         """Open `request`; a transport failure comes out of `_next_reply`, where a request
         sent again on a new connection has its answer."""
         self._connected()
+        if self._conn.reconnecting:
+            # Nothing goes out before the new connection, whose frames the core makes with
+            # it: no need to wait for the lock a reconnect holds while it tries (up to its
+            # window, with nothing serving).
+            return self._conn.send(request, again=again, now=trio.current_time())[0]
         # Under the lock: the frame goes out on the socket the conversation stood on when it
         # was opened, and a reconnect sends again exactly what was opened before it.
         async with self._sending:
@@ -516,13 +527,38 @@ class AsyncClient:
             await self.ack([wake.seq])
 
     async def _ack_leaving(self, wake: Wake) -> None:
-        # A failure here must not hide why the caller left; the wake then stays pending.
-        with contextlib.suppress(SubagentdError):
-            await self._acknowledge(wake)
+        """Acknowledge the wake a caller leaves with (a break, a cancel): shielded, as any
+        wake handed over, but never waiting for a daemon that is not there. Its answer is
+        awaited for `LEAVING_ACK_WAIT` at most, and not at all once a connect is refused;
+        then the acknowledgement is left to the connection (`Connection.detach`), which
+        sends it if it gets back to the daemon while this client is open. Else the wake
+        stays pending for the next subscriber, as one whose ack failed does."""
+        with trio.CancelScope(shield=True):
+            try:
+                request_id = await self._send(_core.ack([wake.seq]).request)
+            except SubagentdError:
+                return  # a failure must not hide why the caller left
+            with trio.CancelScope(deadline=trio.current_time() + _core.LEAVING_ACK_WAIT) as waiting:
+                self._leaving.add(waiting)
+                if self._refused:
+                    waiting.cancel()
+                try:
+                    await self._next_reply(request_id)
+                except SubagentdError:
+                    pass
+                finally:
+                    self._leaving.discard(waiting)
+            if waiting.cancelled_caught:
+                self._conn.detach(request_id)
+            else:
+                self._conn.finish(request_id)
 
     async def _abort(self, request_id: int) -> None:
         # The caller is likely leaving because it was cancelled; the daemon must still hear of it.
         with trio.CancelScope(shield=True):
+            if self._conn.reconnecting:
+                self._conn.abort(request_id)  # the work went with the connection
+                return
             async with self._sending:
                 frame = self._conn.abort(request_id)
                 if frame is not None:
@@ -566,6 +602,8 @@ class AsyncClient:
                 try:
                     stream, handshake = await self._handshake(deadline)
                 except (OSError, SubagentdError, trio.BrokenResourceError) as exc:
+                    if isinstance(exc, (ConnectionRefusedError, FileNotFoundError)):
+                        self._nothing_serves()
                     if not _core.retry_reconnect(exc) or trio.current_time() + pause > deadline:
                         self._conn.reconnect_failed(exc)
                         break
@@ -573,6 +611,7 @@ class AsyncClient:
                     pause = min(pause * 2, _core.RECONNECT_PAUSE_MAX)
                     continue
                 self._stream = stream
+                self._refused = False
                 frames = self._conn.reconnected(
                     handshake.rest, now=trio.current_time(), welcome=handshake.welcome
                 )
@@ -580,6 +619,13 @@ class AsyncClient:
                     await self._send_locked(frame)
                 break
         self._arrivals.unpark_all()
+
+    def _nothing_serves(self) -> None:
+        """A connect was refused: nothing serves the socket now (the daemon is gone, or
+        not yet back). Callers leaving a wake stream stop waiting for their ack's answer."""
+        self._refused = True
+        for waiting in self._leaving:
+            waiting.cancel()
 
     async def _handshake(self, deadline: float) -> tuple[trio.SocketStream, _core.Handshake]:
         """A new connection past its hello, and the hello's welcome and what came after it.

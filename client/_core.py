@@ -90,6 +90,7 @@ from subagentd.protocol.errors import (
     remote_error,
 )
 
+from ._acks import KEPT as ACKS_KEPT
 from ._acks import AckLedger, Parent, recall
 
 T = TypeVar("T")
@@ -104,6 +105,11 @@ RECONNECT_WINDOW = 30.0
 #: The first pause between connect attempts, doubled up to `RECONNECT_PAUSE_MAX`.
 RECONNECT_PAUSE = 0.02
 RECONNECT_PAUSE_MAX = 0.5
+#: How long a caller leaving a wake stream (a break, a cancel) waits for the answer to
+#: the acknowledgement of the wake in its hand while the daemon is away but may answer
+#: (a reload's new image still starting): past it, or at once where a connect is refused
+#: (nothing serves), the acknowledgement is left to the connection (`detach`).
+LEAVING_ACK_WAIT = 2.0
 #: A connect failing so is "not serving yet": the socket is being re-bound, or its backlog is full.
 RETRY_CONNECT_ERRNOS = frozenset({errno.ENOENT, errno.ECONNREFUSED, errno.EAGAIN})
 #: A request answered `recovering` (a restart taking its workers back) is sent again after
@@ -705,7 +711,8 @@ class Connection:
     them (the ack cut off with its connection, most often).
     """
 
-    def __init__(self, *, reconnect: bool = False) -> None:
+    def __init__(self, *, reconnect: bool = False, acks_kept: int = ACKS_KEPT) -> None:
+        """``acks_kept``: how many wakes the ack ledger keeps each by its seq (`AckLedger`)."""
         self._frames = FrameDecoder()
         self._next_id = HELLO_ID
         self._inboxes: dict[int, deque[Reply | _Lost]] = {}
@@ -715,7 +722,9 @@ class Connection:
         self._closed = False
         # Requests the daemon asked to have sent again on this connection (`outgoing`).
         self._outgoing: list[bytes] = []
-        self._acks = AckLedger()
+        self._acks = AckLedger(acks_kept)
+        # Requests whose caller left without their answer (`detach`).
+        self._detached: set[int] = set()
         # Why the connection ended: the daemon's parting Error (too_large,
         # reloading), or the transport or protocol failure that ended it.
         self._cause: Error | Exception | None = None
@@ -777,6 +786,24 @@ class Connection:
         self._inboxes.pop(request_id, None)
         self._open.pop(request_id, None)
         self._acks.drop(request_id)
+        self._detached.discard(request_id)
+
+    def detach(self, request_id: int) -> None:
+        """The caller leaves without the answer to `request_id` (an ack made on the way out
+        of a wake stream while the daemon is away): it still goes out as it would have
+        (held for its wakes' redelivery, sent on the next connection) while the
+        conversation goes on, and its answer is taken in (the ledger told) and dropped."""
+        if self._inboxes.get(request_id):
+            self.finish(request_id)  # answered already
+        elif request_id in self._inboxes:
+            self._detached.add(request_id)
+
+    def _answer(self, request_id: int, inbox: deque[Reply | _Lost], reply: Reply) -> None:
+        """`reply` to its caller, or, the caller gone (`detach`), the request finished."""
+        if request_id in self._detached:
+            self.finish(request_id)
+        else:
+            inbox.append(reply)
 
     def abort(self, request_id: int) -> bytes | None:
         """Finish `request_id` and answer the Abort frame that stops the daemon working on it
@@ -808,7 +835,7 @@ class Connection:
                     continue
                 if (inbox := self._inboxes.get(reply.id)) is not None:
                     self._noted(reply)
-                    inbox.append(reply)
+                    self._answer(reply.id, inbox, reply)
                 elif reply.id == 0 and isinstance(reply, Error):
                     self._cause = reply
                     if reply.code == Reloading.code:
@@ -853,14 +880,16 @@ class Connection:
             case _:
                 for request_id in self._acks.recall_refused(reply.id):
                     if (inbox := self._inboxes.get(request_id)) is not None:
-                        inbox.append(msgspec.structs.replace(reply, id=request_id))
+                        self._answer(
+                            request_id, inbox, msgspec.structs.replace(reply, id=request_id)
+                        )
                 return
         for release in released:
             inbox = self._inboxes.get(release.request_id)
             if inbox is None:
                 continue  # given up on meanwhile
             if not release.seqs:
-                inbox.append(Done(id=release.request_id))
+                self._answer(release.request_id, inbox, Done(id=release.request_id))
                 continue
             request = Ack(id=release.request_id, wakes=release.seqs)
             self._open[release.request_id] = _Open(request, None, False, True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import AsyncGenerator, AsyncIterator, Generator, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import trio
 
@@ -21,9 +21,70 @@ from subagentd.protocol.errors import NotFound, SubagentdError
 
 from ._tasks import running
 
-if TYPE_CHECKING:
-    from ._async import AsyncClient
-    from ._sync import Client
+
+class SwitchRequests(Protocol):
+    """The requests a `StopSwitch` is made of: what `AsyncClient` answers (declared here,
+    so that the switch stands below the clients that hand it out)."""
+
+    async def spawn(
+        self,
+        argv: Sequence[str],
+        *,
+        name: str = ...,
+        run: str | None = ...,
+        parent: str | None = ...,
+        agent: str | None = ...,
+        input: str | bytes | None = ...,
+        cwd: str | os.PathLike[str] | None = ...,
+        env: Mapping[str, str] | None = ...,
+        timeout: float | None = ...,  # noqa: ASYNC109  the worker's time limit
+        grace: float | None = ...,
+        key: str | None = ...,
+    ) -> WorkerView: ...
+
+    async def status(self, worker_id: str) -> WorkerView: ...
+
+    async def stop(self, worker_id: str, wait: bool = ...) -> bool: ...
+
+    async def stop_run(self, run_id: str, wait: bool = ...) -> list[str]: ...
+
+    async def wait_run_stopped(self, run_id: str) -> None: ...
+
+    def events(
+        self, run: str | None = ..., worker: str | None = ..., follow: bool = ...
+    ) -> AsyncGenerator[Wake, None]: ...
+
+
+class BlockingSwitchRequests(Protocol):
+    """The requests a `BlockingStopSwitch` is made of: what `Client` answers."""
+
+    def spawn(
+        self,
+        argv: Sequence[str],
+        *,
+        name: str = ...,
+        run: str | None = ...,
+        parent: str | None = ...,
+        agent: str | None = ...,
+        input: str | bytes | None = ...,
+        cwd: str | os.PathLike[str] | None = ...,
+        env: Mapping[str, str] | None = ...,
+        timeout: float | None = ...,
+        grace: float | None = ...,
+        key: str | None = ...,
+    ) -> WorkerView: ...
+
+    def status(self, worker_id: str) -> WorkerView: ...
+
+    def stop(self, worker_id: str, wait: bool = ...) -> bool: ...
+
+    def stop_run(self, run_id: str, wait: bool = ...) -> list[str]: ...
+
+    def wait_run_stopped(self, run_id: str) -> None: ...
+
+    def events(
+        self, run: str | None = ..., worker: str | None = ..., follow: bool = ...
+    ) -> Generator[Wake, None, None]: ...
 
 
 class _Switch:
@@ -62,7 +123,7 @@ class StopSwitch(_Switch):
     top-level workers. Nothing here closes the client.
     """
 
-    def __init__(self, client: AsyncClient, run: str) -> None:
+    def __init__(self, client: SwitchRequests, run: str) -> None:
         super().__init__(run)
         self._client = client
 
@@ -178,7 +239,7 @@ class BlockingStopSwitch(_Switch):
     ``timeout``, as every call). A trio workflow has `StopSwitch.move_on_stopped`; a
     blocking one waits in `wait_stopped`, in a thread of its own if it must."""
 
-    def __init__(self, client: Client, run: str) -> None:
+    def __init__(self, client: BlockingSwitchRequests, run: str) -> None:
         super().__init__(run)
         self._client = client
 

@@ -53,18 +53,18 @@ from .core._request_keys import (
     RequestKeys,
     asked_key,
 )
-from .lifecycle._resumable import frozen_agent, git_state
 from .processes._launcher import Launcher
-from .processes._process import OutOfDescriptors, SpawnFailed
+from .processes._process import OutOfDescriptors, SpawnFailed, WorkerProcess
 from .processes._relay import Relay
 from .processes._tree import DESCRIPTOR_ERRNOS
 from .store._archive import Archive, Snapshot, SpareArchives
 from .store._journal import Journal
 from .store._statedir import StateDir
 from .store._store import STORE_NAME, Change, LaunchState, Store
-from .workers._agents import AgentDef, ConfigError, load_agents
+from .workers._agents import AgentDef, ConfigError, frozen_agent, load_agents
 from .workers._command import Launch, inherited_env, own_bin_dir, resolve
 from .workers._endings import Endings
+from .workers._git import git_state
 from .workers._mailbox import Mailbox
 from .workers._reader import Reader
 from .workers._retention import Retention
@@ -523,7 +523,7 @@ class Daemon:
                 raise self._out_of_descriptors(record.id, exc) from exc
             return record.view()
         self.problems.descriptors = None
-        self.registry.started(record.id, process.pid, process.starttime)
+        self.registry.started(record.id, process.pid, process.starttime, _pipe_inodes(process))
         self.supervisor.supervise(
             live, process, after_start=lambda: self._write_start(live, process.pid, argv)
         )
@@ -847,3 +847,16 @@ async def _keep_running(task: Callable[[], Awaitable[None]]) -> None:
             log.exception("daemon.task_failed", task=task.__name__, retry_in=delay)
         await trio.sleep(delay)
         delay = min(delay * 2, TASK_RETRY_MAX)
+
+
+def _pipe_inodes(process: WorkerProcess) -> tuple[int, int, int]:
+    """The inodes of a worker's stdin, stdout and stderr pipes (0: none), as the daemon
+    holds their other ends: written with its start, what tells its pipes after a reload
+    whose checkpoint does not read (`lifecycle/_rebuilt.py`)."""
+    inodes = []
+    for fd in (process.stdin, process.stdout, process.stderr):
+        try:
+            inodes.append(os.fstat(fd).st_ino if fd is not None else 0)
+        except OSError:
+            inodes.append(0)
+    return inodes[0], inodes[1], inodes[2]

@@ -227,6 +227,10 @@ def _take_over(path: Path, given: Callable[[], Settings], *, check_only: bool = 
     try:
         handoff = read_checkpoint(path)
         _check_its_place(handoff, path)
+        for worker in handoff.live:
+            # In the state dir, within a worker's reach: a parked journal's identity said
+            # there is not believed (the journal is opened from its path, verified whole).
+            worker.parked = None
         handoff = _its_socket(handoff)
     except CheckpointUnreadable as exc:
         configure_logging(given().log_format)

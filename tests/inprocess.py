@@ -56,6 +56,7 @@ from subagentd.daemon.lifecycle._checkpoint import (
 )
 from subagentd.daemon.lifecycle._recovery import recover
 from subagentd.daemon.lifecycle._reload import Reloader, adopt
+from subagentd.daemon.lifecycle._resume import Resumer
 from subagentd.daemon.processes._launcher import LocalLauncher
 from subagentd.daemon.serving._listener import ControlSocket, bind_control_socket
 from subagentd.daemon.serving._server import Server
@@ -273,7 +274,7 @@ async def _serve(
     nursery: trio.Nursery, daemon: Daemon, settings: Settings, control: ControlSocket
 ) -> tuple[Server, Reloader, trio.SocketListener, _Image]:
     """What `_serve.serve` builds around a daemon, serving in `nursery`."""
-    server = Server(daemon)
+    server = Server(daemon, Resumer(daemon))
     reloader = _NoExecReloader(
         daemon,
         server,

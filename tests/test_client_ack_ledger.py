@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import tracemalloc
 
-import pytest
-
 from subagentd.client import _core
 from subagentd.protocol import (
     HEADER,
@@ -79,12 +77,6 @@ def retained_after(conn: _core.Connection, stream: int, seqs: range) -> int:
     return tracemalloc.get_traced_memory()[0]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="AckLedger keeps an entry (about 200 bytes) for every wake delivered and not "
-    "acknowledged on this client, for as long as the client lives: a follower with "
-    "ack=False whose wakes another client acknowledges grows without bound",
-)
 def test_a_follower_whose_wakes_others_acknowledge_keeps_bounded_memory() -> None:
     conn = _core.Connection(reconnect=True)
     stream = followed(conn)

@@ -14,9 +14,10 @@ from __future__ import annotations
 from collections import deque
 
 from hypothesis import settings
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from subagentd.client import _core
+from subagentd.client import _acks, _core
 from subagentd.daemon.core._wakes import WakeQueue
 from subagentd.protocol import (
     Ack,
@@ -105,10 +106,13 @@ class Daemon:
 
 
 class AcksAcrossReloads(RuleBasedStateMachine):
+    #: Wakes the client's ack ledger keeps each by its seq (the rest by ranges).
+    KEPT = _acks.KEPT
+
     def __init__(self) -> None:
         super().__init__()
         self.daemon = Daemon()
-        self.conn = _core.Connection(reconnect=True)
+        self.conn = _core.Connection(reconnect=True, acks_kept=self.KEPT)
         self.subscription = _core.WakeSubscription(run="r-1", follow=True)
         self.stream, frame = self.conn.send(
             self.subscription.request(), again=self.subscription.request
@@ -124,6 +128,16 @@ class AcksAcrossReloads(RuleBasedStateMachine):
     @rule()
     def a_worker_ends(self) -> None:
         self.daemon.post()
+
+    @precondition(lambda self: self._handed_pending())
+    @rule(data=st.data())
+    def another_client_acknowledges_one(self, data: st.DataObject) -> None:
+        """A wake this client was handed, acknowledged on another connection: this one
+        never hears of it, and its own ack of it later must still be taken (done)."""
+        self.daemon.queue.ack([data.draw(st.sampled_from(self._handed_pending()))])
+
+    def _handed_pending(self) -> list[int]:
+        return sorted(w.seq for w in self.handed if w.seq in self.daemon.queue.pending)
 
     @precondition(lambda self: self.daemon.unread)
     @rule()
@@ -220,3 +234,15 @@ class AcksAcrossReloads(RuleBasedStateMachine):
 
 AcksAcrossReloads.TestCase.settings = settings(max_examples=300, stateful_step_count=40)
 test_acks_across_reloads = AcksAcrossReloads.TestCase
+
+
+class AcksAcrossReloadsKeepingTwo(AcksAcrossReloads):
+    """The same, the ledger keeping two wakes by seq: the older known only by a range of
+    seqs for their parent, an acknowledgement of one from an earlier connection (or
+    acknowledged elsewhere) resolved by recalls."""
+
+    KEPT = 2
+
+
+AcksAcrossReloadsKeepingTwo.TestCase.settings = settings(max_examples=300, stateful_step_count=40)
+test_acks_across_reloads_keeping_two = AcksAcrossReloadsKeepingTwo.TestCase

@@ -15,6 +15,7 @@ import trio
 from subagentd.client import AsyncClient
 from subagentd.client._units import render
 from subagentd.daemon.store._journal import OPEN_JOURNALS
+from subagentd.protocol.errors import Refused
 
 from .conftest import DaemonProcess
 from .helpers import paged_stdout, reload_on_own_connection, wait_output
@@ -141,18 +142,13 @@ async def test_a_journal_replaced_while_closed_is_refused_and_its_worker_ends_fa
             assert (await client.info()).workers.get("running") == MANY
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a parked journal is not carried across a reload (Journal.carry returns None): "
-    "the next image opens whatever is at its path, so a file renamed over it while it was "
-    "closed is taken as the journal, its entries served as the worker's (review4)",
-)
 async def test_a_journal_replaced_while_closed_then_a_reload_is_never_read_as_the_journal(
     daemon: DaemonProcess,
 ) -> None:
     """As above, but a reload comes before the worker writes again: a journal of another
     worker (whole entries, right checksums: anything a worker can write) renamed over
-    the idle one's is not read by the next image as its journal either."""
+    the idle one's is not read by the next image as its journal either: it is refused,
+    as it would have been without the reload."""
     assert daemon.proc is not None
     with trio.fail_after(300):
         async with AsyncClient(daemon.socket) as client:
@@ -170,8 +166,11 @@ async def test_a_journal_replaced_while_closed_then_a_reload_is_never_read_as_th
         await reload_on_own_connection(daemon)
         async with AsyncClient(daemon.socket) as client:
             await client.send(talker.id, "one\n", eof=True)
-            await client.wait(talker.id)
-            assert b"forged" not in await paged_stdout(client, talker.id)
+            # Refused as it is without a reload (the test above): its journal was parked
+            # across the exec as the file it was, so the planted one is never taken.
+            assert (await client.wait(talker.id)).state == "failed"
+            with pytest.raises(Refused, match="another file was put at its name"):
+                await paged_stdout(client, talker.id)
 
 
 async def test_a_journal_replaced_while_closed_then_a_quiet_ending_wakes_its_parent_once(

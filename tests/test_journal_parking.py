@@ -7,10 +7,11 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from subagentd.daemon.store import _journal
-from subagentd.daemon.store._journal import Journal, JournalCorrupt
+from subagentd.daemon.store._journal import Journal, JournalCorrupt, JournalNotAdopted
 
 
 @pytest.fixture
@@ -128,3 +129,64 @@ def test_a_dropped_journal_closes_its_descriptor_and_holds_no_place(tmp_path: Pa
     del journal
     assert len(_journal._OPEN) == held
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+@pytest.mark.usefixtures("two_open")
+def test_a_parked_journal_handed_on_by_what_it_is_reopens_only_that_file(tmp_path: Path) -> None:
+    """What a reload carries of a parked journal (`parked`) makes the next image's journal
+    (`parked_from`): it goes on writing into the same file, and a file put at its name
+    since is refused at its next use, as in the image that parked it."""
+    journal = _parked(tmp_path)
+    carried = journal.parked()
+    assert carried is not None
+    taken = Journal.parked_from(str(tmp_path / "a"), carried)
+    assert not taken.holds_descriptor
+    taken.append("stdout", b"second\n", 2.0)
+    assert [e.data for e in taken.read(0, 10)] == [b"first\n", b"second\n"]
+    _KEPT.extend(Journal.create(tmp_path / f"b-{o}") for o in "xy")  # parked again
+    again = taken.parked()
+    assert again is not None
+    planted = tmp_path / "planted"
+    planted.write_bytes((tmp_path / "a").read_bytes())  # whole, the same entries: not ours
+    planted.rename(tmp_path / "a")
+    with pytest.raises(JournalCorrupt, match="another file was put at its name"):
+        Journal.parked_from(str(tmp_path / "a"), again).append("stdout", b"third\n", 3.0)
+
+
+@pytest.mark.parametrize(
+    "index",
+    [
+        {"size": -1},
+        {"size": 0},
+        {"offsets": []},
+        {"offsets": [5]},
+        {"last_offset": 10**9},
+        {"last_seq": -3},
+    ],
+    ids=[
+        "negative-size",
+        "no-room-for-its-entry",
+        "no-offsets",
+        "first-offset-not-0",
+        "last-past-end",
+        "seq",
+    ],
+)
+@pytest.mark.usefixtures("two_open")
+def test_a_parked_index_that_cannot_be_a_journals_is_not_taken(
+    tmp_path: Path, index: dict[str, object]
+) -> None:
+    """A parked journal's index that does not fit (a bug of the image before): not taken
+    (JournalNotAdopted: the journal is then opened from its path and verified whole)."""
+    carried = _parked(tmp_path).parked()
+    assert carried is not None
+    hostile = msgspec.structs.replace(
+        carried, index=msgspec.structs.replace(carried.index, **index)
+    )
+    with pytest.raises(JournalNotAdopted):
+        Journal.parked_from(str(tmp_path / "a"), hostile)
+
+
+def test_a_journal_holding_its_descriptor_is_not_carried_as_parked(tmp_path: Path) -> None:
+    journal = Journal.create(tmp_path / "a")
+    assert journal.parked() is None  # `carry` hands its descriptor over instead

@@ -294,6 +294,41 @@ async def test_a_reload_into_an_image_that_reads_only_a_checkpoint_file_still_wo
         await assert_supervised(daemon_dirs, workers)
 
 
+async def test_a_new_image_waiting_for_its_store_stops_at_sigterm_and_its_workers_with_it(
+    daemon_dirs: DaemonProcess, touched: Path
+) -> None:
+    """SIGTERM while a handoff waits for a store another process holds: the exec left it
+    blocked (it waited for the store to open, for good here); it ends the wait, the
+    carried workers with it (as any stop ends them), and exits 0. The next start has
+    them `interrupted`, none running."""
+    daemon_dirs.start(env={"SUBAGENTD_FAULT": "check:reads-before-4"})
+    assert daemon_dirs.proc is not None
+    reader = start_reader(daemon_dirs.state_dir / "state.db", -1.0)
+    try:
+        with trio.fail_after(90):
+            workers = await spawn_ticking(daemon_dirs, 2)
+            os.utime(touched)
+            conn = await RawConnection.open(daemon_dirs.socket)
+            async with conn.stream:
+                await conn.send(p.Reload(id=2))
+                assert reader.stdout is not None
+                assert await trio.to_thread.run_sync(reader.stdout.readline) == "in\n"
+                async with AsyncClient(daemon_dirs.socket) as client:
+                    assert (await client.info()).store_wait is not None  # the new image
+                daemon_dirs.proc.terminate()
+                assert await trio.to_thread.run_sync(daemon_dirs.proc.wait, 30) == 0
+            assert not any(w.pid is not None and alive(w.pid) for w in workers)
+    finally:
+        reader.kill()
+        reader.communicate()
+    with trio.fail_after(90):
+        await trio.to_thread.run_sync(daemon_dirs.start)
+        async with AsyncClient(daemon_dirs.socket) as client:
+            for worker in workers:
+                assert (await client.status(worker.id)).state == "interrupted"
+            assert (await client.info()).workers.get("running", 0) == 0
+
+
 @pytest.mark.parametrize("hold", [2.0, -1.0], ids=["lets-go", "never-lets-go"])
 async def test_a_new_image_that_cannot_have_its_store_yet_waits_holding_every_worker(
     daemon_dirs: DaemonProcess, touched: Path, hold: float

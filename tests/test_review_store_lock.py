@@ -10,7 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import trio
 
 from subagentd import protocol as p
@@ -131,13 +130,6 @@ async def test_a_lock_taken_on_the_put_back_copy_costs_the_daemon_nothing(
         locker.stdout.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_rebuilt.with_live_workers gives a pipe to the first worker (by id) whose fd 0-2 "
-    "is it: a worker that made another's stdout pipe its own fd 1 takes that pipe, and its "
-    "owner's output goes to the taker's journal; what the kernel shows cannot say whose a "
-    "pipe was (the old image would have to write the pipes' inodes down, e.g. in the store)",
-)
 async def test_a_rebuilt_handoff_gives_no_worker_the_pipe_of_another(
     daemon_dirs: DaemonProcess,
 ) -> None:

@@ -376,6 +376,7 @@ os._exit(0)
     try:
         assert store.problems == []
         assert not store.damaged
+        assert not store.tail_unsure  # the stale frames hide no commit of ours
         assert len(store.known_workers()) == 203
     finally:
         store.close()

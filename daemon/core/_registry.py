@@ -72,6 +72,10 @@ class WorkerRecord(msgspec.Struct, kw_only=True, weakref=True):
     pid: int | None = None
     #: The process's start time (clock ticks after boot): tells it from a recycled pid.
     pid_start: int | None = None
+    #: The inodes of its stdin, stdout and stderr pipes as it was started (0: none of the
+    #: daemon's): which inherited pipes are its when a reload's checkpoint is unreadable
+    #: (its fds may since hold another worker's: `lifecycle/_rebuilt.py`).
+    pipes: tuple[int, int, int] | None = None
     exit_code: int | None = None
     started_at: float
     ended_at: float | None = None
@@ -499,10 +503,13 @@ class Registry:
             current = run.outer
         return False
 
-    def started(self, worker_id: str, pid: int, pid_start: int) -> None:
+    def started(
+        self, worker_id: str, pid: int, pid_start: int, pipes: tuple[int, int, int] | None = None
+    ) -> None:
         record = self._workers[worker_id]
         record.pid = pid
         record.pid_start = pid_start
+        record.pipes = pipes
         if record.state == "starting":
             record.state = "running"
 
@@ -762,7 +769,7 @@ class Registry:
         record.state = "starting"
         record.stop_reason = None
         record.exit_code = None
-        record.pid = record.pid_start = None
+        record.pid = record.pid_start = record.pipes = None
         record.started_at = now
         record.ended_at = None
         record.collected = record.expired = False

@@ -32,7 +32,7 @@ import msgspec
 from .._settings import Settings, decode_path, encode_path
 from ..processes._relay import CarriedRelay
 from ..store._files import read_regular, replace_file
-from ..store._journal import JournalIndex
+from ..store._journal import JournalIndex, ParkedJournal
 from ..store._legacy import CheckpointV1State
 
 #: The format written here. Bump on an incompatible change and keep reading the old.
@@ -67,8 +67,8 @@ class CarriedWorker(msgspec.Struct, kw_only=True):
     #: Its journal (None: a version 2 checkpoint, or a journal not open for writing: the
     #: new image opens it from its path and verifies it whole).
     journal: CarriedJournal | None = None
-    #: The end of its stdout as supervision holds it (with `journal` alone: else the
-    #: journal opened again gives it).
+    #: The end of its stdout as supervision holds it (with `journal` or `parked` alone:
+    #: else the journal opened again gives it).
     stdout_tail: bytes = b""
     #: The pid of the output relay holding its streams (`stdout`/`stderr` None then), and
     #: which of them are still open there (version 5; None: not relayed).
@@ -76,6 +76,9 @@ class CarriedWorker(msgspec.Struct, kw_only=True):
     relayed: list[str] = []
     #: What the relay names those streams by (this attempt's key: `_relay.stream_key`).
     relay_key: str = ""
+    #: Its journal while parked (no descriptor held): the file it is, what was written of
+    #: it. None: one carried, or an image before this; taken from a sealed memfd alone.
+    parked: ParkedJournal | None = None
 
 
 class CarriedConnection(msgspec.Struct, kw_only=True):

@@ -8,12 +8,13 @@ it opened itself since the exec are close-on-exec), and each says what it is: th
 state dir's lock (the directory itself), the file `lock`, the store's lock (state.db),
 the listening socket (bound to the socket path), pipes, the output relays' sockets
 (each asked what it holds: `ask_inventory`). The store names the live
-workers and their pids; /proc/<pid>/fd says which pipe is each one's stdin, stdout and
-stderr (both ends of a pipe are one inode). What nothing claims is closed: a
-connection that asked for the reload (its client connects again; the reload's answer
-is lost), a journal (opened again from its path and verified whole). A worker whose
-pipes cannot be found is adopted without them, or, if its pid is not it, stopped, as
-a checkpoint's unadoptable worker is.
+workers, their pids and their pipes' inodes as they were started (both ends of a pipe
+are one inode; a row of an image before that: /proc/<pid>/fd says which pipe is each
+one's stdin, stdout and stderr now, which a worker that made another's its own fools).
+What nothing claims is closed: a connection that asked for the reload (its client
+connects again; the reload's answer is lost), a journal (opened again from its path
+and verified whole). A worker whose pipes cannot be found is adopted without them, or,
+if its pid is not it, stopped, as a checkpoint's unadoptable worker is.
 """
 
 from __future__ import annotations
@@ -109,12 +110,10 @@ def with_live_workers(
             continue
         ends: dict[int, int | None] = {}
         for number in (0, 1, 2):
-            try:
-                target = os.readlink(f"/proc/{record.pid}/fd/{number}")
-            except OSError:
-                target = ""
-            match = _PIPE.fullmatch(target)
-            ends[number] = pipes.pop(int(match[1]), None) if match else None
+            inode = (
+                record.pipes[number] if record.pipes is not None else _pipe_at(record.pid, number)
+            )
+            ends[number] = pipes.pop(inode, None) if inode else None
         live.append(
             CarriedWorker(
                 id=record.id,
@@ -133,6 +132,16 @@ def with_live_workers(
     pipes.clear()
     handoff.live = live
     return handoff
+
+
+def _pipe_at(pid: int, number: int) -> int:
+    """The inode of the pipe `pid` has as its fd `number` now (0: none)."""
+    try:
+        target = os.readlink(f"/proc/{pid}/fd/{number}")
+    except OSError:
+        return 0
+    match = _PIPE.fullmatch(target)
+    return int(match[1]) if match else 0
 
 
 def _inherited() -> list[int]:

@@ -22,9 +22,10 @@ its archive exists, so an archive without a row means the store lost rows (an em
 or replaced database, a WAL cut short). Such a worker is rebuilt as a damaged row is,
 comes back as its journal says it ended (else `interrupted`, its leftover tree ended by
 its worker id), and wakes its parent again: after such damage a wake may come twice,
-never not at all. Where the store may have lost rows, a worker its row says running but
-its journal says ended takes that ending (its ending's commit was lost), not
-`interrupted`. Without damage, reconciling is a listing and one query, no archive read.
+never not at all. Where the store may have lost rows, or its WAL ended inside a commit
+(cut there, or torn), a worker its row says running but its journal says ended (since
+that attempt began) takes that ending (its ending's commit was lost), not `interrupted`.
+Without damage, reconciling is a listing and one query, no archive read.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from ..processes._tree import carries_worker_id, read_stat
 from ..store._archive import STDOUT_TAIL_BYTES, Archive, prune_archives
 from ..store._journal import Journal, JournalCorrupt
 from ..store._store import Change
-from ._resumable import read_snapshot
+from ..workers._resumable import read_snapshot
 
 log = get_logger()
 
@@ -258,11 +259,12 @@ async def _rebuild(
     return record
 
 
-def _last_state(journal: Journal, record: WorkerRecord) -> None:
-    """Take an ending from the journal's last state entry, if it names one."""
+def _last_state(journal: Journal, record: WorkerRecord, *, since: float | None = None) -> None:
+    """Take an ending from the journal's last state entry, if it names one (written at
+    or after `since`: an attempt's start, so an earlier attempt's ending is not its)."""
     recent = journal.read(max(0, journal.last_seq - 64), 64)
     states = [e for e in recent if e.kind == "state"]
-    if not states:
+    if not states or (since is not None and states[-1].at < since):
         return
     words = states[-1].data.decode(errors="replace").split()
     if words and words[0] in TERMINAL_STATES:
@@ -325,11 +327,12 @@ async def _interrupt(
         try:
             if journal.torn_bytes:
                 log.warning("recovery.torn_tail_cut", worker=record.id, bytes=journal.torn_bytes)
-            if daemon.store.damaged:
-                # The store may have lost its ending's commit: its journal, written first,
-                # says how it ended. (Undamaged, a journal's ending without the commit is
-                # a kill -9 between the two: that ending never was, it is `interrupted`.)
-                _last_state(journal, record)
+            if daemon.store.damaged or daemon.store.tail_unsure:
+                # The store may have lost its ending's commit (damage, or a WAL ending
+                # inside a commit, cut there or torn): its journal, written first, says how
+                # this attempt ended. (Else a journal's ending without the commit is a
+                # kill -9 between the two: that ending never was, it is `interrupted`.)
+                _last_state(journal, record, since=record.started_at)
             stdout_tail = journal.tail_bytes("stdout", STDOUT_TAIL_BYTES)
             if not record.ended:
                 journal.append(

@@ -50,6 +50,7 @@ from .._logging import get_logger
 from .._settings import Settings
 from ..processes._cgroup import outside_workers
 from ..processes._process import WorkerProcess, reap
+from ..serving._handover import Handover, owed_by_connection
 from ..serving._listener import ControlSocket
 from ..serving._notify import monotonic_usec, notify
 from ..store._archive import STDOUT_TAIL_BYTES, Archive
@@ -95,20 +96,6 @@ UNEXECUTABLE_FAULT = ("reload", "unexecutable")
 def image_command(*args: str) -> list[str]:
     """How to run the image installed now: this interpreter, the package on disk."""
     return [sys.executable, "-m", "subagentd.daemon", *args]
-
-
-@dataclass(frozen=True)
-class Handover:
-    """A connection handed from one serving of it to the next: across a reload's exec, or
-    back to the old image when the reload fails."""
-
-    fd: int
-    owed: list[Reply] = field(default_factory=list)  # answers it gets before anything
-    unread: bytes = b""  # read from it but not yet taken as requests: read before the socket
-    delivered: frozenset[int] = frozenset()  # wakes delivered on it, not yet acknowledged
-    #: Whom it acts as, as its hello settled it (None: the user): never decided again, so
-    #: never widened by the handing over.
-    caller: str | None = None
 
 
 @dataclass(eq=False)
@@ -501,6 +488,8 @@ def _carried(live: LiveWorker, carried: Carried, journals: bool) -> CarriedWorke
         if stream.relay is not None and not stream.eof:  # a relay lost: lost in the next too
             relay, key = stream.relay.pid, stream.worker
             relayed.append(kind)
+    # A parked one is carried by what it is, so that the next image takes that file only.
+    parked = live.journal.parked() if journals and journal is None else None
     return CarriedWorker(
         id=live.record.id,
         pid=process.pid,
@@ -509,18 +498,12 @@ def _carried(live: LiveWorker, carried: Carried, journals: bool) -> CarriedWorke
         stderr=stderr,
         stdin=stdin,
         journal=None if journal is None else CarriedJournal(fd=journal[0], index=journal[1]),
-        stdout_tail=b"" if journal is None else bytes(live.stdout_tail),
+        stdout_tail=b"" if journal is None and parked is None else bytes(live.stdout_tail),
+        parked=parked,
         relay=relay,
         relayed=relayed,
         relay_key=key,
     )
-
-
-def owed_by_connection(
-    requesters: list[tuple[object, int]], kept: dict[object, Handover]
-) -> list[tuple[Handover, list[int]]]:
-    """Each kept connection, once, with the ids of every reload it asked."""
-    return [(held, [rid for c, rid in requesters if c is conn]) for conn, held in kept.items()]
 
 
 def _answer(failure: Error | None, request_id: int) -> Reply | None:
@@ -602,6 +585,11 @@ async def adopt(
                     if carried.relay is None
                     else (carried.relay, carried.relay_key or carried.id, carried.relayed),
                 )
+                if journal is None and carried.parked is not None:
+                    try:
+                        journal = Journal.parked_from(path, carried.parked)
+                    except JournalNotAdopted as exc:
+                        log.warning("reload.journal_reopened", worker=carried.id, reason=str(exc))
                 if journal is not None:
                     stdout_tail = carried.stdout_tail[-STDOUT_TAIL_BYTES:]
                 else:

@@ -1,6 +1,6 @@
 """Resuming: carrying an ended worker or run on from its snapshot.
 
-The rules of what may be resumed live in `_resumable`; this module does it, on
+The rules of what may be resumed live in `workers/_resumable`; this module does it, on
 the daemon: a worker comes back into memory (from the store, if its handle was
 released) as its next attempt and starts down the same launch path as a new
 spawn, and what changed on disk since its spawn is said in its answer and its
@@ -9,8 +9,6 @@ not a scan.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import trio
 
@@ -27,18 +25,16 @@ from ..store._journal import Journal
 from ..store._store import Change
 from ..workers._agents import AgentDef, ConfigError, load_agents
 from ..workers._command import launch_problem, real_dir, worker_environment
+from ..workers._resumable import (
+    RESUMABLE,
+    Resumption,
+    changes_since_spawn,
+    check_branch,
+    read_snapshot,
+)
 from ..workers._supervisor import LiveWorker
-from ._resumable import RESUMABLE, changes_since_spawn, check_branch, read_snapshot
 
 log = get_logger()
-
-
-@dataclass(frozen=True)
-class Resumption:
-    """A worker resumed, and what changed on disk since its spawn ("" for nothing)."""
-
-    view: WorkerView
-    changed: str
 
 
 class Resumer:

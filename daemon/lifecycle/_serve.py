@@ -25,9 +25,12 @@ from .._daemon import Daemon
 from .._logging import get_logger
 from .._settings import FAULT_ENV, Settings, read_faults
 from ..core._recovering import RecoveryProgress
+from ..core._registry import DEFAULT_GRACE
 from ..processes._cgroup import Cgroups, CgroupsUnavailable
 from ..processes._launcher import LocalLauncher
+from ..processes._process import reap
 from ..processes._relay import Relays, default_relay_above
+from ..serving._handover import Handover
 from ..serving._listener import ControlSocket, activated_socket, bind_control_socket
 from ..serving._notify import notify
 from ..serving._server import Server
@@ -36,11 +39,12 @@ from ..store._legacy import import_old_state, mark_old_state_imported
 from ..store._statedir import StateDir
 from ..store._store import STORE_NAME, Store
 from ._carried import take_back
-from ._checkpoint import KEEP_HANDED_FAULT, KEPT_CHECKPOINT, Checkpoint
+from ._checkpoint import KEEP_HANDED_FAULT, KEPT_CHECKPOINT, CarriedWorker, Checkpoint
 from ._rebuilt import with_live_workers
 from ._recovery import recover
-from ._reload import NO_CARRY_ENV, RELOAD_SIGNALS, Handover, Reloader, adopt, reload_reply
-from ._store_wait import StoreWaiting
+from ._reload import NO_CARRY_ENV, RELOAD_SIGNALS, Reloader, adopt, reload_reply
+from ._resume import Resumer
+from ._store_wait import StoreWaiting, WaitStopped
 
 log = get_logger()
 
@@ -150,7 +154,9 @@ async def serve(
             faults=read_faults(os.environ.get(FAULT_ENV, "")),
             store=store,
         )
-    except BaseException:  # the store cannot be opened (a newer schema, no disk)
+    except BaseException as exc:  # the store cannot be opened (a newer schema, no disk)
+        if isinstance(exc, WaitStopped) and handoff is not None:
+            await _end_carried(handoff, LocalLauncher(cgroups, tree_tracking))
         control.remove()
         state_dir.release()
         raise
@@ -185,7 +191,7 @@ async def serve(
             stopped_by_reload=stopped,
         )
         _old_state_rebuilt(daemon, unread)
-    server = Server(daemon)
+    server = Server(daemon, Resumer(daemon))
     reloader = Reloader(
         daemon,
         server,
@@ -256,6 +262,26 @@ async def serve(
         daemon.store.close()
         state_dir.release()
         log.info("daemon.stopped")
+
+
+async def _end_carried(handoff: Checkpoint, launcher: LocalLauncher) -> None:
+    """Stopped before its store opened: end every worker the handoff carried (TERM, then
+    KILL after the default grace: their records, with their own, are not read yet), and
+    reap them, as a stop would. Their endings are the next start's to write (each is
+    `interrupted` there, its tree gone). A handoff rebuilt from the kernel knows none yet
+    (the store names them): those run on, as they would have before it."""
+
+    async def end(worker: CarriedWorker) -> None:
+        killed = await launcher.end_leftover_tree(
+            worker.id, worker.pid, worker.pid_start, DEFAULT_GRACE
+        )
+        await reap(worker.pid)
+        log.warning("worker.stopped_before_serving", worker=worker.id, processes=killed)
+
+    with trio.CancelScope(shield=True):
+        async with trio.open_nursery() as nursery:
+            for worker in handoff.live:
+                nursery.start_soon(end, worker)
 
 
 async def _open_store(

@@ -9,10 +9,17 @@ disk, a permission taken away): the new image holds every worker the old one car
 (they are its children, their pipes its descriptors), and exiting would leave them
 running unsupervised. A start refuses instead, as before: nothing is running yet, and
 the person starting it is there to read why.
+
+SIGTERM or SIGINT ends either wait (`WaitStopped`): a start's with nothing run, a
+handoff's once its caller has ended the workers it carried (`_serve`), as any stop
+ends them. The exec left those signals blocked for a handoff: they are let in for the
+wait alone (SIGHUP stays blocked: there is nothing to reload yet), then blocked again,
+so one that comes as the store opens waits for the serving image's receiver.
 """
 
 from __future__ import annotations
 
+import functools
 import signal
 import socket
 import time
@@ -37,14 +44,25 @@ class WaitStopped(Exception):
     """Told to stop while a start waited for its store: nothing ran, nothing is lost."""
 
 
-async def _stop_on_signal(scope: trio.CancelScope, stopped: list[str]) -> None:
-    """At a start's first SIGTERM or SIGINT, say which in `stopped` and end the wait."""
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async for signum in signals:
-            stopped.append(signal.Signals(signum).name)
-            log.info("store.wait_stopped", signal=stopped[0])
-            scope.cancel()
-            return
+#: What ends a wait for the store.
+_STOPPING = {signal.SIGTERM, signal.SIGINT}
+
+
+async def _stop_on_signal(scope: trio.CancelScope, stopped: list[str], *, blocked: bool) -> None:
+    """At the first SIGTERM or SIGINT, say which in `stopped` and end the wait; `blocked`:
+    those signals are blocked (a handoff's, across the exec): let in meanwhile only."""
+    with trio.open_signal_receiver(*_STOPPING) as signals:
+        if blocked:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOPPING)
+        try:
+            async for signum in signals:
+                stopped.append(signal.Signals(signum).name)
+                log.info("store.wait_stopped", signal=stopped[0])
+                scope.cancel()
+                return
+        finally:
+            if blocked:  # before the receiver closes: what it holds is raised again, held
+                signal.pthread_sigmask(signal.SIG_BLOCK, _STOPPING)
 
 
 @dataclass
@@ -95,14 +113,17 @@ class StoreWaiting:
 
     async def open(self, control: socket.socket, server: WaitingServer) -> Store:
         """The store, once it can be had; until then `server` answers on `control`. A
-        start's SIGTERM or SIGINT meanwhile raises WaitStopped (nothing runs yet); a
-        handoff's stay blocked until it serves, as across the exec, and then stop it."""
+        SIGTERM or SIGINT meanwhile raises WaitStopped (a handoff's caller then ends the
+        workers it carried)."""
         delay = RETRY_FIRST
         stopped: list[str] = []
         async with trio.open_nursery() as nursery:
             nursery.start_soon(server.serve, control)
-            if not self._handoff:
-                nursery.start_soon(_stop_on_signal, nursery.cancel_scope, stopped)
+            nursery.start_soon(
+                functools.partial(
+                    _stop_on_signal, nursery.cancel_scope, stopped, blocked=self._handoff
+                )
+            )
             while (store := self.try_open()) is None:
                 await trio.sleep(delay)
                 delay = min(delay * 2, RETRY_MAX)

@@ -22,6 +22,7 @@ import socket
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import msgspec
 import trio
@@ -53,6 +54,7 @@ from subagentd.protocol import (
     ReopenRun,
     Reply,
     ResultReply,
+    ResumableRun,
     Resume,
     ResumeRun,
     RunReply,
@@ -92,14 +94,14 @@ from .._daemon import RELOAD_RETRY, Daemon, Stopping
 from .._logging import bind_contextvars, get_logger
 from ..core._authority import Authority
 from ..core._registry import cursor_place, listing_page
-from ..core._request_keys import asked_key
+from ..core._request_keys import AskedKey, asked_key
 from ..core._session import Close, Release, Session
-from ..lifecycle._reload import Handover, Reloader, owed_by_connection
-from ..lifecycle._resume import Resumer
 from ..processes._cgroup import SO_PEERPIDFD, PeerUnplaced
 from ..processes._tree import patiently
 from ..store._store import StoreWriteFailed
 from ..workers._reader import PageInHand
+from ..workers._resumable import Resumption
+from ._handover import Handover, owed_by_connection
 from ._outgoing import PAGE_BUDGET, PageBudget, Reservation, queued, room, send_buffer
 
 log = get_logger()
@@ -348,15 +350,37 @@ class Connection:
                 drained += len(data)
 
 
+class Reloads(Protocol):
+    """What the server asks of a reload (lifecycle's `Reloader`, which stands above it and
+    is set once built): reload, or join the reload under way; None once the exec has
+    happened, else the error that stopped it."""
+
+    async def reload(self, requester: object | None, request_id: int) -> Reply | None: ...
+
+
+class Resumes(Protocol):
+    """What the server asks of a resume (lifecycle's `Resumer`)."""
+
+    async def resume(
+        self, worker_id: str, worker_timeout: float | None, asked: AskedKey | None = None
+    ) -> Resumption: ...
+
+    async def resume_run(self, run_id: str) -> list[Resumption]: ...
+
+    def latest_resumable(self, cwd: str) -> ResumableRun: ...
+
+
 class Server:
-    def __init__(self, daemon: Daemon, frame_limit: int = DEFAULT_FRAME_LIMIT) -> None:
+    def __init__(
+        self, daemon: Daemon, resumer: Resumes, frame_limit: int = DEFAULT_FRAME_LIMIT
+    ) -> None:
         self.daemon = daemon
         self.frame_limit = frame_limit
         self.budget = FrameBudget(FRAME_BUDGET)
         self.pages = PageBudget(PAGE_BUDGET)
         self.connections = 0  # open now
-        self.reloader: Reloader | None = None
-        self.resumer = Resumer(daemon)
+        self.reloader: Reloads | None = None
+        self.resumer = resumer
         self.authority = Authority(lambda worker_id: daemon.reader.lookup(worker_id).parent)
         self._open: set[Connection] = set()
         self._scope = trio.CancelScope()

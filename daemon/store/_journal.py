@@ -222,6 +222,17 @@ class JournalIndex(msgspec.Struct, kw_only=True, frozen=True):
     offsets: list[int]
 
 
+class ParkedJournal(msgspec.Struct, kw_only=True, frozen=True):
+    """A live worker's journal that was parked (its descriptor closed) when a reload's
+    checkpoint was taken: which file it is and what the daemon wrote of it, so that the
+    next image reopens that file, checked as this one would have, at its next use
+    (`Journal.parked_from`), never whatever another process put at its path meanwhile."""
+
+    dev: int
+    ino: int
+    index: JournalIndex
+
+
 class Journal:
     """One worker's journal file. Open it with `create` or `open` (or `adopt`, across a
     reload).
@@ -381,6 +392,41 @@ class Journal:
             last_offset=self._last_offset,
             offsets=self._offsets.tolist(),
         )
+
+    def parked(self) -> ParkedJournal | None:
+        """What a reload carries of this journal while it is parked and open for writing
+        (`carry` has no descriptor to hand over then); None otherwise."""
+        if not self._writable or self._box[0] >= 0 or self._identity is None:
+            return None
+        dev, ino = self._identity
+        return ParkedJournal(
+            dev=dev,
+            ino=ino,
+            index=JournalIndex(
+                size=self._size,
+                last_seq=self._last_seq,
+                last_offset=self._last_offset,
+                offsets=self._offsets.tolist(),
+            ),
+        )
+
+    @classmethod
+    def parked_from(cls, path: str, parked: ParkedJournal) -> Journal:
+        """The journal an earlier image had parked when it reloaded, parked here too: no
+        descriptor, the file it was and its index; at its first use it is opened again
+        and refused (JournalCorrupt, as `_reopen` says) unless it is still that file, as
+        long as written, its last entry whole. JournalNotAdopted if the index cannot be
+        a journal's. Its in-memory tail starts empty, as an adopted one's."""
+        index = parked.index
+        if not _index_fits(index.size, index.last_seq, index.last_offset, index.offsets):
+            raise JournalNotAdopted(f"journal {path}: the parked index does not fit its size")
+        journal = cls(path, -1, writable=True)
+        journal._identity = parked.dev, parked.ino
+        journal._size, journal._last_seq = index.size, index.last_seq
+        journal._last_offset = index.last_offset
+        journal._offsets = array("Q", index.offsets)
+        journal._shed_to = max(0, index.size - CACHED_BYTES)
+        return journal
 
     def _scan(self, size: int) -> int:
         """Index the file's first `size` bytes; return where the last whole entry ends."""

@@ -41,56 +41,86 @@ def empty_beside_wal(path: Path) -> int | None:
     return wal.st_size if db.st_size == 0 and wal.st_size > _WAL_HEADER.size else None
 
 
-def dropped_commits(path: Path, db: sqlite3.Connection) -> int:
-    """How many committed transactions the WAL at `path`-wal holds past the frames sqlite
-    took (`db` just opened it): a frame cut short or corrupted stops sqlite's replay there,
-    and every commit after it is dropped. Frames of the WAL's current generation (its
-    salts) marked as a commit, past the last frame sqlite verified, are such commits;
-    frames of an uncommitted transaction (a kill -9 mid-write) carry no commit mark, and
-    stale frames of an earlier generation other salts. One such commit alone is no sign
-    of damage: sqlite writes a frame as two writes (its header, then its page), and a kill
-    -9 between them, in a WAL's space reused after a checkpoint, leaves the in-flight
-    commit's header over a stale page (a torn write is only ever the last transaction's).
-    A WAL cut exactly at a frame's end, or damaged in its last commit alone, leaves nothing
-    to tell: recovery's reconciliation with the archives finds what it cost."""
+@dataclass(frozen=True)
+class WalTail:
+    """What the WAL holds past the frames sqlite verified."""
+
+    #: Commits there that sqlite dropped (0 where one alone could be a kill -9's).
+    dropped: int = 0
+    #: Whether anything of the WAL's current generation lies there, a partial frame
+    #: included: its last commit may have been cut or torn (a kill -9 mid-write leaves
+    #: the same), so a commit that returned may be lost, though nothing says which.
+    unsure: bool = False
+
+
+def wal_tail(path: Path, db: sqlite3.Connection) -> WalTail:
+    """What the WAL at `path`-wal holds past the frames sqlite took (`db` just opened it):
+    the commits there it dropped, and whether its last commit may be lost. A frame cut
+    short or corrupted stops sqlite's replay there, and every commit after it is dropped.
+    Frames of the WAL's current generation (its salts) marked as a commit, past the last
+    frame sqlite verified, are such commits; frames of an uncommitted transaction (a kill
+    -9 mid-write) carry no commit mark, and stale frames of an earlier generation other
+    salts. One such commit alone is no sign of damage: sqlite writes a frame as two
+    writes (its header, then its page), and a kill -9 between them, in a WAL's space
+    reused after a checkpoint, leaves the in-flight commit's header over a stale page (a
+    torn write is only ever the last transaction's). A WAL cut exactly at a frame's end,
+    or damaged in its last commit alone, leaves nothing to count: recovery's
+    reconciliation with the archives finds what it cost; and where a frame of the current
+    generation, or a partial one, follows the verified ones (`WalTail.unsure`: a cut
+    through the last commit, or a torn write) recovery takes the journals' endings over
+    `interrupted`."""
     try:
         fd = os.open(f"{path}-wal", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
-        return 0
+        return WalTail()
     try:
         head = os.pread(fd, _WAL_HEADER.size, 0)
         if len(head) < _WAL_HEADER.size:
-            return 0
+            return WalTail()
         magic, _, page_size, _, salt1, salt2, *sums = _WAL_HEADER.unpack(head)
         whole = magic in _WAL_MAGICS and _checksum(head[:24], magic & 1) == tuple(sums)
         if not whole:  # the database's page size is its WAL's
             (page_size,) = db.execute("PRAGMA page_size").fetchone()
         if page_size < 512 or page_size & (page_size - 1):
-            return 0
+            return WalTail()
         # The number of frames sqlite verified (its mxFrame): a passive checkpoint says it.
         _, verified, _ = db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
         if verified < 0:
-            return 0
+            return WalTail()
         if not whole:
             # SQLite takes no frame of a WAL whose header does not verify, silently: the
             # salts of its generation are then its first frame's, written after it.
             first = os.pread(fd, _FRAME_HEADER.size, _WAL_HEADER.size)
             if len(first) < _FRAME_HEADER.size:
-                return 0
+                return WalTail()
             _, _, salt1, salt2 = _FRAME_HEADER.unpack(first)
         frame = _FRAME_HEADER_BYTES + page_size
-        size = min(os.fstat(fd).st_size, WAL_SCAN_LIMIT)
-        dropped = 0
+        end = os.fstat(fd).st_size
+        size = min(end, WAL_SCAN_LIMIT)
+        salts = _frame_salts(salt1, salt2)
+        dropped, current = 0, 0
         offset = _WAL_HEADER.size + verified * frame
-        while offset + frame <= size:
+        follows = True  # whether the next frame follows a verified one or one of ours
+        while offset < size:
             header = os.pread(fd, _FRAME_HEADER.size, offset)
-            _, commit, frame_salt1, frame_salt2 = _FRAME_HEADER.unpack(header)
-            if (frame_salt1, frame_salt2) == (salt1, salt2) and commit:
-                dropped += 1
+            ours = len(header) < _FRAME_HEADER.size or header[8:16] == salts
+            if offset + frame > size:
+                # A partial frame: the WAL ends inside what was being written, or was cut
+                # there (one after stale frames, or stale itself, says nothing).
+                current += follows and ours and size == end
+                break
+            current += ours
+            dropped += ours and bool(_FRAME_HEADER.unpack(header)[1])
+            follows = ours
             offset += frame
-        return dropped if dropped > 1 else 0
+        return WalTail(dropped if dropped > 1 else 0, current > 0)
     finally:
         os.close(fd)
+
+
+def _frame_salts(salt1: int, salt2: int) -> bytes:
+    """The salts as a frame header holds them (its bytes 8 to 16)."""
+    return struct.pack(">II", salt1, salt2)
 
 
 def _checksum(data: bytes, big_endian: int) -> tuple[int, int]:

@@ -1,6 +1,7 @@
 """The store: what the daemon knows, in one sqlite database (`<state>/state.db`, WAL mode),
 each change one `BEGIN IMMEDIATE` transaction, so a crash at any point leaves every change
-whole or absent. It may touch only that file (and its -wal and -shm) in the state dir.
+whole or absent. It may touch only that file (and its -wal and -shm) in the state dir,
+and its seq mark beside them (`_seq_mark.py`).
 
 The daemon holds the database in exclusive locking mode (it alone uses it, under the
 state dir's lock; the WAL index lives in its memory, so there is no -shm file while it
@@ -33,7 +34,9 @@ Version 1 held the wakes:
     TRIGGER wake_seq_rises AFTER INSERT ON wakes  -- wake_seq = max(wake_seq, seq)
 
 A post inserts the wake (and the trigger raises `wake_seq`) in one transaction; an ack
-deletes it. `wake_seq` outlives every row, so no seq is ever given twice.
+deletes it. `wake_seq` outlives every row, and the seq mark outside the WAL (raised
+before a commit needs it) outlives a WAL that loses commits, so no seq is ever given
+twice.
 
 Version 2 holds the rest of what the daemon knows, so that an ending (its
 record, its wake, its retention) is one transaction, and recovery and `latest_resumable`
@@ -106,7 +109,8 @@ from .._logging import get_logger
 from ..core._registry import LaunchFence, RunRecord, Tombstone, WorkerRecord
 from ..core._request_keys import KeyRecord
 from ._files import SAFE_FLAGS
-from ._salvage import FileIdentity, copy_whole, dropped_commits, empty_beside_wal, relinked_why
+from ._salvage import FileIdentity, WalTail, copy_whole, empty_beside_wal, relinked_why, wal_tail
+from ._seq_mark import SEQ_MARK_NAME, SeqMark
 from ._store_lock import StoreLock, StoreLocked, is_store_lock
 
 log = get_logger()
@@ -120,6 +124,9 @@ READS_VERSIONS = tuple(range(1, SCHEMA_VERSION + 1))
 #: How far seqs skip ahead when the store's record of the highest one given is lost: the
 #: seqs given before are then unknown, and no daemon gives out this many wakes in its life.
 SEQ_SKIP_WITHOUT_FLOOR = 2**32
+#: How far above the store's floor the seq mark beside it is believed (`SeqMark.read`):
+#: past a skip or two and whatever a WAL could lose, short of what a planted one could ask.
+SEQ_MARK_BELIEVED = 2**40
 #: What follows the database's name in the files sqlite keeps beside it. (A WAL-mode store
 #: makes no -journal, but sqlite opens one it finds, to see whether it is hot, at every
 #: open and reopen: a FIFO there blocks the open for good, a directory fails it.)
@@ -303,7 +310,13 @@ class Store:
         #: Whether rows it held may be lost (it was set aside, emptied, its WAL cut, or
         #: archives were found without rows): recovery then trusts the journals' endings.
         self.damaged = False
+        #: Whether the WAL ended inside a commit (`WalTail.unsure`: cut through it, or torn
+        #: by a kill -9): its last commit may be lost unsaid, so recovery trusts the
+        #: journals' endings over `interrupted` here too, though nothing is called damage.
+        self.tail_unsure = False
         self._seqs_skipped = False
+        #: The highest seq it may have given, outside the WAL (read again by `open`).
+        self.seq_mark = SeqMark(path.with_name(SEQ_MARK_NAME), 0, problems)
         #: The files the store has open, by suffix ("", "-wal"): see `check_linked`.
         self._opened: dict[str, FileIdentity | None] = {}
         #: Called when a transaction went in and no change is kept out any more: what
@@ -339,8 +352,8 @@ class Store:
                     raise
                 db = _recover_from_damage(path, str(exc), problems, lock)
                 lost = True
-            if left_wal:
-                lost |= _report_dropped_commits(path, db, problems)
+            tail = _report_dropped_commits(path, db, problems) if left_wal else WalTail()
+            lost |= tail.dropped > 0
         except (sqlite3.Error, OSError) as exc:
             if lock is not None:
                 lock.release()
@@ -354,6 +367,10 @@ class Store:
             raise
         store = cls(path, db, problems, lock)
         store._remember_files()
+        store.tail_unsure = tail.unsure
+        store.seq_mark = SeqMark.read(
+            store.seq_mark.path, _read_floor(db), SEQ_MARK_BELIEVED, problems
+        )
         if lost:
             store.damaged = True
             store.skip_seqs()
@@ -470,7 +487,7 @@ class Store:
     def skip_seqs(self) -> int:
         """Raise the seq floor far ahead, once: rows were lost, and with them perhaps the
         wakes given since the floor read here was written. The new floor."""
-        floor = _read_floor(self._db)
+        floor = self._wake_floor()
         if not self._seqs_skipped:
             self._seqs_skipped = True
             floor += SEQ_SKIP_WITHOUT_FLOOR
@@ -503,6 +520,7 @@ class Store:
         return wakes, max([floor, *(w.seq for w in wakes)])
 
     def post_wake(self, wake: Wake) -> None:
+        self.seq_mark.cover(wake.seq)
         with self.transaction("posting a wake") as db:
             _insert_wake(db, wake, or_ignore=False)  # and the floor rises (a trigger)
 
@@ -566,6 +584,7 @@ class Store:
         changes = [(change, before_commit) for change, before_commit in changes if change]
         if not changes:
             return
+        self._cover([*self._unwritten, *(change for change, _ in changes)])
         try:
             with self.transaction(what) as db:
                 for earlier in self._unwritten:
@@ -583,6 +602,11 @@ class Store:
             self._unwritten.clear()
             self.on_written()
 
+    def _cover(self, changes: list[Change]) -> None:
+        """The seq mark raised over the wakes of `changes`, before the commit that holds
+        them: a WAL that loses that commit must not lose their seqs with it."""
+        self.seq_mark.cover(max((w.seq for c in changes for w in c.wakes), default=0))
+
     @property
     def unwritten(self) -> int:
         """How many changes the daemon went on without are still kept out of the store."""
@@ -593,6 +617,7 @@ class Store:
         StoreWriteFailed (and they stay kept) if they still do not go in."""
         if not self._unwritten:
             return
+        self._cover(self._unwritten)
         with self.transaction("changes kept out by a failing disk") as db:
             for earlier in self._unwritten:
                 _write(db, earlier)
@@ -748,7 +773,9 @@ class Store:
             self._problem(problem)
 
     def _wake_floor(self) -> int:
-        return _read_floor(self._db)
+        """The highest seq given: the store's own floor, or the mark beside it where the
+        WAL lost commits that gave seqs (nothing may have said so)."""
+        return max(_read_floor(self._db), self.seq_mark.marked)
 
     def _problem(self, problem: str) -> None:
         log.error("store.problem", problem=problem)
@@ -1021,16 +1048,18 @@ def _set_aside_empty(path: Path, problems: list[str]) -> bool:
     return True
 
 
-def _report_dropped_commits(path: Path, db: sqlite3.Connection, problems: list[str]) -> bool:
+def _report_dropped_commits(path: Path, db: sqlite3.Connection, problems: list[str]) -> WalTail:
     """Report commits the WAL holds that sqlite dropped (a frame cut short or corrupted
-    before them), keeping a copy of that WAL; whether there were any."""
+    before them), keeping a copy of that WAL; what its tail holds."""
     try:
-        dropped = dropped_commits(path, db)
+        tail = wal_tail(path, db)
     except (OSError, sqlite3.Error) as exc:
         log.warning("store.wal_unchecked", error=str(exc))
-        return False
-    if not dropped:
-        return False
+        return WalTail()
+    if tail.unsure:
+        log.warning("store.wal_tail_unsure", dropped=tail.dropped)
+    if not (dropped := tail.dropped):
+        return tail
     kept = path.with_name(f"{path.name}-wal.damaged-{_stamp()}")
     try:
         shutil.copyfile(f"{path}-wal", kept, follow_symlinks=False)
@@ -1045,7 +1074,7 @@ def _report_dropped_commits(path: Path, db: sqlite3.Connection, problems: list[s
     )
     log.error("store.wal_damaged", problem=problem)
     problems.append(problem)
-    return True
+    return tail
 
 
 def _inherited_put_back(path: Path, fd: int, problems: list[str]) -> int:

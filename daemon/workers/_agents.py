@@ -25,6 +25,7 @@ from subagentd.protocol import (
     Timeout,
 )
 
+from ..store._archive import FrozenAgent
 from ..store._files import NotRegularFile, read_regular
 
 #: Bytes of a pointer in exec's argv and envp arrays, which count towards its limit.
@@ -147,3 +148,13 @@ def command_problem(argv: Sequence[str], env: Mapping[str, str]) -> str | None:
             f"{MAX_EXEC_BYTES}: pass large data as input or in a file"
         )
     return None
+
+
+def frozen_agent(agent: AgentDef) -> FrozenAgent:
+    return FrozenAgent(
+        command=list(agent.command),
+        model=agent.model,
+        timeout=agent.timeout,
+        grace=agent.grace,
+        env=dict(agent.env),
+    )
