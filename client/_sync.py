@@ -67,6 +67,8 @@ class Client:
         self.timeout = timeout
         self._conn = _core.Connection(reconnect=True)
         self._sock = None
+        # While a caller leaves a wake stream (`_ack_leaving`): when it stops waiting.
+        self._leaving_by: float | None = None
 
     def __enter__(self) -> Self:
         self.connect()
@@ -510,9 +512,18 @@ class Client:
         deadline = time.monotonic() + _core.RECONNECT_WINDOW
         pause = _core.RECONNECT_PAUSE
         while True:
+            leaving_by = self._leaving_by
             try:
-                sock, handshake = self._handshake(deadline)
+                sock, handshake = self._handshake(min(deadline, leaving_by or deadline))
             except (OSError, SubagentdError) as exc:
+                if leaving_by is not None and (
+                    isinstance(exc, (ConnectionRefusedError, FileNotFoundError))
+                    or not _core.retry_reconnect(exc)
+                    or time.monotonic() + pause > leaving_by
+                ):
+                    # Nothing serves (or not in time) for a caller on its way out: the
+                    # conversation goes on, the next call connecting again.
+                    raise _LeftWaiting from exc
                 if not _core.retry_reconnect(exc) or time.monotonic() + pause > deadline:
                     self._conn.reconnect_failed(exc)
                     return
@@ -548,11 +559,36 @@ class Client:
         return sock, handshake
 
     def _ack_leaving(self, wake: Wake) -> None:
+        """Acknowledge the wake a caller leaves with (a break), never waiting for a daemon
+        that is not there: its answer is awaited for `LEAVING_ACK_WAIT` at most, and not at
+        all once a connect is refused; then the acknowledgement is left to the connection
+        (`Connection.detach`), which sends it at this client's next call, on the connection
+        that call makes. Else the wake stays pending for the next subscriber."""
         if self._sock is None:
             return  # closed under the caller: the wake stays pending, for the next subscriber
-        # A failure here must not hide why the caller left; the wake then stays pending.
-        with contextlib.suppress(SubagentdError, OSError):
-            self.ack([wake.seq])
+        self._leaving_by = time.monotonic() + _core.LEAVING_ACK_WAIT
+        sock = self._sock
+        _set_timeout(sock, _core.LEAVING_ACK_WAIT)
+        request_id = None
+        try:
+            ack = _core.ack([wake.seq]).request
+            if self._conn.reconnecting:  # opened in the core alone: `_next_reply` reconnects
+                request_id = self._conn.send(ack, now=time.monotonic())[0]
+            else:
+                request_id = self._send(ack)
+            self._next_reply(request_id)
+        except (_LeftWaiting, TimeoutError):
+            if request_id is not None:
+                self._conn.detach(request_id)
+                request_id = None
+        except (SubagentdError, OSError):
+            pass  # a failure must not hide why the caller left; the wake then stays pending
+        finally:
+            self._leaving_by = None
+            if request_id is not None:
+                self._conn.finish(request_id)
+            if sock is self._sock and sock.fileno() >= 0:  # not closed by a reconnect
+                _set_timeout(sock, self.timeout)
 
     def _abort(self, request_id: int) -> None:
         frame = self._conn.abort(request_id)  # None while reconnecting: nothing to abort
@@ -563,6 +599,10 @@ class Client:
         except OSError as exc:
             # Nothing left to abort on a dead connection; the caller's own exception matters more.
             self._conn.connection_lost(exc)
+
+
+class _LeftWaiting(Exception):
+    """A caller leaving a wake stream stops waiting for a daemon that is away."""
 
 
 def _set_timeout(sock: socket.socket, timeout: float | None) -> None:
