@@ -27,17 +27,18 @@ subagentd only (supervisord's group of 10,000 would need minfds and a config of
   `collect(id, wait=True)`, as in collect.py; workers/s of each, once, the daemon's
   CPU per worker, and the ratio of the two rates.
 
-A live `sleep` worker holds 2 descriptors in the daemon (its stdout and stderr
-pipes; no pidfd: its exit is told by SIGCHLD and it is reaped by its pid, see
-processes/_reaper.py; its journal is closed while it is idle, past the 256 journals
-held open: see store/_journal.py), and one more per process of its tree but its own
-while its stop runs (the stop pins each with a pidfd; the worker's own process, an
-unreaped child, is signalled by pid and needs none). The bench raises its own soft
-RLIMIT_NOFILE to the hard limit first, and the hard one to what `--workers` need
-where it may (root with CAP_SYS_RESOURCE); the daemon, its child, inherits them (and
-raises its own soft limit to its hard one at start anyway). Where the hard limit
-cannot hold `--workers`, the bench runs as many as it can hold and says so in the
-notes (at 20,000: 9,500), with the limits the daemon ran with.
+A live `sleep` worker holds 2 descriptors: its stdout and stderr pipes' read ends, in
+the daemon below its relay threshold (`--relay-above`, by default the soft limit less a
+quarter of it), in an output relay process past it (daemon/processes/_relay.py: the
+daemon then holds none for it; each relay raises its own soft limit to the hard one and
+holds up to (limit - 16) / 2 workers, a full one means another). No pidfd: its exit is
+told by SIGCHLD and it is reaped by its pid (processes/_reaper.py); its journal is
+closed while it is idle, past the 256 journals held open (store/_journal.py). The
+bench raises its own soft RLIMIT_NOFILE to the hard limit first, and the hard one to
+what `--workers` need where it may (root with CAP_SYS_RESOURCE); the daemon, its
+child, inherits them. The descriptors figure is given per worker in the daemon, per
+relayed worker in the relays, and in all, with how many were relayed. At a hard limit
+of 20,000: 10,000 live (about 7,000 piped, 3,000 relayed).
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ from _harness import (
 from reload import Runs, reload_once
 
 from subagentd.client import Client
+from subagentd.daemon.processes._relay import MAX_RELAYS, default_relay_above
+from subagentd.daemon.processes._relay_program import RESERVE as RELAY_RESERVE
 from subagentd.protocol import ListWorkers, WorkerList
 
 COMMAND = ["sleep", "3600"]
@@ -93,19 +96,42 @@ def _ppid(pid: int) -> int | None:
 
 
 def live_size(wanted: int) -> tuple[int, str]:
-    """How many live workers the daemon can hold here, at most `wanted`, and why fewer.
+    """How many live workers the daemon can hold here, at most `wanted`, and why fewer:
+    below its relay threshold in its own descriptors, past it in its relays'.
 
     The bench first raises its soft RLIMIT_NOFILE to the hard limit, and the hard
     one where it may (root with CAP_SYS_RESOURCE); the daemon inherits both."""
     _, hard = raise_fd_limit(DESCRIPTORS_PER_WORKER * wanted + DAEMON_DESCRIPTORS)
-    fits = (hard - DAEMON_DESCRIPTORS) // DESCRIPTORS_PER_WORKER
+    piped = max(0, default_relay_above(hard) - DAEMON_DESCRIPTORS) // DESCRIPTORS_PER_WORKER
+    relayed = MAX_RELAYS * ((hard - RELAY_RESERVE) // DESCRIPTORS_PER_WORKER)
+    fits = piped + relayed
     if fits >= wanted:
         return wanted, ""
     return fits, (
         f"{fits:,} live, not {wanted:,}: the descriptor limit here is {hard:,} (hard, and "
-        f"this process may not raise it) and a live worker needs {DESCRIPTORS_PER_WORKER} "
-        "in the daemon; "
+        f"this process may not raise it), {piped:,} piped in the daemon and {relayed:,} in "
+        f"{MAX_RELAYS} relays at most; "
     )
+
+
+def relays_of(pid: int) -> list[int]:
+    """The daemon `pid`'s output relays (its children running the relay program)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and _ppid(int(entry)) == pid:
+            with contextlib.suppress(OSError), open(f"/proc/{entry}/cmdline", "rb") as f:
+                if b"_relay_program.py" in f.read():
+                    found.append(int(entry))
+    return found
+
+
+def pipes_of(pid: int) -> int:
+    """How many of `pid`'s descriptors are pipes."""
+    count = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(FileNotFoundError):  # closed meanwhile
+            count += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("pipe:")
+    return count
 
 
 def held(pid: int) -> int:
@@ -159,6 +185,11 @@ class Measured:
     fewer: str
     start_s: float = 0.0
     per_worker: float = 0.0
+    #: Workers relayed, and the relays' descriptors per relayed worker.
+    relayed: int = 0
+    relays: int = 0
+    relay_per_worker: float = 0.0
+    relay_rss: float = 0.0
     journals: int = 0
     limits: str = ""
     memory: list[float] = dataclasses.field(default_factory=list)
@@ -176,20 +207,32 @@ class Measured:
 
 
 def measure(
-    workers: int = 10_000, collect: int = 10_000, lists: int = 5, reloads: int = 3
+    workers: int = 10_000,
+    collect: int = 10_000,
+    lists: int = 5,
+    reloads: int = 3,
+    relay_above: int | None = None,
 ) -> list[Figure]:
     workers, fewer = live_size(workers)
     out = Measured(workers=workers, fewer=fewer)
-    with running_daemon() as daemon, Client(daemon.socket, timeout=600) as client:
+    args = [] if relay_above is None else [f"--relay-above={relay_above}"]
+    with running_daemon(*args) as daemon, Client(daemon.socket, timeout=600) as client:
         pid = daemon.proc.pid
         run = client.new_run()
-        before = held(pid)
+        before, pipes_before = held(pid), pipes_of(pid)
         began = time.perf_counter()
         spawned = [client.spawn(COMMAND, run=run) for _ in range(workers)]
         wait_exec(w.pid for w in spawned if w.pid)
         out.start_s = time.perf_counter() - began
         assert client.info().workers.get("running") == workers
         out.per_worker = (held(pid) - before) / workers
+        relays = relays_of(pid)
+        out.relays = len(relays)
+        # A relayed worker holds no pipe of the daemon's: those it holds are piped ones'.
+        out.relayed = workers - (pipes_of(pid) - pipes_before) // DESCRIPTORS_PER_WORKER
+        if out.relayed:
+            out.relay_per_worker = sum(held(r) for r in relays) / out.relayed
+            out.relay_rss = sum(rss(r) for r in relays) / 2**20
         out.journals = journals_open(pid)
         out.limits = fd_limits(pid)
 
@@ -251,8 +294,17 @@ def figures(out: Measured, collect: int) -> list[Figure]:
             "descriptors", "lower", [out.per_worker],
             note="what the daemon held with them all running, less what it held before the "
             f"first spawn, over their number (/proc/PID/fd); {out.journals:,} of them journals "
-            "(the 256 used last stay open: under 2,560 live, more than 0.1 a worker)",
+            "(the 256 used last stay open: under 2,560 live, more than 0.1 a worker); "
+            f"{out.relayed:,} of them relayed (no descriptor in the daemon), by {out.relays} "
+            f"relays holding {out.relay_per_worker:.2f} descriptors a relayed worker; in all, "
+            f"{out.per_worker + out.relay_per_worker * out.relayed / out.workers:.2f} a worker",
             target="< 2 (10,000 live under a 20,000 limit)", met=out.per_worker < 2,
+        ),
+        Figure.of(
+            "many.relay_descriptors", f"descriptors per relayed worker in the relays ({size} "
+            "live)", "descriptors", "lower", [out.relay_per_worker],
+            note=f"{out.relayed:,} relayed by {out.relays} relays (/proc/PID/fd of each; their "
+            f"RSS {out.relay_rss:.1f} MiB in all); the rest held by the daemon",
         ),
         Figure.of(
             "many.rss", f"daemon RSS with {size} running", "MiB", "lower", out.memory,
@@ -331,8 +383,11 @@ def main() -> None:
     parser.add_argument("--collect", type=int, default=10_000, help="0: skip the collect")
     parser.add_argument("--lists", type=int, default=5)
     parser.add_argument("--reloads", type=int, default=3)
+    parser.add_argument(
+        "--relay-above", type=int, default=None, help="the daemon's (default: its own)"
+    )
     args = parser.parse_args()
-    report(measure(args.workers, args.collect, args.lists, args.reloads))
+    report(measure(args.workers, args.collect, args.lists, args.reloads, args.relay_above))
 
 
 if __name__ == "__main__":

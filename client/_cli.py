@@ -285,6 +285,7 @@ class Human:
                 *_recovering_field(info),
                 ("holds_park", info.holds_park),
                 ("tree_tracking", info.tree_tracking),
+                *_relays_field(info),
                 ("authority", AUTHORITY_MEANS.get(info.authority, info.authority)),
                 ("caller", info.caller or "the user"),
                 ("socket", info.socket),
@@ -590,6 +591,21 @@ def send(daemon: Client, args: argparse.Namespace, out: Output) -> None:
         if written == len(data) and (took == len(chunk)):
             break
     out.sent(args.worker, written, args.eof)
+
+
+def _relays_field(info: DaemonInfo) -> list[tuple[str, object]]:
+    """The output relays, where any runs: how many pipes they hold of how many."""
+    relays = info.relays
+    if relays is None or not relays.pids:
+        return []
+    pids = ", ".join(str(pid) for pid in relays.pids)
+    return [
+        (
+            "relays",
+            f"{relays.streams:,} pipes of {relays.capacity:,} (pid {pids}); workers whose "
+            f"pipes come at descriptor {relays.relay_above:,} or above are relayed",
+        )
+    ]
 
 
 def _recovering_field(info: DaemonInfo) -> list[tuple[str, object]]:

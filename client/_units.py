@@ -60,9 +60,11 @@ RestartSec=1
 Delegate=yes
 # The worker processes are ours to supervise, never the OOM killer's first pick.
 OOMPolicy=continue
-# Each live worker holds 2 descriptors in the daemon (its stdout and stderr pipes; its
+# Each live worker holds 2 descriptors (its stdout and stderr pipes: in the daemon, or
+# past --relay-above in an output relay, the daemon's child, which then holds them; its
 # journal only while among the 256 used last): 524288, systemd's own hard limit for
-# user services, holds ~260,000 live. The daemon raises its soft limit to this.
+# user services, holds ~260,000 live. The daemon and its relays raise their soft limit
+# to this.
 LimitNOFILE=524288
 
 [Install]

@@ -55,6 +55,7 @@ from .core._request_keys import (
 )
 from .processes._launcher import Launcher
 from .processes._process import OutOfDescriptors, SpawnFailed, WorkerProcess
+from .processes._relay import Relay
 from .processes._tree import DESCRIPTOR_ERRNOS
 from .store._archive import Archive, Snapshot, SpareArchives
 from .store._journal import Journal
@@ -135,6 +136,7 @@ class Daemon:
             disk_ok=self.problems.disk_ok,
             later=self.after_answer,
         )
+        launcher.relays.on_lost = self._relay_lost
         self.image_generation = 1
         self.reloads = 0
         #: The wall clock, for the times written down (started_at, ended_at, journal
@@ -275,10 +277,19 @@ class Daemon:
                 self._do_after_answers,
             ):
                 timers.start_soon(_keep_running, task)
+            await timers.start(self.launcher.relays.run)
             # In this task, handing it our task_status: serving starts one scheduling
             # batch sooner than through a nursery.start of its own (a batch in which a
             # reload's thousand adopted workers take their first step).
             await self.supervisor.run(task_status=task_status)
+
+    def _relay_lost(self, relay: Relay, workers: int) -> None:
+        """An output relay died: its workers' supervision ends each `interrupted`; said here."""
+        if workers:
+            self.problems.relay = (
+                f"{relay.lost}; the {workers} workers whose output it held were ended "
+                "interrupted (resume each by its id); the next relayed spawn starts a new relay"
+            )
 
     def after_answer(self, step: Callable[[], None]) -> None:
         """Do `step` (a log line, an empty cgroup's removal) once the answer being made
@@ -795,6 +806,7 @@ class Daemon:
             caller=caller,
             socket=str(self.socket_path),
             state_dir=str(self.state_dir.root),
+            relays=self.launcher.relays.info(),
             problems=self.problems.current()
             + self._unwritten_problem()
             + self.store.problems

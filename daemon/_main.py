@@ -35,7 +35,13 @@ from subagentd.protocol import (
 )
 
 from ._logging import configure_logging, get_logger
-from ._settings import DEFAULT_RELOAD_INTERVAL, FAULT_ENV, Settings, read_faults
+from ._settings import (
+    DEFAULT_RELOAD_INTERVAL,
+    FAULT_ENV,
+    MAX_RELAY_ABOVE,
+    Settings,
+    read_faults,
+)
 from .core._registry import DEFAULT_FINISHED_TTL, DEFAULT_KEEP_ARCHIVES_DAYS
 from .core._request_keys import DEFAULT_REQUEST_KEY_TTL
 from .lifecycle._checkpoint import (
@@ -124,6 +130,16 @@ def _parser() -> argparse.ArgumentParser:
         "(default: %(default)s s)",
     )
     parser.add_argument(
+        "--relay-above",
+        type=_descriptor_number,
+        default=None,
+        metavar="FD",
+        help="hand a new worker's stdout and stderr pipes to an output relay process once "
+        "their descriptor numbers come at or above FD, so the worker costs the daemon no "
+        "descriptor (default: the descriptor limit less a quarter of it, at least 1,024 "
+        "kept; 0 relays every worker)",
+    )
+    parser.add_argument(
         "--cgroups",
         choices=["auto", "off"],
         default="auto",
@@ -163,6 +179,18 @@ def _non_negative(text: str) -> float:
     value = float(text)
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not zero or more")
+    return value
+
+
+def _descriptor_number(text: str) -> int:
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not 0 <= value <= MAX_RELAY_ABOVE:
+        raise argparse.ArgumentTypeError(f"{text!r} is not between 0 and {MAX_RELAY_ABOVE}")
     return value
 
 
@@ -377,6 +405,7 @@ def _settings(args: argparse.Namespace) -> Settings:
         cgroups=args.cgroups,
         reload_interval=args.reload_interval,
         request_key_ttl=args.request_key_ttl,
+        relay_above=args.relay_above,
     )
 
 

@@ -19,6 +19,8 @@ class Problems:
         self.descriptors: str | None = None
         #: What crash recovery could not do for some worker.
         self.recovery: list[str] = []
+        #: The last output relay that died holding workers' streams (kept: what it cost).
+        self.relay: str | None = None
 
     def disk_failed(self, what: str, exc: OSError) -> None:
         """A write failed (disk full, I/O error): reported, logged once per kind. `what`
@@ -40,4 +42,4 @@ class Problems:
             self.disk = None
 
     def current(self) -> list[str]:
-        return [p for p in (self.disk, self.descriptors) if p] + self.recovery
+        return [p for p in (self.disk, self.descriptors, self.relay) if p] + self.recovery

@@ -18,6 +18,8 @@ from .core._request_keys import DEFAULT_REQUEST_KEY_TTL
 #: Seconds or days: zero or more, as the command line takes them (nan refused, inf
 #: meaning never); the same rule where a checkpoint carries them.
 NonNegative = Annotated[float, msgspec.Meta(ge=0)]
+#: The largest `relay_above` taken: far past any descriptor limit (fs.nr_open's most is 2^30).
+MAX_RELAY_ABOVE = 1 << 31
 #: A reload this soon after the last one ended is refused `busy`, with the time left.
 DEFAULT_RELOAD_INTERVAL = 1.0
 
@@ -40,6 +42,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     reload_interval: NonNegative = DEFAULT_RELOAD_INTERVAL
     #: Seconds a spawn's or resume's idempotency key is remembered.
     request_key_ttl: NonNegative = DEFAULT_REQUEST_KEY_TTL
+    #: A new worker's pipes go to an output relay once their descriptor numbers come at
+    #: or above this (None: the default worked out from the limit, `default_relay_above`).
+    relay_above: Annotated[int, msgspec.Meta(ge=0, le=MAX_RELAY_ABOVE)] | None = None
 
     def command_line(self) -> list[str]:
         """The options of `subagentd` that give these very settings: a reload's exec passes
@@ -57,6 +62,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         ]
         if self.idle_exit is not None:
             options.append(f"--idle-exit={self.idle_exit!r}")
+        if self.relay_above is not None:
+            options.append(f"--relay-above={self.relay_above}")
         if self.log_format is not None:
             options.append(f"--log-format={self.log_format}")
         return options

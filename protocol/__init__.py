@@ -61,6 +61,7 @@ from ._messages import ListWorkers as ListWorkers
 from ._messages import Name as Name
 from ._messages import NewRun as NewRun
 from ._messages import OutputKind as OutputKind
+from ._messages import OutputRelays as OutputRelays
 from ._messages import Page as Page
 from ._messages import Recovery as Recovery
 from ._messages import Reload as Reload

@@ -245,6 +245,18 @@ class Wake(msgspec.Struct, kw_only=True):
     attempt: int = 1
 
 
+class OutputRelays(msgspec.Struct, kw_only=True):
+    """The daemon's output relays (`DaemonInfo.relays`): `relay_above`, the descriptor
+    number from which a new worker's pipes go to a relay; `pids` of the relays running;
+    `streams`, the workers' pipes they hold (2 a live relayed worker); `capacity`, how
+    many they could hold in all."""
+
+    relay_above: int
+    pids: list[int] = []
+    streams: int = 0
+    capacity: int = 0
+
+
 class Recovery(msgspec.Struct, kw_only=True):
     """How far a restart's recovery has come (`DaemonInfo.recovering`): `phase` is what it
     does now (`reading the store`, `ending what was running`, `rebuilding the registry`,
@@ -284,6 +296,9 @@ class DaemonInfo(msgspec.Struct, kw_only=True):
     #: Set while a restart takes its workers back (most requests are then answered
     #: `recovering`); None once it serves them all.
     recovering: Recovery | None = None
+    #: The output relays holding workers' pipes past the descriptor threshold (None: an
+    #: image before them).
+    relays: OutputRelays | None = None
 
 
 # -- replies and events: daemon to client --------------------------------------

@@ -25,6 +25,11 @@ START_TIMEOUT = 20.0
 _Socket = socket.socket  # DaemonProcess has a field named `socket`
 
 
+#: SUBAGENTD_TEST_RELAYED=1: every test daemon relays every worker's output (an output
+#: relay holds its pipes: `--relay-above 0`), to run whole-behaviour tests that way.
+RELAYED = ["--relay-above", "0"] if os.environ.get("SUBAGENTD_TEST_RELAYED") == "1" else []
+
+
 @dataclass
 class DaemonProcess:
     """A subagentd run by the test, and the datagram socket it notifies."""
@@ -36,7 +41,7 @@ class DaemonProcess:
     notify_path: Path
     #: No rate limit on reloads: a test reloads as often as it needs without waiting
     #: on the real clock (the limit itself is tested in-process, on the mock clock).
-    extra_args: list[str] = field(default_factory=lambda: ["--reload-interval", "0"])
+    extra_args: list[str] = field(default_factory=lambda: ["--reload-interval", "0", *RELAYED])
     proc: subprocess.Popen[bytes] | None = None
     _notify: _Socket | None = None
     log_path: Path | None = None

@@ -527,6 +527,8 @@ class Registry:
             record.state = "timed_out"
         elif record.stop_reason == "reload":
             record.state = "stopped_by_reload"
+        elif record.stop_reason == "relay":  # its output relay died: as a crash takes it
+            record.state = "interrupted"
         elif record.stop_reason is not None:
             record.state = "stopped"
         elif exit_code == 0:
@@ -563,6 +565,11 @@ class Registry:
         newly = self._mark_stopping([root], reason)
         newly += self._mark_stopping(delegated, "ancestor" if reason == "timeout" else reason)
         return sorted(newly)
+
+    def interrupt(self, worker_id: str) -> list[str]:
+        """Stop this worker alone (not its delegates), to end `interrupted`: what
+        supervised it is gone (its output relay). The ids newly asked: it, or none."""
+        return self._mark_stopping([worker_id], "relay")
 
     def begin_turn(self) -> int:
         self.turn += 1

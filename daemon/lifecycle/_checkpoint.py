@@ -15,6 +15,9 @@ Version 4 added the store's lock (`store_lock_fd`), and is handed over in a seal
 memfd (`sealed_checkpoint`) named on the command line with the settings, rather than
 in a file in the state dir, where any process of the user could rewrite it: an image
 that reads only 3 is handed a version 3 checkpoint in the file, as before.
+Version 5 added the output relays (`relays`, and each relayed worker's `relay` and
+`relayed` streams): an image that reads only 4 is refused a reload while any worker is
+relayed (it would hold none of their output), and handed a version 4 checkpoint otherwise.
 """
 
 from __future__ import annotations
@@ -27,17 +30,18 @@ from pathlib import Path
 import msgspec
 
 from .._settings import Settings, decode_path, encode_path
+from ..processes._relay import CarriedRelay
 from ..store._files import read_regular, replace_file
 from ..store._journal import JournalIndex, ParkedJournal
 from ..store._legacy import CheckpointV1State
 
 #: The format written here. Bump on an incompatible change and keep reading the old.
-CHECKPOINT_VERSION = 4
+CHECKPOINT_VERSION = 5
 #: The format written for an image that does not read this one: the same, less what
 #: it added (see `carries_journals`, `carries_store_lock`).
-WRITES_VERSIONS = (2, 3, 4)
+WRITES_VERSIONS = (2, 3, 4, 5)
 #: Every format this image reads (announced by `subagentd --check`).
-READS_VERSIONS = (1, 2, 3, 4)
+READS_VERSIONS = (1, 2, 3, 4, 5)
 #: Far above any real checkpoint (about a kilobyte a worker); a larger file is no checkpoint.
 CHECKPOINT_READ_LIMIT = 1024 * 1024 * 1024
 
@@ -66,6 +70,12 @@ class CarriedWorker(msgspec.Struct, kw_only=True):
     #: The end of its stdout as supervision holds it (with `journal` or `parked` alone:
     #: else the journal opened again gives it).
     stdout_tail: bytes = b""
+    #: The pid of the output relay holding its streams (`stdout`/`stderr` None then), and
+    #: which of them are still open there (version 5; None: not relayed).
+    relay: int | None = None
+    relayed: list[str] = []
+    #: What the relay names those streams by (this attempt's key: `_relay.stream_key`).
+    relay_key: str = ""
     #: Its journal while parked (no descriptor held): the file it is, what was written of
     #: it. None: one carried, or an image before this; taken from a sealed memfd alone.
     parked: ParkedJournal | None = None
@@ -118,6 +128,8 @@ class Checkpoint(msgspec.Struct, kw_only=True):
     #: The store's lock (`StoreLock`), held across the exec; None: a version before 4, or
     #: a store opened without one (the new image takes it afresh).
     store_lock_fd: int | None = None
+    #: The output relays, their sockets carried (version 5; none before).
+    relays: list[CarriedRelay] = []
 
     def descriptors(self) -> list[int]:
         """Every descriptor this checkpoint carries, each where the new image finds it."""
@@ -131,12 +143,18 @@ class Checkpoint(msgspec.Struct, kw_only=True):
             if worker.journal is not None:
                 fds.append(worker.journal.fd)
         fds += (conn.fd for conn in self.requesters)
+        fds += (relay.fd for relay in self.relays)
         return fds
 
 
 def carries_journals(version: int) -> bool:
     """Whether a checkpoint of `version` carries the live workers' journals."""
     return version >= 3
+
+
+def carries_relays(version: int) -> bool:
+    """Whether a checkpoint of `version` carries the output relays and relayed workers."""
+    return version >= 5
 
 
 def carries_store_lock(version: int) -> bool:

@@ -6,7 +6,8 @@ process can lie about instead.
 The descriptors the old image carried are still this process's, and inheritable (all
 it opened itself since the exec are close-on-exec), and each says what it is: the
 state dir's lock (the directory itself), the file `lock`, the store's lock (state.db),
-the listening socket (bound to the socket path), pipes. The store names the live
+the listening socket (bound to the socket path), pipes, the output relays' sockets
+(each asked what it holds: `ask_inventory`). The store names the live
 workers, their pids and their pipes' inodes as they were started (both ends of a pipe
 are one inode; a row of an image before that: /proc/<pid>/fd says which pipe is each
 one's stdin, stdout and stderr now, which a worker that made another's its own fools).
@@ -27,6 +28,7 @@ import stat
 from .._logging import get_logger
 from .._settings import Settings
 from ..core._registry import WorkerRecord
+from ..processes._relay import CarriedRelay, ask_inventory, worker_of
 from ..serving._listener import bound_for
 from ..store._statedir import StateDir
 from ..store._store import STORE_NAME
@@ -50,6 +52,7 @@ def rebuilt_handoff(settings: Settings) -> tuple[Checkpoint, dict[int, int]]:
     }
     found: dict[str, int] = {}
     pipes: dict[int, int] = {}
+    relays: list[CarriedRelay] = []
     listen_fd, listen_owned = NOT_FOUND, True
     for fd in _inherited():
         try:
@@ -65,6 +68,8 @@ def rebuilt_handoff(settings: Settings) -> tuple[Checkpoint, dict[int, int]]:
             pipes[st.st_ino] = fd
         elif stat.S_ISSOCK(st.st_mode) and listen_fd == NOT_FOUND and _listens_at(fd):
             listen_fd, listen_owned = fd, _bound_at(fd, settings)
+        elif stat.S_ISSOCK(st.st_mode) and (relay := ask_inventory(fd)) is not None:
+            relays.append(relay)  # an output relay, asked what it holds
         else:
             os.close(fd)  # a requester's connection, a journal: see the module's docstring
     log.warning(
@@ -72,6 +77,7 @@ def rebuilt_handoff(settings: Settings) -> tuple[Checkpoint, dict[int, int]]:
         found=sorted(found),
         listening=listen_fd != NOT_FOUND,
         pipes=len(pipes),
+        relays=len(relays),
     )
     return Checkpoint(
         version=CHECKPOINT_VERSION,
@@ -84,6 +90,7 @@ def rebuilt_handoff(settings: Settings) -> tuple[Checkpoint, dict[int, int]]:
         store_lock_fd=found.get("store_lock"),
         live=[],
         settings=settings,
+        relays=relays,
     ), pipes
 
 
@@ -93,6 +100,11 @@ def with_live_workers(
     """`handoff` with every worker the store holds as running, each with its pipes as
     /proc shows them (taken from `pipes`; those left over are closed)."""
     live = []
+    relayed = {  # by worker id: the relay's pid, the stream key, the kinds still open
+        worker_of(key): (r.pid, key, kinds)
+        for r in handoff.relays
+        for key, kinds in r.streams.items()
+    }
     for record in held:
         if record.ended or record.pid is None or record.pid_start is None:
             continue
@@ -110,6 +122,9 @@ def with_live_workers(
                 stdin=ends[0],
                 stdout=ends[1],
                 stderr=ends[2],
+                relay=relayed[record.id][0] if record.id in relayed else None,
+                relay_key=relayed[record.id][1] if record.id in relayed else "",
+                relayed=relayed[record.id][2] if record.id in relayed else [],
             )
         )
     for fd in pipes.values():

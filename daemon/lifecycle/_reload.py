@@ -68,6 +68,7 @@ from ._checkpoint import (
     CarriedWorker,
     Checkpoint,
     carries_journals,
+    carries_relays,
     carries_store_lock,
 )
 from ._image import RunningImage
@@ -198,11 +199,19 @@ class Reloader:
                 attempt.stopped_by_reload = await self._stop_uncarriable()
             log.info("reload.checked", check=how)
             await self._wait_nothing_in_hand()  # refused here, if so, before anyone waits
-            with _reloading_told(), _collection_paused():
+            relays = daemon.launcher.relays
+            if relays.streams() and not carries_relays(self.next_version):
+                raise Refused(
+                    f"the new image cannot carry the {relays.streams()} output streams its "
+                    "relays hold (it reads checkpoints before version 5)"
+                )
+            # The relays' messages wait in their sockets from here: the next image reads
+            # them (`_relay`); every one received before is journaled and credited first.
+            with _reloading_told(), _collection_paused(), relays.reading_paused():
                 async with self.server.paused(
                     attempt.requesters, lambda exc: _failure(exc, attempt.stopped_by_reload)
                 ) as kept:
-                    await self._wait_nothing_in_hand()
+                    await self._wait_nothing_in_hand(relays=True)
                     # From here to the exec, no await: nothing else runs (bench/reload.py
                     # still names this `frozen`).
                     log.info("reload.frozen")
@@ -282,13 +291,16 @@ class Reloader:
             raise Refused(refusal)
         self.next_version = max(set(WRITES_VERSIONS) & _versions_read(said, "checkpoint"))
 
-    async def _wait_nothing_in_hand(self) -> None:
+    async def _wait_nothing_in_hand(self, *, relays: bool = False) -> None:
         """Return once no launch is in flight and supervision holds nothing an exec would
-        lose; refused if that takes over IN_HAND_SECONDS."""
+        lose (`relays`: nor the output relays' ports, once their reading is paused);
+        refused if that takes over IN_HAND_SECONDS."""
         supervisor = self.daemon.supervisor
         with trio.move_on_after(IN_HAND_SECONDS):
             await supervisor.launches_settled()  # none starts behind the fence
             await supervisor.wait_nothing_in_hand()
+            if relays:
+                await self.daemon.launcher.relays.wait_nothing_in_hand()
             return
         raise Refused(
             f"supervision still held, after {IN_HAND_SECONDS:g} s, a worker's output that "
@@ -379,6 +391,9 @@ class Reloader:
             ],
             stopped_by_reload=stopped_by_reload,
             settings=self.settings,
+            relays=daemon.launcher.relays.carry(carried.carry)
+            if carries_relays(self.next_version)
+            else [],
         )
 
 
@@ -468,6 +483,11 @@ def _carried(live: LiveWorker, carried: Carried, journals: bool) -> CarriedWorke
     assert process is not None, "no spawn is in flight once launches settled"
     stdout, stderr, stdin = process.carry(carried)
     journal = live.journal.carry(carried) if journals else None
+    relay, relayed, key = None, [], ""
+    for kind, stream in (process.relayed or {}).items():
+        if stream.relay is not None and not stream.eof:  # a relay lost: lost in the next too
+            relay, key = stream.relay.pid, stream.worker
+            relayed.append(kind)
     # A parked one is carried by what it is, so that the next image takes that file only.
     parked = live.journal.parked() if journals and journal is None else None
     return CarriedWorker(
@@ -480,6 +500,9 @@ def _carried(live: LiveWorker, carried: Carried, journals: bool) -> CarriedWorke
         journal=None if journal is None else CarriedJournal(fd=journal[0], index=journal[1]),
         stdout_tail=b"" if journal is None and parked is None else bytes(live.stdout_tail),
         parked=parked,
+        relay=relay,
+        relayed=relayed,
+        relay_key=key,
     )
 
 
@@ -532,6 +555,7 @@ async def adopt(
         import_checkpoint_v1(daemon.store, checkpoint.v1_state, daemon.state_dir.archives)
     stopped = list(checkpoint.stopped_by_reload)
     adopted: list[tuple[CarriedWorker, WorkerProcess, Journal, bytes]] = []
+    daemon.launcher.relays.adopt(checkpoint.relays)  # before the workers whose streams they hold
     # One query for every carried worker's record (each is held: it has not ended), not
     # one a worker; recovery takes the same rows, unless a stop below changed some.
     held = daemon.store.held_workers()
@@ -557,6 +581,9 @@ async def adopt(
                     carried.stdout,
                     carried.stderr,
                     carried.stdin,
+                    None
+                    if carried.relay is None
+                    else (carried.relay, carried.relay_key or carried.id, carried.relayed),
                 )
                 if journal is None and carried.parked is not None:
                     try:

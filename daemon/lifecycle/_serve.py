@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import math
 import os
+import resource
 import signal
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -28,6 +29,7 @@ from ..core._registry import DEFAULT_GRACE
 from ..processes._cgroup import Cgroups, CgroupsUnavailable
 from ..processes._launcher import LocalLauncher
 from ..processes._process import reap
+from ..processes._relay import Relays, default_relay_above
 from ..serving._handover import Handover
 from ..serving._listener import ControlSocket, activated_socket, bind_control_socket
 from ..serving._notify import notify
@@ -148,7 +150,7 @@ async def serve(
             finished_ttl=settings.finished_ttl,
             keep_archives_days=settings.keep_archives_days,
             request_key_ttl=settings.request_key_ttl,
-            launcher=LocalLauncher(cgroups, tree_tracking),
+            launcher=LocalLauncher(cgroups, tree_tracking, _relays(settings)),
             faults=read_faults(os.environ.get(FAULT_ENV, "")),
             store=store,
         )
@@ -393,3 +395,11 @@ def _tree_tracking(settings: Settings) -> tuple[Cgroups | None, str]:
         log.warning("daemon.no_cgroups", reason=str(exc), then="finding trees by scanning /proc")
         return None, f"/proc scan ({exc})"
     return cgroups, f"cgroup {cgroups.base}"
+
+
+def _relays(settings: Settings) -> Relays:
+    """The output relays, past the threshold the settings give or the limit's default."""
+    above = settings.relay_above
+    if above is None:
+        above = default_relay_above(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+    return Relays(above)

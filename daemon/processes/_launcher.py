@@ -22,6 +22,7 @@ from .._logging import get_logger
 from ._cgroup import Cgroups, Leader, WorkerCgroup, end_cgroup, peer_cgroup
 from ._escapes import MarkerSearch, StopBatch, end_escaped, end_marked_by
 from ._process import WorkerProcess
+from ._relay import Relays
 from ._tree import Graces, ProcessTable, end_marked, end_tree
 
 log = get_logger()
@@ -36,6 +37,8 @@ class Launcher(Protocol):
     tree_tracking: str
     #: Grace periods under way; a hurried shutdown ends them all.
     graces: Graces
+    #: The output relays holding workers' pipes past the daemon's descriptor threshold.
+    relays: Relays
 
     @property
     def authority(self) -> Literal["kernel", "token"]:
@@ -73,8 +76,10 @@ class Launcher(Protocol):
         stdout: int | None,
         stderr: int | None,
         stdin: int | None = None,
+        relayed: tuple[int, str, list[str]] | None = None,
     ) -> WorkerProcess:
-        """Take over a worker a previous image started; ProcessLookupError if it is gone."""
+        """Take over a worker a previous image started; ProcessLookupError if it is gone.
+        `relayed`: the pid of the relay holding its streams, their key, and their kinds."""
         ...
 
     def adopting(self) -> contextlib.AbstractContextManager[None]:
@@ -141,11 +146,15 @@ class Launcher(Protocol):
 class LocalLauncher:
     """Fork and exec here, into a per-worker cgroup where there is one."""
 
-    def __init__(self, cgroups: Cgroups | None, tree_tracking: str) -> None:
+    def __init__(
+        self, cgroups: Cgroups | None, tree_tracking: str, relays: Relays | None = None
+    ) -> None:
         #: Where workers' cgroups go; None: their trees are found by scanning /proc.
         self.cgroups = cgroups
         self.tree_tracking = tree_tracking
         self.graces = Graces()
+        #: None: no worker is relayed (a threshold no descriptor reaches).
+        self.relays = relays if relays is not None else Relays(1 << 62)
         self.processes = ProcessTable()
         #: Searches of /proc for what left its worker's cgroup, shared by the stops asked
         #: at about the same time.
@@ -199,6 +208,8 @@ class LocalLauncher:
         stdin_path: str | None,
         stdin_open: bool = False,
     ) -> WorkerProcess:
+        if self.relays.soon_wanted():  # a compare: nothing more below the threshold
+            await self.relays.make_room(2)  # before the fork: a cancel here loses nothing
         if self.cgroups is not None:
             self.markers.spawning()  # its stop's search reads only the pids handed out since
         # On the event loop, not in a thread: a posix_spawn (vfork) costs less than the
@@ -217,6 +228,13 @@ class LocalLauncher:
         if process.cgroup_error is not None:
             log.warning("worker.no_cgroup", worker=worker_id, error=process.cgroup_error)
         self.leaders.add(process.pid)
+        assert process.stdout is not None
+        assert process.stderr is not None
+        pipes = {"stdout": process.stdout, "stderr": process.stderr}
+        streams = self.relays.relay(worker_id, pipes)
+        if streams is not None:  # the relay holds them now: the daemon, none
+            process.relayed = streams
+            process.stdout = process.stderr = None
         return process
 
     def adopt(
@@ -227,10 +245,21 @@ class LocalLauncher:
         stdout: int | None,
         stderr: int | None,
         stdin: int | None = None,
+        relayed: tuple[int, str, list[str]] | None = None,
     ) -> WorkerProcess:
         process = WorkerProcess.adopt(
             pid, pid_start, stdout, stderr, cgroup=self._adopted_group(worker_id), stdin=stdin
         )
+        if relayed is not None:
+            relay_pid, key, kinds = relayed
+            relay = self.relays.by_pid(relay_pid)
+            # A relay not adopted: its streams are lost (their pumps say so, and the
+            # worker ends interrupted); an empty relay stands for it.
+            process.relayed = (
+                relay.adopt(key, kinds)
+                if relay is not None
+                else self.relays.lost_streams(key, kinds, relay_pid)
+            )
         self.leaders.add(process.pid)
         return process
 
@@ -355,6 +384,7 @@ class LocalLauncher:
             log.warning("shutdown.cgroup_killed", cgroup=str(group.path), processes=killed)
 
     def close(self, *, anything_live: bool) -> None:
+        self.relays.close()
         if self.cgroups is not None and not anything_live:
             self.cgroups.remove()
 

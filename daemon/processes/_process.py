@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import os
 import signal
 import subprocess
@@ -32,6 +33,10 @@ from ._tree import DESCRIPTOR_ERRNOS, read_stat
 
 if TYPE_CHECKING:
     from ..core._carrier import Carrier
+    from ._relay import RelayStream
+
+#: What a pump's source takes: where each chunk read goes (`Supervisor._deliverer`).
+Deliver = Callable[[bytes], Awaitable[None]]
 
 #: One read takes at most this much of what a pipe has ready, and makes one journal entry.
 ENTRY_BYTES = 512 * 1024
@@ -86,6 +91,9 @@ class WorkerProcess:
     reaped: bool = False
     #: Once reaped, its returncode (None: not known).
     returncode: int | None = None
+    #: Its output streams an output relay holds (`_relay`), by kind: `stdout` and
+    #: `stderr` are None then, and the daemon holds no descriptor of them.
+    relayed: dict[str, RelayStream] | None = None
 
     @classmethod
     def spawn(
@@ -247,6 +255,18 @@ class WorkerProcess:
             carried.carry_if(self.stdin, f"worker pid {self.pid}'s stdin"),
         )
 
+    def outputs(self) -> dict[str, Callable[[Deliver], Awaitable[None]]]:
+        """Its output streams still open, by kind, each a pump's source: a pipe the daemon
+        reads, or a stream its relay forwards (the pump's source is a port)."""
+        sources: dict[str, Callable[[Deliver], Awaitable[None]]] = {}
+        for kind in ("stdout", "stderr"):
+            fd = getattr(self, kind)
+            if fd is not None:
+                sources[kind] = functools.partial(pump, fd)
+            elif self.relayed is not None and kind in self.relayed:
+                sources[kind] = self.relayed[kind].pump
+        return sources
+
     def close_stdin(self) -> None:
         """Close the write end of its stdin: the worker reads end of file."""
         if self.stdin is not None:
@@ -312,6 +332,11 @@ class WorkerProcess:
                 trio.lowlevel.notify_closing(fd)
                 os.close(fd)
                 setattr(self, name, None)
+        if self.relayed:
+            for stream in self.relayed.values():
+                if stream.relay is not None:
+                    stream.relay.drop(stream.worker)  # what is still open of it
+            self.relayed = None
         self.close_stdin()
 
 
@@ -359,7 +384,7 @@ def write_nowait(fd: int, data: bytes) -> int:
     return written
 
 
-async def pump(fd: int, deliver: Callable[[bytes], Awaitable[None]]) -> None:
+async def pump(fd: int, deliver: Deliver) -> None:
     """Read `fd` until end of file, handing what each read takes to `deliver`.
 
     One read takes what the pipe holds, up to ENTRY_BYTES, and makes one chunk: a

@@ -24,8 +24,9 @@ from subagentd.protocol.errors import Busy, Refused
 from .._logging import get_logger
 from ..core._registry import Registry, WorkerRecord
 from ..processes._launcher import Launcher
-from ..processes._process import WorkerProcess, pump, write_nowait
+from ..processes._process import Deliver, WorkerProcess, write_nowait
 from ..processes._reaper import REAPER
+from ..processes._relay import RelayLost
 from ..store._archive import STDOUT_TAIL_BYTES
 from ..store._journal import Journal, JournalCorrupt
 
@@ -291,13 +292,14 @@ class Supervisor:
             # Before a checkpoint: a freeze's cancel cannot come between it and the start.
             live.after_start = None
             after_start()
-        pipes = {kind: fd for kind in _PIPES if (fd := getattr(process, kind)) is not None}
+        # Each a pipe it reads, or a stream an output relay forwards (`_relay`).
+        pipes = process.outputs()
         pipes_closed = trio.Event()
         async with trio.open_nursery() as nursery:
             live.watch = nursery
             try:
-                for kind, fd in pipes.items():
-                    nursery.start_soon(self._pump, live, fd, kind, pipes, pipes_closed)
+                for kind, source in pipes.items():
+                    nursery.start_soon(self._pump, live, source, kind, pipes, pipes_closed)
                 if not pipes:
                     pipes_closed.set()
                 if live.stop_asked:  # asked before this supervision began (or a reload)
@@ -433,13 +435,17 @@ class Supervisor:
     async def _pump(
         self,
         live: LiveWorker,
-        fd: int,
-        kind: EntryKind,
-        pipes: dict[EntryKind, int],
+        source: Callable[[Deliver], Awaitable[None]],
+        kind: str,
+        pipes: dict[str, Callable[[Deliver], Awaitable[None]]],
         closed: trio.Event,
     ) -> None:
         """Journal one pipe until its end of file; the last pipe to end sets `closed`."""
-        await pump(fd, self._deliverer(live, kind))
+        assert kind in _PIPES
+        try:
+            await source(self._deliverer(live, kind))
+        except RelayLost as exc:
+            self._relay_lost(live, str(exc))
         del pipes[kind]
         if not pipes:
             closed.set()
@@ -473,6 +479,19 @@ class Supervisor:
                     live.watch.start_soon(self._shed, live, *shed)
 
         return deliver
+
+    def _relay_lost(self, live: LiveWorker, why: str) -> None:
+        """The output relay holding its pipes is gone: what they would carry is lost, so
+        the worker is said so in its journal, its tree stopped, and it ends `interrupted`
+        (resumable by its id), as a worker a crash took."""
+        if live.record.stop_reason != "relay":
+            self._journal_extra(
+                live,
+                "note",
+                f"{why}; its output from here is lost: the worker is ended "
+                "interrupted, and can be resumed by its id".encode(),
+            )
+        self.ask_stop(self._registry.interrupt(live.record.id))
 
     async def _shed(self, live: LiveWorker, start: int, end: int) -> None:
         """Shed a flooded journal's older pages from the page cache (`Journal.shed`), in
