@@ -21,6 +21,7 @@ import trio
 from subagentd.protocol import EntryKind
 from subagentd.protocol.errors import Busy, Refused
 
+from .._collector import UNSEEN
 from .._logging import get_logger
 from ..core._registry import Registry, WorkerRecord
 from ..processes._launcher import Launcher
@@ -43,6 +44,12 @@ SUPERVISION_BATCH = 100
 #: A write that failed (disk full, EIO) is tried again after this, doubling up to the max.
 DISK_RETRY_FIRST = 0.1
 DISK_RETRY_MAX = 5.0
+#: A stop of this many workers or more pauses garbage collection, and hides the heap that
+#: stood before it from the collector, until they have all ended (`_collector.UNSEEN`).
+UNSEEN_STOP_FROM = 100
+#: At most this long: a stop whose workers take their grace and more (a TERM ignored)
+#: lets the collector free what others make meanwhile.
+UNSEEN_STOP_MOST = 10.0
 #: When to offer a worker's full stdin more (`busy`'s retry_after): it reads when it will.
 STDIN_RETRY = 0.1
 
@@ -563,13 +570,31 @@ class Supervisor:
         grown.set()
 
     def ask_stop(self, ids: list[str]) -> None:
+        asked: list[LiveWorker] = []
         for worker_id in ids:
             live = self._live.get(worker_id)
             if live is not None and not live.stop_asked:
                 live.stop_asked = True
+                asked.append(live)
                 if live.watch is not None:  # else its supervision, when it starts, stops it
                     self._begin_stop(live)
                     live.watch.start_soon(self._stop, live)
+        if len(asked) >= UNSEEN_STOP_FROM and self._background is not None:
+            # Until they have all ended (or for UNSEEN_STOP_MOST seconds), no collection,
+            # and what stood before is out of the collector's sight after: else each
+            # full collection the stop's own objects bring walks every worker's
+            # (`_collector`), a cost each ending paid by the number of workers.
+            UNSEEN.hold(pause=True)
+            self._background.start_soon(self._let_go_once_ended, asked)
+
+    @staticmethod
+    async def _let_go_once_ended(asked: list[LiveWorker]) -> None:
+        try:
+            with trio.move_on_after(UNSEEN_STOP_MOST):
+                for live in asked:
+                    await live.ended.wait()
+        finally:
+            UNSEEN.let_go(pause=True)
 
     async def wait_ended(self, ids: list[str]) -> None:
         for worker_id in ids:
