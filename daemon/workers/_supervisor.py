@@ -178,6 +178,8 @@ class Supervisor:
         #: Tasks holding what an exec would lose (see `wait_nothing_in_hand`).
         self._in_hand = Tally()
         self._launches = Tally()  # between registration and their supervise task
+        #: Set when an ended worker's cgroup is left to remove (`_remove_released`).
+        self._some_released = trio.Event()
         #: Set once the image serves: adopted workers' supervision waits for it.
         self._serving = trio.Event()
 
@@ -236,6 +238,7 @@ class Supervisor:
             # The workers' exits, told by SIGCHLD: what exited before (during a reload's
             # exec) is found by its first look, before any supervision waits.
             await background.start(REAPER.run)
+            background.start_soon(self._remove_released)
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 unsupervised = list(self._live.values())  # spawns from now: supervised
@@ -351,7 +354,22 @@ class Supervisor:
         was resumed meanwhile: its new attempt has the same cgroup, and removes it when it
         ends. A crash before this leaves an empty cgroup, which the next start sweeps."""
         if worker_id not in self._live:
-            self._launcher.released(process)
+            self._released(process)
+
+    def _released(self, process: WorkerProcess) -> None:
+        """`Launcher.released`; what that leaves to remove goes in the next batch."""
+        self._launcher.released(process)
+        self._some_released.set()
+
+    async def _remove_released(self) -> None:
+        """Remove ended workers' cgroups, those released since the last batch in a thread
+        together (`Launcher.remove_released`). Held while it runs: a reload's exec waits
+        for the batch under way, then removes what is left on its way out."""
+        while True:
+            await self._some_released.wait()
+            self._some_released = trio.Event()
+            with self._holding():
+                await self._launcher.remove_released(self.__contains__)
 
     @staticmethod
     async def _drain(live: LiveWorker, pipes_closed: trio.Event) -> None:
@@ -392,7 +410,7 @@ class Supervisor:
                 live.returncode = await _reap_after_fault(process)
                 process.abandon()  # not exited yet: the reaper reaps it when it does
                 process.close()
-                self._launcher.released(process)
+                self._released(process)
             elif process is not None:
                 process.close()  # the pipes, if the fault came between the reap and their close
         except Exception:
