@@ -427,7 +427,10 @@ async def end_cgroup(
         termed_by_pid.add(leader.pid)
         told.add(leader.pid)
     with (graces or Graces()).period(grace):
-        pids = await _members(group)
+        # `cgroup.events` first: in a stop_run of thousands, the leaders have their TERMs
+        # (`term_leader`) before any stop's task runs, and most have exited by then, so
+        # one read says so where a list of the members (empty), then its events, took two.
+        pids = await _members(group) if await _populated(group) else []
         while pids:
             with _pinned(group, pids, leader) as (pinned, unpinned):
                 told.update(pinned, unpinned)
