@@ -6,8 +6,9 @@ For each `--workers` size, on a fresh private daemon: that many `sleep 3600` spa
 into one run (each checked exec'd), 2 s idle, then one `stop_run` of the run timed
 until its answer (every tree reaped), the daemon's CPU time (utime + stime of
 /proc/PID/stat) read before and after, every pid checked gone after (still the
-daemon's child: 10,000 pids freed at once are soon given to others). `--py-spy FILE` records the daemon's samples
-through the stop_run (py-spy from this venv) into FILE (speedscope JSON).
+daemon's child: 10,000 pids freed at once are soon given to others). `--py-spy FILE`
+records the daemon's samples through the stop_run (py-spy from this venv, `pip install
+py-spy`) into FILE.<size>.<round>.json (speedscope).
 
 The step bench/many.py makes once at its size, alone and quicker: the figure to
 profile and compare builds with (`BENCH_SUBAGENTD`, see _harness.py).
@@ -108,7 +109,7 @@ def main() -> None:
                 walls,
                 target=f"under {TARGET_MS_A_WORKER * size:,.0f} ms",
                 note=f"daemon CPU {min(cpus):.3f} ms a stopped worker (best of {len(cpus)})",
-            )  # fmt: skip
+            )
         )
     report(figures)
 
