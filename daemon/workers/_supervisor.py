@@ -48,9 +48,11 @@ DISK_RETRY_MAX = 5.0
 #: A stop of this many workers or more pauses garbage collection, and hides the heap that
 #: stood before it from the collector, until they have all ended (`_collector.UNSEEN`).
 UNSEEN_STOP_FROM = 100
-#: At most this long: a stop whose workers take their grace and more (a TERM ignored)
-#: lets the collector free what others make meanwhile.
+#: At most this long, and as much again for each worker: a stop whose workers take their
+#: grace and more (a TERM ignored) lets the collector free what others make meanwhile; a
+#: stop_run of 10,000 (~10 s of the daemon's work on a loaded machine) keeps it paused.
 UNSEEN_STOP_MOST = 10.0
+UNSEEN_STOP_MOST_A_WORKER = 0.003
 #: When to offer a worker's full stdin more (`busy`'s retry_after): it reads when it will.
 STDIN_RETRY = 0.1
 
@@ -599,7 +601,7 @@ class Supervisor:
                     self._begin_stop(live)
                     live.watch.start_soon(self._stop, live)
         if len(asked) >= UNSEEN_STOP_FROM and self._background is not None:
-            # Until they have all ended (or for UNSEEN_STOP_MOST seconds), no collection,
+            # Until they have all ended (or for UNSEEN_STOP_MOST...), no collection,
             # and what stood before is out of the collector's sight after: else each
             # full collection the stop's own objects bring walks every worker's
             # (`_collector`), a cost each ending paid by the number of workers.
@@ -614,7 +616,7 @@ class Supervisor:
         collections = _collections()
         ended = False
         try:
-            with trio.move_on_after(UNSEEN_STOP_MOST):
+            with trio.move_on_after(UNSEEN_STOP_MOST + UNSEEN_STOP_MOST_A_WORKER * len(asked)):
                 for live in asked:
                     if not live.ended.is_set():  # else no checkpoint each: done in one step
                         await live.ended.wait()
