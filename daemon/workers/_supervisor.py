@@ -591,29 +591,31 @@ class Supervisor:
         grown.set()
 
     def ask_stop(self, ids: list[str]) -> None:
-        asked: list[LiveWorker] = []
-        for worker_id in ids:
-            live = self._live.get(worker_id)
-            if live is not None and not live.stop_asked:
-                live.stop_asked = True
-                asked.append(live)
-                if live.watch is not None:  # else its supervision, when it starts, stops it
-                    self._begin_stop(live)
-                    live.watch.start_soon(self._stop, live)
+        asked = [
+            live
+            for worker_id in dict.fromkeys(ids)  # each once, in order
+            if (live := self._live.get(worker_id)) is not None and not live.stop_asked
+        ]
         if len(asked) >= UNSEEN_STOP_FROM and self._background is not None:
-            # Until they have all ended (or for UNSEEN_STOP_MOST...), no collection,
-            # and what stood before is out of the collector's sight after: else each
-            # full collection the stop's own objects bring walks every worker's
+            # From before the first TERM until they have all ended (or for
+            # UNSEEN_STOP_MOST...), no collection, and what stood before is out of the
+            # collector's sight after: else each full collection the stop's own objects
+            # bring (its tasks, made right here, are the first) walks every worker's
             # (`_collector`), a cost each ending paid by the number of workers.
             UNSEEN.hold(pause=True)
-            self._background.start_soon(self._let_go_once_ended, asked)
+            self._background.start_soon(self._let_go_once_ended, asked, _collections())
+        for live in asked:
+            live.stop_asked = True
+            if live.watch is not None:  # else its supervision, when it starts, stops it
+                self._begin_stop(live)
+                live.watch.start_soon(self._stop, live)
 
     @staticmethod
-    async def _let_go_once_ended(asked: list[LiveWorker]) -> None:
+    async def _let_go_once_ended(asked: list[LiveWorker], collections: int) -> None:
         """Give the heap back to the collector once every worker `asked` has ended; say
-        how many collections came meanwhile (none, unless something else turned collection
-        on: the figure the tests read, since a full one walks every worker's objects)."""
-        collections = _collections()
+        how many collections came since the stop was asked (`collections` then): none,
+        unless something else turned collection on. The figure the tests read, since a
+        full one walks every worker's objects."""
         ended = False
         try:
             with trio.move_on_after(UNSEEN_STOP_MOST + UNSEEN_STOP_MOST_A_WORKER * len(asked)):
