@@ -317,6 +317,7 @@ class Daemon:
                 step()
             except Exception:
                 log.exception("daemon.after_answer_failed")
+        self.launcher.remove_released_now()  # ended workers' cgroups, else in a thread
 
     # -- spawning ------------------------------------------------------------
 

@@ -21,6 +21,7 @@ import trio
 from subagentd.protocol import package_version
 from subagentd.protocol.errors import RemoteError
 
+from .._collector import UNSEEN
 from .._daemon import Daemon
 from .._logging import get_logger
 from .._settings import FAULT_ENV, Settings, read_faults
@@ -354,12 +355,12 @@ def _collect_from_now_on(nursery: trio.Nursery) -> None:
     out of its sight for START_UP_UNSEEN_SECONDS. Else the first collections, just as the
     first clients are served, scanned all of it twice over (gen0 then gen1: ~100 ms each on
     a loaded machine, in-process). Given back after, so a cycle among them is still freed."""
-    gc.freeze()
+    UNSEEN.hold()
     gc.enable()
 
     async def give_back() -> None:
         await trio.sleep(START_UP_UNSEEN_SECONDS)
-        gc.unfreeze()
+        UNSEEN.let_go()  # unless a stop of many hides them still (`_collector`)
 
     nursery.start_soon(give_back)
 

@@ -25,7 +25,7 @@ import os
 import select
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,6 +86,9 @@ class WorkerCgroup:
         cgroup is stopped only once its spawn has returned.
         """
         with _FORK_LOCK:
+            # Made again if a removal took it after `create` (`remove_released`, in a
+            # thread, under the same lock): never moved into a cgroup that is gone.
+            self.create()
             _move(self.path, os.getpid())
             try:
                 yield
@@ -175,6 +178,13 @@ class WorkerCgroup:
                 return False
             raise
         return True
+
+    def remove_unless(self, wanted: Callable[[str], bool]) -> bool:
+        """`remove`, unless `wanted(its name)` says a worker's attempt uses it again: for a
+        thread, under the lock every fork into a cgroup takes, so the removal never comes
+        between its new attempt's `create` and its fork (`born_in` makes it again)."""
+        with _FORK_LOCK:
+            return wanted(self.path.name) or self.remove()
 
     @functools.cached_property
     def _path_bytes(self) -> bytes:
@@ -417,7 +427,10 @@ async def end_cgroup(
         termed_by_pid.add(leader.pid)
         told.add(leader.pid)
     with (graces or Graces()).period(grace):
-        pids = await _members(group)
+        # `cgroup.events` first: in a stop_run of thousands, the leaders have their TERMs
+        # (`term_leader`) before any stop's task runs, and most have exited by then, so
+        # one read says so where a list of the members (empty), then its events, took two.
+        pids = await _members(group) if await _populated(group) else []
         while pids:
             with _pinned(group, pids, leader) as (pinned, unpinned):
                 told.update(pinned, unpinned)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -21,6 +22,7 @@ import trio
 from subagentd.protocol import EntryKind
 from subagentd.protocol.errors import Busy, Refused
 
+from .._collector import UNSEEN
 from .._logging import get_logger
 from ..core._registry import Registry, WorkerRecord
 from ..processes._launcher import Launcher
@@ -44,6 +46,14 @@ SUPERVISION_BATCH = 100
 #: A write that failed (disk full, EIO) is tried again after this, doubling up to the max.
 DISK_RETRY_FIRST = 0.1
 DISK_RETRY_MAX = 5.0
+#: A stop of this many workers or more pauses garbage collection, and hides the heap that
+#: stood before it from the collector, until they have all ended (`_collector.UNSEEN`).
+UNSEEN_STOP_FROM = 100
+#: At most this long, and as much again for each worker: a stop whose workers take their
+#: grace and more (a TERM ignored) lets the collector free what others make meanwhile; a
+#: stop_run of 10,000 (~10 s of the daemon's work on a loaded machine) keeps it paused.
+UNSEEN_STOP_MOST = 10.0
+UNSEEN_STOP_MOST_A_WORKER = 0.003
 #: When to offer a worker's full stdin more (`busy`'s retry_after): it reads when it will.
 STDIN_RETRY = 0.1
 
@@ -172,6 +182,8 @@ class Supervisor:
         #: Tasks holding what an exec would lose (see `wait_nothing_in_hand`).
         self._in_hand = Tally()
         self._launches = Tally()  # between registration and their supervise task
+        #: Set when an ended worker's cgroup is left to remove (`_remove_released`).
+        self._some_released = trio.Event()
         #: Set once the image serves: adopted workers' supervision waits for it.
         self._serving = trio.Event()
 
@@ -230,6 +242,7 @@ class Supervisor:
             # The workers' exits, told by SIGCHLD: what exited before (during a reload's
             # exec) is found by its first look, before any supervision waits.
             await background.start(REAPER.run)
+            background.start_soon(self._remove_released)
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 unsupervised = list(self._live.values())  # spawns from now: supervised
@@ -346,7 +359,22 @@ class Supervisor:
         was resumed meanwhile: its new attempt has the same cgroup, and removes it when it
         ends. A crash before this leaves an empty cgroup, which the next start sweeps."""
         if worker_id not in self._live:
-            self._launcher.released(process)
+            self._released(process)
+
+    def _released(self, process: WorkerProcess) -> None:
+        """`Launcher.released`; what that leaves to remove goes in the next batch."""
+        self._launcher.released(process)
+        self._some_released.set()
+
+    async def _remove_released(self) -> None:
+        """Remove ended workers' cgroups, those released since the last batch in a thread
+        together (`Launcher.remove_released`). Held while it runs: a reload's exec waits
+        for the batch under way, then removes what is left on its way out."""
+        while True:
+            await self._some_released.wait()
+            self._some_released = trio.Event()
+            with self._holding():
+                await self._launcher.remove_released(self.__contains__)
 
     @staticmethod
     async def _drain(live: LiveWorker, pipes_closed: trio.Event) -> None:
@@ -387,7 +415,7 @@ class Supervisor:
                 live.returncode = await _reap_after_fault(process)
                 process.abandon()  # not exited yet: the reaper reaps it when it does
                 process.close()
-                self._launcher.released(process)
+                self._released(process)
             elif process is not None:
                 process.close()  # the pipes, if the fault came between the reap and their close
         except Exception:
@@ -582,19 +610,56 @@ class Supervisor:
         grown.set()
 
     def ask_stop(self, ids: list[str]) -> None:
-        for worker_id in ids:
-            live = self._live.get(worker_id)
-            if live is not None and not live.stop_asked:
-                live.stop_asked = True
-                if live.watch is not None:  # else its supervision, when it starts, stops it
-                    self._begin_stop(live)
-                    live.watch.start_soon(self._stop, live)
+        asked = [
+            live
+            for worker_id in dict.fromkeys(ids)  # each once, in order
+            if (live := self._live.get(worker_id)) is not None and not live.stop_asked
+        ]
+        if len(asked) >= UNSEEN_STOP_FROM and self._background is not None:
+            # From before the first TERM until they have all ended (or for
+            # UNSEEN_STOP_MOST...), no collection, and what stood before is out of the
+            # collector's sight after: else each full collection the stop's own objects
+            # bring (its tasks, made right here, are the first) walks every worker's
+            # (`_collector`), a cost each ending paid by the number of workers.
+            UNSEEN.hold(pause=True)
+            self._background.start_soon(self._let_go_once_ended, asked, _collections())
+        for live in asked:
+            live.stop_asked = True
+            if live.watch is not None:  # else its supervision, when it starts, stops it
+                self._begin_stop(live)
+                live.watch.start_soon(self._stop, live)
+
+    @staticmethod
+    async def _let_go_once_ended(asked: list[LiveWorker], collections: int) -> None:
+        """Give the heap back to the collector once every worker `asked` has ended; say
+        how many collections came since the stop was asked (`collections` then): none,
+        unless something else turned collection on. The figure the tests read, since a
+        full one walks every worker's objects."""
+        ended = False
+        try:
+            with trio.move_on_after(UNSEEN_STOP_MOST + UNSEEN_STOP_MOST_A_WORKER * len(asked)):
+                for live in asked:
+                    if not live.ended.is_set():  # else no checkpoint each: done in one step
+                        await live.ended.wait()
+                ended = True
+        finally:
+            UNSEEN.let_go(pause=True)
+        log.info(
+            "stop.many_ended" if ended else "stop.many_still_ending",
+            workers=len(asked),
+            collections=_collections() - collections,
+        )
 
     async def wait_ended(self, ids: list[str]) -> None:
         for worker_id in ids:
             live = self._live.get(worker_id)
             if live is not None:
                 await live.ended.wait()
+
+
+def _collections() -> int:
+    """How many garbage collections, of any generation, this image has made."""
+    return sum(generation["collections"] for generation in gc.get_stats())
 
 
 def _first(group: BaseExceptionGroup[Exception]) -> Exception:
