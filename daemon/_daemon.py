@@ -37,6 +37,7 @@ from subagentd.protocol.errors import (
     RunStopped,
 )
 
+from ._faults import Faults
 from ._logging import get_logger
 from ._problems import Problems
 from .core._recovering import RecoveryProgress
@@ -93,10 +94,6 @@ class Stopping:
     found: bool = True
 
 
-class InjectedFault(Exception):
-    """Raised where SUBAGENTD_FAULT asks: a stand-in for any unexpected exception."""
-
-
 class Daemon:
     def __init__(
         self,
@@ -114,8 +111,8 @@ class Daemon:
     ) -> None:
         """`store`: opened already (the start waited for its lock); else opened here."""
         self.state_dir = state_dir
-        #: Where to raise InjectedFault (see _settings.FAULT_ENV); empty but in tests.
-        self.faults = faults
+        #: Where a test's fault is injected (see _faults.FAULT_ENV); empty but in tests.
+        self.faults = Faults(faults, fifos=state_dir.root)
         #: How workers' processes are started and their trees ended (the port).
         self.launcher = launcher
         self.socket_path = socket_path
@@ -131,7 +128,7 @@ class Daemon:
             ending=self._finish,
             ending_together=self._finish_together,
             clock=clock,
-            fault=self.fault,
+            faults=self.faults,
             disk_trouble=self.problems.disk_failed,
             disk_ok=self.problems.disk_ok,
             later=self.after_answer,
@@ -185,7 +182,7 @@ class Daemon:
             finished_ttl=finished_ttl,
             keep_archives_days=keep_archives_days,
             stdout_tail=self.reader.stdout_tail,
-            fault=self.fault,
+            faults=self.faults,
             released=self.touch,
             run_dropped=self._saved_runs.discard,
         )
@@ -198,8 +195,7 @@ class Daemon:
             self.mailbox,
             self.problems,
             clock=clock,
-            fault=self.fault,
-            faults=lambda: self.faults,
+            faults=self.faults,
             ended=self._ended,
         )
         self.spares = SpareArchives(state_dir.archives)
@@ -211,21 +207,6 @@ class Daemon:
         #: Set and replaced whenever something happens that idle exit must notice.
         self.activity = trio.Event()
         self.load_config()
-
-    def fault(self, point: str, target: str, *, once: bool = False) -> None:
-        """Raise InjectedFault if SUBAGENTD_FAULT asked for one here (`once`: the first time)."""
-        if (point, target) in self.faults:
-            if once:
-                self.faults -= {(point, target)}
-            raise InjectedFault(f"injected fault at {point}:{target}")
-
-    async def held(self, point: str, target: str) -> None:
-        """Wait here if SUBAGENTD_FAULT asked to hold at this point: until a writer of the
-        FIFO named `point` in the state dir has opened and closed it (for the tests: a
-        request held where it awaits, deterministically, while another lands)."""
-        if (point, target) in self.faults:
-            fifo = self.state_dir.root / point
-            await trio.to_thread.run_sync(fifo.read_bytes, abandon_on_cancel=True)
 
     def _finish(
         self,

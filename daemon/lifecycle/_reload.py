@@ -185,7 +185,7 @@ class Reloader:
         """Check, pause, exec. Each step that changes something is a scope that undoes it
         if what follows fails, so a failure undoes exactly what was done."""
         daemon = self.daemon
-        daemon.fault("reload", "early", once=True)
+        daemon.faults.raise_at("reload", "early", once=True)
         # Before the fence: the old image serves on, spawns too, while a changed image's
         # --check child runs (a few hundred ms).
         log.info("reload.checking")
@@ -328,13 +328,13 @@ class Reloader:
                 carried, kept, attempt.requesters, stopped_by_reload=attempt.stopped_by_reload
             )
             if carries_store_lock(checkpoint.version):
-                handed = carried.hand_over(checkpoint, _mangled(daemon.faults))
+                handed = carried.hand_over(checkpoint, _mangled(daemon.faults.asked))
                 command = image_command("--handoff-fd", str(handed), *self.settings.command_line())
             else:  # an image on disk that reads only a checkpoint file (before version 4)
                 carried.write(self.checkpoint_path, checkpoint)
                 command = image_command("--handoff", str(self.checkpoint_path))
             if UNEXECUTABLE_FAULT in daemon.faults:
-                daemon.faults -= {UNEXECUTABLE_FAULT}
+                daemon.faults.asked -= {UNEXECUTABLE_FAULT}
                 command[0] = str(self.settings.state_dir)  # a directory: execv fails, EACCES
             log.info(
                 "reload.exec",

@@ -107,7 +107,7 @@ class Resumer:
         saved_run = None if registry.has_run(record.run) else self.daemon.store.run(record.run)
         registry.begin_resume(record, saved_run)
         try:
-            await self.daemon.held("hold-resume", record.name)
+            await self.daemon.faults.hold_at("hold-resume", record.name)
             # The journal first: if it cannot be opened, nothing has changed yet.
             journal = await self._open_journal(record.id, archive)
         except BaseException:
@@ -126,7 +126,7 @@ class Resumer:
         live = LiveWorker(record=record, journal=journal)
         self.daemon.supervisor.add(live)
         try:
-            self.daemon.fault("resume", record.name)
+            self.daemon.faults.raise_at("resume", record.name)
             # The new attempt, its run (taken back into memory, as stopped as it was), its
             # key, in one transaction; the last attempt's stdout tail no longer ends its stdout.
             change = Change(

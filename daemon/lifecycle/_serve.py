@@ -23,8 +23,9 @@ from subagentd.protocol.errors import RemoteError
 
 from .._collector import UNSEEN
 from .._daemon import Daemon
+from .._faults import FAULT_ENV, read_faults
 from .._logging import get_logger
-from .._settings import FAULT_ENV, Settings, read_faults
+from .._settings import Settings
 from ..core._recovering import RecoveryProgress
 from ..core._registry import DEFAULT_GRACE
 from ..processes._cgroup import Cgroups, CgroupsUnavailable
