@@ -145,7 +145,7 @@ class Reloader:
         The attempt runs in the daemon's own nursery, not in the requesting
         connection's task: pausing the server cancels every connection's tasks.
         """
-        if self.daemon.shutting_down:
+        if self.daemon.spawner.shutting_down:
             raise Refused("the daemon is shutting down; it will not reload")
         attempt = self._attempt
         if attempt is None:
@@ -190,7 +190,7 @@ class Reloader:
         # --check child runs (a few hundred ms).
         log.info("reload.checking")
         how = await self._check_new_image()
-        daemon.reloading = True
+        daemon.spawner.reloading = True
         try:
             # Every launch in flight (a run's resume holds one for all its heads) is
             # waited for, however long: the fence refuses new ones meanwhile.
@@ -216,11 +216,11 @@ class Reloader:
                     # still names this `frozen`).
                     log.info("reload.frozen")
                     daemon.do_after_answers_now()  # the exec takes none with it
-                    if daemon.shutting_down:  # SIGTERM came while we paused: stopping wins
+                    if daemon.spawner.shutting_down:  # SIGTERM came while we paused: stopping wins
                         raise Refused("the daemon is shutting down; it will not reload")
                     self._exec(attempt, kept)
         finally:
-            daemon.reloading = False
+            daemon.spawner.reloading = False
 
     async def _check_new_image(self) -> str:
         """Refuse the reload unless the image on disk now can take over with this config

@@ -249,7 +249,7 @@ async def serve(
                 notify("STOPPING=1", "STATUS=stopping workers")
                 # Requests still get answers while workers stop (status, watch);
                 # spawns, resumes and reloads are refused from here on.
-                daemon.shutting_down = True
+                daemon.spawner.shutting_down = True
                 with trio.CancelScope(shield=True):
                     async with trio.open_nursery() as stopping:
                         stopping.start_soon(_hurry_on_signal, signals, daemon)

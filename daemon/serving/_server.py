@@ -90,7 +90,7 @@ from subagentd.protocol.errors import (
     RemoteError,
 )
 
-from .._daemon import RELOAD_RETRY, Daemon, Stopping
+from .._daemon import Daemon, Stopping
 from .._logging import bind_contextvars, get_logger
 from ..core._authority import Authority
 from ..core._registry import cursor_place, listing_page
@@ -101,6 +101,7 @@ from ..processes._tree import patiently
 from ..store._store import StoreWriteFailed
 from ..workers._reader import PageInHand
 from ..workers._resumable import Resumption
+from ..workers._spawner import RELOAD_RETRY
 from ._handover import Handover, owed_by_connection
 from ._outgoing import PAGE_BUDGET, PageBudget, Reservation, queued, room, send_buffer
 
@@ -791,7 +792,7 @@ class Server:
             case Info():  # first: the round trip a client makes most, to see the daemon is there
                 return InfoReply(id=rid, info=daemon.info(caller))
             case Spawn():
-                return WorkerReply(id=rid, worker=await daemon.spawn(request, caller))
+                return WorkerReply(id=rid, worker=await daemon.spawner.spawn(request, caller))
             case ListWorkers(all=include_ended, run=run, after=after, limit=limit):
                 sees = None if caller is None else lambda w: self.authority.sees(caller, w)
                 records = registry.listed_after(
