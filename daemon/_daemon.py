@@ -10,7 +10,6 @@ methods, never its dicts.
 
 from __future__ import annotations
 
-import contextvars
 import functools
 import os
 import time
@@ -34,11 +33,13 @@ from .processes._relay import Relay
 from .store._journal import Journal
 from .store._statedir import StateDir
 from .store._store import STORE_NAME, Change, LaunchState, Store
+from .workers._afterwards import Afterwards
 from .workers._endings import Endings
 from .workers._mailbox import Mailbox
 from .workers._reader import Reader
 from .workers._retention import Retention
 from .workers._spawner import Spawner
+from .workers._store_upkeep import StoreUpkeep
 from .workers._supervisor import Supervisor
 
 log = get_logger()
@@ -78,6 +79,8 @@ class Daemon:
         self.launcher = launcher
         self.socket_path = socket_path
         self.config_path = config_path
+        #: What a request's answer need not wait for (log lines, empty cgroups' removal).
+        self.afterwards = Afterwards(launcher)
         self.pid = os.getpid()  # for `info`, asked at every call: one system call less
         self.registry = Registry()
         #: What is wrong right now (reported by `info`).
@@ -92,7 +95,7 @@ class Daemon:
             faults=self.faults,
             disk_trouble=self.problems.disk_failed,
             disk_ok=self.problems.disk_ok,
-            later=self.after_answer,
+            later=self.afterwards.later,
         )
         launcher.relays.on_lost = self._relay_lost
         self.image_generation = 1
@@ -106,13 +109,11 @@ class Daemon:
         #: requests that need them are answered `recovering` (see `RecoveryProgress`).
         self.recovering: RecoveryProgress | None = None
         self._run_stopped: dict[str, trio.Event] = {}
-        #: What a request's answer need not wait for (log lines): see `after_answer`.
-        self._after_answer: list[Callable[[], None]] = []
-        self._after_answer_wanted = trio.Event()
         self._saved_runs: set[str] = set()
         #: What the daemon knows, transactionally: records, runs, wakes, tombstones, turn.
         self.store = store if store is not None else Store.open(state_dir.root / STORE_NAME)
         self.store.on_written = self.problems.store_written
+        self.store_upkeep = StoreUpkeep(self.store, self.problems)
         #: Lookups, status, collect, journal pages and follows.
         self.reader = Reader(state_dir, self.registry, self.store, self.supervisor)
         #: Parents' wakes: posted with each ending, subscribed to, acknowledged.
@@ -204,9 +205,9 @@ class Daemon:
                 self.retention.expire_handles,
                 self.retention.prune_archives_daily,
                 self.spawner.make_spare_archives,
-                self._write_what_the_store_kept_out,
-                self._check_the_store_is_linked,
-                self._do_after_answers,
+                self.store_upkeep.write_what_the_store_kept_out,
+                self.store_upkeep.check_the_store_is_linked,
+                self.afterwards.do_after_answers,
             ):
                 timers.start_soon(_keep_running, task)
             await timers.start(self.launcher.relays.run)
@@ -222,61 +223,6 @@ class Daemon:
                 f"{relay.lost}; the {workers} workers whose output it held were ended "
                 "interrupted (resume each by its id); the next relayed spawn starts a new relay"
             )
-
-    def after_answer(self, step: Callable[[], None]) -> None:
-        """Do `step` (a log line, an empty cgroup's removal) once the answer being made
-        has been sent: a stop's TERM and its answer wait for no log line. One written to
-        stderr costs 0.05 to 0.17 ms, a third of a stop's path in the daemon. A crash first
-        loses the line, or leaves the empty cgroup to the next start's sweep; nothing else."""
-        # In the context it was asked in: the line keeps its bound `conn`.
-        self._after_answer.append(functools.partial(contextvars.copy_context().run, step))
-        self._after_answer_wanted.set()
-
-    async def _do_after_answers(self) -> None:
-        while True:
-            await self._after_answer_wanted.wait()
-            self._after_answer_wanted = trio.Event()
-            # Woken with the handler whose answer this waits for: let it send first.
-            await trio.lowlevel.checkpoint()
-            self.do_after_answers_now()
-
-    def do_after_answers_now(self) -> None:
-        """Do every step still waiting for an answer to go out: the image is about to
-        end (an exec, a stop), and takes no step with it."""
-        steps, self._after_answer = self._after_answer, []
-        for step in steps:
-            try:
-                step()
-            except Exception:
-                log.exception("daemon.after_answer_failed")
-        self.launcher.remove_released_now()  # ended workers' cgroups, else in a thread
-
-    # -- supervising ---------------------------------------------------------
-
-    async def _write_what_the_store_kept_out(self) -> None:
-        """Retry, backing off, the changes a failing disk kept out of the store (an
-        ending, an ack) until they go in: a daemon with nothing else to write must not
-        leave them to a crash, which would end those workers again and wake twice."""
-        while True:
-            wanted = trio.Event()
-            self.store.on_unwritten = wanted.set
-            delay = STORE_RETRY_FIRST
-            while self.store.unwritten:  # kept out before this task began, too
-                await trio.sleep(delay)
-                delay = min(delay * 2, STORE_RETRY_MAX)
-                try:
-                    self.store.flush()
-                except OSError as exc:
-                    self.problems.disk_failed("store", exc)
-            await wanted.wait()
-
-    async def _check_the_store_is_linked(self) -> None:
-        """Each commit checks that the store's files are still the ones linked in the state
-        dir; this checks a daemon that writes nothing too, so that a store unlinked while
-        it idles is put back before a crash could lose it (`Store.check_linked`)."""
-        while True:
-            await trio.sleep(STORE_LINK_CHECK_EVERY)
-            self.store.check_linked()
 
     # -- stopping ------------------------------------------------------------
 
@@ -303,7 +249,7 @@ class Daemon:
         already = self.registry.stopping_among(self.registry.subtree(worker_id))
         stopped = self.registry.stop(worker_id)
         self.supervisor.ask_stop(stopped)
-        self.after_answer(
+        self.afterwards.later(
             functools.partial(
                 log.info, "worker.stop_asked", worker=worker_id, stopped=stopped, already=already
             )
@@ -481,11 +427,6 @@ class Daemon:
         ]
 
 
-#: A change the store's disk kept out is tried again after this, doubling up to the max.
-STORE_RETRY_FIRST = 0.1
-STORE_RETRY_MAX = 5.0
-#: How often an idle daemon checks that its store's files are still linked (two stats).
-STORE_LINK_CHECK_EVERY = 5.0
 #: A housekeeping task that raised starts again after this, doubling up to the max.
 TASK_RETRY_FIRST = 1.0
 TASK_RETRY_MAX = 60.0

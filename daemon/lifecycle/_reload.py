@@ -215,7 +215,7 @@ class Reloader:
                     # From here to the exec, no await: nothing else runs (bench/reload.py
                     # still names this `frozen`).
                     log.info("reload.frozen")
-                    daemon.do_after_answers_now()  # the exec takes none with it
+                    daemon.afterwards.now()  # the exec takes none with it
                     if daemon.spawner.shutting_down:  # SIGTERM came while we paused: stopping wins
                         raise Refused("the daemon is shutting down; it will not reload")
                     self._exec(attempt, kept)

@@ -257,7 +257,7 @@ async def serve(
                         stopping.cancel_scope.cancel()
                 nursery.cancel_scope.cancel()
     finally:
-        daemon.do_after_answers_now()  # ended workers' cgroups go before their parent's
+        daemon.afterwards.now()  # ended workers' cgroups go before their parent's
         daemon.launcher.close(anything_live=bool(daemon.supervisor))
         control.remove()
         await listener.aclose()
