@@ -1,20 +1,18 @@
 """The composition root: it only builds and wires the daemon's parts and holds the verbs
-that span them (stop, runs, turns and fences, shutdown, info).
+that span them (send, shutdown, info, the housekeeping they run).
 
 The registry decides; the parts in workers/ carry decisions out against real processes
 and files, each owning its state (the spawner a spawn's path and keys, the supervisor
-what is live, the reader the open journals, the mailbox the wakes, retention the
-releases, endings the ending's transaction). Other modules reach a part through its
-methods, never its dicts.
+what is live, the stops and runs their verbs, the reader the open journals, the mailbox
+the wakes, retention the releases, endings the ending's transaction). Other modules
+reach a part through its methods, never its dicts.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import trio
@@ -32,28 +30,19 @@ from .processes._launcher import Launcher
 from .processes._relay import Relay
 from .store._journal import Journal
 from .store._statedir import StateDir
-from .store._store import STORE_NAME, Change, LaunchState, Store
+from .store._store import STORE_NAME, Store
 from .workers._afterwards import Afterwards
 from .workers._endings import Endings
 from .workers._mailbox import Mailbox
 from .workers._reader import Reader
 from .workers._retention import Retention
+from .workers._runs import Runs
 from .workers._spawner import Spawner
+from .workers._stops import Stops
 from .workers._store_upkeep import StoreUpkeep
 from .workers._supervisor import Supervisor
 
 log = get_logger()
-
-
-@dataclass(frozen=True)
-class Stopping:
-    """What a stop or cancel did: ``stopped``, the ids newly asked to stop; ``already``,
-    those it reached whose stop was already in flight (left as they are); ``found``,
-    false for an id or run the daemon never saw."""
-
-    stopped: list[str] = field(default_factory=list)
-    already: list[str] = field(default_factory=list)
-    found: bool = True
 
 
 class Daemon:
@@ -108,12 +97,12 @@ class Daemon:
         #: While a restart takes its workers back (set by `serve`, moved on by `recover`):
         #: requests that need them are answered `recovering` (see `RecoveryProgress`).
         self.recovering: RecoveryProgress | None = None
-        self._run_stopped: dict[str, trio.Event] = {}
-        self._saved_runs: set[str] = set()
         #: What the daemon knows, transactionally: records, runs, wakes, tombstones, turn.
         self.store = store if store is not None else Store.open(state_dir.root / STORE_NAME)
         self.store.on_written = self.problems.store_written
         self.store_upkeep = StoreUpkeep(self.store, self.problems)
+        #: Runs, turns and fences written down.
+        self.runs = Runs(self.registry, self.store, self.problems, clock=clock)
         #: Lookups, status, collect, journal pages and follows.
         self.reader = Reader(state_dir, self.registry, self.store, self.supervisor)
         #: Parents' wakes: posted with each ending, subscribed to, acknowledged.
@@ -136,7 +125,7 @@ class Daemon:
             stdout_tail=self.reader.stdout_tail,
             faults=self.faults,
             released=self.touch,
-            run_dropped=self._saved_runs.discard,
+            run_dropped=self.runs.saved.discard,
         )
         self.reader.releasing_through(self.retention)
         #: Each ending written down whole: record, wake, retention.
@@ -165,7 +154,11 @@ class Daemon:
             clock=clock,
             faults=self.faults,
             request_key_ttl=request_key_ttl,
-            saved_runs=self._saved_runs,
+            saved_runs=self.runs.saved,
+        )
+        #: The stop verbs: a worker, a run, a scope, a fence's launches.
+        self.stops = Stops(
+            self.registry, self.reader, self.supervisor, self.runs, self.problems, self.afterwards
         )
         #: Set and replaced whenever something happens that idle exit must notice.
         self.activity = trio.Event()
@@ -224,8 +217,6 @@ class Daemon:
                 "interrupted (resume each by its id); the next relayed spawn starts a new relay"
             )
 
-    # -- stopping ------------------------------------------------------------
-
     def send(self, worker_id: str, data: bytes, *, eof: bool) -> int:
         """Write to a live worker's stdin (see `Supervisor.write_stdin`)."""
         found = self.reader.lookup(worker_id)
@@ -233,136 +224,6 @@ class Daemon:
         if live is None or live.returncode is not None:  # reaped, its ending being written
             raise Refused(f"cannot send to worker {worker_id}: it has ended ({found.state})")
         return self.supervisor.write_stdin(live, data, eof=eof)
-
-    def stop(self, worker_id: str) -> Stopping:
-        """Stop a worker and its subtree. `wait_stopped` waits for them to end.
-
-        An id whose handle was released (collected, expired) is found, ended,
-        and so stops nothing; only an id never seen is not found.
-        """
-        if not self.registry.holds(worker_id):
-            try:
-                self.reader.lookup(worker_id)
-            except NotFound:
-                return Stopping(found=False)
-            return Stopping()
-        already = self.registry.stopping_among(self.registry.subtree(worker_id))
-        stopped = self.registry.stop(worker_id)
-        self.supervisor.ask_stop(stopped)
-        self.afterwards.later(
-            functools.partial(
-                log.info, "worker.stop_asked", worker=worker_id, stopped=stopped, already=already
-            )
-        )
-        return Stopping(stopped=stopped, already=already)
-
-    async def wait_stopped(self, worker_id: str) -> None:
-        """Return once a worker and its subtree have ended (a stop's wait)."""
-        if self.registry.holds(worker_id):
-            await self.supervisor.wait_ended(list(self.registry.subtree(worker_id)))
-
-    def new_run(self, outer: str | None) -> str:
-        run = self.registry.new_run(self.clock(), outer)
-        # The outer run is no longer implicit: a restart must keep it too.
-        self.save_runs([run.id] if outer is None else [run.id, outer])
-        return run.id
-
-    def save_runs(self, run_ids: list[str]) -> None:
-        """Write runs to the store (their nesting and stop flags outlive a crash)."""
-        runs = [self.registry.run(r) for r in run_ids]
-        self.store.commit(Change(runs=runs), "a run")
-        self._saved_runs.update(run_ids)
-
-    def _save_launch(self) -> None:
-        """Write the launch turn and fence (a restart starts from them)."""
-        registry = self.registry
-        launch = LaunchState(
-            turn=registry.turn, fence=registry.fence, fence_epochs=registry.fence_epochs
-        )
-        try:
-            self.store.commit(Change(launch=launch), "the launch turn and fence")
-        except OSError as exc:
-            self.problems.disk_failed("store (the launch fence)", exc)
-
-    def begin_turn(self) -> int:
-        turn = self.registry.begin_turn()
-        self._save_launch()
-        return turn
-
-    def set_fence(self) -> int:
-        epoch = self.registry.set_fence()
-        self._save_launch()
-        return epoch
-
-    def clear_fence(self) -> None:
-        self.registry.clear_fence()
-        self._save_launch()
-
-    def stop_run(self, run_id: str) -> Stopping:
-        """Stop a run and the runs nested in it: workers in flight, and every later spawn.
-        `wait_run_ended` waits for them to end."""
-        if not self.registry.has_run(run_id):
-            return Stopping(found=False)
-        members = self.registry.listing(include_ended=False, run=run_id)
-        already = self.registry.stopping_among(r.id for r in members)
-        stopped = self.registry.stop_run(run_id)
-        try:
-            self.save_runs(list(self.registry.runs_within(run_id)))
-        except OSError as exc:  # stopped in memory regardless: a crash would forget it
-            self.problems.disk_failed("store (a run)", exc)
-        self.supervisor.ask_stop(stopped)
-        for run in self.registry.runs_within(run_id):
-            if (event := self._run_stopped.pop(run, None)) is not None:
-                event.set()
-        log.info("run.stop_asked", run=run_id, stopped=stopped, already=already)
-        return Stopping(stopped=stopped, already=already)
-
-    def reopen_run(self, run_id: str) -> list[str]:
-        """Start a stopped run again (and the runs nested in it): the one way a stop is
-        undone. Written before it is answered; a store that cannot take it leaves them
-        stopped."""
-        opened = self.registry.reopen_run(run_id)
-        if opened:
-            try:
-                self.save_runs(opened)
-            except BaseException:
-                for run in opened:
-                    self.registry.run(run).stopped = True
-                raise
-        log.info("run.reopened", run=run_id, opened=opened)
-        return opened
-
-    async def wait_run_ended(self, run_id: str) -> None:
-        """Return once every live worker of a run (and of the runs nested in it) has ended
-        (a stop_run's wait)."""
-        if self.registry.has_run(run_id):
-            members = [r.id for r in self.registry.listing(include_ended=False, run=run_id)]
-            await self.supervisor.wait_ended(members)
-
-    async def wait_run_stopped(self, run_id: str) -> None:
-        """Return once `run_id` is stopped, by whoever and through whichever outer run."""
-        self.registry.run(run_id)
-        if not self.registry.run_stopped(run_id):
-            await self._run_stopped.setdefault(run_id, trio.Event()).wait()
-
-    def cancel(self, scope: str) -> Stopping:
-        kind, _, target = scope.partition(":")
-        if kind == "worker" and not self.registry.holds(target):
-            self.reader.lookup(target)  # not_found for an id never seen
-            return Stopping()  # ended and released: nothing to cancel
-        already = self.registry.stopping_among(self.registry.in_scope(scope))
-        cancelled = self.registry.cancel(scope)
-        self.supervisor.ask_stop(cancelled)
-        log.info("scope.cancelled", scope=scope, cancelled=cancelled, already=already)
-        return Stopping(stopped=cancelled, already=already)
-
-    def cancel_fence(self, epoch: int) -> Stopping:
-        already = self.registry.stopping_among(self.registry.under_fence(epoch))
-        cancelled = self.registry.cancel_fence(epoch)
-        self._save_launch()
-        self.supervisor.ask_stop(cancelled)
-        log.info("fence.cancelled", epoch=epoch, cancelled=cancelled, already=already)
-        return Stopping(stopped=cancelled, already=already)
 
     async def shutdown(self) -> None:
         """Stop every worker and wait until all are gone; start none meanwhile."""
@@ -409,22 +270,13 @@ class Daemon:
             state_dir=str(self.state_dir.root),
             relays=self.launcher.relays.info(),
             problems=self.problems.current()
-            + self._unwritten_problem()
+            + self.store_upkeep.unwritten_problem()
             + self.store.problems
             + self.registry.damage,
             recovering=None
             if self.recovering is None
             else self.recovering.view(trio.current_time()),
         )
-
-    def _unwritten_problem(self) -> list[str]:
-        count = self.store.unwritten
-        if not count:
-            return []
-        return [
-            f"{count} change(s) (endings, acknowledgements) are not yet in the store "
-            f"{self.store.path}: a failing disk kept them out; retried until they go in"
-        ]
 
 
 #: A housekeeping task that raised starts again after this, doubling up to the max.

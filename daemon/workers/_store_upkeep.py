@@ -23,6 +23,16 @@ class StoreUpkeep:
         self._store = store
         self._problems = problems
 
+    def unwritten_problem(self) -> list[str]:
+        """What `info` says while changes are kept out (none once every one is in)."""
+        count = self._store.unwritten
+        if not count:
+            return []
+        return [
+            f"{count} change(s) (endings, acknowledgements) are not yet in the store "
+            f"{self._store.path}: a failing disk kept them out; retried until they go in"
+        ]
+
     async def write_what_the_store_kept_out(self) -> None:
         """Retry, backing off, the changes a failing disk kept out of the store (an
         ending, an ack) until they go in: a daemon with nothing else to write must not
