@@ -561,20 +561,22 @@ def ask_inventory(fd: int) -> CarriedRelay | None:
         sock.settimeout(1.0)
         sock.send(wire.encoder.encode(wire.Ask()))
         unread = []
+        streams: dict[str, list[str]] = {}
         while True:
             data = sock.recv(wire.MESSAGE_BYTES)
             if not data:
                 return None
             message = wire.from_relay.decode(data)
-            if isinstance(message, wire.Inventory):
+            if not isinstance(message, wire.Inventory):
+                unread.append(data)
+                continue
+            for held in message.streams:  # a page of it: the last says no `more`
+                streams.setdefault(held.worker, []).append(held.kind)
+            if not message.more:
                 break
-            unread.append(data)
         stat = read_stat(message.pid) if message.pid > 0 else None
         if stat is None or stat.ppid != os.getpid():
             return None  # not a relay of this daemon's: closed as what nothing claims
-        streams: dict[str, list[str]] = {}
-        for held in message.streams:
-            streams.setdefault(held.worker, []).append(held.kind)
         return CarriedRelay(
             fd=fd,
             pid=message.pid,
