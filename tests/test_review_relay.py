@@ -19,9 +19,18 @@ from subagentd.client import AsyncClient
 from subagentd.daemon.processes import _relay_program as wire
 from subagentd.daemon.processes._relay import ask_inventory
 from subagentd.protocol import ReloadReply
+from subagentd.protocol.errors import RemoteError
 
 from .conftest import DaemonProcess
-from .helpers import paged_stdout, reload_on_own_connection, sh, wait_output
+from .helpers import (
+    alive,
+    descriptors,
+    paged_stdout,
+    pending_wakes,
+    reload_on_own_connection,
+    sh,
+    wait_output,
+)
 from .test_relay import _relays
 
 #: Streams a relay holds for 7,000 workers: far inside its capacity (this machine's
@@ -138,3 +147,132 @@ async def test_what_a_relayed_worker_wrote_before_it_exited_is_journaled_though_
                 await client.send(worker.id, "\n", eof=True)
                 assert (await client.wait(worker.id)).state == "finished"
             assert await paged_stdout(client, worker.id) == b"last words\n"
+
+
+def _targets(pid: int) -> list[str]:
+    """What each descriptor of `pid` is (a path, `pipe:[..]`, `socket:[..]`)."""
+    return [target for target, _ in descriptors(pid).values()]
+
+
+async def test_the_relay_holds_nothing_of_the_daemons_but_its_socket_and_the_pipes(
+    daemon_dirs: DaemonProcess,
+) -> None:
+    """The relay's descriptors, before and after a reload: its std streams, its socket,
+    its epoll and the relayed pipes; never the listening socket, the store, the state
+    dir's lock, a journal, another worker's stdin (kept in the daemon). A spawn that
+    fails (no such program) leaves no descriptor behind in the daemon or the relay."""
+    daemon_dirs.start(*RELAY_ALL)
+    assert daemon_dirs.proc is not None
+    with trio.fail_after(90):
+        async with AsyncClient(daemon_dirs.socket) as client:
+            relay = await _one_relay(client, daemon_dirs)
+            fed = await client.spawn(sh("echo fed; cat"), stdin_open=True)
+            await wait_output(client, fed.id, b"fed\n")
+            stdin = os.readlink(f"/proc/{(await client.status(fed.id)).pid}/fd/0")
+            for _ in range(2):
+                held = _targets(relay)
+                sockets = [t for t in held if t.startswith("socket:")]
+                others = [t for t in held if not t.startswith(("pipe:", "socket:"))]
+                assert len(sockets) == 1, held
+                assert set(others) <= {"/dev/null", "anon_inode:[eventpoll]"} | {
+                    str(daemon_dirs.log_path)
+                }, held
+                assert len([t for t in held if t.startswith("pipe:")]) == 4  # 2 workers
+                assert stdin.startswith("pipe:")
+                assert stdin not in held
+                reply = await reload_on_own_connection(daemon_dirs)
+                assert isinstance(reply, ReloadReply), reply
+            daemon_before = len(descriptors(daemon_dirs.proc.pid))
+            relay_before = len(descriptors(relay))
+            for _ in range(20):
+                with pytest.raises(RemoteError):
+                    await client.spawn(["/nonexistent/program"])
+            assert len(descriptors(daemon_dirs.proc.pid)) <= daemon_before
+            assert len(descriptors(relay)) == relay_before
+
+
+async def test_a_relayed_worker_that_closes_stdout_and_one_whose_grandchild_holds_it(
+    daemon_dirs: DaemonProcess,
+) -> None:
+    """A relayed worker that closes its stdout and writes on stderr: its stderr comes
+    whole after stdout's end; one that exits leaving a grandchild holding its pipes ends
+    as a piped one does (its tree ended with it, its output whole, in bounded time)."""
+    daemon_dirs.start(*RELAY_ALL)
+    with trio.fail_after(60):
+        async with AsyncClient(daemon_dirs.socket) as client:
+            half = await client.spawn(
+                sh("echo out; exec 1>&-; read x; seq 1 3000 >&2"), stdin_open=True
+            )
+            await wait_output(client, half.id, b"out\n")
+            await client.send(half.id, "\n", eof=True)
+            assert (await client.wait(half.id)).state == "finished"
+            page = await client.watch_page(half.id, since=0, limit=100_000)
+            err = b"".join(e.data for e in page.entries if e.kind == "stderr")
+            assert err == "".join(f"{i}\n" for i in range(1, 3001)).encode()
+            assert await paged_stdout(client, half.id) == b"out\n"
+            left = await client.spawn(sh('sleep 600 & echo "child $!"; seq 1 2000'))
+            assert (await client.wait(left.id)).state == "finished"
+            out = await paged_stdout(client, left.id)
+            child = int(out.split(b"\n", 1)[0].split()[1])
+            assert out.split(b"\n", 1)[1] == "".join(f"{i}\n" for i in range(1, 2001)).encode()
+            assert not alive(child)
+
+
+async def test_stop_run_of_many_relayed_workers_writing_as_they_end(
+    daemon_dirs: DaemonProcess,
+) -> None:
+    """300 relayed workers, each writing a line as its stop comes: one stop_run ends them
+    all, every last line is in its journal, and every wake comes once."""
+    daemon_dirs.start(*RELAY_ALL)
+    script = "trap 'echo bye; exit 0' TERM; echo up; sleep 600 & wait"
+    with trio.fail_after(180):
+        async with AsyncClient(daemon_dirs.socket) as client:
+            run = await client.new_run()
+            ids = [(await client.spawn(sh(script), run=run)).id for _ in range(300)]
+            for worker_id in ids:
+                await wait_output(client, worker_id, b"up\n")
+            assert sorted(await client.stop_run(run)) == sorted(ids)
+            short = [w for w in ids if await paged_stdout(client, w) != b"up\nbye\n"]
+            assert not short, f"{len(short)} of {len(ids)} lost their last line"
+        woken = [w.id for w in await pending_wakes(daemon_dirs, run)]
+        assert sorted(woken) == sorted(ids)
+
+
+async def _gone(pid: int) -> None:
+    """Until `pid` (not our child) has exited."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        await trio.lowlevel.wait_readable(fd)
+    finally:
+        os.close(fd)
+
+
+async def test_a_sigterm_shutdown_with_relayed_workers_leaves_nothing_running(
+    daemon_dirs: DaemonProcess,
+) -> None:
+    """SIGTERM with 30 relayed workers live: the daemon exits 0, no worker nor relay is
+    left running, and the next start has each worker ended once, with its wake."""
+    daemon_dirs.start(*RELAY_ALL)
+    assert daemon_dirs.proc is not None
+    with trio.fail_after(120):
+        async with AsyncClient(daemon_dirs.socket) as client:
+            run = await client.new_run()
+            ids = [(await client.spawn(sh("echo up; sleep 600"), run=run)).id for _ in range(30)]
+            for worker_id in ids:
+                await wait_output(client, worker_id, b"up\n")
+            pids = [(await client.status(w)).pid for w in ids]
+            relays = _relays(daemon_dirs.proc.pid)
+            assert relays
+        assert await trio.to_thread.run_sync(daemon_dirs.terminate) == 0
+        for pid in relays:
+            await _gone(pid)
+        assert not [pid for pid in pids if pid is not None and alive(pid)]
+        daemon_dirs.start(*RELAY_ALL)
+        async with AsyncClient(daemon_dirs.socket) as client:
+            states = {(await client.status(w)).state for w in ids}
+            assert states <= {"stopped", "interrupted"}, states
+        woken = [w.id for w in await pending_wakes(daemon_dirs, run)]
+        assert sorted(woken) == sorted(ids)
