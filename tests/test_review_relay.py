@@ -31,7 +31,7 @@ from .helpers import (
     sh,
     wait_output,
 )
-from .test_relay import _relays
+from .test_relay import _relays, reload_on_own_connection_lost
 
 #: Streams a relay holds for 7,000 workers: far inside its capacity (this machine's
 #: hard limit of 20,000 less its reserve), and an inventory larger than one message.
@@ -276,3 +276,63 @@ async def test_a_sigterm_shutdown_with_relayed_workers_leaves_nothing_running(
             assert states <= {"stopped", "interrupted"}, states
         woken = [w.id for w in await pending_wakes(daemon_dirs, run)]
         assert sorted(woken) == sorted(ids)
+
+
+async def test_reloads_while_floods_fill_the_relays_socket_lose_and_double_nothing(
+    daemon_dirs: DaemonProcess,
+) -> None:
+    """Six relayed workers flooding at once (a chunk of each in flight: more than the
+    socket's buffer holds, so the relay keeps one unsent) through four reloads: each
+    worker's stdout, counted byte by byte, is what it wrote, once."""
+    daemon_dirs.start(*RELAY_ALL)
+    lines = 400_000
+    want = "".join(f"{i}\n" for i in range(1, lines + 1)).encode()
+    with trio.fail_after(240):
+        async with AsyncClient(daemon_dirs.socket) as client:
+            ids = [
+                (await client.spawn(sh(f"read x; seq 1 {lines}; read y"), stdin_open=True)).id
+                for _ in range(6)
+            ]
+            for worker_id in ids:
+                await client.send(worker_id, "\n")
+            for _ in range(4):
+                reply = await reload_on_own_connection(daemon_dirs)
+                assert isinstance(reply, ReloadReply), reply
+        async with AsyncClient(daemon_dirs.socket) as client:
+            for worker_id in ids:
+                assert await wait_output(client, worker_id, f"\n{lines}\n".encode()) == want
+                await client.send(worker_id, "\n", eof=True)
+                assert (await client.wait(worker_id)).state == "finished"
+                assert await paged_stdout(client, worker_id) == want
+
+
+async def test_the_relay_killed_as_a_reload_begins_ends_its_workers_interrupted(
+    daemon_dirs: DaemonProcess,
+) -> None:
+    """The relay SIGKILLed as a reload is asked: the reload answers (or the new image
+    serves), each relayed worker ends `interrupted` with a note, none is left running,
+    and the next relayed spawn gets a new relay whose output comes whole."""
+    daemon_dirs.start(*RELAY_ALL)
+    assert daemon_dirs.proc is not None
+    with trio.fail_after(90):
+        async with AsyncClient(daemon_dirs.socket) as client:
+            relay = await _one_relay(client, daemon_dirs)
+            ids = [(await client.spawn(sh("echo up; sleep 600"))).id for _ in range(5)]
+            for worker_id in ids:
+                await wait_output(client, worker_id, b"up\n")
+            pids = [(await client.status(w)).pid for w in ids]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reload_on_own_connection_lost, daemon_dirs)
+            await trio.sleep(0)
+            os.kill(relay, signal.SIGKILL)
+        async with AsyncClient(daemon_dirs.socket) as client:
+            for worker_id in ids:
+                assert (await client.wait(worker_id)).state == "interrupted"
+            assert not [pid for pid in pids if pid is not None and alive(pid)]
+            fresh = await client.spawn(sh("seq 1 1000"))
+            assert (await client.wait(fresh.id)).state == "finished"
+            assert (
+                await paged_stdout(client, fresh.id)
+                == "".join(f"{i}\n" for i in range(1, 1001)).encode()
+            )
+            assert relay not in _relays(daemon_dirs.proc.pid)
