@@ -336,3 +336,39 @@ async def test_the_relay_killed_as_a_reload_begins_ends_its_workers_interrupted(
                 == "".join(f"{i}\n" for i in range(1, 1001)).encode()
             )
             assert relay not in _relays(daemon_dirs.proc.pid)
+
+
+async def test_endings_during_a_reload_that_waits_for_relayed_chunks_are_not_lost(
+    daemon_dirs: DaemonProcess,
+) -> None:
+    """Relayed floods (a chunk received and not yet journaled at most freezes) while
+    workers end around each of ten reloads: every one of those ends `failed` with its
+    exit code 7, none `stopped_by_reload` (an ending in hand when the exec came)."""
+    daemon_dirs.start(*RELAY_ALL)
+    with trio.fail_after(240):
+        async with AsyncClient(daemon_dirs.socket) as client:
+            floods = [
+                (
+                    await client.spawn(sh("read x; yes flood | head -c 400000000"), stdin_open=True)
+                ).id
+                for _ in range(3)
+            ]
+            enders = [
+                (
+                    await client.spawn(
+                        sh(f"read x; sleep 0.{n % 10}{n % 7}; seq 1 {n * 50}; exit 7"),
+                        stdin_open=True,
+                    )
+                ).id
+                for n in range(120)
+            ]
+            for worker_id in floods + enders:
+                await client.send(worker_id, "\n")
+        for _ in range(10):
+            reply = await reload_on_own_connection(daemon_dirs)
+            assert isinstance(reply, ReloadReply), reply
+        async with AsyncClient(daemon_dirs.socket) as client:
+            states = [(await client.wait(w)).state for w in enders]
+            assert states == ["failed"] * len(enders), states
+            for worker_id in floods:
+                await client.stop(worker_id)

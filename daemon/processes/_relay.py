@@ -496,6 +496,11 @@ class Relays:
                 stack.enter_context(relay.reading_paused())
             yield
 
+    def nothing_in_hand(self) -> bool:
+        """Whether every relay's port has journaled and credited what it received, and
+        sent every message (what `wait_nothing_in_hand` waits for)."""
+        return not any(r.held or (r.unsent and r.lost is None) for r in self.relays)
+
     async def wait_nothing_in_hand(self) -> None:
         for relay in list(self.relays):
             await relay.wait_nothing_in_hand()
