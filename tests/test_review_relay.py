@@ -135,9 +135,9 @@ async def test_a_stalled_relay_hangs_no_request_and_serves_on_once_it_runs(
 async def test_what_a_relayed_worker_wrote_before_it_exited_is_journaled_though_its_relay_lagged(
     daemon_dirs: DaemonProcess,
 ) -> None:
-    """A relayed worker writes its last line and exits while its relay is stalled for
-    until the worker has ended (PIPE_DRAIN_SECONDS at least): once the relay runs again, the line is in its journal, as
-    a piped worker's last line always is."""
+    """A relayed worker writes its last line and exits while its relay is stalled, until
+    the worker has ended (PIPE_DRAIN_SECONDS at least): once the relay runs again, the
+    line is in its journal, as a piped worker's last line always is."""
     daemon_dirs.start(*RELAY_ALL)
     with trio.fail_after(60):
         async with AsyncClient(daemon_dirs.socket) as client:
@@ -323,7 +323,7 @@ async def test_the_relay_killed_as_a_reload_begins_ends_its_workers_interrupted(
             pids = [(await client.status(w)).pid for w in ids]
         async with trio.open_nursery() as nursery:
             nursery.start_soon(reload_on_own_connection_lost, daemon_dirs)
-            await trio.sleep(0)
+            await trio.lowlevel.checkpoint()  # the reload asked
             os.kill(relay, signal.SIGKILL)
         async with AsyncClient(daemon_dirs.socket) as client:
             for worker_id in ids:
