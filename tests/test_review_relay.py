@@ -372,3 +372,36 @@ async def test_endings_during_a_reload_that_waits_for_relayed_chunks_are_not_los
             assert states == ["failed"] * len(enders), states
             for worker_id in floods:
                 await client.stop(worker_id)
+
+
+async def test_a_burst_of_spawns_past_every_small_relays_limit_loses_no_worker(
+    daemon_dirs: DaemonProcess,
+) -> None:
+    """40 spawns at once, each relay holding 3 workers (8 relays at most: 24 relayed, the
+    rest keep their pipes): no hand is refused, no worker is interrupted, every worker's
+    output comes whole, and `info` counts what the relays hold."""
+    daemon_dirs.start(*RELAY_ALL, env={wire.NOFILE_ENV: str(wire.RESERVE + 6)})
+    assert daemon_dirs.proc is not None
+    want = "".join(f"{i}\n" for i in range(1, 2001)).encode()
+    with trio.fail_after(120):
+        async with AsyncClient(daemon_dirs.socket) as client:
+            ids: list[str] = []
+
+            async def spawn() -> None:
+                worker = await client.spawn(sh("seq 1 2000; read x"), stdin_open=True)
+                ids.append(worker.id)
+
+            async with trio.open_nursery() as nursery:
+                for _ in range(40):
+                    nursery.start_soon(spawn)
+            for worker_id in ids:
+                assert await wait_output(client, worker_id, b"\n2000\n") == want
+            said = (await client.info()).relays
+            assert said is not None
+            assert len(said.pids) == len(_relays(daemon_dirs.proc.pid)) <= 8
+            assert said.streams <= said.capacity == 6 * len(said.pids)
+            for worker_id in ids:
+                await client.send(worker_id, "\n", eof=True)
+                assert (await client.wait(worker_id)).state == "finished"
+                assert await paged_stdout(client, worker_id) == want
+    assert "relay.refused" not in daemon_dirs.log()

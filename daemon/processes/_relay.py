@@ -413,8 +413,8 @@ class Relays:
             return
         if self._failed_at is not None and trio.current_time() < self._failed_at + RETRY_SECONDS:
             return  # the last would not start: spawns meanwhile keep their pipes
-        async with self._starting:
-            if any(r.room(streams) for r in self.relays):
+        async with self._starting:  # asked again: others started relays while we waited
+            if any(r.room(streams) for r in self.relays) or len(self.relays) >= MAX_RELAYS:
                 return
             try:
                 relay = await _start()
