@@ -405,3 +405,33 @@ async def test_a_burst_of_spawns_past_every_small_relays_limit_loses_no_worker(
                 assert (await client.wait(worker_id)).state == "finished"
                 assert await paged_stdout(client, worker_id) == want
     assert "relay.refused" not in daemon_dirs.log()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a rebuilt handoff whose relay does not answer its Ask within the second "
+    "(stalled, busy) closes the relay's socket as nothing's: the relay exits with every "
+    "pipe it held, and its workers are adopted as if they had no output at all (their "
+    "next write is EPIPE: the worker ends `failed`, blamed on it); not `interrupted` "
+    "with a note as at a relay's death. A pipe not inherited cannot tell a relayed "
+    "stream from one already at its end: the store would have to say which workers "
+    "were relayed, or the relay be waited for as long as it takes",
+)
+async def test_a_rebuilt_handoff_with_a_stalled_relay_ends_its_workers_interrupted(
+    daemon_dirs: DaemonProcess,
+) -> None:
+    """A reload whose checkpoint does not decode while the relay is stalled: the new
+    image cannot ask it what it holds; the workers it served end `interrupted`, with a
+    note in the journal, as at the relay's death, not on unsupervised with output lost."""
+    daemon_dirs.start(*RELAY_ALL, env={"SUBAGENTD_FAULT": "handoff:garbage"})
+    with trio.fail_after(90):
+        async with AsyncClient(daemon_dirs.socket) as client:
+            relay = await _one_relay(client, daemon_dirs)
+            worker = await client.spawn(sh("echo up; read x; echo after"), stdin_open=True)
+            await wait_output(client, worker.id, b"up\n")
+        with _stopped(relay):
+            assert await reload_on_own_connection_lost(daemon_dirs)
+        async with AsyncClient(daemon_dirs.socket) as client:
+            await _gone(relay)
+            await client.send(worker.id, "\n", eof=True)
+            assert (await client.wait(worker.id)).state == "interrupted"
