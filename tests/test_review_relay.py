@@ -11,6 +11,7 @@ import signal
 import socket
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import trio
@@ -435,3 +436,41 @@ async def test_a_rebuilt_handoff_with_a_stalled_relay_ends_its_workers_interrupt
             await _gone(relay)
             await client.send(worker.id, "\n", eof=True)
             assert (await client.wait(worker.id)).state == "interrupted"
+
+
+async def test_the_relay_is_no_workers_to_a_stops_search_nor_to_a_stop_run(
+    daemon_dirs: DaemonProcess, tmp_path: Path
+) -> None:
+    """A stop whose worker left an orphan behind (a double fork: found by its marker) and
+    a stop_run of the rest: the relay carries no worker's marker, outlives them, and the
+    next worker's output still comes through it."""
+    daemon_dirs.start(*RELAY_ALL)
+    assert daemon_dirs.proc is not None
+    orphan_file = tmp_path / "orphan"
+    with trio.fail_after(90):
+        async with AsyncClient(daemon_dirs.socket) as client:
+            relay = await _one_relay(client, daemon_dirs)
+            environ = Path(f"/proc/{relay}/environ").read_bytes().split(b"\0")
+            assert not [v for v in environ if v.startswith(b"SUBAGENTD_WORKER")]
+            run = await client.new_run()
+            escaper = await client.spawn(
+                sh(f"(sh -c 'echo $$ > {orphan_file}; exec sleep 600' &); echo up; sleep 600"),
+                run=run,
+            )
+            await wait_output(client, escaper.id, b"up\n")
+            others = [(await client.spawn(sh("echo up; sleep 600"), run=run)).id for _ in range(5)]
+            for worker_id in others:
+                await wait_output(client, worker_id, b"up\n")
+            orphan = int(orphan_file.read_text())
+            await client.stop(escaper.id)
+            assert (await client.wait(escaper.id)).state == "stopped"
+            assert not alive(orphan)
+            await client.stop_run(run)
+            assert alive(relay)
+            assert _relays(daemon_dirs.proc.pid) == [relay]
+            after = await client.spawn(sh("seq 1 500"))
+            assert (await client.wait(after.id)).state == "finished"
+            assert (
+                await paged_stdout(client, after.id)
+                == "".join(f"{i}\n" for i in range(1, 501)).encode()
+            )
