@@ -474,3 +474,24 @@ async def test_the_relay_is_no_workers_to_a_stops_search_nor_to_a_stop_run(
                 await paged_stdout(client, after.id)
                 == "".join(f"{i}\n" for i in range(1, 501)).encode()
             )
+
+
+async def test_a_sigterm_shutdown_with_a_stalled_relay_ends_and_the_relay_after_it(
+    daemon_dirs: DaemonProcess,
+) -> None:
+    """SIGTERM while the relay is stalled, 10 relayed workers live: the daemon still
+    exits 0 with its workers ended (it waits for nothing of the relay's but its pipes'
+    quiet), and the relay, run again, finds its socket's end and exits."""
+    daemon_dirs.start(*RELAY_ALL)
+    assert daemon_dirs.proc is not None
+    with trio.fail_after(90):
+        async with AsyncClient(daemon_dirs.socket) as client:
+            relay = await _one_relay(client, daemon_dirs)
+            ids = [(await client.spawn(sh("echo up; sleep 600"))).id for _ in range(10)]
+            for worker_id in ids:
+                await wait_output(client, worker_id, b"up\n")
+            pids = [(await client.status(w)).pid for w in ids]
+        with _stopped(relay):
+            assert await trio.to_thread.run_sync(daemon_dirs.terminate) == 0
+            assert not [pid for pid in pids if pid is not None and alive(pid)]
+        await _gone(relay)
