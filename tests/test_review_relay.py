@@ -438,6 +438,10 @@ async def test_a_rebuilt_handoff_with_a_stalled_relay_ends_its_workers_interrupt
             assert (await client.wait(worker.id)).state == "interrupted"
 
 
+def _environ(pid: int) -> list[bytes]:
+    return Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+
+
 async def test_the_relay_is_no_workers_to_a_stops_search_nor_to_a_stop_run(
     daemon_dirs: DaemonProcess, tmp_path: Path
 ) -> None:
@@ -450,8 +454,7 @@ async def test_the_relay_is_no_workers_to_a_stops_search_nor_to_a_stop_run(
     with trio.fail_after(90):
         async with AsyncClient(daemon_dirs.socket) as client:
             relay = await _one_relay(client, daemon_dirs)
-            environ = Path(f"/proc/{relay}/environ").read_bytes().split(b"\0")
-            assert not [v for v in environ if v.startswith(b"SUBAGENTD_WORKER")]
+            assert not [v for v in _environ(relay) if v.startswith(b"SUBAGENTD_WORKER")]
             run = await client.new_run()
             escaper = await client.spawn(
                 sh(f"(sh -c 'echo $$ > {orphan_file}; exec sleep 600' &); echo up; sleep 600"),
