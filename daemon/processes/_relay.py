@@ -413,8 +413,8 @@ class Relays:
             return
         if self._failed_at is not None and trio.current_time() < self._failed_at + RETRY_SECONDS:
             return  # the last would not start: spawns meanwhile keep their pipes
-        async with self._starting:
-            if any(r.room(streams) for r in self.relays):
+        async with self._starting:  # asked again: others started relays while we waited
+            if any(r.room(streams) for r in self.relays) or len(self.relays) >= MAX_RELAYS:
                 return
             try:
                 relay = await _start()
@@ -496,6 +496,11 @@ class Relays:
                 stack.enter_context(relay.reading_paused())
             yield
 
+    def nothing_in_hand(self) -> bool:
+        """Whether every relay's port has journaled and credited what it received, and
+        sent every message (what `wait_nothing_in_hand` waits for)."""
+        return not any(r.held or (r.unsent and r.lost is None) for r in self.relays)
+
     async def wait_nothing_in_hand(self) -> None:
         for relay in list(self.relays):
             await relay.wait_nothing_in_hand()
@@ -561,20 +566,22 @@ def ask_inventory(fd: int) -> CarriedRelay | None:
         sock.settimeout(1.0)
         sock.send(wire.encoder.encode(wire.Ask()))
         unread = []
+        streams: dict[str, list[str]] = {}
         while True:
             data = sock.recv(wire.MESSAGE_BYTES)
             if not data:
                 return None
             message = wire.from_relay.decode(data)
-            if isinstance(message, wire.Inventory):
+            if not isinstance(message, wire.Inventory):
+                unread.append(data)
+                continue
+            for held in message.streams:  # a page of it: the last says no `more`
+                streams.setdefault(held.worker, []).append(held.kind)
+            if not message.more:
                 break
-            unread.append(data)
         stat = read_stat(message.pid) if message.pid > 0 else None
         if stat is None or stat.ppid != os.getpid():
             return None  # not a relay of this daemon's: closed as what nothing claims
-        streams: dict[str, list[str]] = {}
-        for held in message.streams:
-            streams.setdefault(held.worker, []).append(held.kind)
         return CarriedRelay(
             fd=fd,
             pid=message.pid,

@@ -118,10 +118,15 @@ class Held(msgspec.Struct, array_like=True):
 
 
 class Inventory(msgspec.Struct, tag="inventory", array_like=True):
+    """What the relay holds, in pages: each a message the socket takes whole (thousands
+    of streams would not fit one), the last with `more` False."""
+
     streams: list[Held]
     capacity: int
     #: The relay's own pid (a socketpair's SO_PEERCRED names its maker, not its peer).
     pid: int = 0
+    #: Another page follows (a relay before pages sends one, without it: the last).
+    more: bool = False
 
 
 class Unknown(msgspec.Struct, tag="unknown", array_like=True):
@@ -141,6 +146,11 @@ from_relay = msgspec.msgpack.Decoder(FromRelay)
 # -- the program ----------------------------------------------------------------
 
 _READ = select.EPOLLIN | select.EPOLLONESHOT
+
+
+class DaemonGone(Exception):
+    """A send found the daemon's end closed (its shutdown, or its death): the relay ends,
+    as at its socket's end of file, not with a traceback in the daemon's log."""
 
 
 class _Stream:
@@ -199,6 +209,8 @@ class _Relay:
                 return
             except BlockingIOError:
                 pass
+            except ConnectionError as exc:  # EPIPE, ECONNRESET: the daemon closed its end
+                raise DaemonGone from exc
         self.unsent.append(message)
         self.epoll.modify(self.sock.fileno(), select.EPOLLIN | select.EPOLLOUT)
 
@@ -208,6 +220,8 @@ class _Relay:
                 self.sock.send(self.unsent[0])
             except BlockingIOError:
                 return
+            except ConnectionError as exc:
+                raise DaemonGone from exc
             self.unsent.popleft()
         self.epoll.modify(self.sock.fileno(), select.EPOLLIN)
 
@@ -256,9 +270,22 @@ class _Relay:
                     if (stream := self.by_key.get((worker, kind))) is not None:
                         self._close(stream)
             case Ask():
-                held = [Held(s.worker, s.kind, s.state == "sent") for s in self.by_key.values()]
-                self._send(encoder.encode(Inventory(held, self.capacity, os.getpid())))
+                self._inventory()
         _close(fds)  # descriptors only a Hand brings
+
+    def _inventory(self) -> None:
+        """Answer an `Ask`: what it holds, in pages of at most a chunk's length each."""
+        pages: list[list[Held]] = [[]]
+        room = self.chunk - 1024  # the page's own header, with room to spare
+        for s in self.by_key.values():
+            cost = len(s.worker.encode()) + len(s.kind) + 16  # a Held's encoding, at most
+            if pages[-1] and room < cost:
+                pages.append([])
+                room = self.chunk - 1024
+            room -= cost
+            pages[-1].append(Held(s.worker, s.kind, s.state == "sent"))
+        for n, page in enumerate(pages, 1):
+            self._send(encoder.encode(Inventory(page, self.capacity, os.getpid(), n < len(pages))))
 
     def _hand(self, worker: str, kinds: list[str], fds: list[int], *, cut: bool) -> None:
         why = None
@@ -357,8 +384,9 @@ def main(argv: list[str]) -> int:
     sock.setblocking(False)
     limit = _limit()
     relay = _Relay(sock, max(0, limit - RESERVE))
-    relay._send(encoder.encode(Ready(relay.capacity, limit)))
-    relay.run()
+    with contextlib.suppress(DaemonGone):
+        relay._send(encoder.encode(Ready(relay.capacity, limit)))
+        relay.run()
     return 0
 
 
