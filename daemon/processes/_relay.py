@@ -40,6 +40,10 @@ RETRY_SECONDS = 5.0
 #: A relay is started for the next relayed spawns this many descriptors before the
 #: threshold: by the time a spawn's pipes come above it, the relay is there.
 START_MARGIN = 64
+#: How long a drain waits for a relay to say what a worker's streams still hold (`Probe`):
+#: a relay stalled past it (stopped, or starved) is taken at its silence, and the worker's
+#: journal says that its last output may be missing.
+PROBE_SECONDS = 10.0
 #: Relays at most (each holding up to its limit's worth of streams): past them, a
 #: worker past the threshold keeps its pipes in the daemon, as below it.
 MAX_RELAYS = 8
@@ -90,6 +94,17 @@ class RelayStream:
 
     def arrived(self) -> None:
         self._arrived.set()
+
+    async def pending(self) -> int | None:
+        """What is still to come on this stream: chunks here not yet journaled, else what
+        its relay holds of it (`Relay.pending`); 0 at its end of file or loss."""
+        if self.chunks:
+            return len(self.chunks)
+        if self.eof or self.refused is not None or self.relay is None:
+            return 0
+        if self.relay.lost is not None:
+            return 0  # its pump says so: RelayLost
+        return await self.relay.pending(self.worker)
 
     async def pump(self, deliver: Deliver) -> None:
         """Journal what the relay forwards until the stream's end of file, as `pump` does
@@ -146,6 +161,9 @@ class Relay:
         #: Messages read before this port ran (a rebuilt handoff's inventory): first.
         self.unread: deque[bytes] = deque()
         self._buffer = bytearray(wire.MESSAGE_BYTES)
+        #: Drains waiting for a `Pending`, by stream key: where each answer goes.
+        self._probes: dict[str, list[list[int | None]]] = {}
+        self._answered = trio.Event()
 
     @property
     def fd(self) -> int:
@@ -194,6 +212,28 @@ class Relay:
                 put_down.set()
         if any(dropped) and self.lost is None:
             self._send(wire.encoder.encode(wire.Drop(worker)), [])
+
+    async def pending(self, worker: str) -> int | None:
+        """What the relay still holds of `worker`'s streams (by their key), in bytes its
+        pipes have ready and chunks not yet credited: 0 once they are quiet for sure. None:
+        no answer within PROBE_SECONDS (a relay stalled), or the relay is gone."""
+        if self.lost is not None:
+            return None
+        answer: list[int | None] = [None]
+        self._probes.setdefault(worker, []).append(answer)
+        self._send(wire.encoder.encode(wire.Probe(worker)), [])
+        with trio.move_on_after(PROBE_SECONDS):
+            while self._probes.get(worker) and answer in self._probes[worker]:
+                if self.lost is not None:
+                    break
+                answered, self._answered = self._answered, trio.Event()
+                await answered.wait()
+        waiting = self._probes.get(worker, [])
+        if answer in waiting:
+            waiting.remove(answer)
+            if not waiting:
+                del self._probes[worker]
+        return answer[0]
 
     def _send(self, message: bytes, fds: list[int]) -> None:
         if not self.unsent and self._send_now(message, fds):
@@ -292,6 +332,10 @@ class Relay:
                     if (stream := self.streams.get((worker, kind))) is not None:
                         stream.refused = f"the output relay refused its {kind}: {why}"
                         stream.arrived()
+            case wire.Pending(worker, pending):
+                for answer in self._probes.pop(worker, []):
+                    answer[0] = pending
+                self._answered.set()
             case wire.Unknown(what):
                 log.warning("relay.unknown", relay=self.pid, what=what)
             case wire.Ready() | wire.Inventory():
@@ -305,6 +349,7 @@ class Relay:
         log.error("relay.lost", relay=self.pid, why=why, streams=len(self.streams))
         for stream in list(self.streams.values()):
             stream.arrived()
+        self._answered.set()
         self._unsent_added.set()
 
     async def _bury(self) -> None:

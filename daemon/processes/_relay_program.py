@@ -28,6 +28,7 @@ import select
 import signal
 import socket
 import sys
+import termios
 from collections import deque
 
 import msgspec
@@ -77,6 +78,13 @@ class Drop(msgspec.Struct, tag="drop", array_like=True):
 
 class Ask(msgspec.Struct, tag="ask", array_like=True):
     """Answer an `Inventory`."""
+
+
+class Probe(msgspec.Struct, tag="probe", array_like=True):
+    """Answer `Pending` for `worker`'s streams: its process has exited and the daemon's
+    drain found them quiet, which only the relay, holding the pipes, can tell for sure."""
+
+    worker: str
 
 
 # -- the wire: relay -> daemon ------------------------------------------------------
@@ -129,14 +137,22 @@ class Inventory(msgspec.Struct, tag="inventory", array_like=True):
     more: bool = False
 
 
+class Pending(msgspec.Struct, tag="pending", array_like=True):
+    """The answer to a `Probe`: what `worker`'s streams still hold, in bytes the pipes have
+    ready (FIONREAD) and one for each `Output` not yet credited; 0: quiet for sure."""
+
+    worker: str
+    pending: int
+
+
 class Unknown(msgspec.Struct, tag="unknown", array_like=True):
     """A message the relay could not act on (a stream it does not hold, garbage)."""
 
     what: str
 
 
-ToRelay = Hand | Credit | Drop | Ask
-FromRelay = Ready | Output | Eof | Refused | Inventory | Unknown
+ToRelay = Hand | Credit | Drop | Ask | Probe
+FromRelay = Ready | Output | Eof | Refused | Inventory | Pending | Unknown
 
 encoder = msgspec.msgpack.Encoder()
 to_relay = msgspec.msgpack.Decoder(ToRelay)
@@ -271,7 +287,25 @@ class _Relay:
                         self._close(stream)
             case Ask():
                 self._inventory()
+            case Probe(worker):
+                self._send(encoder.encode(Pending(worker, self._pending(worker))))
         _close(fds)  # descriptors only a Hand brings
+
+    def _pending(self, worker: str) -> int:
+        """What `worker`'s streams still hold: the bytes their pipes have ready, and one for
+        each chunk read and not yet credited (or waiting for the socket to take it)."""
+        pending = 0
+        for kind in ("stdout", "stderr"):
+            stream = self.by_key.get((worker, kind))
+            if stream is None:
+                continue
+            if stream.state in ("sent", "ready"):
+                pending += 1
+            with contextlib.suppress(OSError):
+                ready = array.array("i", [0])
+                fcntl.ioctl(stream.fd, termios.FIONREAD, ready)
+                pending += ready[0]
+        return pending
 
     def _inventory(self) -> None:
         """Answer an `Ask`: what it holds, in pages of at most a chunk's length each."""
