@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import trio
@@ -166,3 +167,37 @@ async def test_many_resumes_right_after_a_stop_run_each_run_in_their_own_cgroup(
     assert _logged(daemon, "cgroup.not_removed") == []
     assert _worker_processes(set(ids)) == []
     assert all(not alive(pid) for pid in pids.values() if pid is not None)
+
+
+async def test_a_spawn_while_a_full_cgroup_is_removed_holds_no_client(
+    daemon: DaemonProcess,
+) -> None:
+    """The thread removes a cgroup holding 3,000 empty nested ones while spawns go on:
+    a fork into a cgroup takes the lock the removal takes (`born_in`, on the event
+    loop), so the removal holds that lock only for each rmdir, not for the walk. No
+    spawn and no other client's `info` waits 0.15 s."""
+    with trio.fail_after(120):
+        async with AsyncClient(daemon.socket) as client, AsyncClient(daemon.socket) as other:
+            worker = (await client.spawn(["python3", "-c", NEST], env={"N": "3000"})).id
+            found = await client.wait_for(worker, "^/", timeout=60)
+            assert found.line is not None, found
+            base = found.line.strip()
+            worst = {"info": 0.0, "spawn": 0.0}
+            ended = trio.Event()
+
+            async def probe(what: str, call: Callable[[], Awaitable[object]]) -> None:
+                while not ended.is_set() or _is_dir(base):
+                    asked = trio.current_time()
+                    await call()
+                    worst[what] = max(worst[what], trio.current_time() - asked)
+
+            async with AsyncClient(daemon.socket) as spawner:
+                run = await spawner.new_run()
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(probe, "info", other.info)
+                    nursery.start_soon(probe, "spawn", lambda: spawner.spawn(["true"], run=run))
+                    await client.wait(worker)
+                    ended.set()
+                await spawner.stop_run(run)
+            assert not _is_dir(base)
+            assert max(worst.values()) < 0.15, worst
