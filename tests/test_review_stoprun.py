@@ -15,13 +15,14 @@ import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import pytest
 import trio
 
 from subagentd import protocol as p
 from subagentd.client import AsyncClient
 
 from .conftest import DaemonProcess
-from .helpers import RawConnection, alive, sh
+from .helpers import RawConnection, alive, reload_on_own_connection, sh
 from .test_crash import _worker_processes
 
 #: The worker makes N cgroups inside its own (a delegated cgroup is its to subdivide)
@@ -35,6 +36,7 @@ NEST = (
     "    os.mkdir(f'{base}/n{i}')\n"
     "print(base, flush=True)\n"
 )
+TREE_MODES = [pytest.param([], id="cgroups"), pytest.param(["--cgroups", "off"], id="scan")]
 #: A worker that ignores its TERM: its stop takes the grace, then a KILL.
 STUBBORN = sh("trap '' TERM; echo up; while :; do sleep 1; done")
 
@@ -201,3 +203,70 @@ async def test_a_spawn_while_a_full_cgroup_is_removed_holds_no_client(
                 await spawner.stop_run(run)
             assert not _is_dir(base)
             assert max(worst.values()) < 0.15, worst
+
+
+#: A worker whose tree outlives its leader's TERM: a setsid child and a double-forked
+#: one, each ignoring TERM (KILLed after the grace), the leader exiting at its TERM.
+ESCAPING = sh(
+    "(setsid sh -c \"trap '' TERM; while :; do sleep 1; done\" &); "
+    "(sh -c \"trap '' TERM; while :; do sleep 1; done\" &) & "
+    "echo up; exec sleep 3600"
+)
+
+
+@pytest.mark.parametrize("tree_args", TREE_MODES)
+async def test_a_stop_run_ends_trees_whose_leader_left_first_whole(
+    daemon_dirs: DaemonProcess, tree_args: list[str]
+) -> None:
+    """150 workers, each with a setsid child and a double-forked one ignoring TERM: the
+    leaders exit at their TERM, before any stop's task reads its cgroup, so the first
+    read (`cgroup.events`, not the member list) finds it still populated by what they
+    left, and the KILL after the 1 s grace ends it: no process carrying a worker's id
+    is left once stop_run answers."""
+    daemon_dirs.start(*tree_args)
+    with trio.fail_after(240):
+        async with AsyncClient(daemon_dirs.socket) as client:
+            run = await client.new_run()
+            ids = [(await client.spawn(ESCAPING, run=run, grace=1)).id for _ in range(150)]
+            for worker_id in ids:
+                await client.wait_for(worker_id, "^up$", timeout=60)
+            assert len(_worker_processes(set(ids))) >= 3 * 150
+            assert sorted(await client.stop_run(run)) == sorted(ids)
+            assert _worker_processes(set(ids)) == []
+            states = {(await client.status(i)).state for i in ids}
+            assert states == {"stopped"}, states
+
+
+async def test_a_reload_right_after_a_stop_run_of_many_leaves_no_cgroup(
+    daemon: DaemonProcess,
+) -> None:
+    """A stop_run of 200 and a reload asked at once after its answer, while the thread
+    removes the stopped workers' cgroups: the exec waits for the batch under way and
+    removes what is left on its way out; the new image serves, each worker `stopped`,
+    and not one worker's cgroup is left."""
+    with trio.fail_after(240):
+        async with AsyncClient(daemon.socket) as client:
+            run = await client.new_run()
+            ids = [
+                (
+                    await client.spawn(
+                        ["python3", "-c", NEST + "import time; time.sleep(3600)\n"],
+                        run=run,
+                        env={"N": "0"},
+                    )
+                ).id
+                for _ in range(200)
+            ]
+            bases = []
+            for worker_id in ids:
+                found = await client.wait_for(worker_id, "^/", timeout=60)
+                assert found.line is not None, found
+                bases.append(found.line.strip())
+            assert all(_is_dir(base) for base in bases)
+            assert sorted(await client.stop_run(run)) == sorted(ids)
+        reply = await reload_on_own_connection(daemon)
+        assert isinstance(reply, p.ReloadReply), reply
+        async with AsyncClient(daemon.socket) as client:
+            states = {(await client.status(i)).state for i in ids}
+        assert states == {"stopped"}, states
+        assert [base for base in bases if _is_dir(base)] == []
