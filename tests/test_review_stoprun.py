@@ -270,3 +270,83 @@ async def test_a_reload_right_after_a_stop_run_of_many_leaves_no_cgroup(
             states = {(await client.status(i)).state for i in ids}
         assert states == {"stopped"}, states
         assert [base for base in bases if _is_dir(base)] == []
+
+
+async def _stubborn_run(client: AsyncClient, count: int, grace: float) -> tuple[str, list[str]]:
+    run = await client.new_run()
+    ids = [(await client.spawn(STUBBORN, run=run, grace=grace)).id for _ in range(count)]
+    for worker_id in ids:
+        await client.wait_for(worker_id, "^up$", timeout=60)
+    return run, ids
+
+
+async def test_a_reload_during_a_stop_of_many_ends_every_worker_stopped(
+    daemon: DaemonProcess,
+) -> None:
+    """120 workers ignoring TERM (grace 3 s) stopped by one stop_run, collection paused,
+    and a reload asked meanwhile: the new image carries the stops on (each worker ends
+    `stopped`, KILLed after its grace), and nothing of any tree is left."""
+    with trio.fail_after(240):
+        async with AsyncClient(daemon.socket) as client:
+            run, ids = await _stubborn_run(client, 120, 3)
+            stopper = await RawConnection.open(daemon.socket)
+            async with stopper.stream:
+                await stopper.send(p.StopRun(id=3, run=run))
+                async with AsyncClient(daemon.socket) as other:
+                    await other.wait_for(ids[-1], "^up$", timeout=60)  # a round trip: asked
+                reply = await reload_on_own_connection(daemon)
+                assert isinstance(reply, p.ReloadReply), reply
+        async with AsyncClient(daemon.socket) as client:
+            await client.wait_run_stopped(run)
+            for worker_id in ids:
+                await client.wait(worker_id)
+            states = {(await client.status(i)).state for i in ids}
+        assert states == {"stopped"}, states
+        assert _worker_processes(set(ids)) == []
+
+
+async def test_a_shutdown_during_a_stop_of_many_ends_every_tree(
+    daemon: DaemonProcess,
+) -> None:
+    """The daemon told to stop (SIGTERM) while a stop_run of 120 TERM-ignoring workers
+    holds collection paused: it exits 0 once every tree is ended, none left."""
+    with trio.fail_after(240):
+        async with AsyncClient(daemon.socket) as client:
+            run, ids = await _stubborn_run(client, 120, 3)
+            stopper = await RawConnection.open(daemon.socket)
+            async with stopper.stream:
+                await stopper.send(p.StopRun(id=3, run=run))
+                async with AsyncClient(daemon.socket) as other:
+                    await other.info()
+                code = await trio.to_thread.run_sync(daemon.terminate, 60.0)
+        assert code == 0, daemon.log()[-3000:]
+        assert _worker_processes(set(ids)) == []
+
+
+async def test_overlapping_stops_of_many_and_a_fault_in_one_ending_each_end_paused(
+    daemon_dirs: DaemonProcess,
+) -> None:
+    """Two stop_runs of 119 and 120 at once (two holds of the pause, overlapping), one of their
+    workers' ending raising (`SUBAGENTD_FAULT=ending:boom`: that worker ends `failed`):
+    each stop logs `stop.many_ended` for its workers, with no collection made meanwhile, and
+    none is cut short by its bound."""
+    daemon_dirs.start(env={"SUBAGENTD_FAULT": "ending:boom"})
+    with trio.fail_after(240):
+        async with AsyncClient(daemon_dirs.socket) as client:
+            runs = [await client.new_run() for _ in range(2)]
+            ids = [
+                (await client.spawn(["sleep", "3600"], run=run)).id
+                for run in runs
+                for _ in range(119)
+            ]
+            boom = (await client.spawn(["sleep", "3600"], run=runs[1], name="boom")).id
+            async with trio.open_nursery() as nursery:
+                for run in runs:
+                    nursery.start_soon(client.stop_run, run)
+            assert (await client.status(boom)).state == "failed"
+            assert {(await client.status(i)).state for i in ids} == {"stopped"}
+            await client.info()
+    ended = _logged(daemon_dirs, "stop.many_ended")
+    assert sorted((e["workers"], e["collections"]) for e in ended) == [(119, 0), (120, 0)]
+    assert _logged(daemon_dirs, "stop.many_still_ending") == []
+    assert _worker_processes({*ids, boom}) == []
