@@ -5,7 +5,9 @@ Found: an ended worker's cgroup was still removed on the event loop, in the step
 each answer (`Daemon.do_after_answers_now`, meant for the image's last moments, was also
 the loop's own step), so `Launcher.remove_released`'s thread never had one to remove. A
 worker that leaves its cgroup full of nested ones (its own to make: the cgroup is
-delegated) held every client for their removal: 3,000 nested, ~0.3 s here.
+delegated) held every client for their removal: 3,000 nested, ~0.3 s here. Once in the
+thread, the removal held the fork lock through that walk, and a spawn (its fork takes
+the lock on the event loop) held every client as long.
 """
 
 from __future__ import annotations
