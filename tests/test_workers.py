@@ -348,8 +348,8 @@ async def test_a_stop_asked_as_an_exited_workers_supervision_closes_is_taken(
     sets; the test wakes at that same time, so it runs in the scheduling batch in which
     the pumps end, after them half the time (trio reverses half its batches): in the
     gap before the supervision's task resumes. Twelve workers: missed 1 time in 4,096."""
+    from subagentd.daemon.processes import _process
     from subagentd.daemon.processes._process import pump as real_pump
-    from subagentd.daemon.workers import _supervisor
 
     lingering: list[trio.CancelScope] = []
 
@@ -361,7 +361,7 @@ async def test_a_stop_asked_as_an_exited_workers_supervision_closes_is_taken(
                 lingering.append(scope)
                 await trio.sleep_forever()
 
-    monkeypatch.setattr(_supervisor, "pump", lingering_pump)
+    monkeypatch.setattr(_process, "pump", lingering_pump)  # each pipe's source
     async with in_process(short_tmp) as d, d.client() as client:
         for _ in range(12):
             with held(autojump_clock):  # the real exit, and its tree ended, come first

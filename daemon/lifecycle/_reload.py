@@ -295,13 +295,16 @@ class Reloader:
         """Return once no launch is in flight and supervision holds nothing an exec would
         lose (`relays`: nor the output relays' ports, once their reading is paused);
         refused if that takes over IN_HAND_SECONDS."""
-        supervisor = self.daemon.supervisor
+        supervisor, ports = self.daemon.supervisor, self.daemon.launcher.relays
         with trio.move_on_after(IN_HAND_SECONDS):
-            await supervisor.launches_settled()  # none starts behind the fence
-            await supervisor.wait_nothing_in_hand()
-            if relays:
-                await self.daemon.launcher.relays.wait_nothing_in_hand()
-            return
+            while True:  # each wait returns without an await once nothing is held
+                await supervisor.launches_settled()  # none starts behind the fence
+                await supervisor.wait_nothing_in_hand()
+                if not relays or ports.nothing_in_hand():
+                    return
+                # That awaits: an ending or a chunk may come into supervision's hand
+                # meanwhile (a Drop into a port's), so both are asked again.
+                await ports.wait_nothing_in_hand()
         raise Refused(
             f"supervision still held, after {IN_HAND_SECONDS:g} s, a worker's output that "
             "the disk would not take (`subagentctl info` says why) or a failed worker's "

@@ -182,7 +182,30 @@ class WorkerCgroup:
     def remove_unless(self, wanted: Callable[[str], bool]) -> bool:
         """`remove`, unless `wanted(its name)` says a worker's attempt uses it again: for a
         thread, under the lock every fork into a cgroup takes, so the removal never comes
-        between its new attempt's `create` and its fork (`born_in` makes it again)."""
+        between its new attempt's `create` and its fork (`born_in` makes it again). The
+        cgroups nested in it are removed between two holds of the lock, never under it."""
+        with _FORK_LOCK:
+            if wanted(self.path.name):
+                return True
+            try:
+                os.rmdir(self._path_bytes)  # the common case: none nested
+                return True
+            except FileNotFoundError:
+                return True
+            except OSError as exc:
+                if exc.errno not in (errno.EBUSY, errno.ENOTEMPTY):
+                    raise
+        # Cgroups the worker left inside its own: removed outside the lock, each rmdir
+        # ~0.1 ms, and a fork into a cgroup (on the event loop) waits for that lock.
+        # Then its own, under the lock again, unless resumed meanwhile.
+        for nested in self._nested():
+            with contextlib.suppress(FileNotFoundError):
+                try:
+                    nested.rmdir()
+                except OSError as exc:
+                    if exc.errno == errno.EBUSY:
+                        return False
+                    raise
         with _FORK_LOCK:
             return wanted(self.path.name) or self.remove()
 

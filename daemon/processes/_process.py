@@ -267,6 +267,22 @@ class WorkerProcess:
                 sources[kind] = self.relayed[kind].pump
         return sources
 
+    async def output_pending(self) -> int | None:
+        """After its exit, what its relay still holds of its output (0: nothing; None: the
+        relay did not say in time). A pipe the daemon reads itself has nothing the daemon
+        cannot see: 0."""
+        if self.relayed is None:
+            return 0
+        streams = list(self.relayed.values())
+        for stream in streams:
+            if stream.chunks:
+                return len(stream.chunks)
+        still = [s for s in streams if not s.eof and s.refused is None and s.relay is not None]
+        if not still:
+            return 0
+        # One probe answers for both of the worker's streams (they share its key).
+        return await still[0].pending()
+
     def close_stdin(self) -> None:
         """Close the write end of its stdin: the worker reads end of file."""
         if self.stdin is not None:

@@ -40,6 +40,10 @@ RETRY_SECONDS = 5.0
 #: A relay is started for the next relayed spawns this many descriptors before the
 #: threshold: by the time a spawn's pipes come above it, the relay is there.
 START_MARGIN = 64
+#: How long a drain waits for a relay to say what a worker's streams still hold (`Probe`):
+#: a relay stalled past it (stopped, or starved) is taken at its silence, and the worker's
+#: journal says that its last output may be missing.
+PROBE_SECONDS = 10.0
 #: Relays at most (each holding up to its limit's worth of streams): past them, a
 #: worker past the threshold keeps its pipes in the daemon, as below it.
 MAX_RELAYS = 8
@@ -90,6 +94,17 @@ class RelayStream:
 
     def arrived(self) -> None:
         self._arrived.set()
+
+    async def pending(self) -> int | None:
+        """What is still to come on this stream: chunks here not yet journaled, else what
+        its relay holds of it (`Relay.pending`); 0 at its end of file or loss."""
+        if self.chunks:
+            return len(self.chunks)
+        if self.eof or self.refused is not None or self.relay is None:
+            return 0
+        if self.relay.lost is not None:
+            return 0  # its pump says so: RelayLost
+        return await self.relay.pending(self.worker)
 
     async def pump(self, deliver: Deliver) -> None:
         """Journal what the relay forwards until the stream's end of file, as `pump` does
@@ -146,6 +161,9 @@ class Relay:
         #: Messages read before this port ran (a rebuilt handoff's inventory): first.
         self.unread: deque[bytes] = deque()
         self._buffer = bytearray(wire.MESSAGE_BYTES)
+        #: Drains waiting for a `Pending`, by stream key: where each answer goes.
+        self._probes: dict[str, list[list[int | None]]] = {}
+        self._answered = trio.Event()
 
     @property
     def fd(self) -> int:
@@ -194,6 +212,28 @@ class Relay:
                 put_down.set()
         if any(dropped) and self.lost is None:
             self._send(wire.encoder.encode(wire.Drop(worker)), [])
+
+    async def pending(self, worker: str) -> int | None:
+        """What the relay still holds of `worker`'s streams (by their key), in bytes its
+        pipes have ready and chunks not yet credited: 0 once they are quiet for sure. None:
+        no answer within PROBE_SECONDS (a relay stalled), or the relay is gone."""
+        if self.lost is not None:
+            return None
+        answer: list[int | None] = [None]
+        self._probes.setdefault(worker, []).append(answer)
+        self._send(wire.encoder.encode(wire.Probe(worker)), [])
+        with trio.move_on_after(PROBE_SECONDS):
+            while self._probes.get(worker) and answer in self._probes[worker]:
+                if self.lost is not None:
+                    break
+                answered, self._answered = self._answered, trio.Event()
+                await answered.wait()
+        waiting = self._probes.get(worker, [])
+        if answer in waiting:
+            waiting.remove(answer)
+            if not waiting:
+                del self._probes[worker]
+        return answer[0]
 
     def _send(self, message: bytes, fds: list[int]) -> None:
         if not self.unsent and self._send_now(message, fds):
@@ -292,6 +332,10 @@ class Relay:
                     if (stream := self.streams.get((worker, kind))) is not None:
                         stream.refused = f"the output relay refused its {kind}: {why}"
                         stream.arrived()
+            case wire.Pending(worker, pending):
+                for answer in self._probes.pop(worker, []):
+                    answer[0] = pending
+                self._answered.set()
             case wire.Unknown(what):
                 log.warning("relay.unknown", relay=self.pid, what=what)
             case wire.Ready() | wire.Inventory():
@@ -305,6 +349,7 @@ class Relay:
         log.error("relay.lost", relay=self.pid, why=why, streams=len(self.streams))
         for stream in list(self.streams.values()):
             stream.arrived()
+        self._answered.set()
         self._unsent_added.set()
 
     async def _bury(self) -> None:
@@ -413,8 +458,8 @@ class Relays:
             return
         if self._failed_at is not None and trio.current_time() < self._failed_at + RETRY_SECONDS:
             return  # the last would not start: spawns meanwhile keep their pipes
-        async with self._starting:
-            if any(r.room(streams) for r in self.relays):
+        async with self._starting:  # asked again: others started relays while we waited
+            if any(r.room(streams) for r in self.relays) or len(self.relays) >= MAX_RELAYS:
                 return
             try:
                 relay = await _start()
@@ -496,6 +541,11 @@ class Relays:
                 stack.enter_context(relay.reading_paused())
             yield
 
+    def nothing_in_hand(self) -> bool:
+        """Whether every relay's port has journaled and credited what it received, and
+        sent every message (what `wait_nothing_in_hand` waits for)."""
+        return not any(r.held or (r.unsent and r.lost is None) for r in self.relays)
+
     async def wait_nothing_in_hand(self) -> None:
         for relay in list(self.relays):
             await relay.wait_nothing_in_hand()
@@ -561,20 +611,22 @@ def ask_inventory(fd: int) -> CarriedRelay | None:
         sock.settimeout(1.0)
         sock.send(wire.encoder.encode(wire.Ask()))
         unread = []
+        streams: dict[str, list[str]] = {}
         while True:
             data = sock.recv(wire.MESSAGE_BYTES)
             if not data:
                 return None
             message = wire.from_relay.decode(data)
-            if isinstance(message, wire.Inventory):
+            if not isinstance(message, wire.Inventory):
+                unread.append(data)
+                continue
+            for held in message.streams:  # a page of it: the last says no `more`
+                streams.setdefault(held.worker, []).append(held.kind)
+            if not message.more:
                 break
-            unread.append(data)
         stat = read_stat(message.pid) if message.pid > 0 else None
         if stat is None or stat.ppid != os.getpid():
             return None  # not a relay of this daemon's: closed as what nothing claims
-        streams: dict[str, list[str]] = {}
-        for held in message.streams:
-            streams.setdefault(held.worker, []).append(held.kind)
         return CarriedRelay(
             fd=fd,
             pid=message.pid,

@@ -28,6 +28,7 @@ import select
 import signal
 import socket
 import sys
+import termios
 from collections import deque
 
 import msgspec
@@ -79,6 +80,13 @@ class Ask(msgspec.Struct, tag="ask", array_like=True):
     """Answer an `Inventory`."""
 
 
+class Probe(msgspec.Struct, tag="probe", array_like=True):
+    """Answer `Pending` for `worker`'s streams: its process has exited and the daemon's
+    drain found them quiet, which only the relay, holding the pipes, can tell for sure."""
+
+    worker: str
+
+
 # -- the wire: relay -> daemon ------------------------------------------------------
 
 
@@ -118,10 +126,23 @@ class Held(msgspec.Struct, array_like=True):
 
 
 class Inventory(msgspec.Struct, tag="inventory", array_like=True):
+    """What the relay holds, in pages: each a message the socket takes whole (thousands
+    of streams would not fit one), the last with `more` False."""
+
     streams: list[Held]
     capacity: int
     #: The relay's own pid (a socketpair's SO_PEERCRED names its maker, not its peer).
     pid: int = 0
+    #: Another page follows (a relay before pages sends one, without it: the last).
+    more: bool = False
+
+
+class Pending(msgspec.Struct, tag="pending", array_like=True):
+    """The answer to a `Probe`: what `worker`'s streams still hold, in bytes the pipes have
+    ready (FIONREAD) and one for each `Output` not yet credited; 0: quiet for sure."""
+
+    worker: str
+    pending: int
 
 
 class Unknown(msgspec.Struct, tag="unknown", array_like=True):
@@ -130,8 +151,8 @@ class Unknown(msgspec.Struct, tag="unknown", array_like=True):
     what: str
 
 
-ToRelay = Hand | Credit | Drop | Ask
-FromRelay = Ready | Output | Eof | Refused | Inventory | Unknown
+ToRelay = Hand | Credit | Drop | Ask | Probe
+FromRelay = Ready | Output | Eof | Refused | Inventory | Pending | Unknown
 
 encoder = msgspec.msgpack.Encoder()
 to_relay = msgspec.msgpack.Decoder(ToRelay)
@@ -141,6 +162,11 @@ from_relay = msgspec.msgpack.Decoder(FromRelay)
 # -- the program ----------------------------------------------------------------
 
 _READ = select.EPOLLIN | select.EPOLLONESHOT
+
+
+class DaemonGone(Exception):
+    """A send found the daemon's end closed (its shutdown, or its death): the relay ends,
+    as at its socket's end of file, not with a traceback in the daemon's log."""
 
 
 class _Stream:
@@ -199,6 +225,8 @@ class _Relay:
                 return
             except BlockingIOError:
                 pass
+            except ConnectionError as exc:  # EPIPE, ECONNRESET: the daemon closed its end
+                raise DaemonGone from exc
         self.unsent.append(message)
         self.epoll.modify(self.sock.fileno(), select.EPOLLIN | select.EPOLLOUT)
 
@@ -208,6 +236,8 @@ class _Relay:
                 self.sock.send(self.unsent[0])
             except BlockingIOError:
                 return
+            except ConnectionError as exc:
+                raise DaemonGone from exc
             self.unsent.popleft()
         self.epoll.modify(self.sock.fileno(), select.EPOLLIN)
 
@@ -256,9 +286,40 @@ class _Relay:
                     if (stream := self.by_key.get((worker, kind))) is not None:
                         self._close(stream)
             case Ask():
-                held = [Held(s.worker, s.kind, s.state == "sent") for s in self.by_key.values()]
-                self._send(encoder.encode(Inventory(held, self.capacity, os.getpid())))
+                self._inventory()
+            case Probe(worker):
+                self._send(encoder.encode(Pending(worker, self._pending(worker))))
         _close(fds)  # descriptors only a Hand brings
+
+    def _pending(self, worker: str) -> int:
+        """What `worker`'s streams still hold: the bytes their pipes have ready, and one for
+        each chunk read and not yet credited (or waiting for the socket to take it)."""
+        pending = 0
+        for kind in ("stdout", "stderr"):
+            stream = self.by_key.get((worker, kind))
+            if stream is None:
+                continue
+            if stream.state in ("sent", "ready"):
+                pending += 1
+            with contextlib.suppress(OSError):
+                ready = array.array("i", [0])
+                fcntl.ioctl(stream.fd, termios.FIONREAD, ready)
+                pending += ready[0]
+        return pending
+
+    def _inventory(self) -> None:
+        """Answer an `Ask`: what it holds, in pages of at most a chunk's length each."""
+        pages: list[list[Held]] = [[]]
+        room = self.chunk - 1024  # the page's own header, with room to spare
+        for s in self.by_key.values():
+            cost = len(s.worker.encode()) + len(s.kind) + 16  # a Held's encoding, at most
+            if pages[-1] and room < cost:
+                pages.append([])
+                room = self.chunk - 1024
+            room -= cost
+            pages[-1].append(Held(s.worker, s.kind, s.state == "sent"))
+        for n, page in enumerate(pages, 1):
+            self._send(encoder.encode(Inventory(page, self.capacity, os.getpid(), n < len(pages))))
 
     def _hand(self, worker: str, kinds: list[str], fds: list[int], *, cut: bool) -> None:
         why = None
@@ -357,8 +418,9 @@ def main(argv: list[str]) -> int:
     sock.setblocking(False)
     limit = _limit()
     relay = _Relay(sock, max(0, limit - RESERVE))
-    relay._send(encoder.encode(Ready(relay.capacity, limit)))
-    relay.run()
+    with contextlib.suppress(DaemonGone):
+        relay._send(encoder.encode(Ready(relay.capacity, limit)))
+        relay.run()
     return 0
 
 

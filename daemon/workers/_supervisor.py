@@ -37,6 +37,9 @@ log = get_logger()
 
 #: After the tree is gone, how long the pipes may take to give up what they hold.
 PIPE_DRAIN_SECONDS = 1.0
+#: How many windows of PIPE_DRAIN_SECONDS a relayed worker's drain goes on while its relay
+#: says its pipes still hold output.
+RELAY_DRAIN_ROUNDS = 30
 #: The pipes a worker's output comes on, each pumped into its journal by a task of its own.
 _PIPES: tuple[EntryKind, ...] = ("stdout", "stderr")
 #: Supervision of adopted workers begins once the image serves, this many at a time,
@@ -322,7 +325,7 @@ class Supervisor:
                 live.exited.set()
                 # Whatever is left of its tree goes with it: TERM, grace, KILL.
                 await self._terminate(live)
-                await self._drain(live, pipes_closed)
+                await self._drain(live, process, pipes_closed)
                 nursery.cancel_scope.cancel()
             finally:
                 # From here the nursery takes no new task (it only waits for its pumps):
@@ -377,18 +380,43 @@ class Supervisor:
             with self._holding():
                 await self._launcher.remove_released(self.__contains__)
 
-    @staticmethod
-    async def _drain(live: LiveWorker, pipes_closed: trio.Event) -> None:
+    async def _drain(
+        self, live: LiveWorker, process: WorkerProcess, pipes_closed: trio.Event
+    ) -> None:
         """Journal what its pipes still hold, until they close or stay quiet for
         PIPE_DRAIN_SECONDS (a leftover of its tree holding a pipe open). Time a full disk
         keeps a chunk in hand does not count: the chunk is written, then the pipes get
-        their time again, so output the worker wrote before it ended is never dropped."""
+        their time again, so output the worker wrote before it ended is never dropped.
+
+        A relayed worker's quiet is the relay's to tell (it holds the pipes; a relay behind,
+        stalled or starved, forwards nothing for a while): asked, it says what the pipes
+        still have, and the drain goes on while they have some (at most RELAY_DRAIN_ROUNDS
+        windows: a writer that escaped its tree does not hold the ending for ever). A relay
+        that does not answer is taken at its silence, and the journal says so."""
+        rounds = 0
         while not pipes_closed.is_set():
             with trio.move_on_after(PIPE_DRAIN_SECONDS):
                 await pipes_closed.wait()
-            if not live.chunks_held.count:
+            if live.chunks_held.count:
+                await live.chunks_held.none_held()
+                continue
+            if pipes_closed.is_set():
                 return
-            await live.chunks_held.none_held()
+            if process.relayed:
+                log.info("worker.drain_asks_relay", worker=live.record.id, round=rounds)
+            pending = await process.output_pending()
+            if pending is None:
+                log.warning("worker.relay_silent", worker=live.record.id)
+                self._journal_extra(
+                    live,
+                    "note",
+                    b"its output relay did not say what it still held of this worker's "
+                    b"output: the last of it may be missing",
+                )
+                return
+            rounds += 1
+            if not pending or rounds > RELAY_DRAIN_ROUNDS:
+                return
 
     async def _wait_exited(self, live: LiveWorker, process: WorkerProcess) -> None:
         """Until the process exits; past its timeout, first stop it (and what it
