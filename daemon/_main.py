@@ -34,14 +34,9 @@ from subagentd.protocol import (
     package_version,
 )
 
+from ._faults import FAULT_ENV, read_faults
 from ._logging import configure_logging, get_logger
-from ._settings import (
-    DEFAULT_RELOAD_INTERVAL,
-    FAULT_ENV,
-    MAX_RELAY_ABOVE,
-    Settings,
-    read_faults,
-)
+from ._settings import DEFAULT_RELOAD_INTERVAL, MAX_RELAY_ABOVE, Settings
 from .core._registry import DEFAULT_FINISHED_TTL, DEFAULT_KEEP_ARCHIVES_DAYS
 from .core._request_keys import DEFAULT_REQUEST_KEY_TTL
 from .lifecycle._checkpoint import (

@@ -164,7 +164,7 @@ class InProcess:
         """
         old, reloader = self.daemon, self.reloader
         await old.supervisor.launches_settled()
-        old.reloading = True
+        old.spawner.reloading = True
         kept = await self.server.pause([])
         await old.supervisor.wait_nothing_in_hand()
         carried = Carried()  # never left: what it would give back, an exec keeps

@@ -36,8 +36,14 @@ DAEMON: tuple[tuple[str, ...], ...] = (
     # The decisions: registry, wakes, authority, keys, a connection's session. Pure.
     ("daemon/core/",),
     # What every part below the top reports to or is told: the log, the problems `info`
-    # shows, the settings a start was given, the garbage collector's pause.
-    ("daemon/_logging.py", "daemon/_problems.py", "daemon/_settings.py", "daemon/_collector.py"),
+    # shows, the settings a start was given, the garbage collector's pause, a test's faults.
+    (
+        "daemon/_logging.py",
+        "daemon/_problems.py",
+        "daemon/_settings.py",
+        "daemon/_collector.py",
+        "daemon/_faults.py",
+    ),
     # What is kept on disk, and the OS side of a worker (the launcher port).
     ("daemon/store/", "daemon/processes/"),
     # The parts on trio, each owning its state: supervisor, reader, mailbox, endings...

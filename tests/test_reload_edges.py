@@ -100,7 +100,7 @@ async def test_a_reload_refused_as_too_soon_says_when_and_is_taken_then(
             assert third.retry_after == pytest.approx(MIN_INTERVAL / 2)
             assert third.retry_after is not None
             autojump_clock.jump(third.retry_after + 1e-6)  # as the refusal says
-            d.daemon.faults = early  # the fault fires once: armed again
+            d.daemon.faults.asked = early  # the fault fires once: armed again
             fourth = await reload_on_own_connection(d)
             assert isinstance(fourth, p.Error), fourth
             assert fourth.code == "internal"  # taken: failed by the fault, not busy

@@ -23,8 +23,8 @@ import trio
 from trio.testing import MockClock
 
 from subagentd.client import AsyncClient
-from subagentd.daemon._daemon import STORE_LINK_CHECK_EVERY
 from subagentd.daemon.store._store import STORE_NAME, Store
+from subagentd.daemon.workers._store_upkeep import STORE_LINK_CHECK_EVERY
 
 from .conftest import DaemonProcess
 from .helpers import alive, pending_wakes, sh, wait_output

@@ -375,6 +375,6 @@ async def test_a_stop_asked_as_an_exited_workers_supervision_closes_is_taken(
                 scope.deadline = released
             lingering.clear()
             await trio.sleep_until(released)
-            d.daemon.stop(worker.id)  # what a stop request does, in this very batch
+            d.daemon.stops.stop(worker.id)  # what a stop request does, in this very batch
             ended = await client.wait(worker.id)
             assert ended.exit_code == 0, ended

@@ -85,7 +85,8 @@ async def recover(
     running = [r for r in records if not r.ended and r.id not in carried]
     if progress is not None:
         progress.begin("ending what was running", len(running), trio.current_time())
-        await daemon.held("recovery", "held")  # a test's hold: see protocol/README.md, Recovery
+        # A test's hold: see protocol/README.md, Recovery.
+        await daemon.faults.hold_at("recovery", "held")
     # Each worker's wake, if it posted one, found once for all (not a walk of every
     # pending wake a worker: 10,000 finished and 2,000 running made that seconds).
     posted = daemon.mailbox.posted_by_attempt() if running else {}

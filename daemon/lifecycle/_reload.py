@@ -145,7 +145,7 @@ class Reloader:
         The attempt runs in the daemon's own nursery, not in the requesting
         connection's task: pausing the server cancels every connection's tasks.
         """
-        if self.daemon.shutting_down:
+        if self.daemon.spawner.shutting_down:
             raise Refused("the daemon is shutting down; it will not reload")
         attempt = self._attempt
         if attempt is None:
@@ -185,12 +185,12 @@ class Reloader:
         """Check, pause, exec. Each step that changes something is a scope that undoes it
         if what follows fails, so a failure undoes exactly what was done."""
         daemon = self.daemon
-        daemon.fault("reload", "early", once=True)
+        daemon.faults.raise_at("reload", "early", once=True)
         # Before the fence: the old image serves on, spawns too, while a changed image's
         # --check child runs (a few hundred ms).
         log.info("reload.checking")
         how = await self._check_new_image()
-        daemon.reloading = True
+        daemon.spawner.reloading = True
         try:
             # Every launch in flight (a run's resume holds one for all its heads) is
             # waited for, however long: the fence refuses new ones meanwhile.
@@ -215,12 +215,12 @@ class Reloader:
                     # From here to the exec, no await: nothing else runs (bench/reload.py
                     # still names this `frozen`).
                     log.info("reload.frozen")
-                    daemon.do_after_answers_now()  # the exec takes none with it
-                    if daemon.shutting_down:  # SIGTERM came while we paused: stopping wins
+                    daemon.afterwards.now()  # the exec takes none with it
+                    if daemon.spawner.shutting_down:  # SIGTERM came while we paused: stopping wins
                         raise Refused("the daemon is shutting down; it will not reload")
                     self._exec(attempt, kept)
         finally:
-            daemon.reloading = False
+            daemon.spawner.reloading = False
 
     async def _check_new_image(self) -> str:
         """Refuse the reload unless the image on disk now can take over with this config
@@ -331,13 +331,13 @@ class Reloader:
                 carried, kept, attempt.requesters, stopped_by_reload=attempt.stopped_by_reload
             )
             if carries_store_lock(checkpoint.version):
-                handed = carried.hand_over(checkpoint, _mangled(daemon.faults))
+                handed = carried.hand_over(checkpoint, _mangled(daemon.faults.asked))
                 command = image_command("--handoff-fd", str(handed), *self.settings.command_line())
             else:  # an image on disk that reads only a checkpoint file (before version 4)
                 carried.write(self.checkpoint_path, checkpoint)
                 command = image_command("--handoff", str(self.checkpoint_path))
             if UNEXECUTABLE_FAULT in daemon.faults:
-                daemon.faults -= {UNEXECUTABLE_FAULT}
+                daemon.faults.asked -= {UNEXECUTABLE_FAULT}
                 command[0] = str(self.settings.state_dir)  # a directory: execv fails, EACCES
             log.info(
                 "reload.exec",

@@ -15,7 +15,7 @@ import trio
 from subagentd.protocol import ResumableRun, WorkerView
 from subagentd.protocol.errors import Invalid, NotFound, Refused, Reloading
 
-from .._daemon import RELOAD_RETRY, Daemon
+from .._daemon import Daemon
 from .._logging import get_logger
 from ..core._registry import WorkerRecord
 from ..core._request_keys import AskedKey
@@ -32,6 +32,7 @@ from ..workers._resumable import (
     check_branch,
     read_snapshot,
 )
+from ..workers._spawner import RELOAD_RETRY
 from ..workers._supervisor import LiveWorker
 
 log = get_logger()
@@ -47,7 +48,7 @@ class Resumer:
         """Carry a stopped, failed, timed-out or interrupted worker on from its snapshot:
         same id, next attempt, same journal; only the timeout may be given anew.
         ``asked``: its idempotency key; a repeat answers the attempt the first started."""
-        if (resumed := self.daemon.made_already(asked)) is not None:
+        if (resumed := self.daemon.spawner.made_already(asked)) is not None:
             return Resumption(resumed, "")  # said to the first: see protocol/README.md
         self._check_fence()
         with self.daemon.supervisor.launching(), trio.CancelScope(shield=True):
@@ -57,9 +58,9 @@ class Resumer:
     def _check_fence(self) -> None:
         """Refuse a resume the daemon cannot start now; once past this, a reload's freeze
         waits for it (its launch is counted)."""
-        if self.daemon.shutting_down:
+        if self.daemon.spawner.shutting_down:
             raise Refused("the daemon is shutting down: it resumes nothing")
-        if self.daemon.reloading:
+        if self.daemon.spawner.reloading:
             raise Reloading("the daemon is reloading; resume again", retry_after=RELOAD_RETRY)
 
     async def _resume_one(
@@ -107,7 +108,7 @@ class Resumer:
         saved_run = None if registry.has_run(record.run) else self.daemon.store.run(record.run)
         registry.begin_resume(record, saved_run)
         try:
-            await self.daemon.held("hold-resume", record.name)
+            await self.daemon.faults.hold_at("hold-resume", record.name)
             # The journal first: if it cannot be opened, nothing has changed yet.
             journal = await self._open_journal(record.id, archive)
         except BaseException:
@@ -126,7 +127,7 @@ class Resumer:
         live = LiveWorker(record=record, journal=journal)
         self.daemon.supervisor.add(live)
         try:
-            self.daemon.fault("resume", record.name)
+            self.daemon.faults.raise_at("resume", record.name)
             # The new attempt, its run (taken back into memory, as stopped as it was), its
             # key, in one transaction; the last attempt's stdout tail no longer ends its stdout.
             change = Change(
@@ -136,9 +137,9 @@ class Resumer:
                 dropped_tombstones=[record.id] if had_stone else [],
             )
             now = self.daemon.clock()
-            key = self.daemon.keyed(change, asked, record.id, now)
+            key = self.daemon.spawner.keyed(change, asked, record.id, now)
             self.daemon.store.commit(change, "a resume")
-            self.daemon.remember(key, now)
+            self.daemon.spawner.remember(key, now)
             self.daemon.reader.forget_journal(record.id)  # its read-only view would go stale
             # The note is `attempt N: resumed` alone when nothing changed.
             note = f"attempt {record.attempt}: resumed"
@@ -148,7 +149,7 @@ class Resumer:
             live.stdout_tail += journal.tail_bytes("stdout", STDOUT_TAIL_BYTES)
             stdin = str(archive.file(Archive.INPUT)) if snapshot.has_input else None
             base_env = self._environment(snapshot)
-            return await self.daemon.launch(
+            return await self.daemon.spawner.launch(
                 live, snapshot.argv, snapshot.cwd, base_env, stdin, stdin_open=snapshot.stdin_open
             )
         except Exception as exc:
@@ -156,13 +157,15 @@ class Resumer:
                 # Nothing started: the attempt ends here (its journal closed), never `starting`.
                 log.exception("worker.resume_failed", worker=record.id)
                 why = f"attempt {record.attempt} failed to start ({type(exc).__name__}: {exc})"
-                self.daemon.end_unstarted(live, why)
+                self.daemon.spawner.end_unstarted(live, why)
             raise
 
     def _environment(self, snapshot: Snapshot) -> dict[str, str]:
         """The environment an attempt starts with, as a spawn's is made: the daemon's
         inherited one, the frozen env on top, the daemon's bin directory last on PATH."""
-        return worker_environment(self.daemon.inherited_env, snapshot.env, self.daemon.tools)
+        return worker_environment(
+            self.daemon.spawner.inherited_env, snapshot.env, self.daemon.spawner.tools
+        )
 
     def _check_runnable(self, snapshot: Snapshot, worker_id: str) -> None:
         """Refuse, before anything runs (no attempt, no wake), a resume whose frozen command

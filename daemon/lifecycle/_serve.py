@@ -23,8 +23,9 @@ from subagentd.protocol.errors import RemoteError
 
 from .._collector import UNSEEN
 from .._daemon import Daemon
+from .._faults import FAULT_ENV, read_faults
 from .._logging import get_logger
-from .._settings import FAULT_ENV, Settings, read_faults
+from .._settings import Settings
 from ..core._recovering import RecoveryProgress
 from ..core._registry import DEFAULT_GRACE
 from ..processes._cgroup import Cgroups, CgroupsUnavailable
@@ -248,7 +249,7 @@ async def serve(
                 notify("STOPPING=1", "STATUS=stopping workers")
                 # Requests still get answers while workers stop (status, watch);
                 # spawns, resumes and reloads are refused from here on.
-                daemon.shutting_down = True
+                daemon.spawner.shutting_down = True
                 with trio.CancelScope(shield=True):
                     async with trio.open_nursery() as stopping:
                         stopping.start_soon(_hurry_on_signal, signals, daemon)
@@ -256,7 +257,7 @@ async def serve(
                         stopping.cancel_scope.cancel()
                 nursery.cancel_scope.cancel()
     finally:
-        daemon.do_after_answers_now()  # ended workers' cgroups go before their parent's
+        daemon.afterwards.now()  # ended workers' cgroups go before their parent's
         daemon.launcher.close(anything_live=bool(daemon.supervisor))
         control.remove()
         await listener.aclose()

@@ -90,7 +90,7 @@ from subagentd.protocol.errors import (
     RemoteError,
 )
 
-from .._daemon import RELOAD_RETRY, Daemon, Stopping
+from .._daemon import Daemon
 from .._logging import bind_contextvars, get_logger
 from ..core._authority import Authority
 from ..core._registry import cursor_place, listing_page
@@ -101,6 +101,8 @@ from ..processes._tree import patiently
 from ..store._store import StoreWriteFailed
 from ..workers._reader import PageInHand
 from ..workers._resumable import Resumption
+from ..workers._spawner import RELOAD_RETRY
+from ..workers._stops import Stopping
 from ._handover import Handover, owed_by_connection
 from ._outgoing import PAGE_BUDGET, PageBudget, Reservation, queued, room, send_buffer
 
@@ -791,7 +793,7 @@ class Server:
             case Info():  # first: the round trip a client makes most, to see the daemon is there
                 return InfoReply(id=rid, info=daemon.info(caller))
             case Spawn():
-                return WorkerReply(id=rid, worker=await daemon.spawn(request, caller))
+                return WorkerReply(id=rid, worker=await daemon.spawner.spawn(request, caller))
             case ListWorkers(all=include_ended, run=run, after=after, limit=limit):
                 sees = None if caller is None else lambda w: self.authority.sees(caller, w)
                 records = registry.listed_after(
@@ -802,10 +804,10 @@ class Server:
             case Status(worker=worker):
                 return WorkerReply(id=rid, worker=daemon.reader.lookup(worker).view())
             case Stop(worker=worker, wait=wait):
-                reply = _stopped(rid, daemon.stop(worker))
+                reply = _stopped(rid, daemon.stops.stop(worker))
                 if wait:
                     with conn.answers_if_sealed(reply):
-                        await daemon.wait_stopped(worker)
+                        await daemon.stops.wait_stopped(worker)
                 return reply
             case Watch(worker=worker, since=since, limit=limit, follow=follow):
                 bounds = (request.max_bytes, request.offset)
@@ -856,7 +858,7 @@ class Server:
                 resumed = await self.resumer.resume(worker, timeout, asked_key(request, caller))
                 return WorkerReply(id=rid, worker=resumed.view, changed=resumed.changed)
             case Cancel(scope=scope):
-                return _cancelled(rid, daemon.cancel(scope))
+                return _cancelled(rid, daemon.stops.cancel(scope))
             case Abort(request=target):
                 # In flight when the abort came (the session answers one that is not).
                 task = conn.tasks.get(target)
@@ -865,25 +867,25 @@ class Server:
                     await task[1].wait()
                 return Done(id=rid)
             case NewRun(outer=outer):
-                return RunReply(id=rid, run=daemon.new_run(outer))
+                return RunReply(id=rid, run=daemon.runs.new_run(outer))
             case StopRun(run=run, wait=wait):
-                reply = _stopped(rid, daemon.stop_run(run))
+                reply = _stopped(rid, daemon.stops.stop_run(run))
                 if wait:
                     with conn.answers_if_sealed(reply):
-                        await daemon.wait_run_ended(run)
+                        await daemon.stops.wait_run_ended(run)
                 return reply
             case WaitRunStopped(run=run):
-                await daemon.wait_run_stopped(run)
+                await daemon.runs.wait_run_stopped(run)
                 return Done(id=rid)
             case BeginTurn():
-                return TurnReply(id=rid, turn=daemon.begin_turn())
+                return TurnReply(id=rid, turn=daemon.runs.begin_turn())
             case SetFence():
-                return FenceReply(id=rid, epoch=daemon.set_fence())
+                return FenceReply(id=rid, epoch=daemon.runs.set_fence())
             case Reload():
                 assert self.reloader is not None
                 return await self.reloader.reload(conn, rid)
             case ReopenRun(run=run):
-                daemon.reopen_run(run)
+                daemon.runs.reopen_run(run)
                 return Done(id=rid)
             case ResumeRun(run=run):
                 every = await self.resumer.resume_run(run)
@@ -902,9 +904,9 @@ class Server:
                     from_=latest.from_,
                 )
             case CancelFence(epoch=epoch):
-                return _cancelled(rid, daemon.cancel_fence(epoch))
+                return _cancelled(rid, daemon.stops.cancel_fence(epoch))
             case ClearFence():
-                daemon.clear_fence()
+                daemon.runs.clear_fence()
                 return Done(id=rid)
         raise Invalid(f"unknown request {op(request)}")
 

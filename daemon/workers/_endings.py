@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from subagentd.protocol import Wake
 
+from .._faults import Faults
 from .._logging import get_logger
 from .._problems import Problems
 from ..core._registry import Registry, WorkerRecord
@@ -40,8 +41,7 @@ class Endings:
         problems: Problems,
         *,
         clock: Callable[[], float],
-        fault: Callable[[str, str], None],
-        faults: Callable[[], frozenset[tuple[str, str]]],
+        faults: Faults,
         ended: Callable[[], None],
     ) -> None:
         self._registry = registry
@@ -50,7 +50,6 @@ class Endings:
         self._mailbox = mailbox
         self._problems = problems
         self._clock = clock
-        self._fault = fault
         self._faults = faults
         self._ended = ended
         self._together = GroupCommit(store, "endings")
@@ -113,7 +112,7 @@ class Endings:
         """Its terminal state, and its journal's last entry: the stdout tail to keep in the
         store with its ending, if any."""
         if failure is None:
-            self._fault("ending", record.name)
+            self._faults.raise_at("ending", record.name)
         now = self._clock()
         self._registry.ended(record.id, returncode, now)
         if failure is not None:
@@ -142,9 +141,9 @@ class Endings:
     def _ending_faults(self, record: WorkerRecord) -> None:
         """Inside an ending's transaction: the faults the tests inject there."""
         self._count += 1
-        if ("die-in-ending", str(self._count)) in self._faults():
+        if ("die-in-ending", str(self._count)) in self._faults:
             os.kill(os.getpid(), signal.SIGKILL)  # a crash mid-transaction, for the tests
-        self._fault("record", record.name)
+        self._faults.raise_at("record", record.name)
 
     def record(
         self,

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import trio
 
+from .._faults import Faults
 from .._logging import get_logger
 from .._problems import Problems
 from ..core._registry import Registry, Tombstone, WorkerRecord
@@ -39,7 +40,7 @@ class Retention:
         finished_ttl: float,
         keep_archives_days: float,
         stdout_tail: Callable[[WorkerRecord], bytes],
-        fault: Callable[[str, str], None],
+        faults: Faults,
         released: Callable[[], None],
         run_dropped: Callable[[str], None],
     ) -> None:
@@ -52,7 +53,7 @@ class Retention:
         self.finished_ttl = finished_ttl
         self.keep_archives_days = keep_archives_days
         self._stdout_tail = stdout_tail
-        self._fault = fault
+        self._faults = faults
         self._released = released
         self._run_dropped = run_dropped
         self._changed = trio.Event()
@@ -120,7 +121,7 @@ class Retention:
 
     def _expire(self, worker_id: str) -> None:
         record = self._registry.worker(worker_id)
-        self._fault("expire", record.name)
+        self._faults.raise_at("expire", record.name)
         record.expired = True
         stone = None
         if self._registry.needs_tombstone(worker_id):

@@ -23,6 +23,7 @@ from subagentd.protocol import EntryKind
 from subagentd.protocol.errors import Busy, Refused
 
 from .._collector import UNSEEN
+from .._faults import Faults
 from .._logging import get_logger
 from ..core._registry import Registry, WorkerRecord
 from ..processes._launcher import Launcher
@@ -163,7 +164,7 @@ class Supervisor:
         ending: Ending,
         ending_together: EndingTogether,
         clock: Callable[[], float],
-        fault: Callable[[str, str], None],
+        faults: Faults,
         disk_trouble: Callable[[str, OSError], None],
         disk_ok: Callable[[], None],
         later: Callable[[Callable[[], None]], None] | None = None,
@@ -176,7 +177,7 @@ class Supervisor:
         self._ending = ending
         self._ending_together = ending_together
         self._clock = clock
-        self._fault = fault
+        self._faults = faults
         self._disk_trouble = disk_trouble
         self._disk_ok = disk_ok
         self._live: dict[str, LiveWorker] = {}
@@ -527,7 +528,7 @@ class Supervisor:
                 del live.stdout_tail[:-STDOUT_TAIL_BYTES]
             grown, live.grown = live.grown, trio.Event()
             grown.set()
-            self._fault("pump", live.record.name)
+            self._faults.raise_at("pump", live.record.name)
             if not live.shedding and live.watch is not None:
                 shed = live.journal.shed_range()
                 if shed is not None:  # a flood: its page cache is kept bounded meanwhile
