@@ -1,1 +1,1 @@
-"""The daemon's parts on trio: supervise, read, wake, end and retain workers."""
+"""The daemon's parts on trio: spawn, supervise, stop, read, wake, end and retain workers; runs."""
