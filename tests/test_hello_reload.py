@@ -52,26 +52,28 @@ class HelloHolder:
                 spoke.set()
 
             async def to_client() -> None:
-                async for data in daemon:
-                    if not spoke.is_set():
-                        self.first_words = bytes(data)
-                        spoke.set()
-                    with contextlib.suppress(trio.BrokenResourceError):
-                        await client.send_all(data)
+                # A side that resets (a client closing with the notice unread) hung up.
+                with contextlib.suppress(trio.BrokenResourceError):
+                    async for data in daemon:
+                        if not spoke.is_set():
+                            self.first_words = bytes(data)
+                            spoke.set()
+                        with contextlib.suppress(trio.BrokenResourceError):
+                            await client.send_all(data)
                 spoke.set()
                 nursery.cancel_scope.cancel()  # the daemon hung up: so does the client's side
 
             async def to_daemon() -> None:
                 await spoke.wait()  # the hello stays in the socket until then
-                async for data in client:
-                    with contextlib.suppress(trio.BrokenResourceError):
-                        await daemon.send_all(data)
+                with contextlib.suppress(trio.BrokenResourceError):
+                    async for data in client:
+                        with contextlib.suppress(trio.BrokenResourceError):
+                            await daemon.send_all(data)
                 nursery.cancel_scope.cancel()
 
-            with contextlib.suppress(trio.BrokenResourceError):
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(to_client)
-                    nursery.start_soon(to_daemon)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(to_client)
+                nursery.start_soon(to_daemon)
 
 
 @contextlib.asynccontextmanager
