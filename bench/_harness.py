@@ -280,6 +280,15 @@ def alive(pid: int) -> bool:
     return fields[0] != "Z"
 
 
+def parent_of(pid: int) -> int | None:
+    """`pid`'s parent now, None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def rss(pid: int) -> int:
     """Resident set size of `pid` in bytes."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():

@@ -56,6 +56,7 @@ from _harness import (
     Figure,
     alive,
     cpu_seconds,
+    parent_of,
     raise_fd_limit,
     report,
     rss,
@@ -86,15 +87,6 @@ STOP_TARGET_MS = 3000.0
 COLLECT_RATIO_TARGET = 0.8
 
 
-def _ppid(pid: int) -> int | None:
-    """`pid`'s parent now, None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
 def live_size(wanted: int) -> tuple[int, str]:
     """How many live workers the daemon can hold here, at most `wanted`, and why fewer:
     below its relay threshold in its own descriptors, past it in its relays'.
@@ -118,7 +110,7 @@ def relays_of(pid: int) -> list[int]:
     """The daemon `pid`'s output relays (its children running the relay program)."""
     found = []
     for entry in os.listdir("/proc"):
-        if entry.isdigit() and _ppid(int(entry)) == pid:
+        if entry.isdigit() and parent_of(int(entry)) == pid:
             with contextlib.suppress(OSError), open(f"/proc/{entry}/cmdline", "rb") as f:
                 if b"_relay_program.py" in f.read():
                     found.append(int(entry))
@@ -267,7 +259,7 @@ def measure(
         # A pid alive after is a survivor only if it is still the daemon's child: with
         # pid_max 32,768 and 10,000 pids freed at once, the machine's other processes
         # are given some of them within the second.
-        survivors = [w.pid for w in spawned if w.pid and alive(w.pid) and _ppid(w.pid) == pid]
+        survivors = [w.pid for w in spawned if w.pid and alive(w.pid) and parent_of(w.pid) == pid]
         assert not survivors, survivors
 
         if collect:
