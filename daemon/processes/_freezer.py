@@ -18,7 +18,11 @@ yet a process that left the tree in that moment (a double fork, setsid, with the
 id dropped from its environment) is not found, and runs on; a process stopped by SIGSTOP
 can be continued by anyone allowed to signal it (the worker's own other processes, the
 user), which the daemon does not see until it next reads the tree; and a process in
-uninterruptible sleep stops only when it wakes. SIGCONT lets them go on.
+uninterruptible sleep stops only when it wakes. SIGCONT lets them go on. A daemon that
+dies (a crash, a kill -9) orphans each worker's process group, and the kernel sends an
+orphaned group holding a stopped process SIGHUP then SIGCONT (POSIX job control): a
+paused tree does not stay stopped past a crash, and most of it ends on that SIGHUP;
+recovery ends the rest. A reload (an exec, the same process) orphans nothing.
 """
 
 from __future__ import annotations
