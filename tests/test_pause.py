@@ -161,8 +161,10 @@ async def test_pause_then_reload_then_unpause_keeps_its_pid_and_every_line(
 async def test_a_stop_of_a_paused_worker_ends_it_at_once_with_one_wake(
     client: AsyncClient, tracking: DaemonProcess
 ) -> None:
-    with trio.fail_after(20):  # a TERM held by the freeze would wait out the 600 s grace
-        worker = await client.spawn(sh(COUNTER), grace=600)
+    # Its TERM is handled, not fatal: frozen (a fatal signal ends even a frozen process),
+    # or stopped, the handler would not run until the 600 s grace gave way to a KILL.
+    with trio.fail_after(20):
+        worker = await client.spawn(sh(f"trap 'echo TERM; exit 0' TERM; {COUNTER}"), grace=600)
         child = await client.spawn(["sleep", "600"], parent=worker.id, grace=600)
         await wait_output(client, worker.id, b"3\n")
         assert sorted((await client.pause(worker=worker.id)).paused) == sorted(
@@ -170,7 +172,7 @@ async def test_a_stop_of_a_paused_worker_ends_it_at_once_with_one_wake(
         )
         assert await client.stop(worker.id)
         ended = await client.status(worker.id)
-        assert (ended.state, ended.paused) == ("stopped", False)
+        assert (ended.state, ended.paused, ended.exit_code) == ("stopped", False, 0)
         assert (await client.status(child.id)).state == "stopped"
         assert worker.pid is not None
         assert child.pid is not None
@@ -285,7 +287,9 @@ async def test_a_crash_with_a_paused_worker_ends_it_and_leaves_nothing_frozen(
     with trio.fail_after(40):
         async with AsyncClient(tracking.socket) as client:
             info = await client.info()
-            worker = await client.spawn(sh(COUNTER), grace=600)
+            # A TERM it handles: recovery must thaw it, or wait out the 600 s grace.
+            handled = f"trap 'exit 0' TERM; {COUNTER}"
+            worker = await client.spawn(sh(handled), grace=600)
             await wait_output(client, worker.id, b"2\n")
             await client.pause(worker=worker.id)
         assert worker.pid is not None
