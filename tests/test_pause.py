@@ -20,6 +20,7 @@ from subagentd.protocol.errors import Invalid, NotFound, Refused
 from .conftest import DaemonProcess
 from .helpers import RawConnection, alive, follow_stdout, pending_wakes, sh, wait_output
 from .inprocess import at, held, in_process
+from .test_top import once, row
 
 #: Prints a counter, a line every 10 ms, forking a `sleep` for each: lines to lose, and
 #: forks for a pause to catch.
@@ -205,6 +206,10 @@ async def test_pause_a_run_holds_every_live_worker_of_it(
             assert _held(info, w.id, w.pid)
             assert (await client.status(w.id)).paused
         assert not (await client.status(other.id)).paused
+        top = await trio.to_thread.run_sync(lambda: once(tracking))
+        assert top.returncode == 0, top.stderr
+        assert {row(top.stdout, w.id).split()[0] for w in workers} == {"paused"}
+        assert row(top.stdout, other.id).split()[0] == "running"
         assert other.pid is not None
         assert not _held(info, other.id, other.pid)
         unpaused = await client.unpause(run=run)
