@@ -51,6 +51,7 @@ BENCHES: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
      {"workers": 100, "collect": 100, "lists": 2, "reloads": 1}),
     ("retention", {"workers": 10_000}, {"workers": 100}),
     ("files", {"repeats": 5, "long_mib": 2}, {"repeats": 1, "long_mib": 2}),
+    ("pause", {"sleepers": 100, "rounds": 20}, {"sleepers": 10, "rounds": 2}),
 ]  # fmt: skip
 
 

@@ -31,12 +31,14 @@ from subagentd.protocol import (
     GrepResult,
     OutputKind,
     Page,
+    Paused,
     ReloadReply,
     ReopenRun,
     Reply,
     Request,
     ResumableRun,
     Resumed,
+    Unpaused,
     WaitForResult,
     Wake,
     WorkerResult,
@@ -163,6 +165,16 @@ class AsyncClient:
     async def stop_run(self, run_id: str, wait: bool = True) -> list[str]:
         """Stop a whole run; answers the ids stopped, sorted."""
         return await self._call(_core.stop_run(run_id, wait))
+
+    async def pause(self, *, worker: str | None = None, run: str | None = None) -> Paused:
+        """Pause a worker's subtree (``worker``) or a run's live workers (``run``): their
+        processes held still by the kernel until `unpause`, their timeouts stopped.
+        Answers the ids newly paused (``paused``) and those already (``already_paused``)."""
+        return await self._call(_core.pause(worker, run))
+
+    async def unpause(self, *, worker: str | None = None, run: str | None = None) -> Unpaused:
+        """Let a paused worker's subtree, or a run's paused workers, go on."""
+        return await self._call(_core.unpause(worker, run))
 
     async def watch_page(
         self,

@@ -97,6 +97,7 @@ WORKER_FIELDS = (
     "ended_at",
     "archive",
     "stopping",
+    "paused",
 )
 WAKE_FIELDS = ("id", "run", "parent", "state", "exit_code", "preview")
 RELOAD_FIELDS = ("image_generation", "carried_live", "stopped_by_reload")
@@ -122,6 +123,7 @@ class Output(Protocol):
     def run(self, run_id: str) -> None: ...
     def stopped(self, ids: list[str], already_stopping: list[str]) -> None: ...
     def cancelled(self, ids: list[str], already_stopping: list[str]) -> None: ...
+    def paused(self, verb: str, ids: list[str], already: list[str]) -> None: ...
     def turn(self, turn: int) -> None: ...
     def fence(self, epoch: int | None) -> None: ...
     def reopened(self, run: str) -> None: ...
@@ -227,6 +229,13 @@ class Human:
         _said_stopping(already_stopping)
         if not ids and not already_stopping:
             print("nothing was left running to cancel", file=sys.stderr)
+        for worker_id in ids:
+            print(printable(worker_id))
+
+    def paused(self, verb: str, ids: list[str], already: list[str]) -> None:
+        # The ids this one changed on stdout; those that already were, on stderr.
+        for worker_id in already:
+            print(f"{printable(worker_id)} already {verb}d", file=sys.stderr)
         for worker_id in ids:
             print(printable(worker_id))
 
@@ -362,6 +371,9 @@ class Json:
     def cancelled(self, ids: list[str], already_stopping: list[str]) -> None:
         _dump({"cancelled": ids, "already_stopping": already_stopping})
 
+    def paused(self, verb: str, ids: list[str], already: list[str]) -> None:
+        _dump({f"{verb}d": ids, f"already_{verb}d": already})
+
     def turn(self, turn: int) -> None:
         _dump({"turn": turn})
 
@@ -434,8 +446,9 @@ def _said(exc: BaseException) -> None:
 
 
 def _state(view: WorkerView) -> str:
-    """Its state as a person reads it: `stopping` while a stop is in flight."""
-    return "stopping" if view.stopping else view.state
+    """Its state as a person reads it: `stopping` while a stop is in flight, `paused`
+    while paused."""
+    return "stopping" if view.stopping else "paused" if view.paused else view.state
 
 
 def _said_stopping(ids: list[str]) -> None:
@@ -510,6 +523,16 @@ def stop(daemon: Client, args: argparse.Namespace, out: Output) -> None:
         if not answer.found:
             raise _core.unknown_worker(args.worker)
     out.stopped(answer.stopped, answer.already_stopping)
+
+
+def pause(daemon: Client, args: argparse.Namespace, out: Output) -> None:
+    answer = daemon.pause(worker=args.worker, run=args.run)
+    out.paused("pause", answer.paused, answer.already_paused)
+
+
+def unpause(daemon: Client, args: argparse.Namespace, out: Output) -> None:
+    answer = daemon.unpause(worker=args.worker, run=args.run)
+    out.paused("unpause", answer.unpaused, answer.already_unpaused)
 
 
 def watch(daemon: Client, args: argparse.Namespace, out: Output) -> None:
@@ -808,6 +831,23 @@ def parser() -> argparse.ArgumentParser:
     sub.add_argument(
         "--no-wait", action="store_true", help="return without waiting for the processes to exit"
     )
+
+    for verb, does, held in (
+        ("pause", pause, "Hold a worker and everything it delegated, or a whole run, still"),
+        ("unpause", unpause, "Let a paused worker and what it delegated, or a run, go on"),
+    ):
+        sub = command(
+            verb,
+            does,
+            f"{held}, and print the ids {verb}d.",
+            "A paused worker's processes keep their pids, pipes and memory; the kernel "
+            "freezes its cgroup (or, without cgroups, the daemon sends its process tree "
+            "SIGSTOP, and SIGCONT to unpause). Its timeout does not run while it is paused; "
+            "a stop ends it at once. Those that already were are said on stderr.",
+        )
+        target = sub.add_mutually_exclusive_group(required=True)
+        target.add_argument("worker", metavar="ID", nargs="?", help=f"the worker to {verb}")
+        target.add_argument("--run", metavar="R", help=f"{verb} every live worker of run R")
 
     sub = command(
         "watch",

@@ -46,6 +46,8 @@ from subagentd.protocol import (
     NewRun,
     OutputKind,
     Page,
+    Pause,
+    Paused,
     Reload,
     ReloadReply,
     Reply,
@@ -62,6 +64,8 @@ from subagentd.protocol import (
     Stopped,
     StopRun,
     Subscribe,
+    Unpause,
+    Unpaused,
     Wait,
     WaitFor,
     WaitForResult,
@@ -289,6 +293,16 @@ def stop_run(run_id: str, wait: bool = True) -> Call[list[str]]:
         return reply.stopped
 
     return _call(StopRun(id=0, run=run_id, wait=wait), stopped)
+
+
+def pause(worker: str | None = None, run: str | None = None) -> Call[Paused]:
+    """Pause a worker's subtree or a run's live workers: exactly one of the two."""
+    return _call(Pause(id=0, worker=worker, run=run), lambda reply: reply)
+
+
+def unpause(worker: str | None = None, run: str | None = None) -> Call[Unpaused]:
+    """Let a paused worker's subtree, or a run's paused workers, go on."""
+    return _call(Unpause(id=0, worker=worker, run=run), lambda reply: reply)
 
 
 def watch_page(

@@ -398,6 +398,35 @@ class CancelArguments(Arguments):
     ]
 
 
+class PauseArguments(Arguments):
+    worker: Annotated[
+        str | None,
+        Field(
+            min_length=1,
+            max_length=MAX_ID_LENGTH,
+            description="a worker: it and every worker it delegated to",
+        ),
+    ] = None
+    run: Annotated[
+        str | None,
+        Field(min_length=1, max_length=MAX_ID_LENGTH, description="instead: a run's workers"),
+    ] = None
+
+
+class WorkerPauseArguments(Arguments):
+    """subagent_pause's and subagent_unpause's arguments inside a worker, which may pause
+    a worker of its subtree but never a run: no `run`."""
+
+    worker: Annotated[
+        str,
+        Field(
+            min_length=1,
+            max_length=MAX_ID_LENGTH,
+            description="a worker of your subtree: it and every worker it delegated to",
+        ),
+    ]
+
+
 class CollectArguments(Arguments):
     worker: WorkerId
     wait: Annotated[bool, Field(description="wait for it to end first")] = False

@@ -54,6 +54,9 @@ class WorkerOut(Shape):
     cwd: str
     agent: str | None
     stopping: bool = Field(description="a stop is in flight: TERM sent, its tree not yet gone")
+    paused: bool = Field(
+        default=False, description="paused (subagent_pause): held still until unpaused"
+    )
 
 
 class WorkersOut(Shape):
@@ -135,6 +138,16 @@ class SentOut(Shape):
 class StoppedOut(Shape):
     stopped: list[str]
     already_stopping: list[str]
+
+
+class PausedOut(Shape):
+    paused: list[str]
+    already_paused: list[str]
+
+
+class UnpausedOut(Shape):
+    unpaused: list[str]
+    already_unpaused: list[str]
 
 
 class CancelledOut(Shape):
@@ -230,4 +243,4 @@ def entry(found: Entry, data: bytes | None = None, *, cut: bool = False) -> dict
 
 
 def state_of(view: WorkerView) -> str:
-    return "stopping" if view.stopping else view.state
+    return "stopping" if view.stopping else "paused" if view.paused else view.state

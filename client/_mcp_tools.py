@@ -18,6 +18,7 @@ from subagentd.protocol import (
     Grep,
     LatestResumable,
     ListWorkers,
+    Pause,
     Request,
     Resume,
     Send,
@@ -26,6 +27,7 @@ from subagentd.protocol import (
     Stop,
     StopRun,
     Subscribe,
+    Unpause,
     Wait,
     WaitFor,
     Watch,
@@ -40,6 +42,7 @@ from ._mcp_workers import (
     subagent_cancel,
     subagent_latest_resumable,
     subagent_list,
+    subagent_pause,
     subagent_restart,
     subagent_resume,
     subagent_send,
@@ -47,6 +50,7 @@ from ._mcp_workers import (
     subagent_status,
     subagent_stop,
     subagent_stop_run,
+    subagent_unpause,
 )
 
 READ_ONLY = ToolAnnotations(read_only_hint=True, open_world_hint=False)
@@ -113,6 +117,20 @@ TOOLS: tuple[Tool, ...] = (
     _tool(subagent_stop, shapes.StoppedOut, STOPS, Stop, blocks=True),
     _tool(subagent_stop_run, shapes.StoppedOut, STOPS, StopRun, blocks=True),
     _tool(subagent_cancel, shapes.CancelledOut, STOPS, Cancel, blocks=True),
+    _tool(
+        subagent_pause,
+        shapes.PausedOut,
+        CHANGES,
+        Pause,
+        worker_arguments=args.WorkerPauseArguments,
+    ),
+    _tool(
+        subagent_unpause,
+        shapes.UnpausedOut,
+        CHANGES,
+        Unpause,
+        worker_arguments=args.WorkerPauseArguments,
+    ),
     _tool(subagent_collect, shapes.ResultOut, CHANGES, Collect, blocks=True),
     _tool(subagent_events, shapes.WakesOut, CHANGES, Subscribe, blocks=True),
     _tool(

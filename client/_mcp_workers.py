@@ -283,6 +283,39 @@ async def subagent_cancel(a: args.CancelArguments) -> Answer:
     return Answer(said, {"cancelled": answer.cancelled, "already_stopping": already})
 
 
+async def subagent_pause(a: args.PauseArguments) -> Answer:
+    """Pause a worker and every worker it delegated to (or, for the user, a whole run):
+    their processes are held still, keeping their pids, output and memory, and their
+    time limits stop running, until subagent_unpause. Inside a worker, only that
+    worker's own subtree can be paused."""
+    worker, run = _one_target(a)
+    async with connection() as daemon:
+        answer = await daemon.pause(worker=worker, run=run)
+    said = f"paused: {text.ids(answer.paused)}" + (
+        f"; already paused: {text.ids(answer.already_paused)}" if answer.already_paused else ""
+    )
+    return Answer(said, {"paused": answer.paused, "already_paused": answer.already_paused})
+
+
+async def subagent_unpause(a: args.PauseArguments) -> Answer:
+    """Let a paused worker and what it delegated to (or, for the user, a run) go on."""
+    worker, run = _one_target(a)
+    async with connection() as daemon:
+        answer = await daemon.unpause(worker=worker, run=run)
+    already = answer.already_unpaused
+    said = f"unpaused: {text.ids(answer.unpaused)}" + (
+        f"; not paused: {text.ids(already)}" if already else ""
+    )
+    return Answer(said, {"unpaused": answer.unpaused, "already_unpaused": already})
+
+
+def _one_target(a: args.PauseArguments) -> tuple[str | None, str | None]:
+    worker, run = a.worker, getattr(a, "run", None)
+    if (worker is None) == (run is None):
+        raise args.Invalid("worker", "give worker or run (one of them)")
+    return worker, run
+
+
 async def subagent_resume(a: args.ResumeArguments) -> Answer:
     """Carry a stopped, failed or timed-out worker (or, for the user, a run) on from where
     it stopped: same id, next attempt, running what it was spawned with. `changed` says

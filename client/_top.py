@@ -1,7 +1,8 @@
 """subagentctl top: the daemon's workers (or one run's) as a live table, for a person.
 
-One row per worker: its state (``stopping`` while a stop is in flight), run, id
-indented under its parent, name, age, pid and the last line of its output. Keys
+One row per worker: its state (``stopping`` while a stop is in flight, ``paused`` while
+paused), run, id indented under its parent, name, age, pid and the last line of its
+output. Keys
 select a row, stop its worker (and subtree) or its run, and follow its journal.
 A worker that ends while shown stays on screen, in its final state.
 
@@ -203,7 +204,9 @@ def tree(views: Sequence[WorkerView]) -> list[Row]:
 
 
 def state_of(view: WorkerView) -> str:
-    return "stopping" if view.stopping and view.state not in TERMINAL_STATES else view.state
+    if view.state in TERMINAL_STATES:
+        return view.state
+    return "stopping" if view.stopping else "paused" if view.paused else view.state
 
 
 def age(seconds: float) -> str:
@@ -489,7 +492,13 @@ def _table(
     return lines
 
 
-_STATE_STYLES = {"running": "green", "stopping": "yellow", "failed": "red", "timed_out": "red"}
+_STATE_STYLES = {
+    "running": "green",
+    "stopping": "yellow",
+    "paused": "cyan",
+    "failed": "red",
+    "timed_out": "red",
+}
 
 
 def _follow_lines(screen: Screen, follow: Follow, height: int) -> list[Text]:

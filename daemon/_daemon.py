@@ -34,6 +34,7 @@ from .store._store import STORE_NAME, Store
 from .workers._afterwards import Afterwards
 from .workers._endings import Endings
 from .workers._mailbox import Mailbox
+from .workers._pauses import Pauses
 from .workers._reader import Reader
 from .workers._retention import Retention
 from .workers._runs import Runs
@@ -160,6 +161,8 @@ class Daemon:
         self.stops = Stops(
             self.registry, self.reader, self.supervisor, self.runs, self.problems, self.afterwards
         )
+        #: The pause verbs: a worker's subtree, a run.
+        self.pauses = Pauses(self.registry, self.reader, self.supervisor, launcher)
         #: Set and replaced whenever something happens that idle exit must notice.
         self.activity = trio.Event()
 
@@ -264,6 +267,7 @@ class Daemon:
             # Recovering, the registry is not yet what the store holds: say it may hold.
             holds_park=self.recovering is not None or self.registry.holds_park(),
             tree_tracking=self.launcher.tree_tracking,
+            freeze=self.launcher.freeze,
             authority=self.launcher.authority,
             caller=caller,
             socket=str(self.socket_path),

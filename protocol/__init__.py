@@ -63,6 +63,8 @@ from ._messages import NewRun as NewRun
 from ._messages import OutputKind as OutputKind
 from ._messages import OutputRelays as OutputRelays
 from ._messages import Page as Page
+from ._messages import Pause as Pause
+from ._messages import Paused as Paused
 from ._messages import Recovery as Recovery
 from ._messages import Reload as Reload
 from ._messages import ReloadReply as ReloadReply
@@ -86,6 +88,8 @@ from ._messages import StopRun as StopRun
 from ._messages import Subscribe as Subscribe
 from ._messages import Timeout as Timeout
 from ._messages import TurnReply as TurnReply
+from ._messages import Unpause as Unpause
+from ._messages import Unpaused as Unpaused
 from ._messages import Wait as Wait
 from ._messages import WaitFor as WaitFor
 from ._messages import WaitForReply as WaitForReply

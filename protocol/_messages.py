@@ -145,6 +145,9 @@ class WorkerView(msgspec.Struct, kw_only=True):
     #: A stop is in flight: asked (TERM sent, or about to be), its tree not yet ended.
     #: A field, not a state: an older peer's decoder knows only the states above.
     stopping: bool = False
+    #: Paused (`pause`): its processes frozen by the kernel, or stopped by SIGSTOP, until
+    #: an `unpause`; its timeout does not run meanwhile. A field, as `stopping` is.
+    paused: bool = False
 
 
 class Resumed(WorkerView, kw_only=True):
@@ -299,6 +302,9 @@ class DaemonInfo(msgspec.Struct, kw_only=True):
     #: The output relays holding workers' pipes past the descriptor threshold (None: an
     #: image before them).
     relays: OutputRelays | None = None
+    #: How `pause` holds a worker's processes still: "cgroup v2 cgroup.freeze", or
+    #: "SIGSTOP/SIGCONT over the process tree (scan)" where workers have no cgroups.
+    freeze: str = ""
 
 
 # -- replies and events: daemon to client --------------------------------------
@@ -345,6 +351,22 @@ class Stopped(Reply, tag="stopped"):
     stopped: list[str]
     #: The workers in reach whose stop was already in flight: left as they are.
     already_stopping: list[str] = []
+
+
+class Paused(Reply, tag="paused"):
+    """A pause's answer: ``paused``, the ids newly paused, sorted; ``already_paused``,
+    the live workers in reach that were paused already (left as they are)."""
+
+    paused: list[str]
+    already_paused: list[str] = []
+
+
+class Unpaused(Reply, tag="unpaused"):
+    """An unpause's answer: ``unpaused``, the ids newly let go on, sorted;
+    ``already_unpaused``, the live workers in reach that were not paused."""
+
+    unpaused: list[str]
+    already_unpaused: list[str] = []
 
 
 class Page(Reply, tag="page"):
@@ -446,6 +468,8 @@ DaemonMessage = (
     | WorkerList
     | RunReply
     | Stopped
+    | Paused
+    | Unpaused
     | Page
     | ResultReply
     | InfoReply
@@ -596,6 +620,28 @@ class Stop(Request[Stopped], tag="stop"):
 class StopRun(Request[Stopped], tag="stop_run"):
     run: Id
     wait: bool = True
+
+
+class Pause(Request[Paused], tag="pause"):
+    """Hold a worker's subtree (``worker``: it and every live worker it delegated, at any
+    depth) or a run's live workers (``run``: the run's, and of the runs nested in it)
+    still until an `Unpause`: exactly one of the two. Their processes keep their pids,
+    pipes and memory; their timeouts stop running. A worker spawned later into a paused
+    subtree is not paused."""
+
+    worker: Id | None = None
+    run: Id | None = None
+
+    for_workers = True
+
+
+class Unpause(Request[Unpaused], tag="unpause"):
+    """Let what a `Pause` held go on: ``worker``'s subtree, or ``run``'s live workers."""
+
+    worker: Id | None = None
+    run: Id | None = None
+
+    for_workers = True
 
 
 class Watch(Request[Page], tag="watch"):
@@ -860,6 +906,8 @@ ClientMessage = (
     | Status
     | Stop
     | StopRun
+    | Pause
+    | Unpause
     | Watch
     | Collect
     | Wait

@@ -39,6 +39,8 @@ TOOLS = {
     "subagent_stop",
     "subagent_stop_run",
     "subagent_cancel",
+    "subagent_pause",
+    "subagent_unpause",
     "subagent_collect",
     "subagent_events",
     "subagent_resume",
@@ -267,6 +269,17 @@ async def test_inside_a_worker_the_tools_act_as_that_worker(daemon: DaemonProces
                 }
                 users = {tool.name: tool for tool in (await user.list_tools()).tools}
                 assert "run" in users["subagent_resume"].input_schema["properties"]
+                # A worker may pause a worker of its subtree, never a run nor a sibling.
+                for tool in ("subagent_pause", "subagent_unpause"):
+                    schema = listed[tool].input_schema
+                    assert (set(schema["properties"]), schema["required"]) == (
+                        {"worker"},
+                        ["worker"],
+                    )
+                    assert (await refused(inside, tool, worker=sibling["id"]))["code"] == (
+                        "forbidden"
+                    )
+                    assert (await refused(inside, tool, run=me["run"]))["code"] == "invalid"
                 hidden = await refused(inside, "subagent_stop_run", run=me["run"])
                 assert hidden["code"] == "not_found"
                 error = await refused(inside, "subagent_stop", worker=sibling["id"])

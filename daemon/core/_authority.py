@@ -19,12 +19,14 @@ from subagentd.protocol import (
     ClientMessage,
     Collect,
     Grep,
+    Pause,
     Resume,
     Send,
     Spawn,
     Status,
     Stop,
     Subscribe,
+    Unpause,
     Wait,
     WaitFor,
     Watch,
@@ -95,6 +97,15 @@ class Authority:
             case Stop(worker=worker):
                 # An id never seen is answered `found: false`, to anyone: it tells nothing.
                 self._reach(caller, worker, unseen_allowed=True)
+            case Pause(worker=worker, run=run) | Unpause(worker=worker, run=run) if (
+                run is None
+            ) != (worker is None):
+                if worker is None:
+                    raise Forbidden(
+                        f"worker {caller} may {op(request)} only a worker in its subtree "
+                        "(worker: <id>), not a run"
+                    )
+                self._reach(caller, worker)
             case Subscribe(run=run, worker=worker) if (run is None) != (worker is None):
                 if worker is None:
                     raise Forbidden(
@@ -109,8 +120,9 @@ class Authority:
                         f"worker {caller} may cancel only worker:<id> in its subtree, not {scope!r}"
                     )
                 self._reach(caller, target)
-        # The rest (list_workers, ack, info, abort; a subscribe of no one parent, which is
-        # invalid) a worker may send as it is; a listing shows it only what it `sees`.
+        # The rest (list_workers, ack, info, abort; a subscribe, pause or unpause of not
+        # exactly one target, which is invalid) a worker may send as it is; a listing
+        # shows it only what it `sees`.
 
     def sees(self, caller: str | None, worker_id: str) -> bool:
         """Whether `caller` (None: the user) may see `worker_id`, in a listing say."""

@@ -89,6 +89,10 @@ class WorkerRecord(msgspec.Struct, kw_only=True, weakref=True):
     #: When its first attempt started: its place in a listing, which a resume keeps
     #: (0: a record from before this was kept, placed by its start).
     spawned_at: float = 0.0
+    #: Paused since then (the daemon's wall clock); None while not paused.
+    paused_since: float | None = None
+    #: The seconds it spent paused before: what its timeout's deadline moved by.
+    paused_for: float = 0.0
 
     def __setattr__(self, name: str, value: object) -> None:
         # Every change of state (or of whether a result is owed), wherever it is made,
@@ -120,6 +124,27 @@ class WorkerRecord(msgspec.Struct, kw_only=True, weakref=True):
         return self.state in TERMINAL_STATES
 
     @property
+    def paused(self) -> bool:
+        return self.paused_since is not None and not self.ended
+
+    def pause(self, now: float) -> None:
+        if self.paused_since is None:
+            self.paused_since = now
+
+    def unpause(self, now: float) -> None:
+        """Paused no longer: the time it was paused moves its timeout's deadline."""
+        if self.paused_since is not None:
+            self.paused_for += max(0.0, now - self.paused_since)
+            self.paused_since = None
+
+    def timeout_left(self, now: float) -> float | None:
+        """Seconds until its timeout, not counting the time it spent paused; None if it
+        has none (or is paused: its timeout does not run)."""
+        if self.timeout is None or self.paused_since is not None:
+            return None
+        return self.started_at + self.timeout + self.paused_for - now
+
+    @property
     def owes_result(self) -> bool:
         """Ended on its own, and neither collected nor past its TTL: a shutdown now would
         lose the result its parent (or the user) is owed."""
@@ -149,6 +174,7 @@ class WorkerRecord(msgspec.Struct, kw_only=True, weakref=True):
             cwd=self.cwd,
             agent=self.agent,
             stopping=self.stop_reason is not None and not self.ended,
+            paused=self.paused,
         )
 
     def summary(self) -> WorkerView:
@@ -772,6 +798,7 @@ class Registry:
         record.pid = record.pid_start = record.pipes = None
         record.started_at = now
         record.ended_at = None
+        record.paused_since, record.paused_for = None, 0.0  # a new attempt runs
         record.collected = record.expired = False
         record.timeout = timeout
         record.turn = self.turn

@@ -621,10 +621,23 @@ async def adopt(
             record=daemon.registry.worker(carried.id), journal=journal, process=process
         )
         live.stdout_tail += stdout_tail
+        _paused_as_the_kernel_says(daemon, live, process)
         daemon.supervisor.add(live)
     daemon.image_generation = checkpoint.image_generation + 1
     daemon.reloads = checkpoint.reloads + 1
     return len(daemon.supervisor), stopped
+
+
+def _paused_as_the_kernel_says(daemon: Daemon, live: LiveWorker, process: WorkerProcess) -> None:
+    """A worker is paused across a reload if the kernel still holds it (its cgroup's
+    `cgroup.freeze`, else its leader stopped): the record's word is checked, never taken
+    alone. Paused since the record says (its timeout's deadline moves from then), or
+    from now if the record did not know."""
+    record, now = live.record, daemon.clock()
+    if daemon.launcher.paused_now(process):
+        record.pause(now)
+    else:
+        record.unpause(now)
 
 
 def _start_check(command: list[str]) -> subprocess.Popen[bytes]:

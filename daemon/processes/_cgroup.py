@@ -68,9 +68,16 @@ class WorkerCgroup:
     home: Path
 
     def create(self) -> None:
-        # One left by an attempt that ended without removing it is reused.
-        with contextlib.suppress(FileExistsError):
+        # One left by an attempt that ended without removing it is reused: thawed, if a
+        # pause left it frozen, since the daemon stands in it to fork (`born_in`).
+        try:
             self.path.mkdir()
+        except FileExistsError:
+            with (
+                contextlib.suppress(FileNotFoundError),
+                open(self.path / "cgroup.freeze", "wb") as f,
+            ):
+                f.write(b"0")
 
     def exists(self) -> bool:
         return self.path.is_dir()

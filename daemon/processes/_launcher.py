@@ -21,6 +21,16 @@ import trio
 from .._logging import get_logger
 from ._cgroup import Cgroups, Leader, WorkerCgroup, end_cgroup, peer_cgroup
 from ._escapes import MarkerSearch, StopBatch, end_escaped, end_marked_by
+from ._freezer import (
+    CGROUP_FREEZE,
+    SIGSTOP_FREEZE,
+    continue_trees,
+    freeze_asked,
+    freeze_cgroups,
+    stop_trees,
+    stopped_now,
+    write_freeze,
+)
 from ._process import WorkerProcess
 from ._relay import Relays
 from ._tree import Graces, ProcessTable, end_marked, end_tree
@@ -85,6 +95,31 @@ class Launcher(Protocol):
     def adopting(self) -> contextlib.AbstractContextManager[None]:
         """Around a reload's adoption of many workers (nothing spawned meanwhile): what
         `adopt` looks up for each may be looked up once for all."""
+        ...
+
+    @property
+    def freeze(self) -> str:
+        """How `pause` holds a tree still (reported by `info`)."""
+        ...
+
+    async def pause(self, targets: list[tuple[str, WorkerProcess]]) -> list[str]:
+        """Hold each worker's whole tree still (its id, its process), until `unpause`;
+        returns once the kernel says they are held, or after a bound: the ids it had not
+        said so of by then (still being held)."""
+        ...
+
+    async def unpause(self, targets: list[tuple[str, WorkerProcess]]) -> None:
+        """Let each worker's tree go on (the ids that `pause` held)."""
+        ...
+
+    def thaw_now(self, process: WorkerProcess) -> None:
+        """At once, on the event loop: a paused worker is being stopped, and its tree must
+        take its TERM (a tree without a cgroup is sent SIGCONT with it instead)."""
+        ...
+
+    def paused_now(self, process: WorkerProcess) -> bool:
+        """Whether the kernel holds the worker's tree still (after a reload: what an image
+        before paused)."""
         ...
 
     def term_leader(self, process: WorkerProcess) -> bool:
@@ -276,6 +311,46 @@ class LocalLauncher:
         self.leaders.add(process.pid)
         return process
 
+    @property
+    def freeze(self) -> str:
+        return CGROUP_FREEZE if self.cgroups is not None else SIGSTOP_FREEZE
+
+    async def pause(self, targets: list[tuple[str, WorkerProcess]]) -> list[str]:
+        groups = {p.cgroup.path.name: p.cgroup for _, p in targets if p.cgroup is not None}
+        trees = [
+            (p.pid, worker_id, p.starttime)
+            for worker_id, p in targets
+            if p.cgroup is None and not p.reaped
+        ]
+        unsettled = await freeze_cgroups(list(groups.values()), True) if groups else []
+        if trees and not await stop_trees(self.processes, trees):
+            unsettled += [worker_id for _, worker_id, _ in trees]
+        return unsettled
+
+    async def unpause(self, targets: list[tuple[str, WorkerProcess]]) -> None:
+        groups = [p.cgroup for _, p in targets if p.cgroup is not None]
+        trees = [
+            (p.pid, worker_id, p.starttime)
+            for worker_id, p in targets
+            if p.cgroup is None and not p.reaped
+        ]
+        if groups:
+            await freeze_cgroups(groups, False)
+        if trees:
+            await continue_trees(self.processes, trees)
+
+    def thaw_now(self, process: WorkerProcess) -> None:
+        if process.cgroup is not None:
+            try:
+                write_freeze(process.cgroup, False)
+            except OSError as exc:  # cgroup.kill ends it after the grace regardless
+                log.error("cgroup.not_thawed", cgroup=str(process.cgroup.path), error=str(exc))
+
+    def paused_now(self, process: WorkerProcess) -> bool:
+        if process.cgroup is not None:
+            return freeze_asked(process.cgroup)
+        return stopped_now(process.pid, process.starttime)
+
     def term_leader(self, process: WorkerProcess) -> bool:
         # Only where a cgroup finds the tree: a scan of /proc TERMs all it finds at once,
         # the leader among them, and must not send it a second.
@@ -349,6 +424,8 @@ class LocalLauncher:
     ) -> int:
         group = self._group(worker_id)
         if group is not None and group.exists():
+            with contextlib.suppress(OSError):  # a paused one's: its TERM must reach it
+                write_freeze(group, False)
             killed = await end_cgroup(group, grace)
             _remove(group)
             return killed

@@ -359,6 +359,9 @@ async def end_found(
         while members := [m for m in await patiently(find) if running(m)]:
             with Pinned(members) as pinned:
                 pinned.signal(signal.SIGTERM, sent=termed)
+                # A stopped process (a paused worker's, `_freezer`) takes its TERM only
+                # once continued; to a running one SIGCONT does nothing.
+                pinned.signal(signal.SIGCONT)
                 await pinned.wait_exited()
         return 0  # all gone within the grace: the scan that said so is the last
     killed = 0

@@ -50,6 +50,8 @@ from subagentd.protocol import (
     ListWorkers,
     NewRun,
     Page,
+    Pause,
+    Paused,
     Reload,
     ReopenRun,
     Reply,
@@ -68,6 +70,8 @@ from subagentd.protocol import (
     StopRun,
     Subscribe,
     TurnReply,
+    Unpause,
+    Unpaused,
     Wait,
     WaitFor,
     WaitForReply,
@@ -809,6 +813,14 @@ class Server:
                     with conn.answers_if_sealed(reply):
                         await daemon.stops.wait_stopped(worker)
                 return reply
+            case Pause(worker=worker, run=run):
+                paused = await daemon.pauses.pause(worker, run)
+                return Paused(id=rid, paused=paused.changed, already_paused=paused.already)
+            case Unpause(worker=worker, run=run):
+                unpaused = await daemon.pauses.unpause(worker, run)
+                return Unpaused(
+                    id=rid, unpaused=unpaused.changed, already_unpaused=unpaused.already
+                )
             case Watch(worker=worker, since=since, limit=limit, follow=follow):
                 bounds = (request.max_bytes, request.offset)
                 if follow:

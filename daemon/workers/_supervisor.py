@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import math
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -117,6 +118,9 @@ class LiveWorker:
     #: What its start leaves to do once the spawn is answered (written down, logged):
     #: run first by its supervision, before any of its output is journalled.
     after_start: Callable[[], None] | None = None
+    #: The wait for its timeout while one runs: its deadline moves while it is paused
+    #: (`Supervisor.paused`, `unpaused`).
+    timing: trio.CancelScope | None = None
 
     def __post_init__(self) -> None:
         self.stop_journaled = self.record.stop_reason is not None
@@ -421,16 +425,51 @@ class Supervisor:
     async def _wait_exited(self, live: LiveWorker, process: WorkerProcess) -> None:
         """Until the process exits; past its timeout, first stop it (and what it
         delegated), counted from its start, not from this supervision's: a reload does
-        not reset it."""
+        not reset it. The time it spends paused does not count (its deadline moves by
+        it: `WorkerRecord.timeout_left`)."""
         timeout = live.record.timeout
         if timeout is not None:
-            remaining = live.record.started_at + timeout - self._clock()
-            with trio.move_on_after(max(0.0, remaining)):
-                await process.wait_exited()
+            with trio.CancelScope() as timing:
+                live.timing = timing
+                self._time(live)
+                try:
+                    await process.wait_exited()
+                finally:
+                    live.timing = None
+            if not timing.cancelled_caught:
                 return
             log.info("worker.timed_out", worker=live.record.id, timeout=timeout)
             self.ask_stop(self._registry.stop(live.record.id, reason="timeout"))
         await process.wait_exited()
+
+    def _time(self, live: LiveWorker) -> None:
+        """Set its timeout's deadline from its record: none while it is paused."""
+        if live.timing is not None:
+            left = live.record.timeout_left(self._clock())
+            live.timing.deadline = (
+                trio.current_time() + max(0.0, left) if left is not None else math.inf
+            )
+
+    def paused(self, live: LiveWorker) -> None:
+        """It is being paused: so its record says from now, and its timeout stops."""
+        live.record.pause(self._clock())
+        self._time(live)
+        self._journal_extra(live, "state", b"paused")
+
+    def unpaused(self, live: LiveWorker) -> None:
+        """Paused no longer: its timeout runs again, its deadline later by the pause."""
+        if live.record.paused_since is None:
+            return
+        live.record.unpause(self._clock())
+        self._time(live)
+        self._journal_extra(live, "state", b"unpaused")
+
+    def _thaw_to_end(self, live: LiveWorker) -> None:
+        """A paused worker is being ended: its tree must take the TERM (a frozen cgroup
+        would hold it until its grace ran out, then be killed)."""
+        if live.record.paused_since is not None and live.process is not None:
+            self._launcher.thaw_now(live.process)
+            self.unpaused(live)
 
     async def _fail(self, live: LiveWorker, error: Exception) -> None:
         """End a worker whose supervision raised: its tree, its process, then its ending,
@@ -476,6 +515,7 @@ class Supervisor:
         live.terminating = True
         process = live.process
         assert process is not None
+        self._thaw_to_end(live)
         try:
             killed = await self._launcher.end_tree(
                 live.record.id,
@@ -569,6 +609,7 @@ class Supervisor:
         of its tree without it. The rest are found and TERMed while it exits: a run's
         hundred stops have all their leaders exiting before the first tree is searched."""
         self._journal_stopping(live)
+        self._thaw_to_end(live)
         process = live.process
         if not live.terminating and not live.leader_termed and process is not None:
             live.leader_termed = self._launcher.term_leader(process)

@@ -1,0 +1,122 @@
+"""Pausing exactly what was asked: a worker's subtree (it and every live worker it
+delegated, at any depth), or a run's live workers (the runs nested in it included); and
+letting them go on. The registry says who is in reach; the supervisor keeps each
+record's paused time (so a timeout does not run meanwhile) and its journal; the
+launcher holds the processes still (`processes/_freezer.py`).
+
+Only workers running, with a process, and not being stopped are paused or unpaused: a
+worker starting has no tree yet, and one whose stop is in flight must take its TERM (a
+stop thaws a paused worker first). A worker spawned later into a paused subtree is not
+paused: its parent, frozen, cannot have asked for it, and whoever did wants it to run.
+One pause or unpause at a time, so two never cross in the kernel's freezer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import trio
+
+from subagentd.protocol.errors import Invalid, Refused
+
+from .._logging import get_logger
+from ..core._registry import Registry
+from ..processes._launcher import Launcher
+from ..processes._process import WorkerProcess
+from ._reader import Reader
+from ._supervisor import LiveWorker, Supervisor
+
+log = get_logger()
+
+
+@dataclass(frozen=True)
+class Pausing:
+    """What a pause or an unpause did: ``changed``, the ids newly paused (or let go on);
+    ``already``, those in reach that already were (or were not paused)."""
+
+    changed: list[str] = field(default_factory=list)
+    already: list[str] = field(default_factory=list)
+
+
+class Pauses:
+    """The pause verbs: pause and unpause, of a worker's subtree or of a run."""
+
+    def __init__(
+        self, registry: Registry, reader: Reader, supervisor: Supervisor, launcher: Launcher
+    ) -> None:
+        self._registry = registry
+        self._reader = reader
+        self._supervisor = supervisor
+        self._launcher = launcher
+        self._lock = trio.Lock()
+
+    async def pause(self, worker: str | None, run: str | None) -> Pausing:
+        async with self._lock:
+            reached = self._reach("pause", worker, run)
+            fresh = [live for live in reached if live.record.paused_since is None]
+            already = sorted(live.record.id for live in reached if live not in fresh)
+            for live in fresh:
+                self._supervisor.paused(live)
+            unsettled = await self._launcher.pause(_targets(fresh))
+            changed = sorted(live.record.id for live in fresh)
+            if unsettled:
+                log.warning("worker.pause_unsettled", workers=unsettled)
+            log.info("worker.paused", paused=changed, already=already)
+            return Pausing(changed=changed, already=already)
+
+    async def unpause(self, worker: str | None, run: str | None) -> Pausing:
+        async with self._lock:
+            reached = self._reach("unpause", worker, run)
+            fresh = [live for live in reached if live.record.paused_since is not None]
+            already = sorted(live.record.id for live in reached if live not in fresh)
+            await self._launcher.unpause(_targets(fresh))
+            for live in fresh:
+                self._supervisor.unpaused(live)
+            changed = sorted(live.record.id for live in fresh)
+            log.info("worker.unpaused", unpaused=changed, already=already)
+            return Pausing(changed=changed, already=already)
+
+    def _reach(self, verb: str, worker: str | None, run: str | None) -> list[LiveWorker]:
+        """The live workers a pause of `worker`'s subtree or of `run` reaches; Invalid
+        unless exactly one is given, NotFound for one never seen, Refused if nothing in
+        reach is running."""
+        if (worker is None) == (run is None):
+            raise Invalid(
+                f"{verb} takes exactly one of worker (a worker and its subtree) and run "
+                f"(a run's workers); {'both' if worker is not None else 'neither'} given"
+            )
+        if worker is not None:
+            if not self._registry.holds(worker):
+                self._reader.lookup(worker)  # not_found for an id never seen
+                raise Refused(f"worker {worker} has ended (its handle released): nothing to {verb}")
+            ids = list(self._registry.subtree(worker))
+            what = f"worker {worker}'s subtree"
+        else:
+            assert run is not None
+            run_id = self._registry.run(run).id  # not_found for a run never seen
+            ids = [r.id for r in self._registry.listing(include_ended=False, run=run_id)]
+            what = f"run {run_id}"
+        reached = [
+            live
+            for worker_id in ids
+            if (live := self._supervisor.get(worker_id)) is not None
+            and live.process is not None
+            and not live.record.ended
+            and not live.stop_asked
+        ]
+        if not reached:
+            states = {
+                record.state
+                for worker_id in ids
+                if (record := self._registry.handle(worker_id)) is not None
+            }
+            why = ", ".join(sorted(states)) or "none"
+            raise Refused(
+                f"nothing running in {what} to {verb} (its workers: {why}; a worker ended, "
+                "starting or being stopped is not paused)"
+            )
+        return reached
+
+
+def _targets(lives: list[LiveWorker]) -> list[tuple[str, WorkerProcess]]:
+    return [(live.record.id, live.process) for live in lives if live.process is not None]
