@@ -100,6 +100,7 @@ from ._messages import WorkerList as WorkerList
 from ._messages import WorkerReply as WorkerReply
 from ._messages import WorkerResult as WorkerResult
 from ._messages import WorkerState as WorkerState
+from ._messages import Usage as Usage
 from ._messages import WorkerView as WorkerView
 from ._messages import client_decoder as client_decoder
 from ._messages import daemon_decoder as daemon_decoder

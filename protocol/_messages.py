@@ -121,6 +121,30 @@ RequestKey = Annotated[
 # -- values carried inside messages --------------------------------------------
 
 
+class Usage(msgspec.Struct, kw_only=True):
+    """What a live worker takes now (its whole tree: every process in its cgroup, else
+    found by /proc), read when asked: `status` carries it for a live worker, a listing and
+    `info` when they ask (``usage``). protocol/README.md, Usage, says where each figure
+    comes from."""
+
+    #: CPU time used since the worker's attempt began (its processes, those exited too).
+    cpu_seconds: float
+    #: CPU % of one core (200.0: two cores' worth): over the time since the daemon's
+    #: previous reading of this worker's usage if that was 0.2 s to 60 s ago (the one
+    #: before a reading within 0.2 s of it stands), else since the worker began. None:
+    #: not measurable.
+    cpu_percent: float | None = None
+    #: Bytes of memory it holds now.
+    memory: int
+    #: The most it has held (None: not known).
+    memory_peak: int | None = None
+    #: Its processes now.
+    processes: int
+    #: "cgroup": the figures are the kernel's counters of its cgroup; "proc": memory (and,
+    #: without a cgroup, CPU and the processes) summed over its processes from /proc.
+    source: Literal["cgroup", "proc"]
+
+
 class WorkerView(msgspec.Struct, kw_only=True):
     """What a client sees of one worker."""
 
@@ -145,6 +169,9 @@ class WorkerView(msgspec.Struct, kw_only=True):
     #: A stop is in flight: asked (TERM sent, or about to be), its tree not yet ended.
     #: A field, not a state: an older peer's decoder knows only the states above.
     stopping: bool = False
+    #: What it takes now (`Usage`): in `status` of a live worker, in a listing that asked
+    #: (``usage``); None otherwise, and for an ended or starting worker.
+    usage: Usage | None = None
 
 
 class Resumed(WorkerView, kw_only=True):
@@ -299,6 +326,11 @@ class DaemonInfo(msgspec.Struct, kw_only=True):
     #: The output relays holding workers' pipes past the descriptor threshold (None: an
     #: image before them).
     relays: OutputRelays | None = None
+    #: What the live workers take together, when `info` asked (``usage``): the sum of each
+    #: one's figures (its ``memory_peak``: the sum of their peaks, None if one is not
+    #: known; ``cpu_percent``: of those that have one); ``source`` "proc" if any was.
+    #: None: not asked, or an image before it.
+    usage: Usage | None = None
 
 
 # -- replies and events: daemon to client --------------------------------------
@@ -568,6 +600,9 @@ class ListWorkers(Request[WorkerList], tag="list_workers"):
     run: Id | None = None
     after: Name | None = None
     limit: Annotated[int, msgspec.Meta(ge=1, le=MAX_INT)] = 1000
+    #: Each live worker of the page carries its `Usage` (read for the page: a few reads
+    #: of the kernel's files a worker).
+    usage: bool = False
 
     for_workers = True
     at_once = True
@@ -695,6 +730,9 @@ class Send(Request[Sent], tag="send"):
 
 
 class Info(Request[InfoReply], tag="info"):
+    #: The answer carries the live workers' usage together (`DaemonInfo.usage`).
+    usage: bool = False
+
     for_workers = True
     at_once = True
 

@@ -1,0 +1,277 @@
+"""What a live worker takes now: CPU time and recent CPU %, memory now and at peak, and
+how many processes it has, read when a client asks (`status`, a listing with ``usage``,
+``info`` with ``usage``) and never otherwise: no task polls.
+
+Where each figure comes from, best first (protocol/README.md, Usage, says the same):
+
+- CPU seconds: the worker's v2 cgroup's ``cpu.stat`` ``usage_usec`` (the kernel keeps it
+  in every v2 cgroup, the cpu controller or not; it counts what has exited too). Without
+  a cgroup: ``utime + stime + cutime + cstime`` of each of its processes, from
+  /proc/PID/stat (a process reaped by one outside the tree takes its time along, so the
+  figure is kept from going down: the largest seen).
+- Memory now and at peak: the v2 cgroup's ``memory.current`` / ``memory.peak`` where the
+  memory controller is enabled there; else the worker's v1 memory cgroup's
+  ``memory.usage_in_bytes`` / ``memory.max_usage_in_bytes`` where it has one (made for a
+  worker with a memory limit; the caller names it); else the sum of ``VmRSS`` of its
+  processes (/proc/PID/status; pages two of them share are counted twice), and as peak
+  the largest such sum this reader saw, never less than the largest process's ``VmHWM``.
+- Processes: the members of its cgroup, else its tree as `_tree.tree_members` finds it
+  in one scan of /proc shared by every worker of the request.
+
+Bare `os.open`/`os.read` (a file object costs twice), on the event loop: a worker costs a
+few reads of small kernel-made files (about 35 us for a worker of one process here,
+bench/usage.py), the /proc scan of a daemon without cgroups once per request. A process
+or cgroup that goes while it is read is left out: the figures are those of what was
+there, never an error.
+
+`UsageReader` keeps, per worker attempt (its leader's pid and start time), the reading
+the recent CPU % is measured from and the largest memory seen; `forget` lets go of it
+once the attempt has ended.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from subagentd.protocol import Usage
+from ._tree import ProcStat, running, scan, tree_members
+
+#: The recent CPU % is measured over the time since the reading before, if that was this
+#: long ago at least (a shorter interval is noise: a tick is 10 ms) ...
+RECENT_AT_LEAST = 0.2
+#: ... and at most this long (older, it says little of now): else since the worker began.
+RECENT_AT_MOST = 60.0
+
+_TICK = os.sysconf("SC_CLK_TCK")
+#: What a read of a file that is gone, or of a process that has exited, raises.
+_GONE = frozenset({errno.ENOENT, errno.ESRCH, errno.ENODEV, errno.EINVAL})
+
+
+def _read(path: bytes | str) -> bytes | None:
+    """A small kernel-made file's bytes; None if it (or its process, its cgroup) is gone."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno in _GONE:
+            return None
+        raise
+    try:
+        return os.read(fd, 4096)
+    except OSError as exc:
+        if exc.errno in _GONE:
+            return None
+        raise
+    finally:
+        os.close(fd)
+
+
+def _number(path: bytes | str) -> int | None:
+    raw = _read(path)
+    try:
+        return int(raw) if raw is not None else None
+    except ValueError:  # "max", or empty
+        return None
+
+
+def cgroup_cpu_seconds(cgroup: Path) -> float | None:
+    """``usage_usec`` of the cgroup's cpu.stat, in seconds; None if it is gone."""
+    raw = _read(os.fsencode(cgroup / "cpu.stat"))
+    if raw is None:
+        return None
+    for line in raw.splitlines():
+        if line.startswith(b"usage_usec "):
+            return int(line[11:]) / 1e6
+    return None
+
+
+def cgroup_members(cgroup: Path) -> list[int]:
+    """The pids listed in the cgroup's cgroup.procs (none if it is gone)."""
+    try:
+        fd = os.open(os.fsencode(cgroup / "cgroup.procs"), os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return []
+    try:
+        listed = bytearray()
+        while chunk := os.read(fd, 65536):
+            listed += chunk
+    except OSError as exc:
+        if exc.errno not in _GONE:
+            raise
+    finally:
+        os.close(fd)
+    me = os.getpid()
+    return [pid for pid in map(int, listed.split()) if pid != me]
+
+
+@dataclass(frozen=True)
+class ProcessMemory:
+    rss: int  # bytes resident now
+    hwm: int  # bytes resident at its peak
+
+
+def process_memory(pid: int) -> ProcessMemory | None:
+    """VmRSS and VmHWM of /proc/`pid`/status (one read gives both; statm has no peak);
+    None if the process is gone, or is a zombie (which has none)."""
+    raw = _read(f"/proc/{pid}/status")
+    if raw is None:
+        return None
+    rss = hwm = None
+    for line in raw.splitlines():
+        if line.startswith(b"VmHWM:"):
+            hwm = int(line.split()[1]) * 1024
+        elif line.startswith(b"VmRSS:"):
+            rss = int(line.split()[1]) * 1024
+            break  # VmRSS follows VmHWM
+    if rss is None:
+        return None
+    return ProcessMemory(rss, rss if hwm is None else max(hwm, rss))
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """utime + stime + cutime + cstime of /proc/`pid`/stat (its own and its reaped
+    children's), in seconds; None if it is gone."""
+    raw = _read(f"/proc/{pid}/stat")
+    if raw is None:
+        return None
+    fields = raw[raw.rindex(b")") + 2 :].split()
+    # Fields 14 to 17 of stat(5), counted here from field 3 (the state).
+    return sum(int(f) for f in fields[11:15]) / _TICK
+
+
+def boot_seconds() -> float:
+    """Seconds since boot, on the clock /proc/PID/stat's start times count on."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
+@dataclass(frozen=True)
+class WorkerTree:
+    """One live worker as its usage is read: its id, its leader (pid and start time in
+    clock ticks after boot: the attempt's identity), its v2 cgroup (None: found by /proc),
+    and the v1 memory cgroup it has, if any (a limited worker's)."""
+
+    worker_id: str
+    pid: int
+    starttime: int
+    cgroup: Path | None = None
+    v1_memory: Path | None = None
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return self.pid, self.starttime
+
+
+@dataclass
+class _Seen:
+    """What the reader keeps of one worker attempt between readings."""
+
+    at: float  # seconds since boot, of the reading the recent CPU % is measured from
+    cpu: float  # its CPU seconds then
+    #: The recent CPU % last measured: what a reading too soon after `at` says again.
+    percent: float | None = None
+    #: The largest CPU seconds read (a /proc sum may fall when a process is reaped away).
+    cpu_most: float = 0.0
+    #: The largest memory summed from /proc.
+    memory_most: int = 0
+
+
+class UsageReader:
+    """Reads workers' usage, keeping what the recent CPU % and a /proc peak need."""
+
+    def __init__(self, clock: Callable[[], float] = boot_seconds) -> None:
+        self._clock = clock
+        self._seen: dict[tuple[int, int], _Seen] = {}
+
+    def read(self, trees: Sequence[WorkerTree]) -> dict[str, Usage]:
+        """The usage of each of `trees`, by worker id. One scan of /proc serves those
+        without a cgroup (made only if there is one)."""
+        table: dict[int, ProcStat] | None = None
+        found: dict[str, Usage] = {}
+        for tree in trees:
+            if tree.cgroup is None and table is None:
+                table = scan()
+            found[tree.worker_id] = self._one(tree, table)
+        return found
+
+    def forget(self, pid: int, starttime: int) -> None:
+        """The attempt whose leader this was has ended: nothing of it is kept."""
+        self._seen.pop((pid, starttime), None)
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def _one(self, tree: WorkerTree, table: dict[int, ProcStat] | None) -> Usage:
+        now = self._clock()
+        seen = self._seen.get(tree.key)
+        if tree.cgroup is not None:
+            pids = cgroup_members(tree.cgroup)
+            cpu = cgroup_cpu_seconds(tree.cgroup)
+        else:
+            assert table is not None
+            members = tree_members(table, tree.pid, tree.worker_id, tree.starttime)
+            pids = [m.pid for m in members if running(m)]
+            cpu = None
+        if cpu is None:  # no cgroup, or it went as it was read
+            cpu = sum(filter(None, map(process_cpu_seconds, pids)), 0.0)
+        memory, peak, source = self._memory(tree, pids)
+        if seen is None:
+            percent = self._since_start(tree, now, cpu)
+            seen = self._seen[tree.key] = _Seen(at=now, cpu=cpu, percent=percent)
+        else:
+            cpu = max(cpu, seen.cpu_most)
+            percent = self._recent(tree, seen, now, cpu)
+        seen.cpu_most = cpu
+        if source == "proc":
+            seen.memory_most = peak = max(seen.memory_most, memory, peak or 0)
+        return Usage(
+            cpu_seconds=cpu,
+            cpu_percent=percent,
+            memory=memory,
+            memory_peak=peak,
+            processes=len(pids),
+            source=source,
+        )
+
+    def _recent(self, tree: WorkerTree, seen: _Seen, now: float, cpu: float) -> float | None:
+        """The CPU % over the time since the reading kept; one within `RECENT_AT_LEAST` of
+        it says again what was last measured (it is no new interval), one more than
+        `RECENT_AT_MOST` after it is measured since the worker began. Either way the
+        reading becomes the one the next is measured from, but a too-soon one."""
+        interval = now - seen.at
+        if interval < RECENT_AT_LEAST:
+            return seen.percent if seen.percent is not None else self._since_start(tree, now, cpu)
+        if interval <= RECENT_AT_MOST:
+            percent = max(0.0, (cpu - seen.cpu) / interval * 100)
+        else:
+            percent = self._since_start(tree, now, cpu)
+        seen.at, seen.cpu, seen.percent = now, cpu, percent
+        return percent
+
+    @staticmethod
+    def _since_start(tree: WorkerTree, now: float, cpu: float) -> float | None:
+        elapsed = now - tree.starttime / _TICK
+        return cpu / elapsed * 100 if elapsed > 0 else None
+
+    @staticmethod
+    def _memory(tree: WorkerTree, pids: list[int]) -> tuple[int, int | None, str]:
+        """Memory now, at peak, and whence: ("cgroup" if a cgroup's counter, else "proc")."""
+        if tree.cgroup is not None:
+            current = _number(os.fsencode(tree.cgroup / "memory.current"))
+            if current is not None:
+                return current, _number(os.fsencode(tree.cgroup / "memory.peak")), "cgroup"
+        if tree.v1_memory is not None:
+            current = _number(os.fsencode(tree.v1_memory / "memory.usage_in_bytes"))
+            if current is not None:
+                peak = _number(os.fsencode(tree.v1_memory / "memory.max_usage_in_bytes"))
+                return current, peak, "cgroup"
+        memory = hwm = 0
+        for pid in pids:
+            if (found := process_memory(pid)) is not None:
+                memory += found.rss
+                hwm = max(hwm, found.hwm)
+        return memory, hwm, "proc"
+
