@@ -86,6 +86,7 @@ from ._messages import StopRun as StopRun
 from ._messages import Subscribe as Subscribe
 from ._messages import Timeout as Timeout
 from ._messages import TurnReply as TurnReply
+from ._messages import Usage as Usage
 from ._messages import Wait as Wait
 from ._messages import WaitFor as WaitFor
 from ._messages import WaitForReply as WaitForReply
@@ -100,7 +101,6 @@ from ._messages import WorkerList as WorkerList
 from ._messages import WorkerReply as WorkerReply
 from ._messages import WorkerResult as WorkerResult
 from ._messages import WorkerState as WorkerState
-from ._messages import Usage as Usage
 from ._messages import WorkerView as WorkerView
 from ._messages import client_decoder as client_decoder
 from ._messages import daemon_decoder as daemon_decoder

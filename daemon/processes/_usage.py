@@ -37,8 +37,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from subagentd.protocol import Usage
+
 from ._tree import ProcStat, running, scan, tree_members
 
 #: The recent CPU % is measured over the time since the reading before, if that was this
@@ -48,6 +50,7 @@ RECENT_AT_LEAST = 0.2
 RECENT_AT_MOST = 60.0
 
 _TICK = os.sysconf("SC_CLK_TCK")
+Source = Literal["cgroup", "proc"]
 #: What a read of a file that is gone, or of a process that has exited, raises.
 _GONE = frozenset({errno.ENOENT, errno.ESRCH, errno.ENODEV, errno.EINVAL})
 
@@ -244,9 +247,8 @@ class UsageReader:
         interval = now - seen.at
         if interval < RECENT_AT_LEAST:
             return seen.percent if seen.percent is not None else self._since_start(tree, now, cpu)
-        if interval <= RECENT_AT_MOST:
-            percent = max(0.0, (cpu - seen.cpu) / interval * 100)
-        else:
+        percent: float | None = max(0.0, (cpu - seen.cpu) / interval * 100)
+        if interval > RECENT_AT_MOST:
             percent = self._since_start(tree, now, cpu)
         seen.at, seen.cpu, seen.percent = now, cpu, percent
         return percent
@@ -257,7 +259,7 @@ class UsageReader:
         return cpu / elapsed * 100 if elapsed > 0 else None
 
     @staticmethod
-    def _memory(tree: WorkerTree, pids: list[int]) -> tuple[int, int | None, str]:
+    def _memory(tree: WorkerTree, pids: list[int]) -> tuple[int, int | None, Source]:
         """Memory now, at peak, and whence: ("cgroup" if a cgroup's counter, else "proc")."""
         if tree.cgroup is not None:
             current = _number(os.fsencode(tree.cgroup / "memory.current"))
@@ -274,4 +276,3 @@ class UsageReader:
                 memory += found.rss
                 hwm = max(hwm, found.hwm)
         return memory, hwm, "proc"
-
