@@ -144,8 +144,9 @@ async def subagent_restart(a: args.RestartArguments) -> Answer:
 async def subagent_list(a: args.ListArguments) -> Answer:
     """List the supervised workers: the running ones, or with `all` the ended ones too,
     oldest first, each running one with its CPU % and memory now. Inside a worker, only
-    that worker and those it delegated to are listed. At most `max_bytes`: a listing cut short says `truncated` and `next`; call again with
-    the same arguments and `cursor` = `next` for the workers after (the text says how)."""
+    that worker and those it delegated to are listed. At most `max_bytes`: a listing cut
+    short says `truncated` and `next`; call again with the same arguments and `cursor` =
+    `next` for the workers after (the text says how)."""
     now = time.time()
     budget = bounds.Budget(a.max_bytes)
     lines: list[str] = []
