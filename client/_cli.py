@@ -1094,8 +1094,8 @@ def parser() -> argparse.ArgumentParser:
     sub = command(
         "top",
         live_view,
-        "Show the workers live: state, run, tree, name, age, pid, CPU%, MEM and last line "
-        "of output.",
+        "Show the workers live: state, run, tree, name, age, pid, CPU, memory and last "
+        "line of output.",
         "CPU% is of one core, over the last frame's interval; MEM is memory now, each of "
         "its whole tree. Keys: up/down (or j/k) select, s stops the selected worker and "
         "its subtree, r its run (each asks y to confirm), f or Enter follows its output, "
