@@ -381,8 +381,8 @@ def widths(cells: Sequence[Sequence[str]], width: int | None) -> dict[str, int]:
             break
         if title not in shown:
             continue
-        if least:
-            shown[title] = max(least, shown[title] - over())
+        if least:  # cut to `least` at most, never widened to it
+            shown[title] = min(shown[title], max(least, shown[title] - over()))
         else:
             del shown[title]
     if "NAME" in shown and over() < 0:  # what a dropped last output left: the name's again
