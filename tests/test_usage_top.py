@@ -114,20 +114,13 @@ def test_sorting_puts_the_biggest_first_and_those_without_usage_last() -> None:
         _view("w-busy", 2.0, _usage(90.0, 100)),
         _view("w-unknown", 3.0, _usage(None, 200)),
     ]
-    assert [r.view.id for r in by_usage(views, "cpu")] == [
-        "w-busy",
-        "w-old",
-        "w-unknown",
-        "w-ended",
-    ]
-    assert [r.view.id for r in by_usage(views, "mem")] == [
-        "w-old",
-        "w-unknown",
-        "w-busy",
-        "w-ended",
-    ]
+    def ids(order: Order) -> list[str]:
+        return [r.view.id for r in by_usage(views, order)]
+
+    assert ids("cpu") == ["w-busy", "w-old", "w-unknown", "w-ended"]
+    assert ids("mem") == ["w-old", "w-unknown", "w-busy", "w-ended"]
     screen = Screen(views=views)
-    assert [r.view.id for r in screen.rows()][0] == "w-ended"  # the tree: oldest first
+    assert screen.rows()[0].view.id == "w-ended"  # the tree: oldest first
     for key, first in (("c", "w-busy"), ("m", "w-old"), ("t", "w-ended")):
         assert press(screen, key, 10) is None
         assert screen.rows()[0].view.id == first, key
