@@ -114,6 +114,7 @@ def test_sorting_puts_the_biggest_first_and_those_without_usage_last() -> None:
         _view("w-busy", 2.0, _usage(90.0, 100)),
         _view("w-unknown", 3.0, _usage(None, 200)),
     ]
+
     def ids(order: Order) -> list[str]:
         return [r.view.id for r in by_usage(views, order)]
 
