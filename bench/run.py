@@ -51,6 +51,8 @@ BENCHES: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
      {"workers": 100, "collect": 100, "lists": 2, "reloads": 1}),
     ("retention", {"workers": 10_000}, {"workers": 100}),
     ("files", {"repeats": 5, "long_mib": 2}, {"repeats": 1, "long_mib": 2}),
+    ("usage", {"workers": 1000, "seconds": 10, "rounds": 3},
+     {"workers": 50, "seconds": 2, "rounds": 1}),
 ]  # fmt: skip
 
 

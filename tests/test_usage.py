@@ -25,6 +25,8 @@ from subagentd.daemon.processes._usage import (
     RECENT_AT_LEAST,
     UsageReader,
     WorkerTree,
+    _Files,
+    _memory,
     process_memory,
 )
 
@@ -242,7 +244,7 @@ def test_a_worker_that_vanished_reads_as_what_was_there() -> None:
     assert process_memory(gone.pid) is None
     left = _sleeper()
     try:
-        memory, _, _ = reader._memory(WorkerTree("w", left.pid, 0), [gone.pid, left.pid])
+        memory, _, _ = _memory(_Files(), [gone.pid, left.pid])  # as if listed before it went
         found = process_memory(left.pid)
         assert found is not None
         assert memory == pytest.approx(found.rss, rel=0.1)

@@ -81,9 +81,9 @@ def _number(path: bytes | str) -> int | None:
         return None
 
 
-def cgroup_cpu_seconds(cgroup: Path) -> float | None:
-    """``usage_usec`` of the cgroup's cpu.stat, in seconds; None if it is gone."""
-    raw = _read(os.fsencode(cgroup / "cpu.stat"))
+def cgroup_cpu_seconds(cpu_stat: bytes) -> float | None:
+    """``usage_usec`` of a cgroup's cpu.stat (its path), in seconds; None if it is gone."""
+    raw = _read(cpu_stat)
     if raw is None:
         return None
     for line in raw.splitlines():
@@ -92,10 +92,10 @@ def cgroup_cpu_seconds(cgroup: Path) -> float | None:
     return None
 
 
-def cgroup_members(cgroup: Path) -> list[int]:
-    """The pids listed in the cgroup's cgroup.procs (none if it is gone)."""
+def cgroup_members(procs: bytes) -> list[int]:
+    """The pids listed in a cgroup's cgroup.procs (its path; none if it is gone)."""
     try:
-        fd = os.open(os.fsencode(cgroup / "cgroup.procs"), os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(procs, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         return []
     try:
@@ -168,10 +168,45 @@ class WorkerTree:
         return self.pid, self.starttime
 
 
+@dataclass(frozen=True)
+class _Files:
+    """The kernel files one worker's usage is read from, named once for its attempt (a
+    path built a reading cost as much as a read): its cgroup's, and whether its memory
+    controller is there (`cgroup.controllers`, read once: a missing file tried each time
+    costs a failed open)."""
+
+    procs: bytes | None = None
+    cpu: bytes | None = None
+    memory: bytes | None = None
+    memory_peak: bytes | None = None
+
+    @classmethod
+    def of(cls, tree: WorkerTree) -> _Files:
+        v2 = tree.cgroup
+        if v2 is not None:
+            enabled = (_read(os.fsencode(v2 / "cgroup.controllers")) or b"").split()
+            if b"memory" in enabled:
+                return cls(*_named(v2, "cgroup.procs", "cpu.stat", "memory.current", "memory.peak"))
+        v1 = tree.v1_memory
+        if v1 is not None:
+            memory = _named(v1, "memory.usage_in_bytes", "memory.max_usage_in_bytes")
+            if v2 is None:
+                return cls(None, None, *memory)
+            return cls(*_named(v2, "cgroup.procs", "cpu.stat"), *memory)
+        if v2 is not None:
+            return cls(*_named(v2, "cgroup.procs", "cpu.stat"))
+        return cls()
+
+
+def _named(folder: Path, *names: str) -> list[bytes]:
+    return [os.fsencode(folder / name) for name in names]
+
+
 @dataclass
 class _Seen:
     """What the reader keeps of one worker attempt between readings."""
 
+    files: _Files
     at: float  # seconds since boot, of the reading the recent CPU % is measured from
     cpu: float  # its CPU seconds then
     #: The recent CPU % last measured: what a reading too soon after `at` says again.
@@ -210,9 +245,10 @@ class UsageReader:
     def _one(self, tree: WorkerTree, table: dict[int, ProcStat] | None) -> Usage:
         now = self._clock()
         seen = self._seen.get(tree.key)
-        if tree.cgroup is not None:
-            pids = cgroup_members(tree.cgroup)
-            cpu = cgroup_cpu_seconds(tree.cgroup)
+        files = _Files.of(tree) if seen is None else seen.files
+        if files.procs is not None and files.cpu is not None:
+            pids = cgroup_members(files.procs)
+            cpu = cgroup_cpu_seconds(files.cpu)
         else:
             assert table is not None
             members = tree_members(table, tree.pid, tree.worker_id, tree.starttime)
@@ -220,10 +256,10 @@ class UsageReader:
             cpu = None
         if cpu is None:  # no cgroup, or it went as it was read
             cpu = sum(filter(None, map(process_cpu_seconds, pids)), 0.0)
-        memory, peak, source = self._memory(tree, pids)
+        memory, peak, source = _memory(files, pids)
         if seen is None:
             percent = self._since_start(tree, now, cpu)
-            seen = self._seen[tree.key] = _Seen(at=now, cpu=cpu, percent=percent)
+            seen = self._seen[tree.key] = _Seen(files, at=now, cpu=cpu, percent=percent)
         else:
             cpu = max(cpu, seen.cpu_most)
             percent = self._recent(tree, seen, now, cpu)
@@ -258,21 +294,20 @@ class UsageReader:
         elapsed = now - tree.starttime / _TICK
         return cpu / elapsed * 100 if elapsed > 0 else None
 
-    @staticmethod
-    def _memory(tree: WorkerTree, pids: list[int]) -> tuple[int, int | None, Source]:
-        """Memory now, at peak, and whence: ("cgroup" if a cgroup's counter, else "proc")."""
-        if tree.cgroup is not None:
-            current = _number(os.fsencode(tree.cgroup / "memory.current"))
-            if current is not None:
-                return current, _number(os.fsencode(tree.cgroup / "memory.peak")), "cgroup"
-        if tree.v1_memory is not None:
-            current = _number(os.fsencode(tree.v1_memory / "memory.usage_in_bytes"))
-            if current is not None:
-                peak = _number(os.fsencode(tree.v1_memory / "memory.max_usage_in_bytes"))
-                return current, peak, "cgroup"
-        memory = hwm = 0
-        for pid in pids:
-            if (found := process_memory(pid)) is not None:
-                memory += found.rss
-                hwm = max(hwm, found.hwm)
-        return memory, hwm, "proc"
+
+def _memory(files: _Files, pids: list[int]) -> tuple[int, int | None, Source]:
+    """Memory now, at peak, and whence: ("cgroup" if a cgroup's counter, else "proc")."""
+    if files.memory is not None:
+        current = _number(files.memory)
+        if current is not None:
+            return (
+                current,
+                None if files.memory_peak is None else _number(files.memory_peak),
+                "cgroup",
+            )
+    memory = hwm = 0
+    for pid in pids:
+        if (found := process_memory(pid)) is not None:
+            memory += found.rss
+            hwm = max(hwm, found.hwm)
+    return memory, hwm, "proc"
