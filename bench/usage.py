@@ -11,8 +11,9 @@ and the daemon's CPU over the window is read from /proc/<daemon pid>/stat (utime
 baseline: nothing is read then, so it is the idle daemon's cost. The client runs in this
 process, so its own CPU is not counted. Each window is made `--rounds` times, alternating.
 
-Also the cost of one listing with usage against one without, on the client's clock
-(ms a listing of all the workers): what a refresh of `top` waits for.
+The same listings without usage are a window of their own, so the reading's own cost is
+the difference. Also how long one listing with usage takes against one without, on the
+client's clock (ms for all the workers): what a refresh of `top` waits for.
 """
 
 from __future__ import annotations
@@ -29,18 +30,20 @@ from subagentd.client import Client
 TARGET = 5.0
 
 
-def window(pid: int, seconds: float, ask: Client | None, workers: int) -> tuple[float, list[float]]:
-    """The daemon's CPU as % of one core over `seconds`, `ask` listing with usage once a
-    second meanwhile (None: nobody asks); and the ms each listing took."""
+def window(
+    pid: int, seconds: float, ask: Client | None, workers: int, *, usage: bool = True
+) -> tuple[float, list[float]]:
+    """The daemon's CPU as % of one core over `seconds`, `ask` listing (with `usage`) once
+    a second meanwhile (None: nobody asks); and the ms each listing took."""
     took: list[float] = []
     cpu0, wall0 = cpu_seconds(pid), time.perf_counter()
     for tick in range(round(seconds)):
         if ask is not None:
             began = time.perf_counter()
-            listed = ask.ls(usage=True)
+            listed = ask.ls(usage=usage)
             took.append((time.perf_counter() - began) * 1000)
             assert len(listed) == workers, len(listed)
-            assert all(view.usage is not None for view in listed)
+            assert all((view.usage is not None) == usage for view in listed)
         next_tick = wall0 + tick + 1
         time.sleep(max(0.0, next_tick - time.perf_counter()))
     return (cpu_seconds(pid) - cpu0) / (time.perf_counter() - wall0) * 100, took
@@ -51,6 +54,7 @@ def measure(
 ) -> list[Figure]:
     raise_fd_limit(4 * workers + 1024)
     asking: list[float] = []
+    listing: list[float] = []
     idle: list[float] = []
     with_usage: list[float] = []
     without: list[float] = []
@@ -70,11 +74,10 @@ def measure(
             cpu, took = window(daemon.proc.pid, seconds, client, workers)
             asking.append(cpu)
             with_usage += took
+            cpu, took = window(daemon.proc.pid, seconds, client, workers, usage=False)
+            listing.append(cpu)
+            without += took
             idle.append(window(daemon.proc.pid, seconds, None, workers)[0])
-        for _ in range(5):
-            began = time.perf_counter()
-            client.ls()
-            without.append((time.perf_counter() - began) * 1000)
     where = f"tree tracking: {tracking}"
     return [
         Figure.of(
@@ -83,6 +86,12 @@ def measure(
             met=sorted(asking)[len(asking) // 2] < TARGET,
             note=f"{rounds} windows of {seconds:g} s, a listing of every page with usage each "
             f"second; {where}; the machine is shared with other work",
+        ),
+        Figure.of(
+            "usage.list_cpu", f"daemon CPU, {workers:,} live, listed 1/s without usage",
+            "% of a core", "lower", listing,
+            note="the same listings, no usage read: what a refresh costs without it (the "
+            "difference from the figure above is the reading's own cost)",
         ),
         Figure.of(
             "usage.idle_cpu", f"daemon CPU, {workers:,} live, nobody asking", "% of a core",

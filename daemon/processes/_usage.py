@@ -12,15 +12,19 @@ Where each figure comes from, best first (protocol/README.md, Usage, says the sa
 - Memory now and at peak: the v2 cgroup's ``memory.current`` / ``memory.peak`` where the
   memory controller is enabled there; else the worker's v1 memory cgroup's
   ``memory.usage_in_bytes`` / ``memory.max_usage_in_bytes`` where it has one (made for a
-  worker with a memory limit; the caller names it); else the sum of ``VmRSS`` of its
-  processes (/proc/PID/status; pages two of them share are counted twice), and as peak
-  the largest such sum this reader saw, never less than the largest process's ``VmHWM``.
+  worker with a memory limit; the caller names it); else the sum of the resident sizes
+  of its processes (/proc/PID/statm; pages two of them share are counted twice), and as
+  peak the largest such sum this reader saw, never less than the largest process's
+  ``VmHWM`` (/proc/PID/status, three times statm's cost: read at a worker's first
+  reading and then at most every `PEAKS_EVERY` seconds, so a process's peak may show
+  that much late).
 - Processes: the members of its cgroup, else its tree as `_tree.tree_members` finds it
   in one scan of /proc shared by every worker of the request.
 
 Bare `os.open`/`os.read` (a file object costs twice), on the event loop: a worker costs a
-few reads of small kernel-made files (about 35 us for a worker of one process here,
-bench/usage.py), the /proc scan of a daemon without cgroups once per request. A process
+few reads of small kernel-made files (three for a worker of one process in a cgroup:
+cgroup.procs, cpu.stat, statm; bench/usage.py has what they cost), the /proc scan of a
+daemon without cgroups once per request. A process
 or cgroup that goes while it is read is left out: the figures are those of what was
 there, never an error.
 
@@ -50,6 +54,10 @@ RECENT_AT_LEAST = 0.2
 RECENT_AT_MOST = 60.0
 
 _TICK = os.sysconf("SC_CLK_TCK")
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+#: How often, at most, a worker's processes' own peaks (VmHWM, in /proc/PID/status, three
+#: times the cost of statm's resident size) are read into its /proc peak.
+PEAKS_EVERY = 10.0
 Source = Literal["cgroup", "proc"]
 #: What a read of a file that is gone, or of a process that has exited, raises.
 _GONE = frozenset({errno.ENOENT, errno.ESRCH, errno.ENODEV, errno.EINVAL})
@@ -99,8 +107,10 @@ def cgroup_members(procs: bytes) -> list[int]:
     except FileNotFoundError:
         return []
     try:
-        listed = bytearray()
-        while chunk := os.read(fd, 65536):
+        listed = bytearray(os.read(fd, 65536))
+        # A short answer (under a page: the kernel's first buffer) is the whole list, and
+        # the read that would say so is spared; a longer one is read to its end.
+        while len(listed) >= 4096 and (chunk := os.read(fd, 65536)):
             listed += chunk
     except OSError as exc:
         if exc.errno not in _GONE:
@@ -115,6 +125,16 @@ def cgroup_members(procs: bytes) -> list[int]:
 class ProcessMemory:
     rss: int  # bytes resident now
     hwm: int  # bytes resident at its peak
+
+
+def process_rss(pid: int) -> int | None:
+    """Bytes resident of /proc/`pid`/statm (its second field, in pages: a third of the cost
+    of status); None if the process is gone."""
+    raw = _read(f"/proc/{pid}/statm")
+    if raw is None:
+        return None
+    fields = raw.split()
+    return int(fields[1]) * _PAGE if len(fields) > 1 else None
 
 
 def process_memory(pid: int) -> ProcessMemory | None:
@@ -213,8 +233,10 @@ class _Seen:
     percent: float | None = None
     #: The largest CPU seconds read (a /proc sum may fall when a process is reaped away).
     cpu_most: float = 0.0
-    #: The largest memory summed from /proc.
+    #: The largest memory summed from /proc, or of one process's VmHWM read.
     memory_most: int = 0
+    #: When its processes' VmHWM were last read (None: never).
+    peaks_at: float | None = None
 
 
 class UsageReader:
@@ -256,7 +278,8 @@ class UsageReader:
             cpu = None
         if cpu is None:  # no cgroup, or it went as it was read
             cpu = sum(filter(None, map(process_cpu_seconds, pids)), 0.0)
-        memory, peak, source = _memory(files, pids)
+        peaks = seen is None or seen.peaks_at is None or now - seen.peaks_at >= PEAKS_EVERY
+        memory, peak, source = _memory(files, pids, peaks=peaks)
         if seen is None:
             percent = self._since_start(tree, now, cpu)
             seen = self._seen[tree.key] = _Seen(files, at=now, cpu=cpu, percent=percent)
@@ -266,6 +289,8 @@ class UsageReader:
         seen.cpu_most = cpu
         if source == "proc":
             seen.memory_most = peak = max(seen.memory_most, memory, peak or 0)
+            if peaks:
+                seen.peaks_at = now
         return Usage(
             cpu_seconds=cpu,
             cpu_percent=percent,
@@ -295,8 +320,12 @@ class UsageReader:
         return cpu / elapsed * 100 if elapsed > 0 else None
 
 
-def _memory(files: _Files, pids: list[int]) -> tuple[int, int | None, Source]:
-    """Memory now, at peak, and whence: ("cgroup" if a cgroup's counter, else "proc")."""
+def _memory(
+    files: _Files, pids: list[int], *, peaks: bool = True
+) -> tuple[int, int | None, Source]:
+    """Memory now, at peak, and whence: ("cgroup" if a cgroup's counter, else "proc").
+    From /proc, the peak is the largest process's VmHWM if `peaks`, else 0 (the caller
+    keeps the largest seen)."""
     if files.memory is not None:
         current = _number(files.memory)
         if current is not None:
@@ -306,6 +335,8 @@ def _memory(files: _Files, pids: list[int]) -> tuple[int, int | None, Source]:
                 "cgroup",
             )
     memory = hwm = 0
+    if not peaks:
+        return sum(filter(None, map(process_rss, pids))), 0, "proc"
     for pid in pids:
         if (found := process_memory(pid)) is not None:
             memory += found.rss
