@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -330,3 +331,26 @@ def test_a_v1_memory_cgroup_named_gives_memory_and_its_peak() -> None:
         finally:
             holder.kill()
             holder.wait()
+
+
+def test_a_reader_with_no_descriptor_to_spare_leaves_the_worker_out_not_the_request() -> None:
+    """Out of descriptors (EMFILE is no vanishing): the worker is answered without its
+    usage, never with made-up figures, and the read raises nothing."""
+    sleeper = _sleeper()
+    tree = WorkerTree("w", sleeper.pid, _starttime(sleeper.pid))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    held: list[int] = []
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+        with contextlib.suppress(OSError):
+            while True:
+                held.append(os.open("/dev/null", os.O_RDONLY))
+        assert UsageReader().read([tree]) == {}
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        sleeper.kill()
+        sleeper.wait()
+    back = UsageReader().read([WorkerTree("me", os.getpid(), _starttime(os.getpid()))])
+    assert back["me"].processes == 1  # the limit back: it reads again

@@ -45,7 +45,10 @@ from typing import Literal
 
 from subagentd.protocol import Usage
 
+from .._logging import get_logger
 from ._tree import ProcStat, running, scan, tree_members
+
+log = get_logger()
 
 #: The recent CPU % is measured over the time since the reading before, if that was this
 #: long ago at least (a shorter interval is noise: a tick is 10 ms) ...
@@ -106,8 +109,9 @@ def cgroup_members(procs: bytes) -> list[int]:
         fd = os.open(procs, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         return []
+    listed = bytearray()
     try:
-        listed = bytearray(os.read(fd, 65536))
+        listed += os.read(fd, 65536)
         # A short answer (under a page: the kernel's first buffer) is the whole list, and
         # the read that would say so is spared; a longer one is read to its end.
         while len(listed) >= 4096 and (chunk := os.read(fd, 65536)):
@@ -247,14 +251,21 @@ class UsageReader:
         self._seen: dict[tuple[int, int], _Seen] = {}
 
     def read(self, trees: Sequence[WorkerTree]) -> dict[str, Usage]:
-        """The usage of each of `trees`, by worker id. One scan of /proc serves those
-        without a cgroup (made only if there is one)."""
+        """The usage of each of `trees`, by worker id; one whose files could not be read
+        (for want of a descriptor: not a vanishing) is left out. One scan of /proc serves
+        those without a cgroup (made only if there is one)."""
         table: dict[int, ProcStat] | None = None
         found: dict[str, Usage] = {}
         for tree in trees:
-            if tree.cgroup is None and table is None:
-                table = scan()
-            found[tree.worker_id] = self._one(tree, table)
+            try:
+                if tree.cgroup is None and table is None:
+                    table = scan()
+                found[tree.worker_id] = self._one(tree, table)
+            except OSError as exc:
+                # Not a vanishing (that reads as what was there) but a read refused: no
+                # descriptor to spare (EMFILE), say. The worker is answered without its
+                # usage rather than the request failing, or figures made up.
+                log.warning("usage.unread", worker=tree.worker_id, error=str(exc))
         return found
 
     def forget(self, pid: int, starttime: int) -> None:
