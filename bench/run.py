@@ -52,6 +52,8 @@ BENCHES: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     ("retention", {"workers": 10_000}, {"workers": 100}),
     ("files", {"repeats": 5, "long_mib": 2}, {"repeats": 1, "long_mib": 2}),
     ("pause", {"sleepers": 100, "rounds": 20}, {"sleepers": 10, "rounds": 2}),
+    ("usage", {"workers": 1000, "seconds": 10, "rounds": 3},
+     {"workers": 50, "seconds": 2, "rounds": 1}),
 ]  # fmt: skip
 
 

@@ -15,6 +15,7 @@ from subagentd.protocol import GrepResult as GrepResult
 from subagentd.protocol import Page as Page
 from subagentd.protocol import ResumableRun as ResumableRun
 from subagentd.protocol import Resumed as Resumed
+from subagentd.protocol import Usage as Usage
 from subagentd.protocol import WaitForResult as WaitForResult
 from subagentd.protocol import Wake as Wake
 from subagentd.protocol import WorkerResult as WorkerResult

@@ -147,10 +147,13 @@ class AsyncClient:
     async def new_run(self, outer: str | None = None) -> str:
         return await self._call(_core.new_run(outer))
 
-    async def ls(self, all: bool = False, run: str | None = None) -> list[WorkerView]:
+    async def ls(
+        self, all: bool = False, run: str | None = None, *, usage: bool = False
+    ) -> list[WorkerView]:
         """Every worker (live ones, or with ``all`` ended ones too), page by page; each
-        with a summary of its argv (`status` has the whole)."""
-        cursor = _core.ListingCursor(all, run)
+        with a summary of its argv (`status` has the whole). ``usage``: each live one
+        with what it takes now (`Usage`)."""
+        cursor = _core.ListingCursor(all, run, usage)
         while not cursor.done:
             cursor.take(await self.request(cursor.request()))
         return cursor.workers
@@ -394,8 +397,9 @@ class AsyncClient:
         `Busy` when it took none). ``eof``: close its stdin once all of it is written."""
         return await self._call(_core.send(worker_id, data, eof=eof))
 
-    async def info(self) -> DaemonInfo:
-        return await self._call(_core.info())
+    async def info(self, *, usage: bool = False) -> DaemonInfo:
+        """The daemon's state; ``usage``: with what its live workers take together."""
+        return await self._call(_core.info(usage))
 
     @contextlib.asynccontextmanager
     async def stop_switch(

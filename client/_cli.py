@@ -39,6 +39,7 @@ from subagentd.protocol import (
     Resumed,
     Stop,
     StopRun,
+    Usage,
     WaitForResult,
     Wake,
     WorkerResult,
@@ -56,6 +57,7 @@ from subagentd.protocol.errors import (
 )
 
 from . import _core, _top
+from ._figures import cpu_text, memory_now_and_peak, memory_text, percent_text
 from ._sync import Client
 from ._text import PrintableStream, printable, printable_lines
 from ._when import SINCE_SYNTAX, parse_since
@@ -162,6 +164,7 @@ class Human:
                 ("name", view.name),
                 ("state", _state(view)),
                 ("pid", view.pid),
+                *_usage_fields(view.usage),
                 ("exit_code", view.exit_code),
                 ("attempt", view.attempt),
                 ("turn", view.turn),
@@ -205,9 +208,20 @@ class Human:
         print(f"{printable(view.id)} {view.state}{exit_code}")
 
     def workers(self, views: list[WorkerView]) -> None:
-        rows = [["ID", "RUN", "STATE", "PID", "EXIT", "NAME"]]
+        rows = [["ID", "RUN", "STATE", "PID", "EXIT", "CPU%", "MEM", "NAME"]]
         for w in views:
-            values = (w.id, w.run, _state(w), _or_dash(w.pid), _or_dash(w.exit_code), w.name)
+            percent = None if w.usage is None else w.usage.cpu_percent
+            memory = None if w.usage is None else w.usage.memory
+            values = (
+                w.id,
+                w.run,
+                _state(w),
+                _or_dash(w.pid),
+                _or_dash(w.exit_code),
+                percent_text(percent),
+                memory_text(memory),
+                w.name,
+            )
             rows.append([printable(value) for value in values])
         # Every column but the last, the free-form name, is padded to its widest cell.
         widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]) - 1)]
@@ -291,6 +305,7 @@ class Human:
                 ("image_generation", info.image_generation),
                 ("reloads", info.reloads),
                 ("workers", counts or "none"),
+                *_usage_fields(info.usage, "workers_"),
                 *_recovering_field(info),
                 ("holds_park", info.holds_park),
                 ("tree_tracking", info.tree_tracking),
@@ -501,7 +516,7 @@ def new_run(daemon: Client, args: argparse.Namespace, out: Output) -> None:
 
 
 def ls(daemon: Client, args: argparse.Namespace, out: Output) -> None:
-    out.workers(daemon.ls(all=args.all, run=args.run))
+    out.workers(daemon.ls(all=args.all, run=args.run, usage=True))
 
 
 def status(daemon: Client, args: argparse.Namespace, out: Output) -> None:
@@ -631,6 +646,18 @@ def _relays_field(info: DaemonInfo) -> list[tuple[str, object]]:
     ]
 
 
+def _usage_fields(usage: Usage | None, whose: str = "") -> list[tuple[str, object]]:
+    """What a worker (or, in `info`, the live workers together) takes: none if not read."""
+    if usage is None:
+        return []
+    return [
+        (f"{whose}cpu", cpu_text(usage)),
+        (f"{whose}memory", memory_now_and_peak(usage)),
+        (f"{whose}processes", usage.processes),
+        (f"{whose}usage_from", usage.source),
+    ]
+
+
 def _recovering_field(info: DaemonInfo) -> list[tuple[str, object]]:
     """While a restart recovers: how far along (every other request then waits for it)."""
     at = info.recovering
@@ -640,7 +667,7 @@ def _recovering_field(info: DaemonInfo) -> list[tuple[str, object]]:
 
 
 def info(daemon: Client, args: argparse.Namespace, out: Output) -> None:
-    out.info(daemon.info())
+    out.info(daemon.info(usage=True))
 
 
 def turn(daemon: Client, args: argparse.Namespace, out: Output) -> None:
@@ -1107,10 +1134,14 @@ def parser() -> argparse.ArgumentParser:
     sub = command(
         "top",
         live_view,
-        "Show the workers live: state, run, tree, name, age, pid and last line of output.",
-        "Keys: up/down (or j/k) select, s stops the selected worker and its subtree, r its "
-        "run (each asks y to confirm), f or Enter follows its output, q quits. Needs the "
-        f"optional extra: {_top.INSTALL_HINT}. Exit status 3 when the daemon goes away.",
+        "Show the workers live: state, run, tree, name, age, pid, CPU, memory and last "
+        "line of output.",
+        "CPU% is of one core, over the last frame's interval; MEM is memory now, each of "
+        "its whole tree. Keys: up/down (or j/k) select, s stops the selected worker and "
+        "its subtree, r its run (each asks y to confirm), f or Enter follows its output, "
+        "c sorts by CPU%, m by MEM (biggest first), t puts back the tree's order, q quits. "
+        f"Needs the optional extra: {_top.INSTALL_HINT}. Exit status 3 when the daemon "
+        "goes away.",
     )
     sub.add_argument("--run", metavar="R", help="only the workers of run R")
     sub.add_argument("--all", action="store_true", help="ended workers too")
@@ -1119,6 +1150,12 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print one frame and exit (for scripts): on a terminal as wide as it, else as "
         "wide as what it shows ($COLUMNS, if set); with --json, the frame as one JSON document",
+    )
+    sub.add_argument(
+        "--sort",
+        choices=_top.ORDERS,
+        default="tree",
+        help="the rows' order to start with: tree (default), cpu or mem (biggest first)",
     )
     sub.add_argument(
         "--interval",
@@ -1179,6 +1216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             once=args.once,
             interval=args.interval,
             as_json=args.json,
+            order=args.sort,
         )
     out: Output = Json() if args.json else Human(raw=getattr(args, "raw", False))
     try:

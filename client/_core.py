@@ -273,9 +273,9 @@ def new_run(outer: str | None = None) -> Call[str]:
     return _call(NewRun(id=0, outer=outer), lambda reply: reply.run)
 
 
-def ls(all: bool = False, run: str | None = None) -> Call[list[WorkerView]]:
+def ls(all: bool = False, run: str | None = None, usage: bool = False) -> Call[list[WorkerView]]:
     """The first page of a listing; `ListingCursor` follows every page."""
-    return _call(ListWorkers(id=0, all=all, run=run), lambda reply: reply.workers)
+    return _call(ListWorkers(id=0, all=all, run=run, usage=usage), lambda reply: reply.workers)
 
 
 def status(worker_id: str) -> Call[WorkerView]:
@@ -364,13 +364,15 @@ def send(worker_id: str, data: str | bytes, *, eof: bool = False) -> Call[int]:
     return _call(Send(id=0, worker=worker_id, data=raw, eof=eof), lambda reply: reply.written)
 
 
-def info() -> Call[DaemonInfo]:
-    return _INFO
+def info(usage: bool = False) -> Call[DaemonInfo]:
+    """`usage`: with what the live workers take together (`DaemonInfo.usage`)."""
+    return _INFO_USAGE if usage else _INFO
 
 
 #: The same for every call (nothing in it varies, and the id is stamped on a copy): the
 #: round trip made most often, spared building it each time.
 _INFO = _call(Info(id=0), lambda reply: reply.info)
+_INFO_USAGE = _call(Info(id=0, usage=True), lambda reply: reply.info)
 
 
 def wait_run_stopped(run_id: str) -> Call[None]:
@@ -474,15 +476,16 @@ class ListingCursor:
     """Where one listing of workers stands: a ListWorkers per page, each after the page
     before, until a page says it completes the listing; `workers` gathers them all."""
 
-    def __init__(self, all: bool = False, run: str | None = None) -> None:
+    def __init__(self, all: bool = False, run: str | None = None, usage: bool = False) -> None:
         self.all = all
         self.run = run
+        self.usage = usage
         self.after: str | None = None
         self.done = False
         self.workers: list[WorkerView] = []
 
     def request(self) -> ListWorkers:
-        return ListWorkers(id=0, all=self.all, run=self.run, after=self.after)
+        return ListWorkers(id=0, all=self.all, run=self.run, after=self.after, usage=self.usage)
 
     def take(self, reply: Reply) -> None:
         page = expect(reply, ListWorkers.answered_by())

@@ -10,8 +10,9 @@ Pure: no I/O, no clock (each caller passes `now`).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
 from subagentd.protocol import (
@@ -31,6 +32,22 @@ EPOCH = "seconds since the epoch, UTC"
 
 class Shape(BaseModel):
     model_config = ConfigDict(populate_by_name=True)
+
+
+class UsageOut(Shape):
+    """What a live worker takes now, its whole tree (protocol/README.md, Usage)."""
+
+    cpu_seconds: float = Field(description="CPU time used since its attempt began")
+    cpu_percent: float | None = Field(
+        description="CPU % of one core, recent: since the daemon's previous reading of it "
+        "(0.2 s to 60 s before), else since it began; null: not measurable"
+    )
+    memory: int = Field(description="bytes of memory it holds now")
+    memory_peak: int | None = Field(description="the most bytes it has held; null: not known")
+    processes: int = Field(description="its processes now")
+    source: Literal["cgroup", "proc"] = Field(
+        description="cgroup: the kernel's counters of its cgroup; proc: summed from /proc"
+    )
 
 
 class WorkerOut(Shape):
@@ -56,6 +73,9 @@ class WorkerOut(Shape):
     stopping: bool = Field(description="a stop is in flight: TERM sent, its tree not yet gone")
     paused: bool = Field(
         default=False, description="paused (subagent_pause): held still until unpaused"
+    )
+    usage: UsageOut | None = Field(
+        default=None, description="what it takes now, if live (null: ended or starting)"
     )
 
 
@@ -208,7 +228,7 @@ def output_schema(shape: type[Shape]) -> dict[str, Any]:
 
 # -- builders: protocol values as structured content -------------------------------------
 
-_WORKER_FIELDS = tuple(name for name in WorkerOut.model_fields if name != "uptime")
+_WORKER_FIELDS = tuple(name for name in WorkerOut.model_fields if name not in ("uptime", "usage"))
 
 
 def uptime(view: WorkerView, now: float) -> float:
@@ -220,7 +240,8 @@ def uptime(view: WorkerView, now: float) -> float:
 def worker(view: WorkerView, now: float) -> dict[str, Any]:
     """`view` as structured content, its uptime counted to `now`."""
     fields = {name: getattr(view, name) for name in _WORKER_FIELDS}
-    return {**fields, "uptime": uptime(view, now)}
+    usage = None if view.usage is None else msgspec.to_builtins(view.usage)
+    return {**fields, "uptime": uptime(view, now), "usage": usage}
 
 
 def resumed(view: Resumed, now: float) -> dict[str, Any]:

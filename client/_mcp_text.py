@@ -13,6 +13,7 @@ from collections.abc import Iterable
 
 from subagentd.protocol import Entry, GrepMatch, Wake, WorkerView
 
+from ._figures import memory_text, percent_text, usage_line
 from ._mcp_shapes import state_of, uptime
 from ._text import printable, printable_bytes, printable_lines
 
@@ -41,6 +42,17 @@ def worker_line(view: WorkerView) -> str:
     return f"{view.id} (run {view.run}){name} {state_of(view)}{exit_code}"
 
 
+def listed_line(view: WorkerView) -> str:
+    """A worker's line in a listing: `worker_line`, and what it takes if it is live."""
+    if view.usage is None:
+        return worker_line(view)
+    usage = view.usage
+    return (
+        f"{worker_line(view)} cpu={percent_text(usage.cpu_percent)}% "
+        f"mem={memory_text(usage.memory)}"
+    )
+
+
 def command(view: WorkerView, limit: int = SHOWN_COMMAND) -> str:
     what = shlex.join(view.argv) if view.argv else f"agent {view.agent}" if view.agent else ""
     shown = printable(what, limit)
@@ -58,6 +70,8 @@ def status_text(view: WorkerView, now: float) -> str:
     lines.append(f"uptime: {ran}" if view.ended_at is None else f"ran for: {ran}")
     if view.pid is not None:
         lines.append(f"pid: {view.pid}")
+    if view.usage is not None:
+        lines.append(f"usage: {usage_line(view.usage)}")
     return "\n".join(lines)
 
 

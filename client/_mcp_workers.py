@@ -143,9 +143,10 @@ async def subagent_restart(a: args.RestartArguments) -> Answer:
 
 async def subagent_list(a: args.ListArguments) -> Answer:
     """List the supervised workers: the running ones, or with `all` the ended ones too,
-    oldest first. Inside a worker, only that worker and those it delegated to are listed.
-    At most `max_bytes`: a listing cut short says `truncated` and `next`; call again with
-    the same arguments and `cursor` = `next` for the workers after (the text says how)."""
+    oldest first, each running one with its CPU % and memory now. Inside a worker, only
+    that worker and those it delegated to are listed. At most `max_bytes`: a listing cut
+    short says `truncated` and `next`; call again with the same arguments and `cursor` =
+    `next` for the workers after (the text says how)."""
     now = time.time()
     budget = bounds.Budget(a.max_bytes)
     lines: list[str] = []
@@ -167,7 +168,7 @@ async def subagent_list(a: args.ListArguments) -> Answer:
                         f"listed: ask for more",
                     )
                 break
-            lines += [text.worker_line(view) for view in page.workers]
+            lines += [text.listed_line(view) for view in page.workers]
             workers += [shapes.worker(view, now) for view in page.workers]
             after = page.next
             if page.complete or page.next is None:
@@ -191,21 +192,22 @@ async def subagent_list(a: args.ListArguments) -> Answer:
 async def _list_page(
     daemon: AsyncClient, a: args.ListArguments, after: str | None, limit: int = 1000
 ) -> WorkerList:
-    asked = ListWorkers(id=0, all=a.all, run=a.run, after=after, limit=limit)
+    asked = ListWorkers(id=0, all=a.all, run=a.run, after=after, limit=limit, usage=True)
     return _core.answer(asked, await daemon.request(asked))
 
 
 def _listed_costs(view: WorkerView, now: float) -> tuple[int, int]:
     """What a worker costs in a listing's text (its line) and structured content."""
     return (
-        bounds.size(text.worker_line(view)) + 1,
+        bounds.size(text.listed_line(view)) + 1,
         bounds.json_size(shapes.worker(view, now)) + 2,
     )
 
 
 async def subagent_status(a: args.StatusArguments) -> Answer:
     """Show one worker: its state (running, finished, failed, stopped...), pid, exit code,
-    its command, its working directory and how long it has run."""
+    its command, its working directory, how long it has run and, while it runs, what it
+    takes (CPU seconds and %, memory now and at peak, processes: its whole tree)."""
     async with connection() as daemon:
         view = await daemon.status(a.worker)
     now = time.time()

@@ -153,10 +153,13 @@ class Client:
     def new_run(self, outer: str | None = None) -> str:
         return self._call(_core.new_run(outer))
 
-    def ls(self, all: bool = False, run: str | None = None) -> list[WorkerView]:
+    def ls(
+        self, all: bool = False, run: str | None = None, *, usage: bool = False
+    ) -> list[WorkerView]:
         """Every worker (live ones, or with ``all`` ended ones too), page by page; each
-        with a summary of its argv (`status` has the whole)."""
-        cursor = _core.ListingCursor(all, run)
+        with a summary of its argv (`status` has the whole). ``usage``: each live one
+        with what it takes now (`Usage`)."""
+        cursor = _core.ListingCursor(all, run, usage)
         while not cursor.done:
             cursor.take(self.request(cursor.request()))
         return cursor.workers
@@ -348,8 +351,9 @@ class Client:
         `Busy` when it took none). ``eof``: close its stdin once all of it is written."""
         return self._call(_core.send(worker_id, data, eof=eof))
 
-    def info(self) -> DaemonInfo:
-        return self._call(_core.info())
+    def info(self, *, usage: bool = False) -> DaemonInfo:
+        """The daemon's state; ``usage``: with what its live workers take together."""
+        return self._call(_core.info(usage))
 
     @contextlib.contextmanager
     def stop_switch(

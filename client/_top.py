@@ -1,9 +1,10 @@
 """subagentctl top: the daemon's workers (or one run's) as a live table, for a person.
 
 One row per worker: its state (``stopping`` while a stop is in flight, ``paused`` while
-paused), run, id indented under its parent, name, age, pid and the last line of its
-output. Keys
-select a row, stop its worker (and subtree) or its run, and follow its journal.
+paused), run, id indented under its parent, name, age, pid, its CPU % and memory now (its
+whole tree's, read once a frame with the listing: `Usage`) and the last line of its
+output. Keys select a row, stop its worker (and subtree) or its run, follow its journal,
+and sort the rows by CPU % or memory (biggest first) or put them back in the tree's order.
 A worker that ends while shown stays on screen, in its final state.
 
 Drawn with rich's ``Live`` (the optional extra ``subagentd[top]``), driven from
@@ -42,6 +43,7 @@ from subagentd.protocol.errors import NotFound, RemoteError, TransportError
 
 from . import _text
 from ._async import AsyncClient
+from ._figures import memory_text, percent_text
 from ._text import ESCAPE
 
 if TYPE_CHECKING:
@@ -253,6 +255,28 @@ class Follow:
 
 
 Confirm = Literal["stop", "stop_run"]
+#: How the rows are ordered: the tree (children under their parent, oldest first), or
+#: by CPU % or memory, biggest first (those without usage, ended ones, last).
+Order = Literal["tree", "cpu", "mem"]
+ORDERS: tuple[Order, ...] = ("tree", "cpu", "mem")
+#: The key that sorts by each order.
+ORDER_KEYS: dict[str, Order] = {"t": "tree", "c": "cpu", "m": "mem"}
+
+
+def by_usage(views: Sequence[WorkerView], order: Order) -> list[Row]:
+    """`views` flat, biggest first by CPU % (`cpu`) or memory now (`mem`); those with no
+    usage (ended, starting) last, each group oldest first among equals."""
+
+    def figure(view: WorkerView) -> float:
+        usage = view.usage
+        if usage is None:
+            return -1.0
+        if order == "mem":
+            return float(usage.memory)
+        return usage.cpu_percent if usage.cpu_percent is not None else 0.0
+
+    ordered = sorted(views, key=lambda v: (-figure(v), v.started_at, v.id))
+    return [Row(view, 0) for view in ordered]
 
 
 @dataclass
@@ -268,10 +292,13 @@ class Screen:
     message: str = ""
     follow: Follow | None = None
     quit: bool = False
+    order: Order = "tree"
 
     def rows(self) -> list[Row]:
         live = {view.id for view in self.views}
         kept = [view for worker_id, view in self.ended.items() if worker_id not in live]
+        if self.order != "tree":
+            return by_usage([*self.views, *kept], self.order)
         return tree([*self.views, *kept])
 
     def saw(self, views: list[WorkerView], gone: list[WorkerView]) -> None:
@@ -301,14 +328,16 @@ class Screen:
 
 # -- drawing ---------------------------------------------------------------------------
 
-KEYS = "up/down select  s stop  r stop run  f follow  q quit"
+KEYS = "up/down select  s stop  r stop run  f follow  c/m/t sort cpu/mem/tree  q quit"
+#: What the title says of an order other than the tree's.
+ORDER_SHOWN = {"cpu": "by CPU%", "mem": "by MEM"}
 
-COLUMNS = ("STATE", "RUN", "WORKER", "NAME", "AGE", "PID", "LAST OUTPUT")
-_RIGHT = frozenset({"AGE", "PID"})
+COLUMNS = ("STATE", "RUN", "WORKER", "NAME", "AGE", "PID", "CPU%", "MEM", "LAST OUTPUT")
+_RIGHT = frozenset({"AGE", "PID", "CPU%", "MEM"})
 #: Widths a column never goes below while shown, so that a row changing (a state, an age,
-#: a pid) moves nothing: the common states to "timed_out"; ages to "99d23h"; Linux's
-#: largest pid, 4194304 (PID_MAX_LIMIT).
-LEAST = {"STATE": 9, "AGE": 6, "PID": 7}
+#: a pid, a figure) moves nothing: the common states to "timed_out"; ages to "99d23h";
+#: Linux's largest pid, 4194304 (PID_MAX_LIMIT); "99.9" and "1023M" (`_figures`).
+LEAST = {"STATE": 9, "AGE": 6, "PID": 7, "CPU%": 5, "MEM": 5}
 #: Widths a column never goes above: what is wider is cut (with an ellipsis).
 MOST = {"RUN": 14, "NAME": 20, "LAST OUTPUT": LINE_CHARS}
 #: What the last output asks of a screen when the table is fitted to it: it gets the rest,
@@ -322,6 +351,8 @@ GIVE_WAY = (
     ("RUN", 0),
     ("LAST OUTPUT", 8),
     ("NAME", 8),
+    ("MEM", 0),
+    ("CPU%", 0),
     ("LAST OUTPUT", 0),
     ("NAME", 0),
     ("AGE", 0),
@@ -352,8 +383,8 @@ def widths(cells: Sequence[Sequence[str]], width: int | None) -> dict[str, int]:
             break
         if title not in shown:
             continue
-        if least:
-            shown[title] = max(least, shown[title] - over())
+        if least:  # cut to `least` at most, never widened to it
+            shown[title] = min(shown[title], max(least, shown[title] - over()))
         else:
             del shown[title]
     if "NAME" in shown and over() < 0:  # what a dropped last output left: the name's again
@@ -382,7 +413,10 @@ def frame_lines(
         rows = screen.rows()
         scope = f"run {screen.run}" if screen.run else "all runs"
         running = sum(1 for row in rows if row.view.state not in TERMINAL_STATES)
-        lines = [_line(f"subagentd top: {scope}, {running} running, {len(rows)} shown", "bold")]
+        title = f"subagentd top: {scope}, {running} running, {len(rows)} shown"
+        if screen.order in ORDER_SHOWN:
+            title += f", {ORDER_SHOWN[screen.order]}"
+        lines = [_line(title, "bold")]
         if live:
             lines.append(_line(_footer(screen), "bold" if screen.asking else "dim"))
         if not rows:
@@ -397,9 +431,10 @@ def frame_lines(
 
 
 def document(screen: Screen, now: float) -> dict[str, object]:
-    """One frame for a program (`top --once --json`): every worker shown, in the tree's
-    order, as `subagentctl --json status` prints it, with its depth in the tree and its
-    last line of output as written (null: none yet); `now` is when it was read."""
+    """One frame for a program (`top --once --json`): every worker shown, in the order
+    shown (the tree's, unless sorted), as `subagentctl --json status` prints it (its
+    usage too, live ones), with its depth in the tree (0 sorted) and its last line of
+    output as written (null: none yet); `now` is when it was read."""
     rows = screen.rows()
     return {
         "run": screen.run,
@@ -461,6 +496,8 @@ def _table(
                 printable(view.name, 60),
                 age(ended_at - view.started_at),
                 "" if view.pid is None else str(view.pid),
+                "" if view.usage is None else percent_text(view.usage.cpu_percent),
+                "" if view.usage is None else memory_text(view.usage.memory),
                 printable(screen.lines.get(view.id, "")),
             )
         )
@@ -528,7 +565,8 @@ class Reader:
         self._turn = 0
 
     async def read(self, screen: Screen, height: int) -> None:
-        views = await self.daemon.ls(all=self.show_all, run=self.run)
+        # Usage with the listing: one read of each live worker's counters a frame.
+        views = await self.daemon.ls(all=self.show_all, run=self.run, usage=True)
         listed = {view.id for view in views}
         # Those that ended since the last frame, in their final state: a request each, so
         # at most as many as are kept on screen.
@@ -668,6 +706,8 @@ def press(screen: Screen, key: str, page: int) -> Act | None:
         screen.move(-len(screen.rows()))
     elif key == "end":
         screen.move(len(screen.rows()))
+    elif key in ORDER_KEYS:
+        screen.order = ORDER_KEYS[key]
     elif key in ("s", "r") and screen.chosen() is not None:
         screen.asking = "stop" if key == "s" else "stop_run"
     elif key in ("f", "\r", "\n") and screen.selected is not None:
@@ -693,13 +733,18 @@ class Top:
     """The live view: a frame each `interval` seconds, and at once after a key."""
 
     def __init__(
-        self, daemon: AsyncClient, reader: Reader, console: Console, interval: float
+        self,
+        daemon: AsyncClient,
+        reader: Reader,
+        console: Console,
+        interval: float,
+        order: Order = "tree",
     ) -> None:
         self.daemon = daemon
         self.reader = reader
         self.console = console
         self.interval = interval
-        self.screen = Screen(run=reader.run)
+        self.screen = Screen(run=reader.run, order=order)
         self._wake = trio.Event()
 
     def height(self) -> int:
@@ -755,7 +800,13 @@ class Top:
 
 
 async def _top(
-    socket: str | None, run: str | None, show_all: bool, once: bool, interval: float, as_json: bool
+    socket: str | None,
+    run: str | None,
+    show_all: bool,
+    once: bool,
+    interval: float,
+    as_json: bool,
+    order: Order = "tree",
 ) -> None:
     from rich.console import Console
 
@@ -763,11 +814,11 @@ async def _top(
         reader = Reader(daemon, run, show_all)
         try:
             if once:
-                screen = Screen(run=run)
+                screen = Screen(run=run, order=order)
                 await reader.read(screen, height=10**6)
                 _print_once(screen, time.time(), as_json)
                 return
-            await Top(daemon, reader, Console(highlight=False), interval).run()
+            await Top(daemon, reader, Console(highlight=False), interval, order).run()
         except* TransportError as lost:
             raise DaemonGone(lost.exceptions[0]) from lost
 
@@ -822,6 +873,7 @@ def main(
     once: bool = False,
     interval: float = REFRESH,
     as_json: bool = False,
+    order: Order = "tree",
 ) -> int:
     """`subagentctl top`: the exit status (README.md, "Watching live: top")."""
     try:
@@ -839,7 +891,7 @@ def main(
         )
         return EXIT_USAGE
     try:
-        _unwrapped(trio.run, _top, socket, run, show_all, once, interval, as_json)
+        _unwrapped(trio.run, _top, socket, run, show_all, once, interval, as_json, order)
     except DaemonGone as exc:
         print(
             f"subagentctl: top: the daemon went away: {printable(str(exc), 1000)}", file=sys.stderr

@@ -12,12 +12,19 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 
 import trio
 
-from subagentd.protocol import PROTOCOL_VERSION, DaemonInfo, package_version
+from subagentd.protocol import (
+    PROTOCOL_VERSION,
+    TERMINAL_STATES,
+    DaemonInfo,
+    Usage,
+    WorkerView,
+    package_version,
+)
 from subagentd.protocol.errors import NotFound, Refused
 
 from ._faults import Faults
@@ -255,8 +262,26 @@ class Daemon:
         start = getattr(found, "pid_start", None)
         return start if isinstance(start, int) else 0
 
-    def info(self, caller: str | None = None) -> DaemonInfo:
-        """The daemon's state, as told to a connection acting as `caller` (None: the user)."""
+    def usage(self, worker_ids: Iterable[str]) -> dict[str, Usage]:
+        """What each of the live workers among `worker_ids` takes now (processes/_usage);
+        one starting (no process yet) or ended (reaped) has none."""
+        workers = []
+        for worker_id in worker_ids:
+            live = self.supervisor.get(worker_id)
+            if live is not None and live.process is not None and not live.process.reaped:
+                workers.append((worker_id, live.process))
+        return self.launcher.usage(workers) if workers else {}
+
+    def with_usage(self, views: Iterable[WorkerView]) -> None:
+        """Each live one of `views` given its usage."""
+        views = list(views)
+        found = self.usage(view.id for view in views if view.state not in TERMINAL_STATES)
+        for view in views:
+            view.usage = found.get(view.id)
+
+    def info(self, caller: str | None = None, *, usage: bool = False) -> DaemonInfo:
+        """The daemon's state, as told to a connection acting as `caller` (None: the user);
+        with `usage`, what the live workers take together."""
         return DaemonInfo(
             version=package_version(),
             protocol=PROTOCOL_VERSION,
@@ -280,7 +305,23 @@ class Daemon:
             recovering=None
             if self.recovering is None
             else self.recovering.view(trio.current_time()),
+            usage=total_usage(self.usage(self.supervisor.ids()).values()) if usage else None,
         )
+
+
+def total_usage(each: Iterable[Usage]) -> Usage:
+    """The usage of workers together (`DaemonInfo.usage`)."""
+    each = list(each)
+    percents = [u.cpu_percent for u in each if u.cpu_percent is not None]
+    peaks = [u.memory_peak for u in each]
+    return Usage(
+        cpu_seconds=sum(u.cpu_seconds for u in each),
+        cpu_percent=sum(percents) if percents or not each else None,
+        memory=sum(u.memory for u in each),
+        memory_peak=None if None in peaks else sum(p for p in peaks if p is not None),
+        processes=sum(u.processes for u in each),
+        source="proc" if any(u.source == "proc" for u in each) else "cgroup",
+    )
 
 
 #: A housekeeping task that raised starts again after this, doubling up to the max.

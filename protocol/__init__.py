@@ -90,6 +90,7 @@ from ._messages import Timeout as Timeout
 from ._messages import TurnReply as TurnReply
 from ._messages import Unpause as Unpause
 from ._messages import Unpaused as Unpaused
+from ._messages import Usage as Usage
 from ._messages import Wait as Wait
 from ._messages import WaitFor as WaitFor
 from ._messages import WaitForReply as WaitForReply

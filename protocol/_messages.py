@@ -121,6 +121,30 @@ RequestKey = Annotated[
 # -- values carried inside messages --------------------------------------------
 
 
+class Usage(msgspec.Struct, kw_only=True):
+    """What a live worker takes now (its whole tree: every process in its cgroup, else
+    found by /proc), read when asked: `status` carries it for a live worker, a listing and
+    `info` when they ask (``usage``). protocol/README.md, Usage, says where each figure
+    comes from."""
+
+    #: CPU time used since the worker's attempt began (its processes, those exited too).
+    cpu_seconds: float
+    #: CPU % of one core (200.0: two cores' worth): over the time since the daemon's
+    #: previous reading of this worker's usage if that was 0.2 s to 60 s ago (the one
+    #: before a reading within 0.2 s of it stands), else since the worker began. None:
+    #: not measurable.
+    cpu_percent: float | None = None
+    #: Bytes of memory it holds now.
+    memory: int
+    #: The most it has held (None: not known).
+    memory_peak: int | None = None
+    #: Its processes now.
+    processes: int
+    #: "cgroup": the figures are the kernel's counters of its cgroup; "proc": memory (and,
+    #: without a cgroup, CPU and the processes) summed over its processes from /proc.
+    source: Literal["cgroup", "proc"]
+
+
 class WorkerView(msgspec.Struct, kw_only=True):
     """What a client sees of one worker."""
 
@@ -148,6 +172,9 @@ class WorkerView(msgspec.Struct, kw_only=True):
     #: Paused (`pause`): its processes frozen by the kernel, or stopped by SIGSTOP, until
     #: an `unpause`; its timeout does not run meanwhile. A field, as `stopping` is.
     paused: bool = False
+    #: What it takes now (`Usage`): in `status` of a live worker, in a listing that asked
+    #: (``usage``); None otherwise, and for an ended or starting worker.
+    usage: Usage | None = None
 
 
 class Resumed(WorkerView, kw_only=True):
@@ -305,6 +332,11 @@ class DaemonInfo(msgspec.Struct, kw_only=True):
     #: How `pause` holds a worker's processes still: "cgroup v2 cgroup.freeze", or
     #: "SIGSTOP/SIGCONT over the process tree (scan)" where workers have no cgroups.
     freeze: str = ""
+    #: What the live workers take together, when `info` asked (``usage``): the sum of each
+    #: one's figures (its ``memory_peak``: the sum of their peaks, None if one is not
+    #: known; ``cpu_percent``: of those that have one); ``source`` "proc" if any was.
+    #: None: not asked, or an image before it.
+    usage: Usage | None = None
 
 
 # -- replies and events: daemon to client --------------------------------------
@@ -592,6 +624,9 @@ class ListWorkers(Request[WorkerList], tag="list_workers"):
     run: Id | None = None
     after: Name | None = None
     limit: Annotated[int, msgspec.Meta(ge=1, le=MAX_INT)] = 1000
+    #: Each live worker of the page carries its `Usage` (read for the page: a few reads
+    #: of the kernel's files a worker).
+    usage: bool = False
 
     for_workers = True
     at_once = True
@@ -741,6 +776,9 @@ class Send(Request[Sent], tag="send"):
 
 
 class Info(Request[InfoReply], tag="info"):
+    #: The answer carries the live workers' usage together (`DaemonInfo.usage`).
+    usage: bool = False
+
     for_workers = True
     at_once = True
 

@@ -159,10 +159,12 @@ def test_the_readme_tour_reads_as_the_readme_shows(daemon: DaemonProcess) -> Non
     assert sleeper_spawned == f"{sleeper} (run {run})\n"
 
     table = ok(daemon.ctl("ls")).stdout.splitlines()
-    assert table[0].split() == ["ID", "RUN", "STATE", "PID", "EXIT", "NAME"]
+    assert table[0].split() == ["ID", "RUN", "STATE", "PID", "EXIT", "CPU%", "MEM", "NAME"]
     row = next(line.split() for line in table if line.startswith(sleeper))
-    assert row[2:] == ["running", row[3], "-", "sleeper"]
+    assert row[2:] == ["running", row[3], "-", row[5], row[6], "sleeper"]
     assert row[3].isdigit()
+    assert float(row[5]) >= 0  # its CPU% and memory, read for the listing
+    assert row[6][-1] in "KMG", row
 
     followed = ok(daemon.ctl("watch", "-f", counter))
     assert followed.stdout == "tick 1\ntick 2\ntick 3\n"
@@ -180,8 +182,8 @@ def test_the_readme_tour_reads_as_the_readme_shows(daemon: DaemonProcess) -> Non
     assert counter not in listed()
     assert ok(daemon.ctl("stop", sleeper)).stdout == f"{sleeper}\n"
     retained = listed("--all")
-    assert retained[counter][2:] == ["finished", retained[counter][3], "0", "counter"]
-    assert retained[sleeper][2:] == ["stopped", retained[sleeper][3], "-15", "sleeper"]
+    assert retained[counter][2:] == ["finished", retained[counter][3], "0", "-", "-", "counter"]
+    assert retained[sleeper][2:] == ["stopped", retained[sleeper][3], "-15", "-", "-", "sleeper"]
 
     wakes = ok(daemon.ctl("events", "--run", run)).stdout.splitlines()
     assert sorted(wakes) == sorted(
@@ -191,7 +193,7 @@ def test_the_readme_tour_reads_as_the_readme_shows(daemon: DaemonProcess) -> Non
 
     assert ok(daemon.ctl("collect", counter)).stdout == "tick 1\ntick 2\ntick 3\n"
     rows = listed("--all")
-    assert rows[sleeper][2:] == ["stopped", rows[sleeper][3], "-15", "sleeper"]
+    assert rows[sleeper][2:] == ["stopped", rows[sleeper][3], "-15", "-", "-", "sleeper"]
     assert counter not in rows  # collected: its handle is let go (README.md)
     assert "state: finished" in ok(daemon.ctl("status", counter)).stdout  # from its archive
 

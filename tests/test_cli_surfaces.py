@@ -137,7 +137,9 @@ def test_a_hostile_name_and_output_reach_no_terminal_raw(
     listed = on_terminal(daemon, "ls", "--all")
     assert listed.returncode == 0, listed
     row = next(line for line in clean(listed.stdout).splitlines() if worker_id.encode() in line)
-    assert row.split()[2:] == [b"finished", *row.split()[3:4], b"0", NAME_SHOWN.encode()]
+    assert row.split()[2:] == [
+        b"finished", *row.split()[3:4], b"0", b"-", b"-", NAME_SHOWN.encode()
+    ]  # fmt: skip
 
     shown = on_terminal(daemon, "status", worker_id)
     fields = dict(line.split(": ", 1) for line in clean(shown.stdout).decode().splitlines())
@@ -223,11 +225,18 @@ def test_json_carries_every_field_the_text_shows(daemon: DaemonProcess, tmp_path
         line.split(": ", 1) for line in ok(daemon.ctl("status", worker["id"])).stdout.splitlines()
     )
     document = js(daemon, "status", worker["id"])
+    usage = document["usage"]  # what it takes: the text's cpu, memory, processes lines
+    assert text["processes"] == str(usage["processes"])
+    assert text["usage_from"] == usage["source"]
+    assert text["cpu"].startswith(f"{usage['cpu_seconds']:.2f} s, ")
+    assert text["memory"].endswith(" at peak")
     for key, value in text.items():
         if key == "command":
             assert shlex.join(document["argv"]) == value
         elif key.endswith("_at"):
             assert key in document
+        elif key in ("cpu", "memory", "processes", "usage_from"):
+            continue  # above
         else:
             assert str(document[key] if document[key] is not None else "-") == value, key
     assert (document["argv"], document["cwd"], document["agent"]) == (
@@ -245,7 +254,11 @@ def test_json_carries_every_field_the_text_shows(daemon: DaemonProcess, tmp_path
     info_text = dict(line.split(": ", 1) for line in ok(daemon.ctl("info")).stdout.splitlines())
     info = js(daemon, "info")
     for key in info_text:
+        if key.startswith("workers_"):  # the live workers' usage together
+            assert info["usage"] is not None, key
+            continue
         assert ("problems" if key == "problem" else key) in info, key
+    assert info_text["workers_processes"] == str(info["usage"]["processes"])
     assert (info["socket"], info["state_dir"]) == (str(daemon.socket), str(daemon.state_dir))
     assert info["tree_tracking"] == info_text["tree_tracking"]
     ok(daemon.ctl("stop", worker["id"]))

@@ -63,6 +63,7 @@ CLIENT: tuple[tuple[str, ...], ...] = (
     # Leaves: the one sanitiser, units, times, task groups, the ack ledger.
     (
         "client/_text.py",
+        "client/_figures.py",
         "client/_units.py",
         "client/_when.py",
         "client/_tasks.py",

@@ -662,21 +662,33 @@ def test_an_unusable_interval_is_refused_naming_it(daemon: DaemonProcess, interv
 def test_columns_give_way_in_order_and_never_cut_an_id_or_a_pid() -> None:
     def cells(last: str) -> list[tuple[str, ...]]:
         return [
-            ("running", "r-63062eb0d9", "w-3fdd3ae2ce", "parent", "30s", "14647", last),
-            ("stopping", "r-63062eb0d9", "  w-df03feb553", "a name of twenty-five c", "2s", "", ""),
-        ]
+            ("running", "r-63062eb0d9", "w-3fdd3ae2ce", "parent", "30s", "14647", "0.5", "3.5M",
+             last),
+            ("stopping", "r-63062eb0d9", "  w-df03feb553", "a name of twenty-five c", "2s", "",
+             "", "", ""),
+        ]  # fmt: skip
 
     wide = widths(cells("x"), 140)
-    assert list(wide) == ["STATE", "RUN", "WORKER", "NAME", "AGE", "PID", "LAST OUTPUT"]
-    assert (wide["WORKER"], wide["PID"], wide["NAME"]) == (14, 7, 20)
-    assert sum(wide.values()) + 2 * 6 == 140  # the last output takes the rest
-    assert "RUN" not in widths(cells("x"), 90)  # the first to go
-    assert widths(cells("x"), 76) == {
-        "STATE": 9, "WORKER": 14, "NAME": 20, "AGE": 6, "PID": 7, "LAST OUTPUT": 10,
+    assert list(wide) == [
+        "STATE", "RUN", "WORKER", "NAME", "AGE", "PID", "CPU%", "MEM", "LAST OUTPUT",
+    ]  # fmt: skip
+    assert (wide["WORKER"], wide["PID"], wide["NAME"], wide["CPU%"], wide["MEM"]) == (
+        14, 7, 20, 5, 5,
+    )  # fmt: skip
+    assert sum(wide.values()) + 2 * 8 == 140  # the last output takes the rest
+    assert "RUN" not in widths(cells("x"), 100)  # the first to go
+    assert widths(cells("x"), 90) == {
+        "STATE": 9, "WORKER": 14, "NAME": 20, "AGE": 6, "PID": 7, "CPU%": 5, "MEM": 5,
+        "LAST OUTPUT": 10,
     }  # fmt: skip
     # The name shrinks, for the last output to keep 8.
+    assert widths(cells("x"), 80) == {
+        "STATE": 9, "WORKER": 14, "NAME": 12, "AGE": 6, "PID": 7, "CPU%": 5, "MEM": 5,
+        "LAST OUTPUT": 8,
+    }  # fmt: skip
+    # Then MEM goes, then CPU%, before the last output.
     assert widths(cells("x"), 70) == {
-        "STATE": 9, "WORKER": 14, "NAME": 16, "AGE": 6, "PID": 7, "LAST OUTPUT": 8,
+        "STATE": 9, "WORKER": 14, "NAME": 9, "AGE": 6, "PID": 7, "CPU%": 5, "LAST OUTPUT": 8,
     }  # fmt: skip
     at_60 = widths(cells("x"), 60)  # then the last output goes, and the name has its room
     assert at_60 == {"STATE": 9, "WORKER": 14, "NAME": 16, "AGE": 6, "PID": 7}
@@ -689,5 +701,7 @@ def test_columns_give_way_in_order_and_never_cut_an_id_or_a_pid() -> None:
             k: v for k, v in long.items() if k != "LAST OUTPUT"
         }
         assert short == long
+    # A name never widened to the width it is cut to (8): it keeps its own.
+    assert widths([(*cells("x")[0][:3], "ab", *cells("x")[0][4:])], 60)["NAME"] == 4
     piped = widths(cells("y" * 1000), None)  # as wide as the cells, to a bound
     assert (piped["LAST OUTPUT"], piped["NAME"], piped["RUN"]) == (400, 20, 12)

@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import signal
-from collections.abc import Callable, Container, Iterator, Mapping
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Literal, Protocol
 
 import trio
+
+from subagentd.protocol import Usage
 
 from .._logging import get_logger
 from ._cgroup import Cgroups, Leader, WorkerCgroup, end_cgroup, peer_cgroup
@@ -34,6 +37,7 @@ from ._freezer import (
 from ._process import WorkerProcess
 from ._relay import Relays
 from ._tree import Graces, ProcessTable, end_marked, end_tree
+from ._usage import UsageReader, WorkerTree
 
 log = get_logger()
 
@@ -158,6 +162,11 @@ class Launcher(Protocol):
         is needed to find it)."""
         ...
 
+    def usage(self, workers: Sequence[tuple[str, WorkerProcess]]) -> dict[str, Usage]:
+        """What each of `workers` (its id and live process) takes now, by id (`_usage`);
+        read when asked, never an error for one that goes meanwhile."""
+        ...
+
     def released(self, process: WorkerProcess) -> None:
         """The worker's attempt has ended and been reaped: let go of what held its tree
         (its cgroup, removed by the next `remove_released`, or at `close`)."""
@@ -216,6 +225,10 @@ class LocalLauncher:
         self._present: frozenset[str] | None = None
         #: Ended workers' cgroups, released and not yet removed (`remove_released`).
         self._unremoved: list[WorkerCgroup] = []
+        self._usage = UsageReader()
+        #: The v1 memory cgroup a worker's process has, if any (one a memory limit made
+        #: where v2 has no memory controller): its usage is read from there.
+        self.v1_memory_of: Callable[[WorkerProcess], Path | None] = lambda process: None
 
     @property
     def authority(self) -> Literal["kernel", "token"]:
@@ -437,8 +450,22 @@ class LocalLauncher:
         group = self._group(worker_id)
         return group is not None and group.exists()
 
+    def usage(self, workers: Sequence[tuple[str, WorkerProcess]]) -> dict[str, Usage]:
+        trees = [
+            WorkerTree(
+                worker_id,
+                process.pid,
+                process.starttime,
+                None if process.cgroup is None else process.cgroup.path,
+                self.v1_memory_of(process),
+            )
+            for worker_id, process in workers
+        ]
+        return self._usage.read(trees)
+
     def released(self, process: WorkerProcess) -> None:
         self.leaders.discard(process.pid)
+        self._usage.forget(process.pid, process.starttime)
         if (batch := self._batch_of.pop(process.pid, None)) is not None:
             batch.emptied(process.pid)  # ended without its tree's end (never left waiting)
         if process.cgroup is not None:

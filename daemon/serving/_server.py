@@ -794,8 +794,8 @@ class Server:
         daemon, registry, caller = self.daemon, self.daemon.registry, conn.session.caller
         rid = request.id
         match request:
-            case Info():  # first: the round trip a client makes most, to see the daemon is there
-                return InfoReply(id=rid, info=daemon.info(caller))
+            case Info(usage=usage):  # first: the round trip a client makes most
+                return InfoReply(id=rid, info=daemon.info(caller, usage=usage))
             case Spawn():
                 return WorkerReply(id=rid, worker=await daemon.spawner.spawn(request, caller))
             case ListWorkers(all=include_ended, run=run, after=after, limit=limit):
@@ -804,9 +804,13 @@ class Server:
                     cursor_place(after), include_ended=include_ended, run=run, sees=sees
                 )
                 views, cursor, complete = listing_page(records, after, limit)
+                if request.usage:
+                    daemon.with_usage(views)
                 return WorkerList(id=rid, workers=views, next=cursor, complete=complete)
             case Status(worker=worker):
-                return WorkerReply(id=rid, worker=daemon.reader.lookup(worker).view())
+                view = daemon.reader.lookup(worker).view()
+                daemon.with_usage([view])  # always, for a live worker: one is cheap
+                return WorkerReply(id=rid, worker=view)
             case Stop(worker=worker, wait=wait):
                 reply = _stopped(rid, daemon.stops.stop(worker))
                 if wait:
