@@ -631,10 +631,10 @@ async def adopt(
 def _paused_as_the_kernel_says(daemon: Daemon, live: LiveWorker, process: WorkerProcess) -> None:
     """A worker is paused across a reload if the kernel still holds it (its cgroup's
     `cgroup.freeze`, else its leader stopped): the record's word is checked, never taken
-    alone. Paused since the record says (its timeout's deadline moves from then), or
-    from now if the record did not know."""
+    alone, nor the kernel's (a leader that stopped itself is not paused: its timeout
+    runs). Paused since the record says (its timeout's deadline moves from then)."""
     record, now = live.record, daemon.clock()
-    if daemon.launcher.paused_now(process):
+    if record.paused_since is not None and daemon.launcher.paused_now(process):
         record.pause(now)
     else:
         record.unpause(now)
