@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
 from subagentd.protocol import (
@@ -31,6 +32,14 @@ EPOCH = "seconds since the epoch, UTC"
 
 class Shape(BaseModel):
     model_config = ConfigDict(populate_by_name=True)
+
+
+class LimitsOut(Shape):
+    """What a worker and all it delegates may take together (absent: no limit of that kind)."""
+
+    memory: int | None = Field(default=None, description="bytes of memory")
+    cpus: float | None = Field(default=None, description="cores of CPU")
+    pids: int | None = Field(default=None, description="processes at once")
 
 
 class WorkerOut(Shape):
@@ -54,6 +63,14 @@ class WorkerOut(Shape):
     cwd: str
     agent: str | None
     stopping: bool = Field(description="a stop is in flight: TERM sent, its tree not yet gone")
+    limits: LimitsOut | None = Field(
+        default=None, description="its own limits, as enforced (null: none of its own)"
+    )
+    reason: str = Field(
+        default="",
+        description='why it ended as it did beyond its state: "memory_limit" (failed, the '
+        "kernel having killed it at a memory limit); empty otherwise",
+    )
 
 
 class WorkersOut(Shape):
@@ -157,6 +174,11 @@ class WakeOut(Shape):
     state: WorkerState
     exit_code: int | None
     preview: str
+    reason: str = Field(
+        default="",
+        description='why it ended as it did beyond its state: "memory_limit" (failed, the '
+        "kernel having killed it at a memory limit); empty otherwise",
+    )
 
 
 class WakesOut(Shape):
@@ -207,6 +229,7 @@ def uptime(view: WorkerView, now: float) -> float:
 def worker(view: WorkerView, now: float) -> dict[str, Any]:
     """`view` as structured content, its uptime counted to `now`."""
     fields = {name: getattr(view, name) for name in _WORKER_FIELDS}
+    fields["limits"] = msgspec.to_builtins(view.limits) if view.limits else None
     return {**fields, "uptime": uptime(view, now)}
 
 
@@ -230,4 +253,6 @@ def entry(found: Entry, data: bytes | None = None, *, cut: bool = False) -> dict
 
 
 def state_of(view: WorkerView) -> str:
-    return "stopping" if view.stopping else view.state
+    if view.stopping:
+        return "stopping"
+    return f"{view.state} ({view.reason})" if view.reason else view.state

@@ -235,6 +235,11 @@ class Controllers:
             return None
         return LimitNodes(tuple(self.hierarchies.values()), relative)
 
+    def close(self) -> None:
+        """The daemon stops with nothing live: its bases go, if empty."""
+        for hierarchy in self.hierarchies.values():
+            _rmdir(hierarchy.base)
+
     def sweep(self) -> None:
         """At a clean start: remove every empty node a dead image left, deepest first (one
         still holding a process, a live worker's, stays)."""

@@ -454,6 +454,8 @@ class LocalLauncher:
         self.remove_released_now()  # before their parent
         if self.cgroups is not None and not anything_live:
             self.cgroups.remove()
+        if not anything_live:
+            self.controllers.close()
 
 
 def _remove_all(
