@@ -470,3 +470,23 @@ async def test_the_mcp_spawn_tool_takes_limits_and_refuses_hostile_ones(
             assert worker["reason"] == ""
     with Client(daemon.socket) as sync:
         assert len(sync.ls(all=True)) == 1  # no refused one was made
+
+
+@needs_v1
+def test_a_clean_start_sweeps_the_limit_nodes_a_dead_daemon_left(
+    daemon_dirs: DaemonProcess,
+) -> None:
+    daemon_dirs.start()
+    with Client(daemon_dirs.socket) as sync:
+        bases = [_node(sync.info(), kind, "") for kind in ("memory", "cpus", "pids")]
+        worker = sync.spawn(sh("sleep 60"), limits=p.Limits(memory=64 * MIB, pids=10))
+        leaf = f"{worker.run}/{worker.id}"
+        assert all((base / leaf).is_dir() for base in bases)
+    daemon_dirs.kill()  # no shutdown: its nodes (and its worker) are left behind
+    assert all((base / leaf).is_dir() for base in bases)
+    daemon_dirs.start()
+    with Client(daemon_dirs.socket) as sync:
+        assert sync.status(worker.id).state == "interrupted"
+        sync.info()  # served: the sweep at its start is done
+    assert [base / leaf for base in bases if (base / leaf).exists()] == []
+    assert [base / worker.run for base in bases if (base / worker.run).exists()] == []

@@ -194,13 +194,11 @@ class Controllers:
                 controls[kind] = Control(enforced=False, how=_not_v1(name, "is not mounted"))
                 continue
             home = mount / own.get(name, "/").lstrip("/")
+            # Made at the first limited spawn, not here: a daemon no one asks for a limit
+            # leaves no trace in the hierarchies.
             base = home / f"subagentd-{digest}"
-            try:
-                base.mkdir(exist_ok=True)
-                if not os.access(base / "tasks", os.W_OK):
-                    raise PermissionError(errno.EACCES, "not writable")
-            except OSError as exc:
-                why = f"{home} is not writable by the daemon ({exc.strerror or exc})"
+            if not (os.access(home, os.W_OK) and os.access(home / "tasks", os.W_OK)):
+                why = f"{home} is not writable by the daemon"
                 controls[kind] = Control(enforced=False, how=_not_v1(name, why))
                 continue
             hierarchies[kind] = Hierarchy(kind=kind, base=base, home=home)
@@ -244,6 +242,8 @@ class Controllers:
         """At a clean start: remove every empty node a dead image left, deepest first (one
         still holding a process, a live worker's, stays)."""
         for hierarchy in self.hierarchies.values():
+            if not hierarchy.base.is_dir():
+                continue
             for parent, dirs, _ in os.walk(hierarchy.base, topdown=False):
                 for name in dirs:
                     _rmdir(Path(parent) / name)
@@ -255,6 +255,8 @@ def _make(hierarchy: Hierarchy, plan: LimitPlan) -> list[Path]:
     one for the thread that steps in (`_lower_pids` takes it back)."""
     raised: list[Path] = []
     node = hierarchy.base
+    with contextlib.suppress(FileExistsError):
+        node.mkdir()
     for name, limits in zip(plan.path, plan.values, strict=True):
         node = node / name
         with contextlib.suppress(FileExistsError):

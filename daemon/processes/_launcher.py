@@ -410,18 +410,19 @@ class LocalLauncher:
             await trio.to_thread.run_sync(_remove_all, groups, wanted, nodes)
 
     async def sweep(self, live: Container[str]) -> None:
-        # Empty limit nodes only: a live worker's hold its processes, and what a dead
-        # image's workers left running is ended by their cgroups' sweep below.
+        if self.cgroups is not None:
+            for group in self.cgroups.leftovers():
+                if group.path.name in live:
+                    continue
+                killed = await end_cgroup(group, 0)
+                if killed:
+                    log.warning(
+                        "cgroup.leftover_killed", cgroup=str(group.path), processes=killed
+                    )
+                _remove(group)
+        # Then the limit nodes a dead image left, now empty (a live worker's hold its
+        # processes, and stay).
         await trio.to_thread.run_sync(self.controllers.sweep)
-        if self.cgroups is None:
-            return
-        for group in self.cgroups.leftovers():
-            if group.path.name in live:
-                continue
-            killed = await end_cgroup(group, 0)
-            if killed:
-                log.warning("cgroup.leftover_killed", cgroup=str(group.path), processes=killed)
-            _remove(group)
 
     async def sweep_at_shutdown(self, since_of: Callable[[str], int | None]) -> None:
         if self.cgroups is not None:
