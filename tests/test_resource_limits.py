@@ -478,10 +478,13 @@ def test_a_clean_start_sweeps_the_limit_nodes_a_dead_daemon_left(
 ) -> None:
     daemon_dirs.start()
     with Client(daemon_dirs.socket) as sync:
-        bases = [_node(sync.info(), kind, "") for kind in ("memory", "cpus", "pids")]
+        info = sync.info()
+        bases = [_node(info, kind, "") for kind in ("memory", "pids")]
         worker = sync.spawn(sh("sleep 60"), limits=p.Limits(memory=64 * MIB, pids=10))
         leaf = f"{worker.run}/{worker.id}"
         assert all((base / leaf).is_dir() for base in bases)
+        # No CPU limit on its way: it is placed in no cpu node.
+        assert not _node(info, "cpus", leaf).exists()
     daemon_dirs.kill()  # no shutdown: its nodes (and its worker) are left behind
     assert all((base / leaf).is_dir() for base in bases)
     daemon_dirs.start()

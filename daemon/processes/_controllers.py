@@ -50,7 +50,7 @@ class LimitsNotPlaced(OSError):
     """A worker's limit nodes could not be made or entered; the message says which."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class Hierarchy:
     """One writable v1 hierarchy: `base`, this daemon's limit nodes; `home`, the daemon's
     own cgroup there (its forking thread goes back to it)."""
@@ -58,6 +58,8 @@ class Hierarchy:
     kind: str
     base: Path
     home: Path
+    #: `base` made (at the first limited spawn); removed again only at `close`.
+    made: bool = False
 
 
 @dataclass(frozen=True)
@@ -115,7 +117,7 @@ class LimitNodes:
         assert self.plan is not None, "born in the nodes of a plan"
         tid = str(threading.get_native_id()).encode()
         with _FORK_LOCK:
-            raised: list[Path] = []
+            raised: list[tuple[Path, int]] = []
             moved: list[Hierarchy] = []
             try:
                 try:
@@ -139,8 +141,8 @@ class LimitNodes:
                         log.critical(
                             "limits.cannot_return", node=str(self.leaf(hierarchy)), error=str(exc)
                         )
-                for node in raised:
-                    _lower_pids(node)
+                for node, value in raised:
+                    _lower_pids(node, value)
 
     def hit(self) -> LimitsHit:
         """What its limits did (its tree has ended; its nodes not yet removed)."""
@@ -224,11 +226,20 @@ class Controllers:
         limit (it is placed in no node)."""
         if plan is None or not self.hierarchies or not (plan.nested or any(plan.values)):
             return None
-        return LimitNodes(tuple(self.hierarchies.values()), plan.relative, plan)
+        # Only the hierarchies of the kinds limited on its way (each costs a node and two
+        # moves a spawn); all where an ancestor's record, so its limits, is not known.
+        unknown = plan.nested and None in plan.values[1:-1]
+        used = tuple(
+            hierarchy
+            for kind, hierarchy in self.hierarchies.items()
+            if unknown or any(getattr(v, kind) is not None for v in plan.values if v)
+        )
+        return LimitNodes(used or tuple(self.hierarchies.values()), plan.relative, plan)
 
     def nodes_at(self, relative: str) -> LimitNodes | None:
         """The nodes a worker was placed in (`LimitPlan.relative`, as its record keeps it),
-        for an image that did not start it: what its ending reads and removes."""
+        for an image that did not start it: what its ending reads and removes (in every
+        hierarchy: one it was not placed in has no such node, read as nothing)."""
         if not relative or not self.hierarchies:
             return None
         return LimitNodes(tuple(self.hierarchies.values()), relative)
@@ -237,6 +248,7 @@ class Controllers:
         """The daemon stops with nothing live: its bases go, if empty."""
         for hierarchy in self.hierarchies.values():
             _rmdir(hierarchy.base)
+            hierarchy.made = False
 
     def sweep(self) -> None:
         """At a clean start: remove every empty node a dead image left, deepest first (one
@@ -249,14 +261,16 @@ class Controllers:
                     _rmdir(Path(parent) / name)
 
 
-def _make(hierarchy: Hierarchy, plan: LimitPlan) -> list[Path]:
+def _make(hierarchy: Hierarchy, plan: LimitPlan) -> list[tuple[Path, int]]:
     """Make the nodes of `plan` in `hierarchy` (those there already are reused), writing
     each one's limit of this hierarchy's kind; the nodes whose process limit was raised by
     one for the thread that steps in (`_lower_pids` takes it back)."""
-    raised: list[Path] = []
+    raised: list[tuple[Path, int]] = []
     node = hierarchy.base
-    with contextlib.suppress(FileExistsError):
-        node.mkdir()
+    if not hierarchy.made:
+        with contextlib.suppress(FileExistsError):
+            node.mkdir()
+        hierarchy.made = True
     for name, limits in zip(plan.path, plan.values, strict=True):
         node = node / name
         with contextlib.suppress(FileExistsError):
@@ -267,12 +281,13 @@ def _make(hierarchy: Hierarchy, plan: LimitPlan) -> list[Path]:
         if hierarchy.kind == "memory":
             _write_memory(node, value)
         elif hierarchy.kind == "cpus":
-            _write(node / "cpu.cfs_period_us", str(CPU_PERIOD_US).encode())
+            # Over the period a node is made with (the kernel's default, never changed
+            # here): one write, not two, on a limited spawn's path.
             quota = max(1000, round(value * CPU_PERIOD_US))
             _write(node / "cpu.cfs_quota_us", str(quota).encode())
         else:
             _write(node / "pids.max", str(value + 1).encode())
-            raised.append(node)
+            raised.append((node, value))
     return raised
 
 
@@ -293,12 +308,11 @@ def _write_memory(node: Path, value: int) -> None:
         _write(node / "memory.limit_in_bytes", text)
 
 
-def _lower_pids(node: Path) -> None:
-    """Take back the one `_make` added to a node's process limit."""
+def _lower_pids(node: Path, value: int) -> None:
+    """Take back the one `_make` added to a node's process limit: `value` again."""
     try:
-        value = int(_read(node / "pids.max"))
-        _write(node / "pids.max", str(value - 1).encode())
-    except (OSError, ValueError) as exc:
+        _write(node / "pids.max", str(value).encode())
+    except OSError as exc:
         log.error("limits.pids_not_lowered", node=str(node), error=str(exc))
 
 

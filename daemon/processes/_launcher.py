@@ -416,9 +416,7 @@ class LocalLauncher:
                     continue
                 killed = await end_cgroup(group, 0)
                 if killed:
-                    log.warning(
-                        "cgroup.leftover_killed", cgroup=str(group.path), processes=killed
-                    )
+                    log.warning("cgroup.leftover_killed", cgroup=str(group.path), processes=killed)
                 _remove(group)
         # Then the limit nodes a dead image left, now empty (a live worker's hold its
         # processes, and stay).
