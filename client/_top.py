@@ -203,7 +203,9 @@ def tree(views: Sequence[WorkerView]) -> list[Row]:
 
 
 def state_of(view: WorkerView) -> str:
-    return "stopping" if view.stopping and view.state not in TERMINAL_STATES else view.state
+    if view.stopping and view.state not in TERMINAL_STATES:
+        return "stopping"
+    return f"{view.state} ({view.reason})" if view.reason else view.state
 
 
 def age(seconds: float) -> str:
