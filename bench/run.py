@@ -39,6 +39,7 @@ BENCHES: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     ("roundtrip", {"calls": 10_000, "clients": 8, "seconds": 3.0, "rounds": 3},
      {"calls": 1000, "clients": 8, "seconds": 0.5, "rounds": 1}),
     ("start", {"starts": 100}, {"starts": 10}),
+    ("limits_start", {"starts": 100}, {"starts": 10}),
     ("stop", {"stops": 100, "run_size": 100, "rounds": 10},
      {"stops": 10, "run_size": 10, "rounds": 1}),
     ("reload", {"workers": (0, 100, 1000), "runs": 5}, {"workers": (0, 20), "runs": 1}),

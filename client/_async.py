@@ -29,6 +29,7 @@ from subagentd.protocol import (
     DaemonInfo,
     Entry,
     GrepResult,
+    Limits,
     OutputKind,
     Page,
     Paused,
@@ -117,6 +118,7 @@ class AsyncClient:
         grace: float | None = None,
         key: str | None = None,
         stdin_open: bool = False,
+        limits: Limits | None = None,
     ) -> WorkerView:
         """Start a worker; ``cwd`` defaults to this process's working directory.
 
@@ -126,7 +128,8 @@ class AsyncClient:
         by itself, and a caller may send one again with its own key.
 
         ``stdin_open``: its stdin is a pipe the daemon keeps open for `send` (not with
-        ``input``)."""
+        ``input``). ``limits``: what it and all it delegates may take together
+        (`Limits`; `parse_limits` reads "2G", "1.5", "100"), over its agent's."""
         return await self._call(
             _core.spawn(
                 argv,
@@ -141,11 +144,14 @@ class AsyncClient:
                 grace=grace,
                 key=key,
                 stdin_open=stdin_open,
+                limits=limits,
             )
         )
 
-    async def new_run(self, outer: str | None = None) -> str:
-        return await self._call(_core.new_run(outer))
+    async def new_run(self, outer: str | None = None, *, limits: Limits | None = None) -> str:
+        """A new run (nested in ``outer``); ``limits``: what its workers may take
+        together."""
+        return await self._call(_core.new_run(outer, limits=limits))
 
     async def ls(
         self, all: bool = False, run: str | None = None, *, usage: bool = False

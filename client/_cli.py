@@ -24,15 +24,20 @@ from typing import Any, BinaryIO, Protocol, TextIO
 import msgspec
 
 from subagentd.protocol import (
+    MAX_CPUS,
     MAX_GRACE,
+    MAX_PIDS,
     MAX_SEND_BYTES,
     MAX_TIMEOUT,
+    MIN_CPUS,
     TERMINAL_STATES,
     Cancel,
     CancelFence,
     DaemonInfo,
     Entry,
     GrepResult,
+    LimitError,
+    Limits,
     ReloadReply,
     ResumableRun,
     Resume,
@@ -44,7 +49,11 @@ from subagentd.protocol import (
     Wake,
     WorkerResult,
     WorkerView,
+    cores,
+    limits_text,
+    memory_bytes,
     one_line_warnings,
+    process_count,
 )
 from subagentd.protocol.errors import (
     Busy,
@@ -163,6 +172,7 @@ class Human:
                 ("parent", view.parent),
                 ("name", view.name),
                 ("state", _state(view)),
+                ("limits", limits_text(view.limits)),
                 ("pid", view.pid),
                 *_usage_fields(view.usage),
                 ("exit_code", view.exit_code),
@@ -205,7 +215,7 @@ class Human:
 
     def ended(self, view: WorkerView) -> None:
         exit_code = "" if view.exit_code is None else f", exit code {view.exit_code}"
-        print(f"{printable(view.id)} {view.state}{exit_code}")
+        print(f"{printable(view.id)} {_state(view)}{exit_code}")
 
     def workers(self, views: list[WorkerView]) -> None:
         rows = [["ID", "RUN", "STATE", "PID", "EXIT", "CPU%", "MEM", "NAME"]]
@@ -283,7 +293,8 @@ class Human:
                 _write(stream.buffer, self._streams[kind].end().encode())
 
     def wake(self, wake: Wake) -> None:
-        words = [wake.id, wake.state, f"exit={_or_dash(wake.exit_code)}"]
+        state = f"{wake.state} ({wake.reason})" if wake.reason else wake.state
+        words = [wake.id, state, f"exit={_or_dash(wake.exit_code)}"]
         if preview := _one_line(wake.preview):
             words.append(preview)
         print(" ".join(words), flush=True)  # flushed before it is acknowledged
@@ -462,8 +473,12 @@ def _said(exc: BaseException) -> None:
 
 def _state(view: WorkerView) -> str:
     """Its state as a person reads it: `stopping` while a stop is in flight, `paused`
-    while paused."""
-    return "stopping" if view.stopping else "paused" if view.paused else view.state
+    while paused, and why it ended beyond its state ("failed (memory_limit)")."""
+    if view.stopping:
+        return "stopping"
+    if view.paused:
+        return "paused"
+    return f"{view.state} ({view.reason})" if view.reason else view.state
 
 
 def _said_stopping(ids: list[str]) -> None:
@@ -507,12 +522,18 @@ def spawn(daemon: Client, args: argparse.Namespace, out: Output) -> None:
         grace=args.grace,
         key=args.key,
         stdin_open=args.stdin == "open",
+        limits=_limits(args),
     )
     out.spawned(worker)
 
 
 def new_run(daemon: Client, args: argparse.Namespace, out: Output) -> None:
-    out.run(daemon.new_run(args.outer))
+    out.run(daemon.new_run(args.outer, limits=_limits(args)))
+
+
+def _limits(args: argparse.Namespace) -> Limits | None:
+    limits = Limits(memory=args.memory, cpus=args.cpus, pids=args.pids)
+    return limits if limits else None
 
 
 def ls(daemon: Client, args: argparse.Namespace, out: Output) -> None:
@@ -756,6 +777,47 @@ RAW_HELP = "write the worker's bytes as they are, even to a terminal (they may d
 Command = Callable[[Client, argparse.Namespace, Output], int | None]
 
 
+def _limit_flag(read: Callable[[object], object]) -> Callable[[str], object]:
+    """An argparse type from a limit's parser (`memory_bytes`...): its error, as it says it."""
+
+    def parse(text: str) -> object:
+        try:
+            return read(text)
+        except LimitError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    parse.__name__ = read.__name__
+    return parse
+
+
+def _limit_flags(sub: argparse.ArgumentParser, whose: str) -> None:
+    """--memory, --cpus, --pids: what `whose` may take together."""
+    group = sub.add_argument_group(
+        "limits",
+        f"What {whose} may take together, enforced by the kernel (cgroups): refused if "
+        "this daemon cannot (subagentctl info lists what it enforces, and how).",
+    )
+    group.add_argument(
+        "--memory",
+        metavar="SIZE",
+        type=_limit_flag(memory_bytes),
+        help="memory, as 512M, 1.5G, 2GiB or bytes (1M to 1P): past it the kernel kills "
+        "in it, and a worker so killed ends failed (memory_limit)",
+    )
+    group.add_argument(
+        "--cpus",
+        metavar="N",
+        type=_limit_flag(cores),
+        help=f"CPU, in cores ({MIN_CPUS} to {MAX_CPUS:g}; 1.5 is a core and a half)",
+    )
+    group.add_argument(
+        "--pids",
+        metavar="N",
+        type=_limit_flag(process_count),
+        help=f"processes and threads at once (1 to {MAX_PIDS}): a fork past it fails",
+    )
+
+
 def _env_pair(text: str) -> tuple[str, str]:
     key, sep, value = text.partition("=")
     if not sep or not key:
@@ -833,10 +895,12 @@ def parser() -> argparse.ArgumentParser:
         help="open: keep its stdin a pipe the daemon holds, for `subagentctl send` "
         "(carried across a reload); not with --input",
     )
+    _limit_flags(sub, "it and every worker it delegates (over its agent's limits)")
     sub.add_argument("argv", nargs="*", metavar="CMD", help="the command, after --")
 
     sub = command("new-run", new_run, "Create a run and print its id.")
     sub.add_argument("--outer", metavar="R", help="nest it under run R: stopping R stops it too")
+    _limit_flags(sub, "the run's workers")
 
     sub = command(
         "ls", ls, "List the running workers (with --all, the retained finished ones too)."

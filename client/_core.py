@@ -42,6 +42,7 @@ from subagentd.protocol import (
     Info,
     Latest,
     LatestResumable,
+    Limits,
     ListWorkers,
     NewRun,
     OutputKind,
@@ -242,6 +243,7 @@ def spawn(
     grace: float | None = None,
     key: str | None = None,
     stdin_open: bool = False,
+    limits: Limits | None = None,
 ) -> Call[WorkerView]:
     request = Spawn(
         id=0,
@@ -258,6 +260,7 @@ def spawn(
         grace=grace,
         key=new_key() if key is None else key,
         stdin_open=stdin_open,
+        limits=limits or None,
     )
     return _call(request, lambda reply: reply.worker)
 
@@ -269,8 +272,8 @@ def new_key() -> str:
     return secrets.token_hex(16)
 
 
-def new_run(outer: str | None = None) -> Call[str]:
-    return _call(NewRun(id=0, outer=outer), lambda reply: reply.run)
+def new_run(outer: str | None = None, *, limits: Limits | None = None) -> Call[str]:
+    return _call(NewRun(id=0, outer=outer, limits=limits or None), lambda reply: reply.run)
 
 
 def ls(all: bool = False, run: str | None = None, usage: bool = False) -> Call[list[WorkerView]]:

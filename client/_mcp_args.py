@@ -24,6 +24,7 @@ from subagentd.protocol import (
     MAX_ARG_BYTES,
     MAX_ARGS,
     MAX_CONTEXT_LINES,
+    MAX_CPUS,
     MAX_EPOCH,
     MAX_GRACE,
     MAX_GREP_MATCHES,
@@ -34,8 +35,14 @@ from subagentd.protocol import (
     MAX_NAME_LENGTH,
     MAX_PATH_LENGTH,
     MAX_PATTERN_LENGTH,
+    MAX_PIDS,
     MAX_SEND_BYTES,
     MAX_TIMEOUT,
+    MIN_CPUS,
+    LimitError,
+    cores,
+    memory_bytes,
+    process_count,
 )
 
 from ._when import MAX_SINCE_LENGTH, parse_since
@@ -157,6 +164,20 @@ Stream = Annotated[
 ]
 
 
+def _limit(read: Any) -> Any:
+    """A limit as people write it ("2G", 1.5, 100), read by the parser every door shares."""
+
+    def check(value: object) -> object:
+        if value is None:
+            return None
+        try:
+            return read(value)
+        except LimitError as exc:
+            raise ValueError(str(exc).split(": ", 1)[1]) from None
+
+    return BeforeValidator(check)
+
+
 class Arguments(BaseModel):
     """A tool's arguments: strict JSON types, no property it does not name."""
 
@@ -245,6 +266,31 @@ class SpawnArguments(Arguments):
     stdin_open: Annotated[
         bool, Field(description="keep its stdin open, for subagent_send to write to")
     ] = False
+    memory: Annotated[
+        int | str | None,
+        _limit(memory_bytes),
+        Field(
+            description="what it and every worker it delegates may hold in memory together: "
+            'bytes, or "512M", "1.5G", "2GiB" (1M to 1P); past it the kernel kills in it, '
+            'and a worker so killed ends failed with reason "memory_limit"'
+        ),
+    ] = None
+    cpus: Annotated[
+        float | int | str | None,
+        _limit(cores),
+        Field(
+            description=f"the cores of CPU it and its delegates may use together "
+            f"({MIN_CPUS} to {MAX_CPUS:g}, e.g. 1.5)"
+        ),
+    ] = None
+    pids: Annotated[
+        int | str | None,
+        _limit(process_count),
+        Field(
+            description=f"the processes it and its delegates may have at once (1 to "
+            f"{MAX_PIDS}); a fork past it fails"
+        ),
+    ] = None
     ready: Annotated[
         str | None,
         Field(

@@ -50,6 +50,14 @@ class UsageOut(Shape):
     )
 
 
+class LimitsOut(Shape):
+    """What a worker and all it delegates may take together (absent: no limit of that kind)."""
+
+    memory: int | None = Field(default=None, description="bytes of memory")
+    cpus: float | None = Field(default=None, description="cores of CPU")
+    pids: int | None = Field(default=None, description="processes at once")
+
+
 class WorkerOut(Shape):
     """A worker, as `subagentctl --json status` prints it."""
 
@@ -76,6 +84,14 @@ class WorkerOut(Shape):
     )
     usage: UsageOut | None = Field(
         default=None, description="what it takes now, if live (null: ended or starting)"
+    )
+    limits: LimitsOut | None = Field(
+        default=None, description="its own limits, as enforced (null: none of its own)"
+    )
+    reason: str = Field(
+        default="",
+        description='why it ended as it did beyond its state: "memory_limit" (failed, the '
+        "kernel having killed it at a memory limit); empty otherwise",
     )
 
 
@@ -190,6 +206,11 @@ class WakeOut(Shape):
     state: WorkerState
     exit_code: int | None
     preview: str
+    reason: str = Field(
+        default="",
+        description='why it ended as it did beyond its state: "memory_limit" (failed, the '
+        "kernel having killed it at a memory limit); empty otherwise",
+    )
 
 
 class WakesOut(Shape):
@@ -240,6 +261,7 @@ def uptime(view: WorkerView, now: float) -> float:
 def worker(view: WorkerView, now: float) -> dict[str, Any]:
     """`view` as structured content, its uptime counted to `now`."""
     fields = {name: getattr(view, name) for name in _WORKER_FIELDS}
+    fields["limits"] = msgspec.to_builtins(view.limits) if view.limits else None
     usage = None if view.usage is None else msgspec.to_builtins(view.usage)
     return {**fields, "uptime": uptime(view, now), "usage": usage}
 
@@ -264,4 +286,8 @@ def entry(found: Entry, data: bytes | None = None, *, cut: bool = False) -> dict
 
 
 def state_of(view: WorkerView) -> str:
-    return "stopping" if view.stopping else "paused" if view.paused else view.state
+    if view.stopping:
+        return "stopping"
+    if view.paused:
+        return "paused"
+    return f"{view.state} ({view.reason})" if view.reason else view.state

@@ -93,7 +93,8 @@ def match_text(match: GrepMatch) -> str:
 def wake_line(wake: Wake) -> str:
     # As `subagentctl events` prints it: the preview on the wake's one line.
     preview = printable(wake.preview, SHOWN_NAME)
-    return f"{wake.id} {wake.state} exit={wake.exit_code} {preview}".rstrip()
+    state = f"{wake.state} ({wake.reason})" if wake.reason else wake.state
+    return f"{wake.id} {state} exit={wake.exit_code} {preview}".rstrip()
 
 
 def ids(found: Iterable[str]) -> str:

@@ -11,7 +11,15 @@ from typing import Any
 import msgspec
 import trio
 
-from subagentd.protocol import Cancel, ListWorkers, Stop, StopRun, WorkerList, WorkerView
+from subagentd.protocol import (
+    Cancel,
+    ListWorkers,
+    Stop,
+    StopRun,
+    WorkerList,
+    WorkerView,
+    parse_limits,
+)
 from subagentd.protocol.errors import RemoteError
 
 from . import _core
@@ -32,14 +40,16 @@ async def subagent_spawn(a: args.SpawnArguments) -> Answer:
     """Start a worker process under the subagentd supervisor and return its id and run.
 
     Give `argv` (a command) or `agent` (a named agent); `env`, `grace`, `timeout`, `cwd`,
-    `input` as a process takes them. The worker runs in the background, outliving this
-    call: read its output with subagent_watch or subagent_grep, wait for it with
-    subagent_wait, stop it with subagent_stop, get its result with subagent_collect.
-    With `ready` (a regular expression), this call also waits, up to `ready_timeout`
-    seconds (keep it under 50: a host gives up on a call after its own timeout), until a
-    line of its output matches, and answers that line, or how it ended and the tail of
-    its output, or that it timed out (it still runs). Inside a worker, the new worker is
-    that worker's child."""
+    `input` as a process takes them; `memory` ("2G"), `cpus` (1.5) and `pids` (100) bound
+    what it and every worker it delegates may take together, enforced by the kernel (a
+    worker killed at its memory limit ends failed, reason "memory_limit"). The worker
+    runs in the background, outliving this call: read its output with subagent_watch or
+    subagent_grep, wait for it with subagent_wait, stop it with subagent_stop, get its
+    result with subagent_collect. With `ready` (a regular expression), this call also
+    waits, up to `ready_timeout` seconds (keep it under 50: a host gives up on a call
+    after its own timeout), until a line of its output matches, and answers that line,
+    or how it ended and the tail of its output, or that it timed out (it still runs).
+    Inside a worker, the new worker is that worker's child."""
     if not a.argv and a.agent is None:
         raise args.Invalid("argv", "give argv (a command) or agent (a named agent)")
     if a.ready is not None:
@@ -57,6 +67,7 @@ async def subagent_spawn(a: args.SpawnArguments) -> Answer:
             grace=a.grace,
             key=a.key,
             stdin_open=a.stdin_open,
+            limits=parse_limits(a.memory, a.cpus, a.pids),
         )
         if a.ready is None:
             return Answer(f"spawned {text.worker_line(view)}", shapes.worker(view, time.time()))

@@ -24,6 +24,7 @@ from subagentd.protocol import (
     Entry,
     Error,
     GrepResult,
+    Limits,
     OutputKind,
     Page,
     Paused,
@@ -123,6 +124,7 @@ class Client:
         grace: float | None = None,
         key: str | None = None,
         stdin_open: bool = False,
+        limits: Limits | None = None,
     ) -> WorkerView:
         """Start a worker; ``cwd`` defaults to this process's working directory.
 
@@ -132,7 +134,8 @@ class Client:
         by itself, and a caller may send one again with its own key.
 
         ``stdin_open``: its stdin is a pipe the daemon keeps open for `send` (not with
-        ``input``)."""
+        ``input``). ``limits``: what it and all it delegates may take together
+        (`Limits`; `parse_limits` reads "2G", "1.5", "100"), over its agent's."""
         return self._call(
             _core.spawn(
                 argv,
@@ -147,11 +150,14 @@ class Client:
                 grace=grace,
                 key=key,
                 stdin_open=stdin_open,
+                limits=limits,
             )
         )
 
-    def new_run(self, outer: str | None = None) -> str:
-        return self._call(_core.new_run(outer))
+    def new_run(self, outer: str | None = None, *, limits: Limits | None = None) -> str:
+        """A new run (nested in ``outer``); ``limits``: what its workers may take
+        together."""
+        return self._call(_core.new_run(outer, limits=limits))
 
     def ls(
         self, all: bool = False, run: str | None = None, *, usage: bool = False

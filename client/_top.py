@@ -207,7 +207,7 @@ def tree(views: Sequence[WorkerView]) -> list[Row]:
 
 def state_of(view: WorkerView) -> str:
     if view.state in TERMINAL_STATES:
-        return view.state
+        return f"{view.state} ({view.reason})" if view.reason else view.state
     return "stopping" if view.stopping else "paused" if view.paused else view.state
 
 

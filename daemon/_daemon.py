@@ -33,6 +33,7 @@ from ._problems import Problems
 from .core._recovering import RecoveryProgress
 from .core._registry import DEFAULT_FINISHED_TTL, DEFAULT_KEEP_ARCHIVES_DAYS, Registry, WorkerRecord
 from .core._request_keys import DEFAULT_REQUEST_KEY_TTL
+from .processes._controllers import LimitsHit
 from .processes._launcher import Launcher
 from .processes._relay import Relay
 from .store._journal import Journal
@@ -185,10 +186,15 @@ class Daemon:
         self.endings.finish(record, journal, returncode, stdout_tail, failure)
 
     async def _finish_together(
-        self, record: WorkerRecord, journal: Journal, returncode: int | None, stdout_tail: bytes
+        self,
+        record: WorkerRecord,
+        journal: Journal,
+        returncode: int | None,
+        stdout_tail: bytes,
+        hit: LimitsHit | None = None,
     ) -> None:
         """`_finish`, in one transaction with the endings of the same scheduling batch."""
-        await self.endings.finish_together(record, journal, returncode, stdout_tail)
+        await self.endings.finish_together(record, journal, returncode, stdout_tail, hit)
 
     def _ended(self) -> None:
         """A worker ended: its handle's expiry is due, and idle exit may look again."""
@@ -298,6 +304,7 @@ class Daemon:
             socket=str(self.socket_path),
             state_dir=str(self.state_dir.root),
             relays=self.launcher.relays.info(),
+            controls=dict(self.launcher.controllers.controls),
             problems=self.problems.current()
             + self.store_upkeep.unwritten_problem()
             + self.store.problems

@@ -117,6 +117,22 @@ RequestKey = Annotated[
     str, msgspec.Meta(min_length=1, max_length=MAX_KEY_LENGTH, pattern=r"^[!-~]+$")
 ]
 
+#: A memory limit, in bytes: 1 MiB (less would not hold a shell) to 2**50 (a PiB).
+MIN_MEMORY = 1024 * 1024
+MAX_MEMORY = 2**50
+#: A CPU limit, in cores: a hundredth of one (the kernel's least quota, 1 ms of each
+#: 100 ms period) to 1024.
+MIN_CPUS = 0.01
+MAX_CPUS = 1024.0
+#: A process limit: 1 to Linux's most pids (PID_MAX_LIMIT, 2**22).
+MAX_PIDS = 4_194_304
+MemoryLimit = Annotated[int, msgspec.Meta(ge=MIN_MEMORY, le=MAX_MEMORY)]
+#: Finite by its bounds: nan and inf fail them.
+CpuLimit = Annotated[float, msgspec.Meta(ge=MIN_CPUS, le=MAX_CPUS)]
+PidsLimit = Annotated[int, msgspec.Meta(ge=1, le=MAX_PIDS)]
+#: The kinds of limit, as `Limits` and `DaemonInfo.controls` name them.
+LIMIT_KINDS = ("memory", "cpus", "pids")
+
 
 # -- values carried inside messages --------------------------------------------
 
@@ -143,6 +159,30 @@ class Usage(msgspec.Struct, kw_only=True):
     #: "cgroup": the figures are the kernel's counters of its cgroup; "proc": memory (and,
     #: without a cgroup, CPU and the processes) summed over its processes from /proc.
     source: Literal["cgroup", "proc"]
+
+
+class Limits(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What a worker and everything it delegated (its subtree), or a run's workers together,
+    may take, enforced by the kernel (`DaemonInfo.controls` says how). Unset: no limit of
+    that kind; an unset field is not sent."""
+
+    #: Bytes of memory (the kernel OOM-kills within the subtree past it).
+    memory: MemoryLimit | None = None
+    #: Cores of CPU time (a quota each period: 1.5 is a core and a half).
+    cpus: CpuLimit | None = None
+    #: Processes (and threads) at once: a fork past it fails (EAGAIN).
+    pids: PidsLimit | None = None
+
+    def __bool__(self) -> bool:
+        return self.memory is not None or self.cpus is not None or self.pids is not None
+
+
+class Control(msgspec.Struct, kw_only=True):
+    """How this daemon enforces one kind of limit (`DaemonInfo.controls`): `enforced`, and
+    `how`, a sentence naming the mechanism and its path, or why it cannot."""
+
+    enforced: bool
+    how: str = ""
 
 
 class WorkerView(msgspec.Struct, kw_only=True):
@@ -175,6 +215,12 @@ class WorkerView(msgspec.Struct, kw_only=True):
     #: What it takes now (`Usage`): in `status` of a live worker, in a listing that asked
     #: (``usage``); None otherwise, and for an ended or starting worker.
     usage: Usage | None = None
+    #: The worker's own limits, as enforced (None: none of its own; its parent's and its
+    #: run's may still bound it).
+    limits: Limits | None = None
+    #: Why it ended as it did, beyond its state: "memory_limit" (it ended `failed`, the
+    #: kernel having OOM-killed it at a memory limit); empty otherwise.
+    reason: str = ""
 
 
 class Resumed(WorkerView, kw_only=True):
@@ -273,6 +319,8 @@ class Wake(msgspec.Struct, kw_only=True):
     exit_code: int | None = None
     preview: str = ""
     attempt: int = 1
+    #: As `WorkerView.reason`: "memory_limit", or empty.
+    reason: str = ""
 
 
 class OutputRelays(msgspec.Struct, kw_only=True):
@@ -337,6 +385,9 @@ class DaemonInfo(msgspec.Struct, kw_only=True):
     #: known; ``cpu_percent``: of those that have one); ``source`` "proc" if any was.
     #: None: not asked, or an image before it.
     usage: Usage | None = None
+    #: What this daemon can enforce, by kind ("memory", "cpus", "pids"), and how; a spawn
+    #: or new_run asking for a kind not enforced is refused. Empty: an image before limits.
+    controls: dict[str, Control] = {}
 
 
 # -- replies and events: daemon to client --------------------------------------
@@ -605,6 +656,9 @@ class Spawn(Request[WorkerReply], tag="spawn"):
     #: Keep the worker's stdin a pipe the daemon holds open, for `Send` (with no
     #: ``input``): carried across a reload like its other pipes.
     stdin_open: bool = False
+    #: What the worker and all it delegates may take together (over its agent's limits,
+    #: kind by kind); None: its agent's, if any.
+    limits: Limits | None = None
 
     for_workers = True
     again_after_reloading = True
@@ -615,6 +669,8 @@ class Spawn(Request[WorkerReply], tag="spawn"):
 
 class NewRun(Request[RunReply], tag="new_run"):
     outer: Id | None = None
+    #: What the run's workers may take together; None: no limit of the run's own.
+    limits: Limits | None = None
 
 
 class ListWorkers(Request[WorkerList], tag="list_workers"):

@@ -21,6 +21,7 @@ import msgspec
 from subagentd.protocol import (
     MAX_GRACE,
     TERMINAL_STATES,
+    Limits,
     ListWorkers,
     Spawn,
     WorkerState,
@@ -93,6 +94,13 @@ class WorkerRecord(msgspec.Struct, kw_only=True, weakref=True):
     paused_since: float | None = None
     #: The seconds it spent paused before: what its timeout's deadline moved by.
     paused_for: float = 0.0
+    #: Its own limits (its snapshot's: a resume keeps them); None: none of its own.
+    limits: Limits | None = None
+    #: Where its limit nodes are below each hierarchy's base (`LimitPlan.relative`):
+    #: empty when nothing on its way had a limit, so it was placed in none.
+    limit_path: str = ""
+    #: Why it ended as it did beyond its state ("memory_limit"); empty otherwise.
+    reason: str = ""
 
     def __setattr__(self, name: str, value: object) -> None:
         # Every change of state (or of whether a result is owed), wherever it is made,
@@ -175,6 +183,8 @@ class WorkerRecord(msgspec.Struct, kw_only=True, weakref=True):
             agent=self.agent,
             stopping=self.stop_reason is not None and not self.ended,
             paused=self.paused,
+            limits=self.limits,
+            reason=self.reason,
         )
 
     def summary(self) -> WorkerView:
@@ -344,6 +354,8 @@ class RunRecord(msgspec.Struct, kw_only=True):
     #: Made for one spawn that named no run: nobody else holds its id, so it
     #: may go once its workers have. A run asked for by name, or nested in, stays.
     implicit: bool = False
+    #: What its workers may take together (`new_run`'s); None: no limit of its own.
+    limits: Limits | None = None
 
 
 class Registry:
@@ -376,14 +388,16 @@ class Registry:
 
     # -- runs ----------------------------------------------------------------
 
-    def new_run(self, now: float, outer: str | None = None) -> RunRecord:
+    def new_run(
+        self, now: float, outer: str | None = None, limits: Limits | None = None
+    ) -> RunRecord:
         if outer is not None:
             outer_run = self.run(outer)
             if outer_run.stopped:
                 raise RunStopped(f"run {outer} was stopped; a run cannot be nested in it")
             # Whoever nests a run in it holds its id now: it stays when its workers go.
             outer_run.implicit = False
-        run = RunRecord(id=self._fresh_id("r"), outer=outer, created_at=now)
+        run = RunRecord(id=self._fresh_id("r"), outer=outer, created_at=now, limits=limits)
         self._runs[run.id] = run
         self._run_members[run.id] = []
         self._inner_runs[run.id] = []
@@ -403,6 +417,31 @@ class Registry:
 
     def has_run(self, run_id: str) -> bool:
         return run_id in self._runs
+
+    def limit_chain(
+        self, record: WorkerRecord
+    ) -> tuple[tuple[str, ...], tuple[Limits | None, ...]]:
+        """Where a worker's limit nodes go, and the limits of each (`LimitPlan`): below its
+        parent's nodes where its parent was placed in some, else its run's node, then its
+        delegation chain root first, itself last."""
+        parent = self._workers.get(record.parent) if record.parent is not None else None
+        if parent is not None and parent.limit_path:
+            path: tuple[str, ...] = (*parent.limit_path.split("/"), record.id)
+        else:
+            chain = [record.id]
+            seen = {record.id}
+            current = parent
+            while current is not None and current.id not in seen:
+                seen.add(current.id)
+                chain.append(current.id)
+                current = self._workers.get(current.parent) if current.parent else None
+            path = (record.run, *reversed(chain))
+        run = self._runs.get(record.run)
+        values = [run.limits if run is not None else None]
+        for name in path[1:]:
+            found = record if name == record.id else self._workers.get(name)
+            values.append(found.limits if found is not None else None)
+        return path, tuple(values)
 
     # -- workers -------------------------------------------------------------
 
@@ -447,6 +486,7 @@ class Registry:
         agent: str | None = None,
         grace: float | None = None,
         timeout: float | None = None,
+        limits: Limits | None = None,
     ) -> WorkerRecord:
         """A new worker in state `starting`. Refuses with `run_stopped` into a stopped run.
 
@@ -501,6 +541,7 @@ class Registry:
             archive=archive_for(worker_id),
             started_at=now,
             turn=self.turn,
+            limits=limits or None,
         )
         if self.fence is not None:
             record.fence = self.fence.epoch
@@ -795,6 +836,7 @@ class Registry:
         record.state = "starting"
         record.stop_reason = None
         record.exit_code = None
+        record.reason = ""
         record.pid = record.pid_start = record.pipes = None
         record.started_at = now
         record.ended_at = None

@@ -44,6 +44,7 @@ class WakeQueue:
         exit_code: int | None,
         preview: str,
         attempt: int,
+        reason: str = "",
     ) -> Wake | None:
         """The wake for this ending, or None if this attempt already posted one."""
         if (worker, attempt) in self._posted:
@@ -58,6 +59,7 @@ class WakeQueue:
             exit_code=exit_code,
             preview=preview,
             attempt=attempt,
+            reason=reason,
         )
         self.restore(wake)
         return wake

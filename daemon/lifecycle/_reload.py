@@ -563,6 +563,8 @@ async def adopt(
     # one a worker; recovery takes the same rows, unless a stop below changed some.
     held = daemon.store.held_workers()
     readable = {record.id for record in held[0]}
+    # Where each was placed in limit nodes (the kernel kept them, and their limits).
+    limit_paths = {record.id: record.limit_path for record in held[0] if record.limit_path}
     journal_fds = _journal_descriptors(checkpoint)
     with daemon.launcher.adopting():
         for carried in checkpoint.live:
@@ -587,6 +589,7 @@ async def adopt(
                     None
                     if carried.relay is None
                     else (carried.relay, carried.relay_key or carried.id, carried.relayed),
+                    limit_path=limit_paths.get(carried.id, ""),
                 )
                 if journal is None and carried.parked is not None:
                     try:

@@ -103,6 +103,9 @@ class Resumer:
         asked: AskedKey | None,
     ) -> WorkerView:
         registry = self.daemon.registry
+        # Its snapshot's limits, or none: a limit the kernel here cannot hold is refused.
+        self.daemon.launcher.controllers.refuse_unenforced(snapshot.limits, "the resume")
+        record.limits = snapshot.limits
         # Taken back into memory (its run as the store saved it: stopped, if it was), so
         # a stop that lands while its journal is verified reaches it and refuses this.
         saved_run = None if registry.has_run(record.run) else self.daemon.store.run(record.run)

@@ -29,6 +29,7 @@ from .._settings import Settings
 from ..core._recovering import RecoveryProgress
 from ..core._registry import DEFAULT_GRACE
 from ..processes._cgroup import Cgroups, CgroupsUnavailable
+from ..processes._controllers import Controllers
 from ..processes._launcher import LocalLauncher
 from ..processes._process import reap
 from ..processes._relay import Relays, default_relay_above
@@ -152,7 +153,9 @@ async def serve(
             finished_ttl=settings.finished_ttl,
             keep_archives_days=settings.keep_archives_days,
             request_key_ttl=settings.request_key_ttl,
-            launcher=LocalLauncher(cgroups, tree_tracking, _relays(settings)),
+            launcher=LocalLauncher(
+                cgroups, tree_tracking, _relays(settings), _controllers(settings)
+            ),
             faults=read_faults(os.environ.get(FAULT_ENV, "")),
             store=store,
         )
@@ -397,6 +400,17 @@ def _tree_tracking(settings: Settings) -> tuple[Cgroups | None, str]:
         log.warning("daemon.no_cgroups", reason=str(exc), then="finding trees by scanning /proc")
         return None, f"/proc scan ({exc})"
     return cgroups, f"cgroup {cgroups.base}"
+
+
+def _controllers(settings: Settings) -> Controllers:
+    """Where the kernel can enforce workers' limits; none with --cgroups off."""
+    if settings.cgroups == "off":
+        return Controllers.off("cgroups are turned off (--cgroups off)")
+    controllers = Controllers.find(settings.state_dir)
+    for kind, control in controllers.controls.items():
+        if not control.enforced:
+            log.info("daemon.limit_not_enforced", kind=kind, why=control.how)
+    return controllers
 
 
 def _relays(settings: Settings) -> Relays:

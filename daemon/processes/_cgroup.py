@@ -36,8 +36,9 @@ from ._tree import DESCRIPTOR_ERRNOS, Graces, patiently
 
 log = get_logger()
 
-#: Held while the daemon stands in a worker's cgroup to fork it.
-_FORK_LOCK = threading.Lock()
+#: Held while the daemon stands in a worker's cgroup to fork it (and in its limit nodes,
+#: `_controllers`, entered inside it: so reentrant).
+_FORK_LOCK = threading.RLock()
 #: How much of cgroup.procs one read asks for (a pid and its newline take at most 8 bytes).
 _PROCS_READ = 64 * 1024
 

@@ -23,6 +23,7 @@ from subagentd.protocol import Usage
 
 from .._logging import get_logger
 from ._cgroup import Cgroups, Leader, WorkerCgroup, end_cgroup, peer_cgroup
+from ._controllers import Controllers, LimitNodes, LimitPlan, LimitsHit
 from ._escapes import MarkerSearch, StopBatch, end_escaped, end_marked_by
 from ._freezer import (
     CGROUP_FREEZE,
@@ -53,6 +54,8 @@ class Launcher(Protocol):
     graces: Graces
     #: The output relays holding workers' pipes past the daemon's descriptor threshold.
     relays: Relays
+    #: Which limits the kernel enforces here, and where (`_controllers`).
+    controllers: Controllers
 
     @property
     def authority(self) -> Literal["kernel", "token"]:
@@ -77,9 +80,11 @@ class Launcher(Protocol):
         env: Mapping[str, str],
         stdin_path: str | None,
         stdin_open: bool = False,
+        limits: LimitPlan | None = None,
     ) -> WorkerProcess:
         """Start a worker's process; raises SpawnFailed (OutOfDescriptors) naming why not.
-        `stdin_open`: its stdin a pipe whose write end the process hands back."""
+        `stdin_open`: its stdin a pipe whose write end the process hands back. `limits`:
+        the limit nodes it is born in (`Controllers.nodes`)."""
         ...
 
     def adopt(
@@ -91,9 +96,15 @@ class Launcher(Protocol):
         stderr: int | None,
         stdin: int | None = None,
         relayed: tuple[int, str, list[str]] | None = None,
+        limit_path: str = "",
     ) -> WorkerProcess:
         """Take over a worker a previous image started; ProcessLookupError if it is gone.
-        `relayed`: the pid of the relay holding its streams, their key, and their kinds."""
+        `relayed`: the pid of the relay holding its streams, their key, and their kinds.
+        `limit_path`: where its limit nodes are (`LimitPlan.relative`; empty: none)."""
+        ...
+
+    def limits_hit(self, process: WorkerProcess) -> LimitsHit | None:
+        """What its limits did to a worker whose tree has ended; None: it had none."""
         ...
 
     def adopting(self) -> contextlib.AbstractContextManager[None]:
@@ -202,11 +213,18 @@ class LocalLauncher:
     """Fork and exec here, into a per-worker cgroup where there is one."""
 
     def __init__(
-        self, cgroups: Cgroups | None, tree_tracking: str, relays: Relays | None = None
+        self,
+        cgroups: Cgroups | None,
+        tree_tracking: str,
+        relays: Relays | None = None,
+        controllers: Controllers | None = None,
     ) -> None:
         #: Where workers' cgroups go; None: their trees are found by scanning /proc.
         self.cgroups = cgroups
         self.tree_tracking = tree_tracking
+        self.controllers = (
+            controllers if controllers is not None else Controllers.off("not asked for")
+        )
         self.graces = Graces()
         #: None: no worker is relayed (a threshold no descriptor reaches).
         self.relays = relays if relays is not None else Relays(1 << 62)
@@ -229,6 +247,8 @@ class LocalLauncher:
         #: The v1 memory cgroup a worker's process has, if any (one a memory limit made
         #: where v2 has no memory controller): its usage is read from there.
         self.v1_memory_of: Callable[[WorkerProcess], Path | None] = lambda process: None
+        #: Ended workers' limit nodes, likewise.
+        self._unremoved_nodes: list[LimitNodes] = []
 
     @property
     def authority(self) -> Literal["kernel", "token"]:
@@ -268,6 +288,7 @@ class LocalLauncher:
         env: Mapping[str, str],
         stdin_path: str | None,
         stdin_open: bool = False,
+        limits: LimitPlan | None = None,
     ) -> WorkerProcess:
         if self.relays.soon_wanted():  # a compare: nothing more below the threshold
             await self.relays.make_room(2)  # before the fork: a cancel here loses nothing
@@ -285,6 +306,7 @@ class LocalLauncher:
             # Where connections are placed by cgroup, one outside every worker's acts for
             # the user: a worker must never start outside its own.
             cgroup_required=self.authority == "kernel",
+            limit_nodes=self.controllers.nodes(limits),
         )
         if process.cgroup_error is not None:
             log.warning("worker.no_cgroup", worker=worker_id, error=process.cgroup_error)
@@ -307,10 +329,13 @@ class LocalLauncher:
         stderr: int | None,
         stdin: int | None = None,
         relayed: tuple[int, str, list[str]] | None = None,
+        limit_path: str = "",
     ) -> WorkerProcess:
         process = WorkerProcess.adopt(
             pid, pid_start, stdout, stderr, cgroup=self._adopted_group(worker_id), stdin=stdin
         )
+        # The kernel kept its nodes, and its limits in them, across the exec.
+        process.limit_nodes = self.controllers.nodes_at(limit_path)
         if relayed is not None:
             relay_pid, key, kinds = relayed
             relay = self.relays.by_pid(relay_pid)
@@ -446,6 +471,10 @@ class LocalLauncher:
             return await end_marked(self.processes, worker_id, grace)
         return await end_tree(self.processes, pid, worker_id, pid_start, grace)
 
+    def limits_hit(self, process: WorkerProcess) -> LimitsHit | None:
+        nodes = process.limit_nodes
+        return nodes.hit() if nodes is not None else None
+
     def holds_tree(self, worker_id: str) -> bool:
         group = self._group(worker_id)
         return group is not None and group.exists()
@@ -473,24 +502,29 @@ class LocalLauncher:
             # process has just left costs ~40-90 us here, 10,000 of them the event loop's
             # most costly step after the TERMs in a stop_run of 10,000.
             self._unremoved.append(process.cgroup)
+        if process.limit_nodes is not None:
+            self._unremoved_nodes.append(process.limit_nodes)
 
     async def remove_released(self, wanted: Callable[[str], bool]) -> None:
         """Remove the cgroups released since (`released`), in a thread, but those of
         workers `wanted` again (resumed meanwhile: their new attempt uses it)."""
         groups, self._unremoved = self._unremoved, []
-        if groups:
-            await trio.to_thread.run_sync(_remove_all, groups, wanted)
+        nodes, self._unremoved_nodes = self._unremoved_nodes, []
+        if groups or nodes:
+            await trio.to_thread.run_sync(_remove_all, groups, wanted, nodes)
 
     async def sweep(self, live: Container[str]) -> None:
-        if self.cgroups is None:
-            return
-        for group in self.cgroups.leftovers():
-            if group.path.name in live:
-                continue
-            killed = await end_cgroup(group, 0)
-            if killed:
-                log.warning("cgroup.leftover_killed", cgroup=str(group.path), processes=killed)
-            _remove(group)
+        if self.cgroups is not None:
+            for group in self.cgroups.leftovers():
+                if group.path.name in live:
+                    continue
+                killed = await end_cgroup(group, 0)
+                if killed:
+                    log.warning("cgroup.leftover_killed", cgroup=str(group.path), processes=killed)
+                _remove(group)
+        # Then the limit nodes a dead image left, now empty (a live worker's hold its
+        # processes, and stay).
+        await trio.to_thread.run_sync(self.controllers.sweep)
 
     async def sweep_at_shutdown(self, since_of: Callable[[str], int | None]) -> None:
         if self.cgroups is not None:
@@ -514,18 +548,28 @@ class LocalLauncher:
         groups, self._unremoved = self._unremoved, []
         for group in groups:
             _remove(group)
+        nodes, self._unremoved_nodes = self._unremoved_nodes, []
+        for node in nodes:
+            node.remove_unless(lambda _: False)
 
     def close(self, *, anything_live: bool) -> None:
         self.relays.close()
         self.remove_released_now()  # before their parent
         if self.cgroups is not None and not anything_live:
             self.cgroups.remove()
+        if not anything_live:
+            self.controllers.close()
 
 
-def _remove_all(groups: list[WorkerCgroup], wanted: Callable[[str], bool]) -> None:
-    """Remove ended workers' cgroups (in a thread), but those `wanted` again."""
+def _remove_all(
+    groups: list[WorkerCgroup], wanted: Callable[[str], bool], nodes: list[LimitNodes]
+) -> None:
+    """Remove ended workers' cgroups and limit nodes (in a thread), but those `wanted`
+    again."""
     for group in groups:
         _remove(group, wanted)
+    for node in nodes:
+        node.remove_unless(wanted)
 
 
 def _remove(group: WorkerCgroup, wanted: Callable[[str], bool] | None = None) -> None:

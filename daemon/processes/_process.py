@@ -28,6 +28,7 @@ import trio
 from ..store._files import open_regular
 from . import _spawn
 from ._cgroup import WorkerCgroup
+from ._controllers import LimitNodes, LimitsNotPlaced
 from ._reaper import REAPER, Watched
 from ._tree import DESCRIPTOR_ERRNOS, read_stat
 
@@ -87,6 +88,8 @@ class WorkerProcess:
     cgroup: WorkerCgroup | None = None
     #: Why it has no cgroup although one was asked for.
     cgroup_error: str | None = None
+    #: Its limit nodes (`_controllers`); None: nothing on its way has a limit.
+    limit_nodes: LimitNodes | None = None
     #: It has been reaped (or given up to the reaper): its pid may be anyone's.
     reaped: bool = False
     #: Once reaped, its returncode (None: not known).
@@ -106,6 +109,7 @@ class WorkerProcess:
         stdin_open: bool = False,
         cgroup: WorkerCgroup | None = None,
         cgroup_required: bool = False,
+        limit_nodes: LimitNodes | None = None,
     ) -> WorkerProcess:
         """Start `argv` in its own process group (and `cgroup`) with piped stdout and stderr;
         its stdin the file at `stdin_path`, a pipe the daemon writes (`stdin_open`), or
@@ -152,6 +156,10 @@ class WorkerProcess:
                         cgroup = None
                         if cgroup_required:
                             raise _CgroupRequired(cgroup_error) from exc
+                if limit_nodes is not None:
+                    # Its limits hold from its first instruction, or it does not start:
+                    # SpawnFailed (OSError below) naming the node that would not take it.
+                    birthplace.enter_context(limit_nodes.born_in())
                 pid = _start(argv, cwd=cwd, env=env, stdin=stdin, stdout=out_w, stderr=err_w)
         except _CgroupRequired as exc:
             for end in (out_r, err_r, stdin_w):  # the others: `finally`
@@ -173,6 +181,8 @@ class WorkerProcess:
                     cgroup.remove()
             if isinstance(exc, OSError) and exc.errno in DESCRIPTOR_ERRNOS:
                 raise OutOfDescriptors(exc) from exc  # Popen's own pipe, not the exec
+            if isinstance(exc, LimitsNotPlaced):
+                raise SpawnFailed(f"cannot start {argv[0]!r}: {exc.strerror}") from exc
             reason = getattr(exc, "strerror", None) or str(exc)
             raise SpawnFailed(f"cannot execute {argv[0]!r} in {cwd}: {reason}") from exc
         finally:
@@ -208,6 +218,7 @@ class WorkerProcess:
             stdin=stdin_w,
             cgroup=cgroup,
             cgroup_error=cgroup_error,
+            limit_nodes=limit_nodes,
         )
 
     @classmethod

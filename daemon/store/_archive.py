@@ -20,6 +20,8 @@ from typing import TypeVar
 
 import msgspec
 
+from subagentd.protocol import Limits
+
 from .._logging import get_logger
 from ..core._registry import DEFAULT_GRACE
 from ._files import (
@@ -147,6 +149,9 @@ class Snapshot(msgspec.Struct, kw_only=True):
     #: Its stdin a pipe the daemon holds for `send` (`spawn --stdin open`): a resumed
     #: attempt gets one again (False in snapshots written before it was kept).
     stdin_open: bool = False
+    #: Its own limits (its agent's, with the spawn's laid over them): a resumed attempt
+    #: runs under them again (None: none, and in snapshots written before they were kept).
+    limits: Limits | None = None
 
 
 class Archive:

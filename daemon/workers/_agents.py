@@ -21,8 +21,11 @@ from subagentd.protocol import (
     Argv,
     Env,
     Grace,
+    LimitError,
+    Limits,
     Name,
     Timeout,
+    parse_limits,
 )
 
 from ..store._archive import FrozenAgent
@@ -40,6 +43,14 @@ class AgentDef(msgspec.Struct, forbid_unknown_fields=True):
     timeout: Timeout = 0
     grace: Grace | None = None
     env: Env = {}
+    #: Its limits, as people write them ("2G", 1.5, 100): `limits()` reads them.
+    memory: int | str | None = None
+    cpus: float | str | None = None
+    pids: int | str | None = None
+
+    def limits(self) -> Limits | None:
+        """Its limits (LimitError naming the key, for one that cannot be taken)."""
+        return parse_limits(self.memory, self.cpus, self.pids)
 
     def render(self) -> list[str]:
         try:
@@ -110,6 +121,10 @@ def load_agents(path: Path) -> dict[str, AgentDef]:
             raise ConfigError(f"{path}: agents.{name}.{exc}") from exc
         if problem := command_problem(argv, agent.env):
             raise ConfigError(f"{path}: agents.{name}: {problem}")
+        try:
+            agent.limits()
+        except LimitError as exc:  # "memory: from 1M to ..." : its key, as in the file
+            raise ConfigError(f"{path}: agents.{name}.{exc}") from exc
     return agents
 
 

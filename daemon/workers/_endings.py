@@ -16,6 +16,7 @@ from .._faults import Faults
 from .._logging import get_logger
 from .._problems import Problems
 from ..core._registry import Registry, WorkerRecord
+from ..processes._controllers import LimitsHit
 from ..store._archive import STDOUT_TAIL_BYTES
 from ..store._journal import Journal, JournalCorrupt
 from ..store._store import Change, Store
@@ -76,7 +77,12 @@ class Endings:
         self._ended()
 
     async def finish_together(
-        self, record: WorkerRecord, journal: Journal, returncode: int | None, stdout_tail: bytes
+        self,
+        record: WorkerRecord,
+        journal: Journal,
+        returncode: int | None,
+        stdout_tail: bytes,
+        hit: LimitsHit | None = None,
     ) -> None:
         """`finish`, its transaction shared with the endings reached in the same scheduling
         batch (`GroupCommit`); returns once it is written. The ending is made (its state,
@@ -85,7 +91,7 @@ class Endings:
         wakes: list[Wake | None] = []
 
         def make() -> Change:
-            keep = self._close(record, journal, returncode, stdout_tail, None)
+            keep = self._close(record, journal, returncode, stdout_tail, None, hit)
             change, wake = self._written_down(record, stdout_tail, keep)
             wakes.append(wake)
             return change
@@ -108,6 +114,7 @@ class Endings:
         returncode: int | None,
         stdout_tail: bytes,
         failure: str | None,
+        hit: LimitsHit | None = None,
     ) -> bytes | None:
         """Its terminal state, and its journal's last entry: the stdout tail to keep in the
         store with its ending, if any."""
@@ -118,6 +125,8 @@ class Endings:
         if failure is not None:
             record.state = "failed"
             journal = self._note_failure(record, journal, failure, now)
+        if hit is not None:
+            self._note_limits(record, journal, hit, now)
         try:
             if journal.writable:
                 journal.append("state", f"{record.state} exit_code={returncode}".encode(), now)
@@ -137,6 +146,33 @@ class Endings:
         ):
             return stdout_tail[-STDOUT_TAIL_BYTES:]
         return None
+
+    def _note_limits(
+        self, record: WorkerRecord, journal: Journal, hit: LimitsHit, now: float
+    ) -> None:
+        """What its limits did, in its journal; a worker that failed with the kernel having
+        OOM-killed in it at a memory limit ends for that reason ("memory_limit")."""
+        notes = []
+        if hit.oom_kills:
+            if record.state == "failed":
+                record.reason = "memory_limit"
+            peak = "unknown" if hit.peak is None else f"{hit.peak} bytes"
+            notes.append(
+                f"memory_limit: the kernel killed {hit.oom_kills} of its processes at a "
+                f"memory limit (its peak: {peak})"
+            )
+        if hit.forks_refused:
+            notes.append(
+                f"pids_limit: {hit.forks_refused} forks refused at a process limit "
+                f"(pids.events max {hit.forks_refused})"
+            )
+        for note in notes:
+            log.info("worker.limit_reached", worker=record.id, note=note)
+            try:
+                if journal.writable:
+                    journal.append("note", note.encode(), now)
+            except (OSError, JournalCorrupt) as exc:
+                log.error("worker.limit_not_noted", worker=record.id, error=str(exc))
 
     def _ending_faults(self, record: WorkerRecord) -> None:
         """Inside an ending's transaction: the faults the tests inject there."""

@@ -56,6 +56,7 @@ class Mailbox:
             exit_code=record.exit_code,
             preview=preview,
             attempt=record.attempt,
+            reason=record.reason,
         )
 
     def restated(self, record: WorkerRecord) -> list[Wake]:

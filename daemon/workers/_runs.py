@@ -8,6 +8,8 @@ from collections.abc import Callable
 
 import trio
 
+from subagentd.protocol import Limits
+
 from .._logging import get_logger
 from .._problems import Problems
 from ..core._registry import Registry
@@ -36,8 +38,8 @@ class Runs:
         self.saved: set[str] = set()
         self._run_stopped: dict[str, trio.Event] = {}
 
-    def new_run(self, outer: str | None) -> str:
-        run = self._registry.new_run(self._clock(), outer)
+    def new_run(self, outer: str | None, limits: Limits | None = None) -> str:
+        run = self._registry.new_run(self._clock(), outer, limits)
         # The outer run is no longer implicit: a restart must keep it too.
         self.save_runs([run.id] if outer is None else [run.id, outer])
         return run.id

@@ -15,14 +15,15 @@ from pathlib import Path
 
 import trio
 
-from subagentd.protocol import Spawn, WorkerView
+from subagentd.protocol import LimitError, Limits, Spawn, WorkerView
 from subagentd.protocol.errors import Busy, Invalid, Refused, Reloading, RunStopped
 
 from .._faults import Faults
 from .._logging import get_logger
 from .._problems import Problems
-from ..core._registry import Registry
+from ..core._registry import Registry, WorkerRecord
 from ..core._request_keys import AskedKey, KeyRecord, RequestKeys, asked_key
+from ..processes._controllers import LimitPlan
 from ..processes._launcher import Launcher
 from ..processes._process import OutOfDescriptors, SpawnFailed, WorkerProcess
 from ..processes._tree import DESCRIPTOR_ERRNOS
@@ -140,18 +141,37 @@ class Spawner:
             inherited=self.inherited_env,
             tools=self.tools,
         )
+        limits = self._limits_of(request, launch)
         if request.parent is not None and not self._registry.holds(request.parent):
             ended = self._reader.lookup(request.parent)  # released: it has ended
             raise RunStopped(
                 f"worker {request.parent} has ended ({ended.state}); it cannot delegate"
             )
         with self._supervisor.launching(), trio.CancelScope(shield=True):
-            view = await self._start(request, caller, launch, asked)
+            view = await self._start(request, caller, launch, asked, limits)
         # Made again once this spawn is done, not while it competes for the CPU.
         self._spares_wanted.set()
         if ("lose-answer", request.name) in self._faults:
             await self._lose_the_answer()
         return view
+
+    def _limits_of(self, request: Spawn, launch: Launch) -> Limits | None:
+        """A spawn's own limits: its agent's, with the request's laid over them kind by
+        kind; refused naming why where the kernel here cannot enforce one."""
+        limits = Limits()
+        if launch.agent is not None:
+            try:
+                limits = launch.agent.limits() or limits
+            except LimitError as exc:  # checked at load: only a definition loaded around it
+                raise Invalid(f"agent {request.agent!r}: {exc}") from exc
+        if request.limits is not None:
+            for kind in ("memory", "cpus", "pids"):
+                if (value := getattr(request.limits, kind)) is not None:
+                    setattr(limits, kind, value)
+        if not limits:
+            return None
+        self._launcher.controllers.refuse_unenforced(limits, "the spawn")
+        return limits
 
     def made_already(self, asked: AskedKey | None) -> WorkerView | None:
         """The worker a request with this key made (or resumed) already, as it is now;
@@ -195,7 +215,12 @@ class Spawner:
             await trio.sleep(LOSE_ANSWER_EVERY)
 
     async def _start(
-        self, request: Spawn, caller: str | None, launch: Launch, asked: AskedKey | None
+        self,
+        request: Spawn,
+        caller: str | None,
+        launch: Launch,
+        asked: AskedKey | None,
+        limits: Limits | None,
     ) -> WorkerView:
         argv, env, cwd = launch.argv, launch.env, launch.cwd
         now = self._clock()
@@ -210,6 +235,7 @@ class Spawner:
             agent=request.agent,
             grace=launch.grace,
             timeout=launch.timeout,
+            limits=limits,
         )
         try:
             # In the store before its archive or process exists, so a crash at any point
@@ -248,6 +274,7 @@ class Spawner:
                     head=head,
                     agent_def=frozen_agent(launch.agent) if launch.agent else None,
                     stdin_open=request.stdin_open,
+                    limits=limits,
                 )
             )
             stdin = None if request.input is None else str(archive.write_input(request.input))
@@ -306,9 +333,16 @@ class Spawner:
         }
         if record.attempt > 1:
             worker_env["SUBAGENTD_RESUME"] = str(record.attempt)
+        plan = self._limit_plan(record)
         try:
             process = await self._launcher.start(
-                record.id, argv, cwd=cwd, env=worker_env, stdin_path=stdin, stdin_open=stdin_open
+                record.id,
+                argv,
+                cwd=cwd,
+                env=worker_env,
+                stdin_path=stdin,
+                stdin_open=stdin_open,
+                limits=plan,
             )
         except SpawnFailed as exc:
             log.warning("worker.spawn_failed", worker=record.id, error=str(exc))
@@ -322,6 +356,18 @@ class Spawner:
             live, process, after_start=lambda: self._write_start(live, process.pid, argv)
         )
         return record.view()
+
+    def _limit_plan(self, record: WorkerRecord) -> LimitPlan | None:
+        """Where the worker's limit nodes go (its record keeps the path, for the image that
+        ends it); None, and no node at all, when nothing on its way has a limit."""
+        path, values = self._registry.limit_chain(record)
+        parent = self._registry.handle(record.parent) if record.parent is not None else None
+        plan = LimitPlan(path, values, nested=parent is not None and bool(parent.limit_path))
+        if self._launcher.controllers.nodes(plan) is None:
+            record.limit_path = ""
+            return None
+        record.limit_path = plan.relative
+        return plan
 
     def _write_start(self, live: LiveWorker, pid: int, argv: list[str]) -> None:
         """Write a worker's start down, after its spawn is answered: its journal's first

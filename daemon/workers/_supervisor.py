@@ -27,6 +27,7 @@ from .._collector import UNSEEN
 from .._faults import Faults
 from .._logging import get_logger
 from ..core._registry import Registry, WorkerRecord
+from ..processes._controllers import LimitsHit
 from ..processes._launcher import Launcher
 from ..processes._process import Deliver, WorkerProcess, write_nowait
 from ..processes._reaper import REAPER
@@ -155,7 +156,12 @@ class EndingTogether(Protocol):
     once it is in the store."""
 
     async def __call__(
-        self, record: WorkerRecord, journal: Journal, returncode: int | None, stdout_tail: bytes
+        self,
+        record: WorkerRecord,
+        journal: Journal,
+        returncode: int | None,
+        stdout_tail: bytes,
+        hit: LimitsHit | None = None,
     ) -> None: ...
 
 
@@ -336,11 +342,15 @@ class Supervisor:
                 # a stop asked now finds its tree ended, or waits for the next supervision.
                 live.watch = None
         live.returncode = returncode = process.reap()
+        # Read from its limit nodes before they go: whether the kernel OOM-killed it.
+        hit = self._launcher.limits_hit(process)
         process.close()
         # Live until its ending is written, so whoever waits for it (a stop's answer, a
         # wait, a reload's exec) waits for the write too.
         with self._holding(), trio.CancelScope(shield=True):
-            await self._ending_together(record, live.journal, returncode, bytes(live.stdout_tail))
+            await self._ending_together(
+                record, live.journal, returncode, bytes(live.stdout_tail), hit
+            )
         self._let_go(live)
         live.ended.set()
         live.grown.set()

@@ -1,0 +1,397 @@
+"""Where this daemon can have the kernel enforce a worker's limits (memory, CPU, processes),
+and the limit nodes it makes there.
+
+Found once, at start (`Controllers.find`), kind by kind:
+
+- cgroup v1, as on a host whose `memory`, `cpu` and `pids` hierarchies are mounted v1 and
+  writable (root): limit nodes under the daemon's own cgroup in each hierarchy,
+  ``<its cgroup>/subagentd-<digest>/<run>/<worker>/<delegated worker>/...``: a node per
+  run, then a node per worker nested along its delegation chain. The kernel's limits are
+  hierarchical, so a worker's limit covers it and all it delegated, and a run's covers
+  the run. v1 has no no-internal-processes rule: each worker's processes sit in its own
+  node, its delegated workers' in nodes below it.
+- cgroup v2 controllers delegated to the daemon: not enforced by this image (its v2
+  worker cgroups are flat, `_cgroup`, and a v2 cgroup holding processes may pass no
+  controller down): `info` says so, and what the host would need (docs/design.md).
+
+A worker whose run, ancestors and self have no limit is placed in no node at all: the
+common case costs nothing. A limited one is born in its nodes (`LimitNodes.born_in`): the
+daemon's forking thread steps into them for the fork, as it steps into the worker's v2
+cgroup, under the same lock. A node goes once its worker has ended (`remove_unless`, in a
+thread); a clean start sweeps what a dead daemon left (`Controllers.sweep`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import os
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from subagentd.protocol import LIMIT_KINDS, Control, Limits
+from subagentd.protocol.errors import Refused
+
+from .._logging import get_logger
+from ._cgroup import _FORK_LOCK
+
+log = get_logger()
+
+#: The v1 hierarchy (its controller's name) each kind of limit is enforced in.
+V1_HIERARCHIES = {"memory": "memory", "cpus": "cpu", "pids": "pids"}
+#: The CFS period a CPU limit's quota is a share of (the kernel's default, 100 ms).
+CPU_PERIOD_US = 100_000
+
+
+class LimitsNotPlaced(OSError):
+    """A worker's limit nodes could not be made or entered; the message says which."""
+
+
+@dataclass
+class Hierarchy:
+    """One writable v1 hierarchy: `base`, this daemon's limit nodes; `home`, the daemon's
+    own cgroup there (its forking thread goes back to it)."""
+
+    kind: str
+    base: Path
+    home: Path
+    #: `base` made (at the first limited spawn); removed again only at `close`.
+    made: bool = False
+
+
+@dataclass(frozen=True)
+class LimitPlan:
+    """Where a worker goes and what each node on its way says: `path`, the run's node then
+    the worker ids of its delegation chain, root first, itself last; `values`, the limits
+    of each (the run's, each ancestor's, its own; None: none of that node's own)."""
+
+    path: tuple[str, ...]
+    values: tuple[Limits | None, ...]
+    #: Below a parent placed in nodes (whose own ancestors' records may be gone): placed
+    #: even where no value on its way is known here.
+    nested: bool = False
+
+    @property
+    def relative(self) -> str:
+        """Its leaf's path below each hierarchy's base, as a worker's record keeps it."""
+        return "/".join(self.path)
+
+
+@dataclass(frozen=True)
+class LimitsHit:
+    """What a worker's limits did to it, read from its nodes once its tree has ended."""
+
+    #: Processes of it the kernel OOM-killed at a memory limit (`memory.oom_control`).
+    oom_kills: int = 0
+    #: The most memory its node (it and what it delegated) held, in bytes; None: unknown.
+    peak: int | None = None
+    #: Forks refused at a process limit (`pids.events` max).
+    forks_refused: int = 0
+
+
+@dataclass(frozen=True)
+class LimitNodes:
+    """One worker's limit nodes, in each hierarchy that enforces a kind of limit."""
+
+    hierarchies: tuple[Hierarchy, ...]
+    relative: str
+    plan: LimitPlan | None = None
+    _leaves: dict[str, Path] = field(default_factory=dict, compare=False)
+
+    def leaf(self, hierarchy: Hierarchy) -> Path:
+        return hierarchy.base / self.relative
+
+    @contextlib.contextmanager
+    def born_in(self) -> Iterator[None]:
+        """What the calling thread forks inside this block is born in the worker's nodes.
+
+        The nodes are made (and their limits written) first; then the thread alone, by
+        its id in each node's `tasks` (v1 moves a thread on its own), steps in, and back
+        home after. Only the thread: the daemon's other threads would count against the
+        nodes' process limits. A process limit on the way counts that thread too while it
+        stands there, so each is one higher until it has left.
+        """
+        assert self.plan is not None, "born in the nodes of a plan"
+        tid = str(threading.get_native_id()).encode()
+        with _FORK_LOCK:
+            raised: list[tuple[Path, int]] = []
+            moved: list[Hierarchy] = []
+            try:
+                try:
+                    for hierarchy in self.hierarchies:
+                        raised += _make(hierarchy, self.plan)
+                    for hierarchy in self.hierarchies:
+                        _write(self.leaf(hierarchy) / "tasks", tid)
+                        moved.append(hierarchy)
+                except OSError as exc:
+                    raise LimitsNotPlaced(
+                        exc.errno,
+                        f"its limits could not be set under {self.hierarchies[0].base.parent}: "
+                        f"{exc.strerror or exc} ({exc.filename})",
+                    ) from exc
+                yield
+            finally:
+                for hierarchy in moved:
+                    try:
+                        _write(hierarchy.home / "tasks", tid)
+                    except OSError as exc:
+                        log.critical(
+                            "limits.cannot_return", node=str(self.leaf(hierarchy)), error=str(exc)
+                        )
+                for node, value in raised:
+                    _lower_pids(node, value)
+
+    def hit(self) -> LimitsHit:
+        """What its limits did (its tree has ended; its nodes not yet removed)."""
+        oom_kills, peak, refused = 0, None, 0
+        for hierarchy in self.hierarchies:
+            leaf = self.leaf(hierarchy)
+            with contextlib.suppress(OSError, ValueError):
+                if hierarchy.kind == "memory":
+                    oom_kills = _field(leaf / "memory.oom_control", "oom_kill")
+                    peak = int(_read(leaf / "memory.max_usage_in_bytes"))
+                elif hierarchy.kind == "pids":
+                    refused = _field(leaf / "pids.events", "max")
+        return LimitsHit(oom_kills=oom_kills, peak=peak, forks_refused=refused)
+
+    def remove_unless(self, wanted: Callable[[str], bool]) -> None:
+        """Remove the worker's nodes, then each above it (the run's last) that nothing uses
+        any longer, unless `wanted(its worker id)` says a new attempt uses them: for a
+        thread, under the fork lock, as `WorkerCgroup.remove_unless` is."""
+        worker_id = self.relative.rsplit("/", 1)[-1]
+        with _FORK_LOCK:
+            if wanted(worker_id):
+                return
+            for hierarchy in self.hierarchies:
+                node = self.leaf(hierarchy)
+                while node != hierarchy.base and _rmdir(node):
+                    node = node.parent
+
+
+class Controllers:
+    """What this daemon can enforce, and where: `controls`, for `info`, by kind."""
+
+    def __init__(self, hierarchies: dict[str, Hierarchy], controls: dict[str, Control]) -> None:
+        self.hierarchies = hierarchies
+        self.controls = controls
+
+    @classmethod
+    def off(cls, why: str) -> Controllers:
+        return cls({}, {kind: Control(enforced=False, how=why) for kind in LIMIT_KINDS})
+
+    @classmethod
+    def find(cls, state_dir: Path, mounts: Path = Path("/sys/fs/cgroup")) -> Controllers:
+        """Each kind's v1 hierarchy where the daemon may write it (its base made); else why
+        not, and why the v2 controllers are no alternative here."""
+        digest = hashlib.sha256(str(state_dir.resolve()).encode()).hexdigest()[:12]
+        own = _own_v1_cgroups()
+        hierarchies: dict[str, Hierarchy] = {}
+        controls: dict[str, Control] = {}
+        for kind, name in V1_HIERARCHIES.items():
+            mount = _v1_mount(name)
+            if mount is None:
+                controls[kind] = Control(enforced=False, how=_not_v1(name, "is not mounted"))
+                continue
+            home = mount / own.get(name, "/").lstrip("/")
+            # Made at the first limited spawn, not here: a daemon no one asks for a limit
+            # leaves no trace in the hierarchies.
+            base = home / f"subagentd-{digest}"
+            if not (os.access(home, os.W_OK) and os.access(home / "tasks", os.W_OK)):
+                why = f"{home} is not writable by the daemon"
+                controls[kind] = Control(enforced=False, how=_not_v1(name, why))
+                continue
+            hierarchies[kind] = Hierarchy(kind=kind, base=base, home=home)
+            controls[kind] = Control(enforced=True, how=_v1_how(kind, base))
+        return cls(hierarchies, controls)
+
+    def refuse_unenforced(self, limits: Limits | None, asking: str) -> None:
+        """Refused naming why, for a request (`asking`) with a limit this daemon cannot
+        enforce: a limit the kernel does not hold is no limit."""
+        if not limits:
+            return
+        for kind in LIMIT_KINDS:
+            control = self.controls.get(kind)
+            if getattr(limits, kind) is not None and (control is None or not control.enforced):
+                why = control.how if control is not None else "not known to this daemon"
+                raise Refused(
+                    f"{asking} asks for a {kind} limit, which this daemon cannot enforce: "
+                    f"{why}. Ask without it (subagentctl info lists what is enforced)"
+                )
+
+    def nodes(self, plan: LimitPlan | None) -> LimitNodes | None:
+        """The nodes a worker of `plan` is born in; None when nothing on its way has a
+        limit (it is placed in no node)."""
+        if plan is None or not self.hierarchies or not (plan.nested or any(plan.values)):
+            return None
+        # Only the hierarchies of the kinds limited on its way (each costs a node and two
+        # moves a spawn); all where an ancestor's record, so its limits, is not known.
+        unknown = plan.nested and None in plan.values[1:-1]
+        used = tuple(
+            hierarchy
+            for kind, hierarchy in self.hierarchies.items()
+            if unknown or any(getattr(v, kind) is not None for v in plan.values if v)
+        )
+        return LimitNodes(used or tuple(self.hierarchies.values()), plan.relative, plan)
+
+    def nodes_at(self, relative: str) -> LimitNodes | None:
+        """The nodes a worker was placed in (`LimitPlan.relative`, as its record keeps it),
+        for an image that did not start it: what its ending reads and removes (in every
+        hierarchy: one it was not placed in has no such node, read as nothing)."""
+        if not relative or not self.hierarchies:
+            return None
+        return LimitNodes(tuple(self.hierarchies.values()), relative)
+
+    def close(self) -> None:
+        """The daemon stops with nothing live: its bases go, if empty."""
+        for hierarchy in self.hierarchies.values():
+            _rmdir(hierarchy.base)
+            hierarchy.made = False
+
+    def sweep(self) -> None:
+        """At a clean start: remove every empty node a dead image left, deepest first (one
+        still holding a process, a live worker's, stays)."""
+        for hierarchy in self.hierarchies.values():
+            if not hierarchy.base.is_dir():
+                continue
+            for parent, dirs, _ in os.walk(hierarchy.base, topdown=False):
+                for name in dirs:
+                    _rmdir(Path(parent) / name)
+
+
+def _make(hierarchy: Hierarchy, plan: LimitPlan) -> list[tuple[Path, int]]:
+    """Make the nodes of `plan` in `hierarchy` (those there already are reused), writing
+    each one's limit of this hierarchy's kind; the nodes whose process limit was raised by
+    one for the thread that steps in (`_lower_pids` takes it back)."""
+    raised: list[tuple[Path, int]] = []
+    node = hierarchy.base
+    if not hierarchy.made:
+        with contextlib.suppress(FileExistsError):
+            node.mkdir()
+        hierarchy.made = True
+    for name, limits in zip(plan.path, plan.values, strict=True):
+        node = node / name
+        with contextlib.suppress(FileExistsError):
+            node.mkdir()
+        value = getattr(limits, hierarchy.kind) if limits else None
+        if value is None:
+            continue
+        if hierarchy.kind == "memory":
+            _write_memory(node, value)
+        elif hierarchy.kind == "cpus":
+            # Over the period a node is made with (the kernel's default, never changed
+            # here): one write, not two, on a limited spawn's path.
+            quota = max(1000, round(value * CPU_PERIOD_US))
+            _write(node / "cpu.cfs_quota_us", str(quota).encode())
+        else:
+            _write(node / "pids.max", str(value + 1).encode())
+            raised.append((node, value))
+    return raised
+
+
+def _write_memory(node: Path, value: int) -> None:
+    """memory.limit_in_bytes, and memory.memsw.limit_in_bytes (memory and swap together)
+    where the kernel accounts swap: else a worker past its limit would go on in swap.
+    memsw may never be below the memory limit, so the order depends on which way it goes."""
+    text = str(value).encode()
+    memsw = node / "memory.memsw.limit_in_bytes"
+    try:
+        _write(node / "memory.limit_in_bytes", text)
+        if memsw.exists():
+            _write(memsw, text)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL or not memsw.exists():
+            raise
+        _write(memsw, text)  # raised above an earlier memsw: that one first
+        _write(node / "memory.limit_in_bytes", text)
+
+
+def _lower_pids(node: Path, value: int) -> None:
+    """Take back the one `_make` added to a node's process limit: `value` again."""
+    try:
+        _write(node / "pids.max", str(value).encode())
+    except OSError as exc:
+        log.error("limits.pids_not_lowered", node=str(node), error=str(exc))
+
+
+def _rmdir(node: Path) -> bool:
+    """Remove a node; False if it is in use (a process in it, or a node below)."""
+    try:
+        os.rmdir(node)
+    except FileNotFoundError:
+        return True
+    except OSError as exc:
+        if exc.errno in (errno.EBUSY, errno.ENOTEMPTY):
+            return False
+        log.warning("limits.not_removed", node=str(node), error=str(exc))
+        return False
+    return True
+
+
+def _write(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
+def _read(path: Path) -> str:
+    with open(path, "rb") as f:
+        return f.read().decode().strip()
+
+
+def _field(path: Path, name: str) -> int:
+    """A counter of a "name value" file (memory.oom_control, pids.events); 0 if absent."""
+    for line in _read(path).splitlines():
+        key, _, value = line.partition(" ")
+        if key == name:
+            return int(value)
+    return 0
+
+
+def _own_v1_cgroups() -> dict[str, str]:
+    """This process's cgroup in each v1 hierarchy, by controller name."""
+    found: dict[str, str] = {}
+    try:
+        with open("/proc/self/cgroup") as f:
+            for line in f:
+                _, controllers, path = line.rstrip("\n").split(":", 2)
+                for name in controllers.split(","):
+                    if name:
+                        found[name] = path
+    except (OSError, ValueError):
+        pass
+    return found
+
+
+def _v1_mount(name: str) -> Path | None:
+    """Where the v1 hierarchy of controller `name` is mounted; None if it is not."""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                fields = line.split()
+                separator = fields.index("-")
+                if fields[separator + 1] == "cgroup" and name in fields[-1].split(","):
+                    return Path(fields[4])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def _not_v1(name: str, why: str) -> str:
+    return (
+        f"the cgroup v1 {name} hierarchy {why}, and cgroup v2 controllers are not used by "
+        "this daemon (docs/design.md, Limits)"
+    )
+
+
+def _v1_how(kind: str, base: Path) -> str:
+    what = {
+        "memory": "memory.limit_in_bytes and memory.memsw.limit_in_bytes",
+        "cpus": f"cpu.cfs_quota_us over cpu.cfs_period_us ({CPU_PERIOD_US} us)",
+        "pids": "pids.max",
+    }[kind]
+    return f"cgroup v1 {what} of nodes under {base} (a run's, then each worker's, nested)"
