@@ -41,6 +41,8 @@ from subagentd.protocol import (
     ListWorkers,
     NewRun,
     Page,
+    Pause,
+    Paused,
     Reload,
     ReloadReply,
     ReopenRun,
@@ -60,6 +62,8 @@ from subagentd.protocol import (
     StopRun,
     Subscribe,
     TurnReply,
+    Unpause,
+    Unpaused,
     Wait,
     WaitFor,
     WaitForReply,
@@ -199,6 +203,8 @@ EXAMPLES: list[Request[Reply] | Reply] = [
     Grep(id=26, worker="w-1", pattern="ERROR|warn(ing)?", before=2, after=3, limit=10),
     WaitFor(id=27, worker="w-1", pattern="listening on \\d+", timeout=30.0),
     Send(id=28, worker="w-1", data=b"\x00\xffhello\n", eof=True),
+    Pause(id=29, worker="w-1"),
+    Unpause(id=30, run="r-1"),
     GrepReply(
         id=26,
         result=GrepResult(
@@ -212,6 +218,8 @@ EXAMPLES: list[Request[Reply] | Reply] = [
         id=27, result=WaitForResult(outcome="matched", line="listening on 80", worker=WORKER)
     ),
     Sent(id=28, written=9),
+    Paused(id=29, paused=["w-1", "w-2"], already_paused=["w-3"]),
+    Unpaused(id=30, unpaused=["w-1"], already_unpaused=[]),
     Welcome(id=1, version=1, daemon_version="0.1.0", pid=99, worker="w-0"),
     WorkerReply(id=2, worker=WORKER),
     WorkerList(id=4, workers=[WORKER, WORKER]),
