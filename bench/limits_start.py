@@ -20,7 +20,7 @@ import time
 from _harness import Figure, report, running_daemon, summary
 
 from subagentd.client import Client
-from subagentd.protocol import Limits
+from subagentd.protocol import LIMIT_KINDS, Limits
 
 LIMITS = Limits(memory=1 << 30, cpus=1.5, pids=100)
 
@@ -29,7 +29,7 @@ def measure(starts: int = 100) -> list[Figure]:
     limited: list[float] = []
     plain: list[float] = []
     with running_daemon() as daemon, Client(daemon.socket, timeout=60) as client:
-        controls = client.info().controls
+        controls = {k: c for k, c in client.info().controls.items() if k in LIMIT_KINDS}
         if not all(c.enforced for c in controls.values()) or not controls:
             why = "; ".join(f"{k}: {c.how}" for k, c in controls.items()) or "no controls"
             return [

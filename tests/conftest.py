@@ -181,7 +181,7 @@ def tracking(request: pytest.FixtureRequest, daemon_dirs: DaemonProcess) -> Daem
         info = sync.info()
     if request.param == "cgroup" and not info.tree_tracking.startswith("cgroup "):
         pytest.skip(f"this machine gives the daemon no cgroup: {info.tree_tracking}")
-    assert info.freeze == (
+    assert info.controls["freeze"].how == (
         "cgroup v2 cgroup.freeze"
         if request.param == "cgroup"
         else "SIGSTOP/SIGCONT over the process tree (scan)"

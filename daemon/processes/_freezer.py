@@ -43,7 +43,7 @@ from ._tree import Pinned, ProcessTable, ProcStat, patiently, read_stat, running
 
 log = get_logger()
 
-#: What `DaemonInfo.freeze` says of each mechanism.
+#: What `DaemonInfo.controls["freeze"]` says of each mechanism.
 CGROUP_FREEZE = "cgroup v2 cgroup.freeze"
 SIGSTOP_FREEZE = "SIGSTOP/SIGCONT over the process tree (scan)"
 #: How long a pause waits for the kernel to say its processes are held (a cgroup's

@@ -19,7 +19,7 @@ from typing import Literal, Protocol
 
 import trio
 
-from subagentd.protocol import Usage
+from subagentd.protocol import Control, Usage
 
 from .._logging import get_logger
 from ._cgroup import Cgroups, Leader, WorkerCgroup, end_cgroup, peer_cgroup
@@ -113,8 +113,8 @@ class Launcher(Protocol):
         ...
 
     @property
-    def freeze(self) -> str:
-        """How `pause` holds a tree still (reported by `info`)."""
+    def freeze(self) -> Control:
+        """How `pause` holds a tree still (`info`'s ``controls["freeze"]``)."""
         ...
 
     async def pause(self, targets: list[tuple[str, WorkerProcess]]) -> list[str]:
@@ -350,8 +350,10 @@ class LocalLauncher:
         return process
 
     @property
-    def freeze(self) -> str:
-        return CGROUP_FREEZE if self.cgroups is not None else SIGSTOP_FREEZE
+    def freeze(self) -> Control:
+        return Control(
+            enforced=True, how=CGROUP_FREEZE if self.cgroups is not None else SIGSTOP_FREEZE
+        )
 
     async def pause(self, targets: list[tuple[str, WorkerProcess]]) -> list[str]:
         groups = {p.cgroup.path.name: p.cgroup for _, p in targets if p.cgroup is not None}
