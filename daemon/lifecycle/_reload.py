@@ -635,12 +635,11 @@ def _paused_as_the_kernel_says(daemon: Daemon, live: LiveWorker, process: Worker
     """A worker is paused across a reload if the kernel still holds it (its cgroup's
     `cgroup.freeze`, else its leader stopped): the record's word is checked, never taken
     alone, nor the kernel's (a leader that stopped itself is not paused: its timeout
-    runs). Paused since the record says (its timeout's deadline moves from then)."""
-    record, now = live.record, daemon.clock()
-    if record.paused_since is not None and daemon.launcher.paused_now(process):
-        record.pause(now)
-    else:
-        record.unpause(now)
+    runs). Paused since the record says (its timeout's deadline moves from then). One the
+    record says paused that the kernel no longer holds (let go behind the daemon's back:
+    its cgroup thawed, its tree sent SIGCONT) is journaled `unpaused`, as its pause ended."""
+    if live.record.paused_since is not None and not daemon.launcher.paused_now(process):
+        daemon.supervisor.unpaused(live)
 
 
 def _start_check(command: list[str]) -> subprocess.Popen[bytes]:

@@ -6,9 +6,11 @@ launcher holds the processes still (`processes/_freezer.py`).
 
 Only workers running, with a process, and not being stopped are paused or unpaused: a
 worker starting has no tree yet, and one whose stop is in flight must take its TERM (a
-stop thaws a paused worker first). A worker spawned later into a paused subtree is not
-paused: its parent, frozen, cannot have asked for it, and whoever did wants it to run.
-One pause or unpause at a time, so two never cross in the kernel's freezer.
+stop thaws a paused worker first), as must what is left of one whose own process has
+exited (its tree being ended: a pause of it would outlast it). A worker spawned later
+into a paused subtree is not paused: its parent, frozen, cannot have asked for it, and
+whoever did wants it to run. One pause or unpause at a time, so two never cross in the
+kernel's freezer.
 """
 
 from __future__ import annotations
@@ -103,6 +105,7 @@ class Pauses:
             and live.process is not None
             and not live.record.ended
             and not live.stop_asked
+            and not live.terminating  # its own process exited: its tree is being ended
         ]
         if not reached:
             states = {
@@ -113,7 +116,7 @@ class Pauses:
             why = ", ".join(sorted(states)) or "none"
             raise Refused(
                 f"nothing running in {what} to {verb} (its workers: {why}; a worker ended, "
-                "starting or being stopped is not paused)"
+                "starting, being stopped or ending is not paused)"
             )
         return reached
 
