@@ -127,6 +127,15 @@ class Launcher(Protocol):
         """Let each worker's tree go on (the ids that `pause` held)."""
         ...
 
+    async def carry_pauses(
+        self, held: list[tuple[str, WorkerProcess]], let_go: list[tuple[str, WorkerProcess]]
+    ) -> None:
+        """After a reload, of the workers that were paused: hold `held` whole (a pause
+        that the reload cut short may have stopped its leader, not yet what it forked), and
+        let `let_go` go on whole (its leader was let go: an unpause cut short, or someone
+        else's SIGCONT, may have left the rest stopped, which no unpause would then reach)."""
+        ...
+
     def thaw_now(self, process: WorkerProcess) -> None:
         """At once, on the event loop: a paused worker is being stopped, and its tree must
         take its TERM (a tree without a cgroup is sent SIGCONT with it instead)."""
@@ -378,6 +387,17 @@ class LocalLauncher:
             await freeze_cgroups(groups, False)
         if trees:
             await continue_trees(self.processes, trees)
+
+    async def carry_pauses(
+        self, held: list[tuple[str, WorkerProcess]], let_go: list[tuple[str, WorkerProcess]]
+    ) -> None:
+        # A cgroup is held or let go whole by the kernel: only scanned trees need this.
+        held = [(worker_id, p) for worker_id, p in held if p.cgroup is None]
+        let_go = [(worker_id, p) for worker_id, p in let_go if p.cgroup is None]
+        if held:
+            await self.pause(held)
+        if let_go:
+            await self.unpause(let_go)
 
     def thaw_now(self, process: WorkerProcess) -> None:
         if process.cgroup is not None:
