@@ -171,7 +171,7 @@ class Daemon:
             self.registry, self.reader, self.supervisor, self.runs, self.problems, self.afterwards
         )
         #: The pause verbs: a worker's subtree, a run.
-        self.pauses = Pauses(self.registry, self.reader, self.supervisor, launcher)
+        self.pauses = Pauses(self.registry, self.reader, self.supervisor, launcher, self.faults)
         #: Set and replaced whenever something happens that idle exit must notice.
         self.activity = trio.Event()
 
