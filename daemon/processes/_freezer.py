@@ -9,6 +9,11 @@ A frozen process keeps its pid, its pipes and its memory; what a TERM would do w
 the thaw (a stop thaws first), while ``cgroup.kill`` ends a frozen cgroup at once. The v1
 ``freezer`` hierarchy is not used: wherever the daemon has its own v2 cgroup for a
 worker, that cgroup has ``cgroup.freeze`` (Linux 5.2 and later), which does the same.
+What moved itself out of the cgroup (`_escapes`: a worker may write `cgroup.procs`
+elsewhere) is not frozen with it: once the cgroup is frozen (nothing in it forks any
+more), the tree is scanned as below, and what of it is outside the cgroup (still in the
+worker's process group, descended from it, or orphaned carrying its worker id) is
+stopped by SIGSTOP, with the limits below; an unpause continues it.
 
 Without one: every process of the tree found by scanning /proc (`_tree.tree_members`) is
 sent SIGSTOP, through a pidfd checked against the scan, and /proc scanned again until a
@@ -33,7 +38,7 @@ import os
 import select
 import signal
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import trio
 
@@ -128,25 +133,52 @@ async def freeze_cgroups(groups: list[WorkerCgroup], frozen: bool) -> list[str]:
     return await trio.to_thread.run_sync(wait_settled, asked, frozen, SETTLE_SECONDS)
 
 
+def cgroup_pids(groups: Iterable[WorkerCgroup]) -> set[int]:
+    """The pids in each cgroup and in the cgroups below it (a worker may make some)."""
+    pids: set[int] = set()
+    for group in groups:
+        for where, _, names in os.walk(group.path):
+            if "cgroup.procs" in names:
+                with (
+                    contextlib.suppress(OSError, ValueError),
+                    open(os.path.join(where, "cgroup.procs"), "rb") as f,
+                ):
+                    pids.update(int(pid) for pid in f.read().split())
+    return pids
+
+
 # -- without: SIGSTOP and SIGCONT over the tree ------------------------------
+#: The pids a scan's trees leave out (those in frozen cgroups), read at each scan.
+Inside = Callable[[], set[int]]
 
 
-async def _members(processes: ProcessTable, trees: list[Tree]) -> list[ProcStat]:
+async def _members(
+    processes: ProcessTable, trees: list[Tree], inside: Inside | None = None
+) -> list[ProcStat]:
     async def find() -> list[ProcStat]:
         table = await processes.scan()
-        return [m for tree in trees for m in tree_members(table, *tree) if running(m)]
+        skip = inside() if inside is not None else set()
+        return [
+            m
+            for tree in trees
+            for m in tree_members(table, *tree)
+            if running(m) and m.pid not in skip
+        ]
 
     return await patiently(find)
 
 
-async def stop_trees(processes: ProcessTable, trees: list[Tree]) -> bool:
-    """SIGSTOP every process of each tree, scanning again until a scan finds every process
-    stopped and none not yet sent one (bounded: `STOP_SCANS`, `SETTLE_SECONDS`); False
-    if that did not come in time (the pause stands: what was found is stopped)."""
+async def stop_trees(
+    processes: ProcessTable, trees: list[Tree], inside: Inside | None = None
+) -> bool:
+    """SIGSTOP every process of each tree (but those `inside` names: a frozen cgroup's),
+    scanning again until a scan finds every process stopped and none not yet sent one
+    (bounded: `STOP_SCANS`, `SETTLE_SECONDS`); False if that did not come in time (the
+    pause stands: what was found is stopped)."""
     sent: set[tuple[int, int]] = set()
     with trio.move_on_after(SETTLE_SECONDS):
         for _ in range(STOP_SCANS):
-            members = await _members(processes, trees)
+            members = await _members(processes, trees, inside)
             fresh = [m for m in members if (m.pid, m.starttime) not in sent]
             if not fresh and all(m.state in ("T", "t") for m in members):
                 return True
@@ -157,11 +189,14 @@ async def stop_trees(processes: ProcessTable, trees: list[Tree]) -> bool:
     return False
 
 
-async def continue_trees(processes: ProcessTable, trees: list[Tree]) -> None:
-    """SIGCONT every process of each tree (a second scan finds what a first one missed)."""
+async def continue_trees(
+    processes: ProcessTable, trees: list[Tree], inside: Inside | None = None
+) -> None:
+    """SIGCONT every process of each tree (but those `inside` names), a second scan
+    finding what a first one missed."""
     sent: set[int] = set()
     for _ in range(2):
-        members = [m for m in await _members(processes, trees) if m.pid not in sent]
+        members = [m for m in await _members(processes, trees, inside) if m.pid not in sent]
         with Pinned(members) as pinned:
             pinned.signal(signal.SIGCONT, sent=sent)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
-from collections.abc import Callable, Container, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Literal, Protocol
 
@@ -28,6 +28,9 @@ from ._escapes import MarkerSearch, StopBatch, end_escaped, end_marked_by
 from ._freezer import (
     CGROUP_FREEZE,
     SIGSTOP_FREEZE,
+    Inside,
+    Tree,
+    cgroup_pids,
     continue_trees,
     freeze_asked,
     freeze_cgroups,
@@ -374,6 +377,11 @@ class LocalLauncher:
         unsettled = await freeze_cgroups(list(groups.values()), True) if groups else []
         if trees and not await stop_trees(self.processes, trees):
             unsettled += [worker_id for _, worker_id, _ in trees]
+        if groups:
+            # What moved itself out of its cgroup is not frozen with it: stopped.
+            escaped = _cgrouped_trees(targets)
+            if not await stop_trees(self.processes, escaped, _inside(groups.values())):
+                unsettled += [worker_id for _, worker_id, _ in escaped]
         return unsettled
 
     async def unpause(self, targets: list[tuple[str, WorkerProcess]]) -> None:
@@ -385,15 +393,15 @@ class LocalLauncher:
         ]
         if groups:
             await freeze_cgroups(groups, False)
+            await continue_trees(self.processes, _cgrouped_trees(targets), _inside(groups))
         if trees:
             await continue_trees(self.processes, trees)
 
     async def carry_pauses(
         self, held: list[tuple[str, WorkerProcess]], let_go: list[tuple[str, WorkerProcess]]
     ) -> None:
-        # A cgroup is held or let go whole by the kernel: only scanned trees need this.
-        held = [(worker_id, p) for worker_id, p in held if p.cgroup is None]
-        let_go = [(worker_id, p) for worker_id, p in let_go if p.cgroup is None]
+        # A cgroup is held or let go whole by the kernel; asked again, at once. What of
+        # its tree is outside it, or a tree without one, is stopped or continued whole.
         if held:
             await self.pause(held)
         if let_go:
@@ -601,3 +609,19 @@ def _remove(group: WorkerCgroup, wanted: Callable[[str], bool] | None = None) ->
             log.warning("cgroup.busy", cgroup=str(group.path))
     except OSError as exc:
         log.warning("cgroup.not_removed", cgroup=str(group.path), error=str(exc))
+
+
+def _cgrouped_trees(targets: list[tuple[str, WorkerProcess]]) -> list[Tree]:
+    """The trees of the targets that have cgroups, as a scan finds them (what of them left
+    their cgroups is found so)."""
+    return [
+        (p.pid, worker_id, p.starttime)
+        for worker_id, p in targets
+        if p.cgroup is not None and not p.reaped
+    ]
+
+
+def _inside(groups: Iterable[WorkerCgroup]) -> Inside:
+    """The pids the kernel's freezer holds (or lets go) itself: those in the cgroups."""
+    groups = list(groups)
+    return lambda: cgroup_pids(groups)
