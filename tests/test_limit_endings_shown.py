@@ -1,0 +1,35 @@
+"""A limit reached is an ending of its own (issue 26, item 4), shown where a user looks:
+`top`, the text of `events` (a wake's state and reason) and `status` say
+`failed (memory_limit)`. Real daemon, real kernel limit (cgroup v1 here)."""
+
+from __future__ import annotations
+
+import trio
+
+from subagentd import protocol as p
+from subagentd.client import AsyncClient
+
+from .conftest import DaemonProcess
+from .test_resource_limits import _allocate, needs_v1
+from .test_top import once, row
+
+
+@needs_v1
+async def test_a_memory_limit_ending_is_shown_by_top_events_and_status(
+    daemon: DaemonProcess,
+) -> None:
+    with trio.fail_after(60):
+        async with AsyncClient(daemon.socket) as client:
+            run = await client.new_run()
+            worker = await client.spawn(
+                _allocate(256), run=run, limits=p.Limits(memory=p.memory_bytes("64M"))
+            )
+            assert (await client.wait(worker.id)).reason == "memory_limit"
+        top = await trio.to_thread.run_sync(lambda: once(daemon, "--all"))
+        assert top.returncode == 0, top.stderr
+        assert "failed (memory_limit)" in row(top.stdout, worker.id), top.stdout
+        events = await trio.to_thread.run_sync(lambda: daemon.ctl("events", "--run", run))
+        assert events.returncode == 0, events.stderr
+        assert "failed (memory_limit)" in events.stdout, events.stdout
+        status = await trio.to_thread.run_sync(lambda: daemon.ctl("status", worker.id))
+        assert "memory_limit" in status.stdout, status.stdout
