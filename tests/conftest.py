@@ -181,6 +181,8 @@ def tracking(request: pytest.FixtureRequest, daemon_dirs: DaemonProcess) -> Daem
         info = sync.info()
     if request.param == "cgroup" and not info.tree_tracking.startswith("cgroup "):
         pytest.skip(f"this machine gives the daemon no cgroup: {info.tree_tracking}")
+    if request.param == "scan":
+        assert info.tree_tracking == "/proc scan (cgroups turned off: --cgroups off)"
     assert info.controls["freeze"].how == (
         "cgroup v2 cgroup.freeze"
         if request.param == "cgroup"
