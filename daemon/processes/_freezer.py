@@ -11,9 +11,11 @@ the thaw (a stop thaws first), while ``cgroup.kill`` ends a frozen cgroup at onc
 worker, that cgroup has ``cgroup.freeze`` (Linux 5.2 and later), which does the same.
 What moved itself out of the cgroup (`_escapes`: a worker may write `cgroup.procs`
 elsewhere) is not frozen with it: once the cgroup is frozen (nothing in it forks any
-more), the tree is scanned as below, and what of it is outside the cgroup (still in the
-worker's process group, descended from it, or orphaned carrying its worker id) is
-stopped by SIGSTOP, with the limits below; an unpause continues it.
+more), what of its tree is outside the cgroup (in the worker's process group, forked by
+what is in the cgroup, or orphaned carrying its worker id, and what they forked) is found
+by the stop's escape search (`_escapes.outside_cgroups`: the processes started since the
+worker, not all of /proc) and stopped by SIGSTOP, with the limits below; an unpause
+continues it.
 
 Without one: every process of the tree found by scanning /proc (`_tree.tree_members`) is
 sent SIGSTOP, through a pidfd checked against the scan, and /proc scanned again until a
@@ -38,7 +40,7 @@ import os
 import select
 import signal
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 
 import trio
 
@@ -148,37 +150,29 @@ def cgroup_pids(groups: Iterable[WorkerCgroup]) -> set[int]:
 
 
 # -- without: SIGSTOP and SIGCONT over the tree ------------------------------
-#: The pids a scan's trees leave out (those in frozen cgroups), read at each scan.
-Inside = Callable[[], set[int]]
+#: What a pause holds by signals, found again at each call: a scanned tree's processes,
+#: or what of a cgroup's tree is outside it.
+Find = Callable[[], Awaitable[list[ProcStat]]]
 
 
-async def _members(
-    processes: ProcessTable, trees: list[Tree], inside: Inside | None = None
-) -> list[ProcStat]:
+def tree_finder(processes: ProcessTable, trees: list[Tree]) -> Find:
+    """Every live process of each tree, by a scan of /proc."""
+
     async def find() -> list[ProcStat]:
         table = await processes.scan()
-        skip = inside() if inside is not None else set()
-        return [
-            m
-            for tree in trees
-            for m in tree_members(table, *tree)
-            if running(m) and m.pid not in skip
-        ]
+        return [m for tree in trees for m in tree_members(table, *tree) if running(m)]
 
-    return await patiently(find)
+    return find
 
 
-async def stop_trees(
-    processes: ProcessTable, trees: list[Tree], inside: Inside | None = None
-) -> bool:
-    """SIGSTOP every process of each tree (but those `inside` names: a frozen cgroup's),
-    scanning again until a scan finds every process stopped and none not yet sent one
-    (bounded: `STOP_SCANS`, `SETTLE_SECONDS`); False if that did not come in time (the
-    pause stands: what was found is stopped)."""
+async def stop_found(find: Find) -> bool:
+    """SIGSTOP every process `find` finds, finding again until every process found is
+    stopped and none was not yet sent one (bounded: `STOP_SCANS`, `SETTLE_SECONDS`);
+    False if that did not come in time (the pause stands: what was found is stopped)."""
     sent: set[tuple[int, int]] = set()
     with trio.move_on_after(SETTLE_SECONDS):
         for _ in range(STOP_SCANS):
-            members = await _members(processes, trees, inside)
+            members = await patiently(find)
             fresh = [m for m in members if (m.pid, m.starttime) not in sent]
             if not fresh and all(m.state in ("T", "t") for m in members):
                 return True
@@ -189,16 +183,23 @@ async def stop_trees(
     return False
 
 
-async def continue_trees(
-    processes: ProcessTable, trees: list[Tree], inside: Inside | None = None
-) -> None:
-    """SIGCONT every process of each tree (but those `inside` names), a second scan
-    finding what a first one missed."""
+async def continue_found(find: Find) -> None:
+    """SIGCONT every process `find` finds (a second search finds what a first missed)."""
     sent: set[int] = set()
     for _ in range(2):
-        members = [m for m in await _members(processes, trees, inside) if m.pid not in sent]
+        members = [m for m in await patiently(find) if m.pid not in sent]
         with Pinned(members) as pinned:
             pinned.signal(signal.SIGCONT, sent=sent)
+
+
+async def stop_trees(processes: ProcessTable, trees: list[Tree]) -> bool:
+    """`stop_found` over each tree found by scanning /proc."""
+    return await stop_found(tree_finder(processes, trees))
+
+
+async def continue_trees(processes: ProcessTable, trees: list[Tree]) -> None:
+    """`continue_found` over each tree found by scanning /proc."""
+    await continue_found(tree_finder(processes, trees))
 
 
 def stopped_now(pid: int, pid_start: int) -> bool:

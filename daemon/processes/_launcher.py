@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
-from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Literal, Protocol
 
@@ -24,23 +24,25 @@ from subagentd.protocol import Control, Usage
 from .._logging import get_logger
 from ._cgroup import Cgroups, Leader, WorkerCgroup, end_cgroup, peer_cgroup
 from ._controllers import Controllers, LimitNodes, LimitPlan, LimitsHit
-from ._escapes import MarkerSearch, StopBatch, end_escaped, end_marked_by
+from ._escapes import MarkerSearch, StopBatch, end_escaped, end_marked_by, outside_cgroups
 from ._freezer import (
     CGROUP_FREEZE,
     SIGSTOP_FREEZE,
-    Inside,
+    Find,
     Tree,
     cgroup_pids,
+    continue_found,
     continue_trees,
     freeze_asked,
     freeze_cgroups,
+    stop_found,
     stop_trees,
     stopped_now,
     write_freeze,
 )
 from ._process import WorkerProcess
 from ._relay import Relays
-from ._tree import Graces, ProcessTable, end_marked, end_tree
+from ._tree import Graces, ProcessTable, ProcStat, end_marked, end_tree
 from ._usage import UsageReader, WorkerTree
 
 log = get_logger()
@@ -380,9 +382,20 @@ class LocalLauncher:
         if groups:
             # What moved itself out of its cgroup is not frozen with it: stopped.
             escaped = _cgrouped_trees(targets)
-            if not await stop_trees(self.processes, escaped, _inside(groups.values())):
+            if not await stop_found(self._outside(escaped, list(groups.values()))):
                 unsettled += [worker_id for _, worker_id, _ in escaped]
         return unsettled
+
+    def _outside(self, trees: list[Tree], groups: list[WorkerCgroup]) -> Find:
+        """What of these cgroups' trees runs outside them, by the stop's escape search
+        (the processes started since the oldest of them), for a pause or an unpause."""
+        since = min((start for _, _, start in trees), default=0)
+
+        async def find() -> list[ProcStat]:
+            marked = await self.markers.marked(since)
+            return outside_cgroups(marked, trees, cgroup_pids(groups))
+
+        return find
 
     async def unpause(self, targets: list[tuple[str, WorkerProcess]]) -> None:
         groups = [p.cgroup for _, p in targets if p.cgroup is not None]
@@ -393,7 +406,7 @@ class LocalLauncher:
         ]
         if groups:
             await freeze_cgroups(groups, False)
-            await continue_trees(self.processes, _cgrouped_trees(targets), _inside(groups))
+            await continue_found(self._outside(_cgrouped_trees(targets), groups))
         if trees:
             await continue_trees(self.processes, trees)
 
@@ -612,16 +625,10 @@ def _remove(group: WorkerCgroup, wanted: Callable[[str], bool] | None = None) ->
 
 
 def _cgrouped_trees(targets: list[tuple[str, WorkerProcess]]) -> list[Tree]:
-    """The trees of the targets that have cgroups, as a scan finds them (what of them left
-    their cgroups is found so)."""
+    """The trees of the targets that have cgroups: leader, worker id, start (what of them
+    left their cgroups is found by them)."""
     return [
         (p.pid, worker_id, p.starttime)
         for worker_id, p in targets
         if p.cgroup is not None and not p.reaped
     ]
-
-
-def _inside(groups: Iterable[WorkerCgroup]) -> Inside:
-    """The pids the kernel's freezer holds (or lets go) itself: those in the cgroups."""
-    groups = list(groups)
-    return lambda: cgroup_pids(groups)
