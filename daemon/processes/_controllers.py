@@ -278,12 +278,14 @@ class Controllers:
         not, and why the v2 controllers are no alternative here."""
         digest = hashlib.sha256(str(state_dir.resolve()).encode()).hexdigest()[:12]
         own = _own_v1_cgroups()
+        v2 = _v2_delegated()
         hierarchies: dict[str, Hierarchy] = {}
         controls: dict[str, Control] = {}
         for kind, name in V1_HIERARCHIES.items():
             mount = _v1_mount(name)
             if mount is None:
-                controls[kind] = Control(enforced=False, how=_not_v1(name, "is not mounted"))
+                how = _not_v1(name, "is not mounted", v2)
+                controls[kind] = Control(enforced=False, how=how)
                 continue
             home = mount / own.get(name, "/").lstrip("/")
             # Made at the first limited spawn, not here: a daemon no one asks for a limit
@@ -291,7 +293,7 @@ class Controllers:
             base = home / f"subagentd-{digest}"
             if not (os.access(home, os.W_OK) and os.access(home / "tasks", os.W_OK)):
                 why = f"{home} is not writable by the daemon"
-                controls[kind] = Control(enforced=False, how=_not_v1(name, why))
+                controls[kind] = Control(enforced=False, how=_not_v1(name, why, v2))
                 continue
             hierarchies[kind] = Hierarchy(kind=kind, base=base, home=home)
             controls[kind] = Control(enforced=True, how=_v1_how(kind, base))
@@ -507,11 +509,37 @@ def _v1_mount(name: str) -> Path | None:
     return None
 
 
-def _not_v1(name: str, why: str) -> str:
-    return (
-        f"the cgroup v1 {name} hierarchy {why}, and cgroup v2 controllers are not used by "
-        "this daemon (docs/design.md, Limits)"
-    )
+def _v2_delegated() -> tuple[Path, frozenset[str]] | None:
+    """The daemon's v2 cgroup and the controllers it has (`cgroup.controllers`: those it
+    may pass on to its children once it holds no process itself); None without v2."""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            mount = next(Path(line.split()[4]) for line in f if " - cgroup2 " in line)
+        with open("/proc/self/cgroup") as f:
+            own = next(line[3:].strip() for line in f if line.startswith("0::"))
+        home = mount / own.lstrip("/")
+        return home, frozenset(_read(home / "cgroup.controllers").split())
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def _not_v1(name: str, why: str, v2: tuple[Path, frozenset[str]] | None) -> str:
+    """Why a kind is not enforced: its v1 hierarchy's reason, and what v2 has for it."""
+    if v2 is None:
+        there = "and there is no cgroup v2 hierarchy"
+    elif name in v2[1]:
+        there = (
+            f"and the cgroup v2 {name} controller, delegated to the daemon ({v2[0]}), is "
+            "not yet used for limits by this image (docs/design.md, Limits)"
+        )
+    else:
+        has = ", ".join(sorted(v2[1])) or "none"
+        there = (
+            f"and the cgroup v2 {name} controller is not delegated to the daemon ({v2[0]} "
+            f"has: {has}; a systemd user service with Delegate=yes gets what the user's "
+            "manager has, README, Limits)"
+        )
+    return f"the cgroup v1 {name} hierarchy {why}, {there}"
 
 
 def _v1_how(kind: str, base: Path) -> str:
