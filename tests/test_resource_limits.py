@@ -637,10 +637,15 @@ async def test_an_oom_while_a_delegate_is_born_into_a_full_subtree_spares_the_da
                 assert daemon_dirs.proc.poll() is None, "the daemon was killed"
                 await trio.to_thread.run_sync(_open_for_writing, hold)  # the fork goes on
             (child,) = delegated
-            assert (await client.status(child.id)).state == "running"
             ended = await client.wait(parent.id)
             assert (ended.state, ended.reason) == ("failed", "memory_limit")
-            await client.stop(child.id)
+            # The delegate runs, or failed: born while the hog's memory was not yet given
+            # back, its exec may find no room (an exec's failure, not a kill: no reason),
+            # or be the victim itself. Either way a worker's ending, not the daemon's.
+            now = await client.status(child.id)
+            assert now.state in ("running", "failed"), now
+            if now.state == "running":
+                await client.stop(child.id)
     assert daemon_dirs.terminate() == 0
 
 
