@@ -673,3 +673,31 @@ def _open_for_writing(fifo: Path) -> None:
 def _oom_kills(node: Path) -> int:
     text = (node / "memory.oom_control").read_text()
     return int(text.split("oom_kill ")[1].split()[0])
+
+
+@needs_v1
+async def test_a_limited_delegate_s_memory_is_its_own_not_its_parent_s_too(
+    client: AsyncClient,
+) -> None:
+    """A worker's usage reads its v1 memory node's own figures (memory.stat), not its
+    subtree's: a limited delegate's 100 MiB are the delegate's, and `info`'s totals count
+    them once."""
+    from .test_usage import OBEDIENT, told, usage_of
+
+    with trio.fail_after(60):
+        parent = await client.spawn(sh("sleep 60"), limits=p.Limits(memory=512 * MIB))
+        child = await client.spawn(
+            [sys.executable, "-c", OBEDIENT],
+            parent=parent.id,
+            stdin_open=True,
+            limits=p.Limits(memory=256 * MIB),
+        )
+        await wait_output(client, child.id, b"ready")
+        before = await usage_of(client, child.id)
+        await told(client, child, "alloc", b"allocated")
+        allocated = await usage_of(client, child.id)
+        assert abs(allocated.memory - before.memory - 100 * MIB) < 10 * MIB, allocated
+        held = await usage_of(client, parent.id)
+        assert held.source == "cgroup", held
+        assert held.memory < 20 * MIB, held  # its node's own: not the delegate's below it
+        await client.stop(parent.id)
