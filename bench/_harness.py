@@ -303,6 +303,27 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
+def run_seconds(pid: int, tid: int | None = None) -> float:
+    """Time `pid`'s threads (`tid`: that thread alone) have run on a CPU so far, to the
+    nanosecond (the first field of /proc/PID/task/TID/schedstat): per request, where
+    /proc/PID/stat counts ticks of 10 ms. A thread that has exited takes its share along."""
+    tasks = [Path(f"/proc/{pid}/task/{tid}")] if tid else Path(f"/proc/{pid}/task").iterdir()
+    total = 0
+    for task in tasks:
+        with contextlib.suppress(OSError):
+            total += int((task / "schedstat").read_text().split()[0])
+    return total / 1e9
+
+
+def thread_named(pid: int, name: str) -> int | None:
+    """The id of `pid`'s thread whose comm is `name`; None if it has none."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            if (task / "comm").read_text().strip() == name:
+                return int(task.name)
+    return None
+
+
 # -- figures ---------------------------------------------------------------
 
 

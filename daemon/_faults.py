@@ -27,6 +27,9 @@ import trio
 #: ends the request, as when an answer is lost in a reload;
 #: `die-before-start-written:N` kills the daemon (SIGKILL) once a worker named N runs and
 #: its spawn is answered, before its start (pid, journal entry) is written down;
+#: `hold-in-nodes:N` holds the spawn of a worker named N with limits, its forking thread
+#: standing in its limit nodes before the fork, until a writer of the FIFO `hold-in-nodes`
+#: in the state dir has opened and closed it (the daemon's event loop waits meanwhile);
 #: `check:hold` holds a reload's `--check` child until a writer of the FIFO `hold-check`
 #: in the state dir has opened and closed it (a check under way, for the tests);
 #: `check:reads-before-4` has `--check` say it reads checkpoint versions up to 3 (an

@@ -4,10 +4,12 @@ child that is not a worker's ever reaped by the loop."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import threading
 
 import trio
 
@@ -135,6 +137,49 @@ async def test_many_exits_at_once_behind_a_zombie_handed_are_each_handed_once() 
             assert hands[first.pid] == 1
             assert len(reaper) == 0
             nursery.cancel_scope.cancel()
+
+
+async def test_a_child_of_another_thread_is_handed_behind_an_own_zombie() -> None:
+    """The peek walks the event loop thread's children first, then each other thread's: a
+    worker the forker's thread forked (one with limits), older than a zombie of the event
+    loop's that blocks the peek, is still handed when it exits (it is watched
+    `elsewhere`). Without, it waited for a SIGCHLD that told of no one else."""
+    reaper = Reaper()
+    read, write = os.pipe()
+    forked: list[subprocess.Popen[bytes]] = []
+    go = f"import os; os.read({read}, 1); raise SystemExit(4)"
+    spawned, done = threading.Event(), threading.Event()
+
+    def fork_and_stay() -> None:  # a thread that lives on, as the forker's does
+        forked.append(_child(go, keep=(read,)))
+        spawned.set()
+        done.wait()
+
+    thread = threading.Thread(target=fork_and_stay, daemon=True)
+    thread.start()
+    spawned.wait()
+    (other,) = forked
+    os.close(read)
+    stat = read_stat(other.pid)
+    assert stat is not None
+    elsewhere = reaper.watch(other.pid, stat.starttime, elsewhere=True)
+    await trio.sleep(2 / os.sysconf("SC_CLK_TCK"))  # the zombie's start a tick later: younger
+    held = _child("raise SystemExit(1)")
+    first = _watch(reaper, held)
+    assert first.starttime > elsewhere.starttime
+    with contextlib.ExitStack() as cleanup, trio.fail_after(30):
+        cleanup.callback(done.set)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(reaper.run)
+            await first.exited.wait()  # handed, left unreaped: it blocks the peek
+            os.close(write)
+            await elsewhere.exited.wait()
+            assert reaper.reap(elsewhere) == 4
+            assert reaper.reap(first) == 1
+            held.returncode = other.returncode = 0
+            nursery.cancel_scope.cancel()
+    done.set()
+    thread.join()
 
 
 async def test_a_zombie_held_through_a_long_grace_does_not_delay_another_workers_end(

@@ -9,7 +9,7 @@ import os
 import shlex
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import msgspec
@@ -499,3 +499,211 @@ def test_a_clean_start_sweeps_the_limit_nodes_a_dead_daemon_left(
         sync.info()  # served: the sweep at its start is done
     assert [base / leaf for base in bases if (base / leaf).exists()] == []
     assert [base / worker.run for base in bases if (base / worker.run).exists()] == []
+
+
+@needs_v1
+async def test_a_limited_worker_s_memory_is_read_from_its_v1_memory_node(
+    client: AsyncClient,
+) -> None:
+    """Where the worker has a v1 memory node (a memory limit on its way), its usage's memory
+    and peak are that node's counters: 100 MiB touched shows as 100 MiB more, within 10%."""
+    from .test_usage import OBEDIENT, told, usage_of
+
+    with trio.fail_after(60):
+        info = await client.info()
+        worker = await client.spawn(
+            [sys.executable, "-c", OBEDIENT], stdin_open=True, limits=p.Limits(memory=512 * MIB)
+        )
+        await wait_output(client, worker.id, b"ready")
+        before = await usage_of(client, worker.id)
+        assert before.source == "cgroup", before
+        await told(client, worker, "alloc", b"allocated")
+        allocated = await usage_of(client, worker.id)
+        grown = allocated.memory - before.memory
+        assert abs(grown - 100 * MIB) < 10 * MIB, (before, allocated)
+        node = _node(info, "memory", f"{worker.run}/{worker.id}")
+        peak = int((node / "memory.max_usage_in_bytes").read_text())
+        assert allocated.memory_peak is not None
+        assert allocated.memory <= allocated.memory_peak <= peak
+        assert allocated.memory_peak >= before.memory + 100 * MIB - 2 * MIB
+        await told(client, worker, "free", b"freed")
+        freed = await usage_of(client, worker.id)
+        assert freed.memory < allocated.memory - 50 * MIB, freed
+        assert freed.memory_peak is not None
+        assert freed.memory_peak >= allocated.memory  # the node's peak stands
+        await client.stop(worker.id)
+
+
+@needs_v1
+def test_a_clean_start_removes_the_empty_bases_a_killed_daemon_left(
+    daemon_dirs: DaemonProcess,
+) -> None:
+    """A daemon killed with nothing live leaves its bases (and the spare nodes it made
+    ahead) behind: the next start removes them, and makes them again at a limited spawn."""
+    daemon_dirs.start()
+    with Client(daemon_dirs.socket) as sync:
+        info = sync.info()
+        bases = [_node(info, kind, "") for kind in ("memory", "cpus", "pids")]
+        worker = sync.spawn(sh("true"), limits=p.Limits(memory=64 * MIB, cpus=1.0, pids=10))
+        assert sync.wait(worker.id).state == "finished"
+        assert all(base.is_dir() for base in bases)
+    daemon_dirs.kill()
+    assert all(base.is_dir() for base in bases)  # left: no shutdown removed them
+    daemon_dirs.start()
+    with Client(daemon_dirs.socket) as sync:
+        sync.info()  # served: the sweep at its start is done
+        assert [base for base in bases if base.exists()] == []
+        again = sync.spawn(sh("sleep 60"), limits=p.Limits(pids=10))
+        assert (bases[2] / again.run / again.id).is_dir()
+        sync.stop(again.id)
+
+
+@needs_v1
+async def test_a_run_limit_covers_the_runs_nested_in_it(client: AsyncClient) -> None:
+    """A run nested in a limited one (`new_run(outer=R)`) is part of it, as R's stop stops
+    it: its workers' nodes are below R's, and R's limit holds them (with R's own)."""
+    with trio.fail_after(60):
+        info = await client.info()
+        outer = await client.new_run(limits=p.Limits(memory=96 * MIB, pids=40))
+        inner = await client.new_run(outer)
+        deeper = await client.new_run(inner)
+        beside = await client.spawn(sh("sleep 60"), run=outer)
+        worker = await client.spawn(_allocate(256), run=deeper)
+        ended = await client.wait(worker.id)
+        assert (ended.state, ended.reason) == ("failed", "memory_limit")
+        node = _node(info, "memory", outer)
+        assert int((node / "memory.limit_in_bytes").read_text()) == 96 * MIB
+        assert int((node / "memory.max_usage_in_bytes").read_text()) >= 80 * MIB
+        pids = _node(info, "pids", outer)
+        assert int((pids / "pids.max").read_text()) == 40
+        assert (pids / beside.id).is_dir()  # the outer run's own worker, beside the nested
+        # A worker of the nested run forks under the outer run's process limit, which the
+        # outer run's own worker shares.
+        forked = await client.spawn([sys.executable, "-c", FORK_LOOP], run=inner, grace=0)
+        said = await wait_output(client, forked.id, b"\n")
+        assert _node(info, "pids", f"{outer}/{inner}/{forked.id}").is_dir()
+        assert int((pids / "pids.current").read_text()) <= 40
+        assert int(said.split()[1]) >= 60, said  # 100 forks, at most 38 beside the rest
+        await client.stop_run(outer)
+
+
+#: Says "ready", waits for a writer of the FIFO `argv[1]`, then allocates (and touches)
+#: 1 MiB after 1 MiB until the kernel kills it.
+HOG = (
+    "import sys\n"
+    "print('ready', flush=True)\n"
+    "open(sys.argv[1], 'rb').read()\n"
+    "held = []\n"
+    "while True:\n"
+    "    held.append(bytearray(1 << 20))\n"
+)
+
+
+@needs_v1
+async def test_an_oom_while_a_delegate_is_born_into_a_full_subtree_spares_the_daemon(
+    daemon_dirs: DaemonProcess, tmp_path: Path
+) -> None:
+    """The daemon's forking thread stands in a delegate's node, below a parent at its
+    memory limit, when the parent's subtree runs out (held there: SUBAGENTD_FAULT
+    hold-in-nodes). The kernel's OOM killer weighs only thread group leaders, and that
+    thread is never the daemon's: the parent's hog is killed, never the daemon (~36 MB
+    resident, more than the hog's 24 MB, so the one killed were it a candidate)."""
+    daemon_dirs.start(env={"SUBAGENTD_FAULT": "hold-in-nodes:delegate"})
+    hold = daemon_dirs.state_dir / "hold-in-nodes"
+    os.mkfifo(hold)
+    go = tmp_path / "go"
+    os.mkfifo(go)
+    with trio.fail_after(60):
+        async with (
+            AsyncClient(daemon_dirs.socket) as client,
+            AsyncClient(daemon_dirs.socket) as spawning,
+        ):
+            info = await client.info()
+            parent = await client.spawn(
+                [sys.executable, "-c", HOG, str(go)], limits=p.Limits(memory=24 * MIB)
+            )
+            await wait_output(client, parent.id, b"ready")
+            node = _node(info, "memory", f"{parent.run}/{parent.id}")
+            delegated: list[p.WorkerView] = []
+            async with trio.open_nursery() as nursery:
+
+                async def delegate() -> None:
+                    delegated.append(
+                        await spawning.spawn(sh("sleep 60"), parent=parent.id, name="delegate")
+                    )
+
+                nursery.start_soon(delegate)
+                # The forking thread stands in the delegate's node (held there): the
+                # kernel's files say so, and nothing else could (the daemon is held).
+                await _kernel_says(lambda: _thread_in_a_node_below(node))
+                # Now the hog fills its parent's subtree: the kernel kills in it.
+                await trio.to_thread.run_sync(_open_for_writing, go)
+                await _kernel_says(lambda: _oom_kills(node) > 0)
+                assert daemon_dirs.proc is not None
+                assert daemon_dirs.proc.poll() is None, "the daemon was killed"
+                await trio.to_thread.run_sync(_open_for_writing, hold)  # the fork goes on
+            (child,) = delegated
+            ended = await client.wait(parent.id)
+            assert (ended.state, ended.reason) == ("failed", "memory_limit")
+            # The delegate runs, or failed: born while the hog's memory was not yet given
+            # back, its exec may find no room (an exec's failure, not a kill: no reason),
+            # or be the victim itself. Either way a worker's ending, not the daemon's.
+            now = await client.status(child.id)
+            assert now.state in ("running", "failed"), now
+            if now.state == "running":
+                await client.stop(child.id)
+    assert daemon_dirs.terminate() == 0
+
+
+async def _kernel_says(condition: Callable[[], bool]) -> None:
+    """Until `condition` holds: a kernel file no event tells of, looked at every 10 ms."""
+    while True:
+        if condition():
+            return
+        await trio.sleep(0.01)
+
+
+def _thread_in_a_node_below(node: Path) -> bool:
+    return any(
+        (child / "tasks").read_text().strip()
+        for child in node.iterdir()
+        if child.is_dir() and not child.name.startswith(".")
+    )
+
+
+def _open_for_writing(fifo: Path) -> None:
+    with open(fifo, "wb"):
+        pass
+
+
+def _oom_kills(node: Path) -> int:
+    text = (node / "memory.oom_control").read_text()
+    return int(text.split("oom_kill ")[1].split()[0])
+
+
+@needs_v1
+async def test_a_limited_delegate_s_memory_is_its_own_not_its_parent_s_too(
+    client: AsyncClient,
+) -> None:
+    """A worker's usage reads its v1 memory node's own figures (memory.stat), not its
+    subtree's: a limited delegate's 100 MiB are the delegate's, and `info`'s totals count
+    them once."""
+    from .test_usage import OBEDIENT, told, usage_of
+
+    with trio.fail_after(60):
+        parent = await client.spawn(sh("sleep 60"), limits=p.Limits(memory=512 * MIB))
+        child = await client.spawn(
+            [sys.executable, "-c", OBEDIENT],
+            parent=parent.id,
+            stdin_open=True,
+            limits=p.Limits(memory=256 * MIB),
+        )
+        await wait_output(client, child.id, b"ready")
+        before = await usage_of(client, child.id)
+        await told(client, child, "alloc", b"allocated")
+        allocated = await usage_of(client, child.id)
+        assert abs(allocated.memory - before.memory - 100 * MIB) < 10 * MIB, allocated
+        held = await usage_of(client, parent.id)
+        assert held.source == "cgroup", held
+        assert held.memory < 20 * MIB, held  # its node's own: not the delegate's below it
+        await client.stop(parent.id)

@@ -222,7 +222,16 @@ async def test_a_hostile_usage_field_is_invalid_naming_it(
 
 
 def _sleeper() -> subprocess.Popen[bytes]:
-    return subprocess.Popen(["sleep", "300"])
+    """A process past its start: its memory no longer grows as an exec's loading does (a
+    `sleep` read while the kernel still mapped it counted half its pages in one read)."""
+    sleeper = subprocess.Popen(
+        [sys.executable, "-c", "import time; print(flush=True); time.sleep(300)"],
+        stdout=subprocess.PIPE,
+    )
+    assert sleeper.stdout is not None
+    sleeper.stdout.readline()
+    sleeper.stdout.close()  # it writes nothing more
+    return sleeper
 
 
 def _starttime(pid: int) -> int:

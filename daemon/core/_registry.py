@@ -422,8 +422,9 @@ class Registry:
         self, record: WorkerRecord
     ) -> tuple[tuple[str, ...], tuple[Limits | None, ...]]:
         """Where a worker's limit nodes go, and the limits of each (`LimitPlan`): below its
-        parent's nodes where its parent was placed in some, else its run's node, then its
-        delegation chain root first, itself last."""
+        parent's nodes where its parent was placed in some, else its run's node, below the
+        nodes of the runs it is nested in (a run covers its nested runs, as its stop stops
+        them), outermost first; then its delegation chain root first, itself last."""
         parent = self._workers.get(record.parent) if record.parent is not None else None
         if parent is not None and parent.limit_path:
             path: tuple[str, ...] = (*parent.limit_path.split("/"), record.id)
@@ -435,13 +436,25 @@ class Registry:
                 seen.add(current.id)
                 chain.append(current.id)
                 current = self._workers.get(current.parent) if current.parent else None
-            path = (record.run, *reversed(chain))
-        run = self._runs.get(record.run)
-        values = [run.limits if run is not None else None]
-        for name in path[1:]:
-            found = record if name == record.id else self._workers.get(name)
-            values.append(found.limits if found is not None else None)
+            path = (*self._runs_around(record.run), *reversed(chain))
+        values: list[Limits | None] = []
+        for name in path:
+            if (run := self._runs.get(name)) is not None:
+                values.append(run.limits)
+            else:
+                found = record if name == record.id else self._workers.get(name)
+                values.append(found.limits if found is not None else None)
         return path, tuple(values)
+
+    def _runs_around(self, run_id: str) -> list[str]:
+        """`run_id` and the runs it is nested in, outermost first (each once)."""
+        chain: list[str] = []
+        current: str | None = run_id
+        while current is not None and current not in chain:
+            chain.append(current)
+            run = self._runs.get(current)
+            current = run.outer if run is not None else None
+        return chain[::-1]
 
     # -- workers -------------------------------------------------------------
 

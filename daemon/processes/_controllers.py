@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import hashlib
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,11 +38,19 @@ from subagentd.protocol.errors import Refused
 
 from .._logging import get_logger
 from ._cgroup import _FORK_LOCK
+from ._forker import FORKER
 
 log = get_logger()
 
 #: The v1 hierarchy (its controller's name) each kind of limit is enforced in.
 V1_HIERARCHIES = {"memory": "memory", "cpus": "cpu", "pids": "pids"}
+#: How a spare node's name begins (no run's or worker's id begins so).
+SPARE_PREFIX = ".spare-"
+#: At most this many nodes are kept a spare each (the parents of recent limited spawns).
+SPARE_PARENTS = 64
+#: Held while the spares are taken, made or removed (by the forker, and by a removal's
+#: thread, which holds the fork lock first).
+_POOL_LOCK = threading.Lock()
 #: The CFS period a CPU limit's quota is a share of (the kernel's default, 100 ms).
 CPU_PERIOD_US = 100_000
 
@@ -60,6 +69,57 @@ class Hierarchy:
     home: Path
     #: `base` made (at the first limited spawn); removed again only at `close`.
     made: bool = False
+    #: Spare nodes made ahead, by the node they were made in (`take_spare`): a mkdir costs
+    #: 20-140 us here (a memory node the most), a rename of a spare a fifth of that.
+    spares: dict[Path, list[Path]] = field(default_factory=dict)
+    #: Whether its nodes have memory.memsw.limit_in_bytes (the kernel accounts swap): looked
+    #: for at the first memory limit written.
+    memsw: bool | None = None
+
+    def take_spare(self, parent: Path) -> Path | None:
+        """A spare node made in `parent`, taken out of the pool; None if there is none."""
+        with _POOL_LOCK:
+            found = self.spares.get(parent)
+            return found.pop() if found else None
+
+    def replenish(self, parent: Path) -> None:
+        """Make `parent` a spare node if it has none (in the forker, after a spawn into it):
+        empty, with the kernel's default limits, so a worker given it writes its own."""
+        with _POOL_LOCK:
+            found = self.spares.get(parent)
+            if found or (found is None and len(self.spares) >= SPARE_PARENTS):
+                return
+            spare = parent / f"{SPARE_PREFIX}{os.urandom(4).hex()}"
+            try:
+                spare.mkdir()
+            except OSError:  # its parent gone meanwhile (its worker ended), or a name taken
+                return
+            self.spares.setdefault(parent, []).append(spare)
+
+    def remove_spares_of(self, node: Path) -> bool:
+        """Remove `node`'s spares if they are all the nodes below it, then `node`; whether it
+        went. (A node's link count is two and the number of nodes below it.)"""
+        with _POOL_LOCK:
+            found = self.spares.get(node)
+            if not found:
+                return False
+            try:
+                if os.stat(node).st_nlink - 2 > len(found):
+                    return False  # a worker's node below it too
+            except FileNotFoundError:
+                del self.spares[node]
+                return True
+            for spare in found:
+                _rmdir(spare)
+            del self.spares[node]
+        return _rmdir(node)
+
+    def remove_all_spares(self) -> None:
+        with _POOL_LOCK:
+            for found in self.spares.values():
+                for spare in found:
+                    _rmdir(spare)
+            self.spares.clear()
 
 
 @dataclass(frozen=True)
@@ -73,6 +133,9 @@ class LimitPlan:
     #: Below a parent placed in nodes (whose own ancestors' records may be gone): placed
     #: even where no value on its way is known here.
     nested: bool = False
+    #: For the tests (SUBAGENTD_FAULT `hold-in-nodes`): a FIFO the forking thread waits on,
+    #: standing in the nodes, before the fork (until a writer has opened and closed it).
+    hold: Path | None = None
 
     @property
     def relative(self) -> str:
@@ -104,45 +167,71 @@ class LimitNodes:
     def leaf(self, hierarchy: Hierarchy) -> Path:
         return hierarchy.base / self.relative
 
-    @contextlib.contextmanager
-    def born_in(self) -> Iterator[None]:
-        """What the calling thread forks inside this block is born in the worker's nodes.
+    def memory_leaf(self) -> Path | None:
+        """Its node in the v1 memory hierarchy; None if it was placed in none (no memory
+        limit on its way). An adopted worker's nodes name every hierarchy: one it was not
+        placed in has no node there, and its usage reads as from /proc."""
+        for hierarchy in self.hierarchies:
+            if hierarchy.kind == "memory":
+                return self.leaf(hierarchy)
+        return None
 
-        The nodes are made (and their limits written) first; then the thread alone, by
-        its id in each node's `tasks` (v1 moves a thread on its own), steps in, and back
-        home after. Only the thread: the daemon's other threads would count against the
-        nodes' process limits. A process limit on the way counts that thread too while it
-        stands there, so each is one higher until it has left.
+    def enter(self) -> Callable[[], None]:
+        """Make the nodes (their limits written) and step the calling thread into them:
+        what it forks then is born in them. Called in the forker (`_forker`), under the
+        fork lock, as a v2 cgroup's `born_in` is. Returns what takes the thread back out,
+        for the forker to call once the child has forked (its caller has gone on).
+
+        The thread alone, by its id in each node's `tasks` (v1 moves a thread on its own):
+        the daemon's other threads would count against the nodes' process limits. A
+        process limit on the way counts that thread too while it stands there, so each is
+        written one higher, and lowered again before the thread leaves (the tree never
+        has one more than its limit; for those microseconds it may have one fewer).
+        Raises LimitsNotPlaced (the thread back home) naming the node that would not.
         """
         assert self.plan is not None, "born in the nodes of a plan"
         tid = str(threading.get_native_id()).encode()
-        with _FORK_LOCK:
-            raised: list[tuple[Path, int]] = []
-            moved: list[Hierarchy] = []
+        raised: list[tuple[Path, int]] = []
+        moved: list[Hierarchy] = []
+        try:
+            for hierarchy in self.hierarchies:
+                raised += _make(hierarchy, self.plan)
+            for hierarchy in self.hierarchies:
+                _write(self.leaf(hierarchy) / "tasks", tid)
+                moved.append(hierarchy)
+            if self.plan.hold is not None:
+                self.plan.hold.read_bytes()
+        except OSError as exc:
+            self._leave(tid, raised, moved)
+            raise LimitsNotPlaced(
+                exc.errno,
+                f"its limits could not be set under {self.hierarchies[0].base.parent}: "
+                f"{exc.strerror or exc} ({exc.filename})",
+            ) from exc
+        return functools.partial(self._leave, tid, raised, moved, replenish=True)
+
+    def _leave(
+        self,
+        tid: bytes,
+        raised: list[tuple[Path, int]],
+        moved: list[Hierarchy],
+        *,
+        replenish: bool = False,
+    ) -> None:
+        """The thread's way out of the nodes: the process limits lowered to what was asked
+        first, then home; then a spare node made where this worker's came from (and one in
+        the base, for a new run's), ready for the next spawn there."""
+        for node, value in raised:
+            _lower_pids(node, value)
+        for hierarchy in moved:
             try:
-                try:
-                    for hierarchy in self.hierarchies:
-                        raised += _make(hierarchy, self.plan)
-                    for hierarchy in self.hierarchies:
-                        _write(self.leaf(hierarchy) / "tasks", tid)
-                        moved.append(hierarchy)
-                except OSError as exc:
-                    raise LimitsNotPlaced(
-                        exc.errno,
-                        f"its limits could not be set under {self.hierarchies[0].base.parent}: "
-                        f"{exc.strerror or exc} ({exc.filename})",
-                    ) from exc
-                yield
-            finally:
-                for hierarchy in moved:
-                    try:
-                        _write(hierarchy.home / "tasks", tid)
-                    except OSError as exc:
-                        log.critical(
-                            "limits.cannot_return", node=str(self.leaf(hierarchy)), error=str(exc)
-                        )
-                for node, value in raised:
-                    _lower_pids(node, value)
+                _write(hierarchy.home / "tasks", tid)
+            except OSError as exc:
+                log.critical("limits.cannot_return", node=str(self.leaf(hierarchy)), error=str(exc))
+        if replenish:
+            for hierarchy in self.hierarchies:
+                hierarchy.replenish(self.leaf(hierarchy).parent)
+                hierarchy.replenish(hierarchy.base)
 
     def hit(self) -> LimitsHit:
         """What its limits did (its tree has ended; its nodes not yet removed)."""
@@ -167,7 +256,8 @@ class LimitNodes:
                 return
             for hierarchy in self.hierarchies:
                 node = self.leaf(hierarchy)
-                while node != hierarchy.base and _rmdir(node):
+                while node != hierarchy.base and (_rmdir(node) or hierarchy.remove_spares_of(node)):
+                    hierarchy.spares.pop(node, None)
                     node = node.parent
 
 
@@ -188,12 +278,14 @@ class Controllers:
         not, and why the v2 controllers are no alternative here."""
         digest = hashlib.sha256(str(state_dir.resolve()).encode()).hexdigest()[:12]
         own = _own_v1_cgroups()
+        v2 = _v2_delegated()
         hierarchies: dict[str, Hierarchy] = {}
         controls: dict[str, Control] = {}
         for kind, name in V1_HIERARCHIES.items():
             mount = _v1_mount(name)
             if mount is None:
-                controls[kind] = Control(enforced=False, how=_not_v1(name, "is not mounted"))
+                how = _not_v1(name, "is not mounted", v2)
+                controls[kind] = Control(enforced=False, how=how)
                 continue
             home = mount / own.get(name, "/").lstrip("/")
             # Made at the first limited spawn, not here: a daemon no one asks for a limit
@@ -201,7 +293,7 @@ class Controllers:
             base = home / f"subagentd-{digest}"
             if not (os.access(home, os.W_OK) and os.access(home / "tasks", os.W_OK)):
                 why = f"{home} is not writable by the daemon"
-                controls[kind] = Control(enforced=False, how=_not_v1(name, why))
+                controls[kind] = Control(enforced=False, how=_not_v1(name, why, v2))
                 continue
             hierarchies[kind] = Hierarchy(kind=kind, base=base, home=home)
             controls[kind] = Control(enforced=True, how=_v1_how(kind, base))
@@ -244,8 +336,17 @@ class Controllers:
             return None
         return LimitNodes(tuple(self.hierarchies.values()), relative)
 
+    def settle(self) -> None:
+        """The image is about to end (an exec, a stop): the forker's last job finished (its
+        thread home, its process limits lowered), and the spare nodes removed (the next
+        image does not know them; a spare it finds is swept at a clean start)."""
+        FORKER.settle()
+        for hierarchy in self.hierarchies.values():
+            hierarchy.remove_all_spares()
+
     def close(self) -> None:
         """The daemon stops with nothing live: its bases go, if empty."""
+        self.settle()
         for hierarchy in self.hierarchies.values():
             _rmdir(hierarchy.base)
             hierarchy.made = False
@@ -259,12 +360,18 @@ class Controllers:
             for parent, dirs, _ in os.walk(hierarchy.base, topdown=False):
                 for name in dirs:
                     _rmdir(Path(parent) / name)
+            hierarchy.spares.clear()
+            # The base too, if nothing is left in it (a daemon killed with nothing live left
+            # it empty): made again at the next limited spawn.
+            if _rmdir(hierarchy.base):
+                hierarchy.made = False
 
 
 def _make(hierarchy: Hierarchy, plan: LimitPlan) -> list[tuple[Path, int]]:
-    """Make the nodes of `plan` in `hierarchy` (those there already are reused), writing
-    each one's limit of this hierarchy's kind; the nodes whose process limit was raised by
-    one for the thread that steps in (`_lower_pids` takes it back)."""
+    """Make the nodes of `plan` in `hierarchy` (those there already are reused; a missing
+    one is a spare renamed where there is one), writing each one's limit of this
+    hierarchy's kind; the nodes whose process limit was raised by one for the thread that
+    steps in (`_lower_pids` takes it back)."""
     raised: list[tuple[Path, int]] = []
     node = hierarchy.base
     if not hierarchy.made:
@@ -272,14 +379,14 @@ def _make(hierarchy: Hierarchy, plan: LimitPlan) -> list[tuple[Path, int]]:
             node.mkdir()
         hierarchy.made = True
     for name, limits in zip(plan.path, plan.values, strict=True):
-        node = node / name
-        with contextlib.suppress(FileExistsError):
-            node.mkdir()
+        parent, node = node, node / name
+        if not os.path.isdir(node):
+            _place(hierarchy, parent, node)
         value = getattr(limits, hierarchy.kind) if limits else None
         if value is None:
             continue
         if hierarchy.kind == "memory":
-            _write_memory(node, value)
+            _write_memory(hierarchy, node, value)
         elif hierarchy.kind == "cpus":
             # Over the period a node is made with (the kernel's default, never changed
             # here): one write, not two, on a limited spawn's path.
@@ -291,18 +398,39 @@ def _make(hierarchy: Hierarchy, plan: LimitPlan) -> list[tuple[Path, int]]:
     return raised
 
 
-def _write_memory(node: Path, value: int) -> None:
+def _place(hierarchy: Hierarchy, parent: Path, node: Path) -> None:
+    """Make `node`: a spare of its parent's renamed (v1 renames a node within its parent),
+    else a new one. A spare is empty and has the kernel's default limits (no process ever
+    enters one, and a limit it needs is written next)."""
+    spare = hierarchy.take_spare(parent)
+    if spare is not None:
+        try:
+            os.rename(spare, node)
+            return
+        except FileExistsError:  # made meanwhile (by no one but this daemon): the spare stays
+            with _POOL_LOCK:
+                hierarchy.spares.setdefault(parent, []).append(spare)
+            return
+        except OSError as exc:  # swept, or removed by hand: made anew
+            log.warning("limits.spare_lost", node=str(spare), error=str(exc))
+    with contextlib.suppress(FileExistsError):
+        node.mkdir()
+
+
+def _write_memory(hierarchy: Hierarchy, node: Path, value: int) -> None:
     """memory.limit_in_bytes, and memory.memsw.limit_in_bytes (memory and swap together)
     where the kernel accounts swap: else a worker past its limit would go on in swap.
     memsw may never be below the memory limit, so the order depends on which way it goes."""
     text = str(value).encode()
     memsw = node / "memory.memsw.limit_in_bytes"
+    if hierarchy.memsw is None:
+        hierarchy.memsw = memsw.exists()
     try:
         _write(node / "memory.limit_in_bytes", text)
-        if memsw.exists():
+        if hierarchy.memsw:
             _write(memsw, text)
     except OSError as exc:
-        if exc.errno != errno.EINVAL or not memsw.exists():
+        if exc.errno != errno.EINVAL or not hierarchy.memsw:
             raise
         _write(memsw, text)  # raised above an earlier memsw: that one first
         _write(node / "memory.limit_in_bytes", text)
@@ -381,11 +509,37 @@ def _v1_mount(name: str) -> Path | None:
     return None
 
 
-def _not_v1(name: str, why: str) -> str:
-    return (
-        f"the cgroup v1 {name} hierarchy {why}, and cgroup v2 controllers are not used by "
-        "this daemon (docs/design.md, Limits)"
-    )
+def _v2_delegated() -> tuple[Path, frozenset[str]] | None:
+    """The daemon's v2 cgroup and the controllers it has (`cgroup.controllers`: those it
+    may pass on to its children once it holds no process itself); None without v2."""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            mount = next(Path(line.split()[4]) for line in f if " - cgroup2 " in line)
+        with open("/proc/self/cgroup") as f:
+            own = next(line[3:].strip() for line in f if line.startswith("0::"))
+        home = mount / own.lstrip("/")
+        return home, frozenset(_read(home / "cgroup.controllers").split())
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def _not_v1(name: str, why: str, v2: tuple[Path, frozenset[str]] | None) -> str:
+    """Why a kind is not enforced: its v1 hierarchy's reason, and what v2 has for it."""
+    if v2 is None:
+        there = "and there is no cgroup v2 hierarchy"
+    elif name in v2[1]:
+        there = (
+            f"and the cgroup v2 {name} controller, delegated to the daemon ({v2[0]}), is "
+            "not yet used for limits by this image (docs/design.md, Limits)"
+        )
+    else:
+        has = ", ".join(sorted(v2[1])) or "none"
+        there = (
+            f"and the cgroup v2 {name} controller is not delegated to the daemon ({v2[0]} "
+            f"has: {has}; a systemd user service with Delegate=yes gets what the user's "
+            "manager has, README, Limits)"
+        )
+    return f"the cgroup v1 {name} hierarchy {why}, {there}"
 
 
 def _v1_how(kind: str, base: Path) -> str:

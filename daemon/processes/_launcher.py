@@ -258,9 +258,6 @@ class LocalLauncher:
         #: Ended workers' cgroups, released and not yet removed (`remove_released`).
         self._unremoved: list[WorkerCgroup] = []
         self._usage = UsageReader()
-        #: The v1 memory cgroup a worker's process has, if any (one a memory limit made
-        #: where v2 has no memory controller): its usage is read from there.
-        self.v1_memory_of: Callable[[WorkerProcess], Path | None] = lambda process: None
         #: Ended workers' limit nodes, likewise.
         self._unremoved_nodes: list[LimitNodes] = []
 
@@ -346,7 +343,13 @@ class LocalLauncher:
         limit_path: str = "",
     ) -> WorkerProcess:
         process = WorkerProcess.adopt(
-            pid, pid_start, stdout, stderr, cgroup=self._adopted_group(worker_id), stdin=stdin
+            pid,
+            pid_start,
+            stdout,
+            stderr,
+            cgroup=self._adopted_group(worker_id),
+            stdin=stdin,
+            elsewhere=bool(limit_path),
         )
         # The kernel kept its nodes, and its limits in them, across the exec.
         process.limit_nodes = self.controllers.nodes_at(limit_path)
@@ -529,7 +532,7 @@ class LocalLauncher:
                 process.pid,
                 process.starttime,
                 None if process.cgroup is None else process.cgroup.path,
-                self.v1_memory_of(process),
+                _v1_memory_of(process),
             )
             for worker_id, process in workers
         ]
@@ -588,6 +591,7 @@ class LocalLauncher:
             log.warning("shutdown.cgroup_killed", cgroup=str(group.path), processes=killed)
 
     def remove_released_now(self) -> None:
+        self.controllers.settle()
         groups, self._unremoved = self._unremoved, []
         for group in groups:
             _remove(group)
@@ -602,6 +606,14 @@ class LocalLauncher:
             self.cgroups.remove()
         if not anything_live:
             self.controllers.close()
+
+
+def _v1_memory_of(process: WorkerProcess) -> Path | None:
+    """The v1 memory node a worker was born in, if any (a memory limit on its way made it):
+    its usage's memory is read from there, its delegates' nodes below it included (as its
+    limit covers them). None: no such node (it is read from /proc)."""
+    nodes = process.limit_nodes
+    return nodes.memory_leaf() if nodes is not None else None
 
 
 def _remove_all(

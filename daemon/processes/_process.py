@@ -27,8 +27,9 @@ import trio
 
 from ..store._files import open_regular
 from . import _spawn
-from ._cgroup import WorkerCgroup
+from ._cgroup import _FORK_LOCK, WorkerCgroup
 from ._controllers import LimitNodes, LimitsNotPlaced
+from ._forker import FORKER
 from ._reaper import REAPER, Watched
 from ._tree import DESCRIPTOR_ERRNOS, read_stat
 
@@ -115,7 +116,6 @@ class WorkerProcess:
         its stdin the file at `stdin_path`, a pipe the daemon writes (`stdin_open`), or
         /dev/null. A `cgroup` that cannot be used is done without (the tree is found by
         scanning), unless `cgroup_required`: then SpawnFailed, before anything runs."""
-        cgroup_error = None
         made: list[int] = []  # every descriptor this spawn made, closed if it goes no further
         stdin_w: int | None = None
         try:
@@ -143,24 +143,13 @@ class WorkerProcess:
             raise SpawnFailed(
                 f"cannot open the worker's input {stdin_path}: {exc.strerror}"
             ) from exc
+        born = functools.partial(
+            _birth, argv, cwd, env, stdin, out_w, err_w, cgroup, cgroup_required, limit_nodes
+        )
         try:
-            with contextlib.ExitStack() as birthplace:
-                if cgroup is not None:
-                    try:
-                        cgroup.create()
-                        birthplace.enter_context(cgroup.born_in())
-                    except OSError as exc:  # its tree is found by scanning, as without cgroups
-                        with contextlib.suppress(OSError):
-                            cgroup.remove()
-                        cgroup_error = f"cannot use {cgroup.path}: {exc.strerror or exc}"
-                        cgroup = None
-                        if cgroup_required:
-                            raise _CgroupRequired(cgroup_error) from exc
-                if limit_nodes is not None:
-                    # Its limits hold from its first instruction, or it does not start:
-                    # SpawnFailed (OSError below) naming the node that would not take it.
-                    birthplace.enter_context(limit_nodes.born_in())
-                pid = _start(argv, cwd=cwd, env=env, stdin=stdin, stdout=out_w, stderr=err_w)
+            # A worker with limits is forked from the forker's thread (`_forker`: never the
+            # daemon's leader in a worker's memory node); one without, here.
+            pid, cgroup, cgroup_error = FORKER.call(born) if limit_nodes else born()[0]
         except _CgroupRequired as exc:
             for end in (out_r, err_r, stdin_w):  # the others: `finally`
                 if end is not None:
@@ -205,7 +194,9 @@ class WorkerProcess:
                 raise OutOfDescriptors(exc) from exc
             raise SpawnFailed(f"cannot watch {argv[0]!r} (pid {pid}): {exc}") from exc
         assert stat is not None, "an unreaped child always has a /proc entry"
-        watched = REAPER.watch(pid, stat.starttime)  # no await since the start: none missed
+        # No await since the start: none missed. One with limits was forked by the
+        # forker's thread, so is its child (`Reaper.watch`).
+        watched = REAPER.watch(pid, stat.starttime, elsewhere=limit_nodes is not None)
         for end in (out_r, err_r, stdin_w):
             if end is not None:
                 os.set_blocking(end, False)  # a send never waits for room: see write_stdin
@@ -230,12 +221,15 @@ class WorkerProcess:
         stderr: int | None,
         cgroup: WorkerCgroup | None = None,
         stdin: int | None = None,
+        *,
+        elsewhere: bool = False,
     ) -> WorkerProcess:
         """Take over a worker handed across an exec: same pid (still our child), same pipes
         (close-on-exec again: see `_carried.take_back`).
 
         `cgroup`: the one the image before put the worker in, if it is there still (the
-        launcher looks, once for all it adopts).
+        launcher looks, once for all it adopts). `elsewhere`: forked by the forker's
+        thread, in this image or one before (it has limit nodes: `Reaper.watch`).
 
         Raises ProcessLookupError if the pid is not a child of this process. A child
         unreaped keeps its pid, so no /proc read is needed to know it is the worker still
@@ -249,7 +243,7 @@ class WorkerProcess:
             raise ProcessLookupError(f"pid {pid} is not this daemon's child") from exc
         return cls(
             pid=pid,
-            watched=REAPER.watch(pid, starttime),
+            watched=REAPER.watch(pid, starttime, elsewhere=elsewhere),
             starttime=starttime,
             stdout=stdout,
             stderr=stderr,
@@ -365,6 +359,46 @@ class WorkerProcess:
                     stream.relay.drop(stream.worker)  # what is still open of it
             self.relayed = None
         self.close_stdin()
+
+
+def _birth(
+    argv: list[str],
+    cwd: str,
+    env: Mapping[str, str],
+    stdin: int,
+    stdout: int,
+    stderr: int,
+    cgroup: WorkerCgroup | None,
+    cgroup_required: bool,
+    limit_nodes: LimitNodes | None,
+) -> tuple[tuple[int, WorkerCgroup | None, str | None], Callable[[], None] | None]:
+    """Fork and exec a worker in its cgroup and limit nodes, under the fork lock: its pid,
+    the cgroup it has (None if `cgroup` could not be used and is not required), why not;
+    and what takes the calling thread out of its limit nodes (None: none), for the caller
+    to call once the worker has its answer (`_forker`)."""
+    cgroup_error = None
+    with _FORK_LOCK, contextlib.ExitStack() as birthplace:
+        if cgroup is not None:
+            try:
+                cgroup.create()
+                birthplace.enter_context(cgroup.born_in())
+            except OSError as exc:  # its tree is found by scanning, as without cgroups
+                with contextlib.suppress(OSError):
+                    cgroup.remove()
+                cgroup_error = f"cannot use {cgroup.path}: {exc.strerror or exc}"
+                cgroup = None
+                if cgroup_required:
+                    raise _CgroupRequired(cgroup_error) from exc
+        # Its limits hold from its first instruction, or it does not start: SpawnFailed
+        # (LimitsNotPlaced) naming the node that would not take it.
+        leave = limit_nodes.enter() if limit_nodes is not None else None
+        try:
+            pid = _start(argv, cwd=cwd, env=env, stdin=stdin, stdout=stdout, stderr=stderr)
+        except BaseException:
+            if leave is not None:
+                leave()
+            raise
+    return (pid, cgroup, cgroup_error), leave
 
 
 def _start(

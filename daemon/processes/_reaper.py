@@ -22,6 +22,12 @@ while (STRANGER_RETRY_*) until it is gone. A child that is not a watched worker'
 never reaped here ("no other reaper steals": nor does this one), and the asking is
 paced by its own cost (PROBE_SHARE), so a lingering zombie can neither starve a
 worker's exit nor make the loop spin.
+
+That order is each thread's: a child is its forking thread's, and the peek walks the
+children of the calling thread (the event loop's) first, then each other thread's. A
+worker forked by another thread (one with limits, by the forker, `_forker`), or one such
+that an exec handed to the event loop's thread at the end of its list (a reload's), is
+watched `elsewhere`: behind any zombie, so asked at every asking.
 """
 
 from __future__ import annotations
@@ -65,6 +71,8 @@ class Watched:
     handed: bool = False
     #: Its supervision let it go unexited (a fault): reaped here when it exits.
     abandoned: bool = False
+    #: Forked by another thread than the event loop's (`Reaper.watch`).
+    elsewhere: bool = False
 
 
 class Reaper:
@@ -74,15 +82,22 @@ class Reaper:
         self._watched: dict[int, Watched] = {}
         #: (starttime, pid) of the watched, sorted; entries of those gone are skipped.
         self._order: list[tuple[int, int]] = []
+        #: The watched forked `elsewhere`, by pid: asked at every asking.
+        self._elsewhere: dict[int, Watched] = {}
         self._wake = trio.Event()
 
     def __len__(self) -> int:
         return len(self._watched)
 
-    def watch(self, pid: int, starttime: int) -> Watched:
+    def watch(self, pid: int, starttime: int, *, elsewhere: bool = False) -> Watched:
         """Watch a child just spawned or adopted (our child, unreaped): with no await
-        between its start and this, an exit meanwhile is found by the next peek."""
-        watched = self._watched[pid] = Watched(pid, starttime)
+        between its start and this, an exit meanwhile is found by the next peek.
+        `elsewhere`: forked by a thread other than the event loop's (now or in the image
+        before), so anywhere in the peek's walk."""
+        watched = self._watched[pid] = Watched(pid, starttime, elsewhere=elsewhere)
+        if elsewhere:
+            self._elsewhere[pid] = watched
+            return watched
         if len(self._order) > 2 * len(self._watched) + 64:  # of those gone, kept till now
             self._order = sorted(
                 (w.starttime, w.pid) for w in self._watched.values() if not w.handed
@@ -121,6 +136,8 @@ class Reaper:
         """Watch it no longer (reaped, or left to another reaper)."""
         if self._watched.get(watched.pid) is watched:
             del self._watched[watched.pid]
+        if self._elsewhere.get(watched.pid) is watched:
+            del self._elsewhere[watched.pid]
 
     def _hand(self, watched: Watched) -> None:
         watched.handed = True
@@ -173,6 +190,17 @@ class Reaper:
             else:
                 running.append(key)
         self._order[start:] = running
+        for pid, watched in list(self._elsewhere.items()):
+            if self._watched.get(pid) is not watched or watched.handed:
+                del self._elsewhere[pid]
+                continue
+            try:
+                info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                continue
+            if info is not None and info.si_pid:
+                del self._elsewhere[pid]
+                self._hand(watched)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Hand exits until cancelled: once at the start (what exited before, or during a

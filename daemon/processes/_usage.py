@@ -10,9 +10,12 @@ Where each figure comes from, best first (protocol/README.md, Usage, says the sa
   /proc/PID/stat (a process reaped by one outside the tree takes its time along, so the
   figure is kept from going down: the largest seen).
 - Memory now and at peak: the v2 cgroup's ``memory.current`` / ``memory.peak`` where the
-  memory controller is enabled there; else the worker's v1 memory cgroup's
-  ``memory.usage_in_bytes`` / ``memory.max_usage_in_bytes`` where it has one (made for a
-  worker with a memory limit; the caller names it); else the sum of the resident sizes
+  memory controller is enabled there; else the worker's v1 memory cgroup's own
+  ``memory.stat`` (``cache`` + ``rss`` + ``swap``, its node's alone: a limited delegate's
+  node below it is that delegate's, so `info`'s totals count each once) and, as peak,
+  ``memory.max_usage_in_bytes`` (v1 keeps none but its subtree's: it and what it
+  delegated) where it has one (made for a worker with a memory limit; the caller names
+  it); else the sum of the resident sizes
   of its processes (/proc/PID/statm; pages two of them share are counted twice), and as
   peak the largest such sum this reader saw, never less than the largest process's
   ``VmHWM`` (/proc/PID/status, three times statm's cost: read at a worker's first
@@ -203,23 +206,24 @@ class _Files:
     cpu: bytes | None = None
     memory: bytes | None = None
     memory_peak: bytes | None = None
+    #: `memory` is a v1 memory.stat, whose node's own lines are summed (`_v1_own`).
+    memory_stat: bool = False
 
     @classmethod
     def of(cls, tree: WorkerTree) -> _Files:
         v2 = tree.cgroup
+        procs: bytes | None = None
+        cpu: bytes | None = None
         if v2 is not None:
+            procs, cpu = _named(v2, "cgroup.procs", "cpu.stat")
             enabled = (_read(os.fsencode(v2 / "cgroup.controllers")) or b"").split()
             if b"memory" in enabled:
-                return cls(*_named(v2, "cgroup.procs", "cpu.stat", "memory.current", "memory.peak"))
-        v1 = tree.v1_memory
-        if v1 is not None:
-            memory = _named(v1, "memory.usage_in_bytes", "memory.max_usage_in_bytes")
-            if v2 is None:
-                return cls(None, None, *memory)
-            return cls(*_named(v2, "cgroup.procs", "cpu.stat"), *memory)
-        if v2 is not None:
-            return cls(*_named(v2, "cgroup.procs", "cpu.stat"))
-        return cls()
+                current, peak = _named(v2, "memory.current", "memory.peak")
+                return cls(procs, cpu, current, peak)
+        if tree.v1_memory is not None:
+            stat, peak = _named(tree.v1_memory, "memory.stat", "memory.max_usage_in_bytes")
+            return cls(procs, cpu, stat, peak, memory_stat=True)
+        return cls(procs, cpu)
 
 
 def _named(folder: Path, *names: str) -> list[bytes]:
@@ -331,6 +335,22 @@ class UsageReader:
         return cpu / elapsed * 100 if elapsed > 0 else None
 
 
+def _v1_own(stat: bytes) -> int | None:
+    """A v1 memory node's own memory, of its memory.stat: page cache, resident anonymous
+    memory and swap (the lines before the hierarchical ones); None if it is gone."""
+    raw = _read(stat)
+    if raw is None:
+        return None
+    total = 0
+    for line in raw.splitlines():
+        key, _, value = line.partition(b" ")
+        if key in (b"cache", b"rss", b"swap"):
+            total += int(value)
+        elif key == b"hierarchical_memory_limit":
+            break
+    return total
+
+
 def _memory(
     files: _Files, pids: list[int], *, peaks: bool = True
 ) -> tuple[int, int | None, Source]:
@@ -338,7 +358,7 @@ def _memory(
     From /proc, the peak is the largest process's VmHWM if `peaks`, else 0 (the caller
     keeps the largest seen)."""
     if files.memory is not None:
-        current = _number(files.memory)
+        current = _v1_own(files.memory) if files.memory_stat else _number(files.memory)
         if current is not None:
             return (
                 current,

@@ -8,6 +8,7 @@ scheduler of issues 26-28 (caps, a queue, after, retries) plugs in here.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 from collections.abc import Callable
@@ -363,6 +364,8 @@ class Spawner:
         path, values = self._registry.limit_chain(record)
         parent = self._registry.handle(record.parent) if record.parent is not None else None
         plan = LimitPlan(path, values, nested=parent is not None and bool(parent.limit_path))
+        if ("hold-in-nodes", record.name) in self._faults:
+            plan = dataclasses.replace(plan, hold=self._state_dir.root / "hold-in-nodes")
         if self._launcher.controllers.nodes(plan) is None:
             record.limit_path = ""
             return None
