@@ -5,13 +5,18 @@ trees; the slow settle is held by a fault point (`hold-pause`), deterministicall
 
 from __future__ import annotations
 
+import functools
 import os
+import subprocess
+from collections.abc import Iterator
 
 import pytest
 import trio
 import trio.testing
 
 from subagentd.client import AsyncClient
+from subagentd.daemon.processes import _freezer
+from subagentd.daemon.processes._tree import ProcStat, read_stat
 from subagentd.daemon.workers._pauses import WorkerLocks
 
 from .conftest import DaemonProcess
@@ -80,3 +85,36 @@ async def test_worker_locks_cross_no_circle_and_are_given_back() -> None:
             release.set()
         assert got == ["ba", "c", "ab"]
         assert len(locks) == 0
+
+
+@pytest.fixture
+def sleeper() -> Iterator[subprocess.Popen[bytes]]:
+    """A child of the test's own: the kernel tells its parent when it stops (waitid)."""
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        yield child
+    finally:
+        child.kill()
+        child.wait()
+
+
+async def test_a_pause_whose_search_outlasts_its_bound_still_stops_what_it_found(
+    monkeypatch: pytest.MonkeyPatch, sleeper: subprocess.Popen[bytes]
+) -> None:
+    # Past its bound before its first search returns (as on a loaded machine with
+    # thousands of processes): it answers unsettled, yet what it found is stopped.
+    monkeypatch.setattr(_freezer, "SETTLE_SECONDS", 0.0)
+
+    async def find() -> list[ProcStat]:
+        await trio.lowlevel.checkpoint()  # a search awaits (its scan, in a thread)
+        stat = read_stat(sleeper.pid)
+        return [stat] if stat is not None else []
+
+    with trio.fail_after(10):
+        assert not await _freezer.stop_found(find)
+        stopped = await trio.to_thread.run_sync(
+            functools.partial(os.waitid, os.P_PID, sleeper.pid, os.WSTOPPED),
+            abandon_on_cancel=True,
+        )
+    assert stopped is not None
+    assert stopped.si_code == os.CLD_STOPPED

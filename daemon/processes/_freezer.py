@@ -168,18 +168,30 @@ def tree_finder(processes: ProcessTable, trees: list[Tree]) -> Find:
 async def stop_found(find: Find) -> bool:
     """SIGSTOP every process `find` finds, finding again until every process found is
     stopped and none was not yet sent one (bounded: `STOP_SCANS`, `SETTLE_SECONDS`);
-    False if that did not come in time (the pause stands: what was found is stopped)."""
+    False if that did not come in time (the pause stands: what was found is stopped).
+    The first search and its signals are outside the bound: a search slower than it (a
+    loaded machine, thousands of processes) must not leave a pause that stopped nothing."""
     sent: set[tuple[int, int]] = set()
+
+    async def stop_fresh() -> bool:
+        """One search, and SIGSTOP to what it found not yet sent one; True if it found
+        nothing fresh and everything stopped."""
+        members = await patiently(find)
+        fresh = [m for m in members if (m.pid, m.starttime) not in sent]
+        if not fresh and all(m.state in ("T", "t") for m in members):
+            return True
+        with Pinned(fresh) as pinned:
+            pinned.signal(signal.SIGSTOP)
+        sent.update((m.pid, m.starttime) for m in fresh)
+        return False
+
+    if await stop_fresh():
+        return True
     with trio.move_on_after(SETTLE_SECONDS):
-        for _ in range(STOP_SCANS):
-            members = await patiently(find)
-            fresh = [m for m in members if (m.pid, m.starttime) not in sent]
-            if not fresh and all(m.state in ("T", "t") for m in members):
-                return True
-            with Pinned(fresh) as pinned:
-                pinned.signal(signal.SIGSTOP)
-            sent.update((m.pid, m.starttime) for m in fresh)
+        for _ in range(STOP_SCANS - 1):
             await trio.lowlevel.checkpoint()
+            if await stop_fresh():
+                return True
     return False
 
 
