@@ -21,7 +21,7 @@ import time
 from _harness import Figure, report, run_seconds, running_daemon, summary, thread_named
 
 from subagentd.client import Client
-from subagentd.protocol import Limits
+from subagentd.protocol import LIMIT_KINDS, Limits
 
 LIMITS = Limits(memory=1 << 30, cpus=1.5, pids=100)
 
@@ -34,7 +34,7 @@ def measure(starts: int = 100) -> list[Figure]:
     plain_cpu: list[float] = []
     with running_daemon() as daemon, Client(daemon.socket, timeout=60) as client:
         pid = daemon.proc.pid
-        controls = client.info().controls
+        controls = {k: c for k, c in client.info().controls.items() if k in LIMIT_KINDS}
         if not all(c.enforced for c in controls.values()) or not controls:
             why = "; ".join(f"{k}: {c.how}" for k, c in controls.items()) or "no controls"
             return [

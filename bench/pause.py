@@ -128,7 +128,14 @@ def _one_mode(
                 floor_freeze.append(_kernel_wait(group, True))
                 floor_thaw.append(_kernel_wait(group, False))
         client.stop(worker.id)
-    return paused, unpaused, floor_freeze, floor_thaw, info.freeze, machine_processes
+    return (
+        paused,
+        unpaused,
+        floor_freeze,
+        floor_thaw,
+        info.controls["freeze"].how,
+        machine_processes,
+    )
 
 
 def measure(sleepers: int = 100, rounds: int = 20) -> list[Figure]:

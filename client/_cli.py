@@ -321,6 +321,7 @@ class Human:
                 ("holds_park", info.holds_park),
                 ("tree_tracking", info.tree_tracking),
                 *_relays_field(info),
+                *_controls_fields(info),
                 ("authority", AUTHORITY_MEANS.get(info.authority, info.authority)),
                 ("caller", info.caller or "the user"),
                 ("socket", info.socket),
@@ -650,6 +651,14 @@ def send(daemon: Client, args: argparse.Namespace, out: Output) -> None:
         if written == len(data) and (took == len(chunk)):
             break
     out.sent(args.worker, written, args.eof)
+
+
+def _controls_fields(info: DaemonInfo) -> list[tuple[str, object]]:
+    """Each limit's kind, and the freeze of a pause: enforced or not, and how."""
+    return [
+        (f"control_{kind}", f"{'enforced' if c.enforced else 'not enforced'}: {c.how}")
+        for kind, c in info.controls.items()
+    ]
 
 
 def _relays_field(info: DaemonInfo) -> list[tuple[str, object]]:

@@ -18,6 +18,7 @@ from pathlib import Path
 import trio
 
 from subagentd.protocol import (
+    FREEZE_CONTROL,
     PROTOCOL_VERSION,
     TERMINAL_STATES,
     DaemonInfo,
@@ -170,7 +171,7 @@ class Daemon:
             self.registry, self.reader, self.supervisor, self.runs, self.problems, self.afterwards
         )
         #: The pause verbs: a worker's subtree, a run.
-        self.pauses = Pauses(self.registry, self.reader, self.supervisor, launcher)
+        self.pauses = Pauses(self.registry, self.reader, self.supervisor, launcher, self.faults)
         #: Set and replaced whenever something happens that idle exit must notice.
         self.activity = trio.Event()
 
@@ -298,13 +299,12 @@ class Daemon:
             # Recovering, the registry is not yet what the store holds: say it may hold.
             holds_park=self.recovering is not None or self.registry.holds_park(),
             tree_tracking=self.launcher.tree_tracking,
-            freeze=self.launcher.freeze,
             authority=self.launcher.authority,
             caller=caller,
             socket=str(self.socket_path),
             state_dir=str(self.state_dir.root),
             relays=self.launcher.relays.info(),
-            controls=dict(self.launcher.controllers.controls),
+            controls={**self.launcher.controllers.controls, FREEZE_CONTROL: self.launcher.freeze},
             problems=self.problems.current()
             + self.store_upkeep.unwritten_problem()
             + self.store.problems

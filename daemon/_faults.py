@@ -18,6 +18,9 @@ import trio
 #: `resume:N` as a resume of it has reopened its record; `hold-resume:N` holds a resume
 #: of it before its journal is verified (the await a stop may land in) until a writer of
 #: the FIFO `hold-resume` in the state dir has opened and closed it;
+#: `hold-pause:N` holds a pause of a worker named N (its lock held, as while the kernel
+#: is slow to say its tree is frozen) until a writer of the FIFO `hold-pause` in the
+#: state dir has opened and closed it;
 #: `reload:early` raises as the first reload begins;
 #: `lose-answer:N` reloads the daemon (SIGHUP to itself) once a spawn of a worker named N
 #: is written down and started, and never sends that spawn's answer: the reload's pause

@@ -15,6 +15,7 @@ from ._limit_text import memory_text as memory_text
 from ._limit_text import parse_limits as parse_limits
 from ._limit_text import process_count as process_count
 from ._messages import DEFAULT_ANSWER_BYTES as DEFAULT_ANSWER_BYTES
+from ._messages import FREEZE_CONTROL as FREEZE_CONTROL
 from ._messages import LIMIT_KINDS as LIMIT_KINDS
 from ._messages import MAX_ACK_WAKES as MAX_ACK_WAKES
 from ._messages import MAX_ANSWER_BYTES as MAX_ANSWER_BYTES

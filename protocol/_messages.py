@@ -132,6 +132,8 @@ CpuLimit = Annotated[float, msgspec.Meta(ge=MIN_CPUS, le=MAX_CPUS)]
 PidsLimit = Annotated[int, msgspec.Meta(ge=1, le=MAX_PIDS)]
 #: The kinds of limit, as `Limits` and `DaemonInfo.controls` name them.
 LIMIT_KINDS = ("memory", "cpus", "pids")
+#: What `DaemonInfo.controls` says beside the limits: how `pause` holds a tree still.
+FREEZE_CONTROL = "freeze"
 
 
 # -- values carried inside messages --------------------------------------------
@@ -178,8 +180,9 @@ class Limits(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class Control(msgspec.Struct, kw_only=True):
-    """How this daemon enforces one kind of limit (`DaemonInfo.controls`): `enforced`, and
-    `how`, a sentence naming the mechanism and its path, or why it cannot."""
+    """How this daemon enforces one kind of limit, or holds a tree still (a pause), as
+    `DaemonInfo.controls` says: `enforced`, and `how`, a sentence naming the mechanism and
+    its path, or why it cannot."""
 
     enforced: bool
     how: str = ""
@@ -377,16 +380,16 @@ class DaemonInfo(msgspec.Struct, kw_only=True):
     #: The output relays holding workers' pipes past the descriptor threshold (None: an
     #: image before them).
     relays: OutputRelays | None = None
-    #: How `pause` holds a worker's processes still: "cgroup v2 cgroup.freeze", or
-    #: "SIGSTOP/SIGCONT over the process tree (scan)" where workers have no cgroups.
-    freeze: str = ""
     #: What the live workers take together, when `info` asked (``usage``): the sum of each
     #: one's figures (its ``memory_peak``: the sum of their peaks, None if one is not
     #: known; ``cpu_percent``: of those that have one); ``source`` "proc" if any was.
     #: None: not asked, or an image before it.
     usage: Usage | None = None
-    #: What this daemon can enforce, by kind ("memory", "cpus", "pids"), and how; a spawn
-    #: or new_run asking for a kind not enforced is refused. Empty: an image before limits.
+    #: What this daemon can enforce, by kind, and how: the limits ("memory", "cpus",
+    #: "pids"; a spawn or new_run asking for a kind not enforced is refused) and "freeze",
+    #: how `pause` holds a worker's processes still ("cgroup v2 cgroup.freeze", or
+    #: "SIGSTOP/SIGCONT over the process tree (scan)" where workers have no cgroups).
+    #: Empty: an image before limits.
     controls: dict[str, Control] = {}
 
 

@@ -170,6 +170,27 @@ def daemon(daemon_dirs: DaemonProcess) -> DaemonProcess:
     return daemon_dirs
 
 
+@pytest.fixture(params=["cgroup", "scan"])
+def tracking(request: pytest.FixtureRequest, daemon_dirs: DaemonProcess) -> DaemonProcess:
+    """A serving daemon each way of tracking trees: in cgroups (skipped where this machine
+    gives the daemon none), and by scanning /proc (``--cgroups off``)."""
+    from subagentd.client import Client
+
+    daemon_dirs.start(*(["--cgroups", "off"] if request.param == "scan" else []))
+    with Client(daemon_dirs.socket) as sync:
+        info = sync.info()
+    if request.param == "cgroup" and not info.tree_tracking.startswith("cgroup "):
+        pytest.skip(f"this machine gives the daemon no cgroup: {info.tree_tracking}")
+    if request.param == "scan":
+        assert info.tree_tracking == "/proc scan (cgroups turned off: --cgroups off)"
+    assert info.controls["freeze"].how == (
+        "cgroup v2 cgroup.freeze"
+        if request.param == "cgroup"
+        else "SIGSTOP/SIGCONT over the process tree (scan)"
+    )
+    return daemon_dirs
+
+
 @pytest.fixture
 async def connect(daemon: DaemonProcess) -> AsyncIterator[Connect]:
     """Open raw connections to the daemon; all are closed after the test."""

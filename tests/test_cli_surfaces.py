@@ -257,10 +257,17 @@ def test_json_carries_every_field_the_text_shows(daemon: DaemonProcess, tmp_path
         if key.startswith("workers_"):  # the live workers' usage together
             assert info["usage"] is not None, key
             continue
+        if key.startswith("control_"):  # one line a control: a limit's kind, the freeze
+            control = info["controls"][key.removeprefix("control_")]
+            enforced = "enforced" if control["enforced"] else "not enforced"
+            assert info_text[key] == f"{enforced}: {control['how']}", key
+            continue
         assert ("problems" if key == "problem" else key) in info, key
     assert info_text["workers_processes"] == str(info["usage"]["processes"])
     assert (info["socket"], info["state_dir"]) == (str(daemon.socket), str(daemon.state_dir))
     assert info["tree_tracking"] == info_text["tree_tracking"]
+    assert info_text["control_freeze"].startswith("enforced: ")
+    assert "freeze" not in info  # said among the controls, not beside them
     ok(daemon.ctl("stop", worker["id"]))
 
 

@@ -14,60 +14,20 @@ import trio
 from trio.testing import MockClock
 
 from subagentd import protocol as p
-from subagentd.client import AsyncClient, Client
+from subagentd.client import AsyncClient
 from subagentd.protocol.errors import Invalid, NotFound, Refused
 
 from .conftest import DaemonProcess
 from .helpers import RawConnection, alive, follow_stdout, pending_wakes, sh, wait_output
 from .inprocess import at, held, in_process
+from .pausing import COUNTER, cgroup_of, kernel_holds
 from .test_top import once, row
-
-#: Prints a counter, a line every 10 ms, forking a `sleep` for each: lines to lose, and
-#: forks for a pause to catch.
-COUNTER = "i=0; while :; do echo $i; i=$((i+1)); sleep 0.01; done"
-
-
-@pytest.fixture(params=["cgroup", "scan"])
-def tracking(request: pytest.FixtureRequest, daemon_dirs: DaemonProcess) -> DaemonProcess:
-    """A daemon pausing each way: cgroup.freeze, or SIGSTOP over a scanned tree."""
-    daemon_dirs.start(*(["--cgroups", "off"] if request.param == "scan" else []))
-    with Client(daemon_dirs.socket) as sync:
-        info = sync.info()
-    if request.param == "cgroup" and not info.tree_tracking.startswith("cgroup "):
-        pytest.skip(f"this machine gives the daemon no cgroup: {info.tree_tracking}")
-    assert info.freeze == (
-        "cgroup v2 cgroup.freeze"
-        if request.param == "cgroup"
-        else "SIGSTOP/SIGCONT over the process tree (scan)"
-    )
-    return daemon_dirs
 
 
 @pytest.fixture
 async def client(tracking: DaemonProcess) -> AsyncIterator[AsyncClient]:
     async with AsyncClient(tracking.socket) as client:
         yield client
-
-
-def _cgroup(info: p.DaemonInfo, worker_id: str) -> Path | None:
-    """The worker's cgroup, None where trees are scanned."""
-    if not info.tree_tracking.startswith("cgroup "):
-        return None
-    return Path(info.tree_tracking.removeprefix("cgroup ")) / worker_id
-
-
-def _state(pid: int) -> str:
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        raw = f.read()
-    return raw[raw.rindex(b")") + 2 :].split()[0].decode()
-
-
-def _held(info: p.DaemonInfo, worker_id: str, pid: int) -> bool:
-    """What the kernel says: its cgroup frozen, or its leader stopped."""
-    group = _cgroup(info, worker_id)
-    if group is not None:
-        return "frozen 1" in (group / "cgroup.events").read_text()
-    return _state(pid) in ("T", "t")
 
 
 def _counted(stdout: bytes) -> list[int]:
@@ -102,7 +62,7 @@ async def test_pause_stops_its_output_and_unpause_carries_it_on_losing_no_line(
         answer = await client.pause(worker=worker.id)
         assert (answer.paused, answer.already_paused) == ([worker.id], [])
         assert worker.pid is not None
-        assert _held(info, worker.id, worker.pid)  # held once answered: awaited, not slept
+        assert kernel_holds(info, worker.id, worker.pid)  # held once answered: awaited, not slept
         paused_at = time.time()
         assert (await client.status(worker.id)).paused
         await _witness(client, 1.0)
@@ -139,7 +99,7 @@ async def test_pause_then_reload_then_unpause_keeps_its_pid_and_every_line(
         await client.reload()
         after = await client.status(worker.id)
         assert (after.pid, after.paused, after.state) == (worker.pid, True, "running")
-        assert _held(info, worker.id, worker.pid)  # still held by the kernel
+        assert kernel_holds(info, worker.id, worker.pid)  # still held by the kernel
         listed = {w.id: w for w in await client.ls()}
         assert listed[worker.id].paused
         row = next(
@@ -204,7 +164,7 @@ async def test_pause_a_run_holds_every_live_worker_of_it(
         }
         for w in workers:
             assert w.pid is not None
-            assert _held(info, w.id, w.pid)
+            assert kernel_holds(info, w.id, w.pid)
             assert (await client.status(w.id)).paused
         assert not (await client.status(other.id)).paused
         top = await trio.to_thread.run_sync(lambda: once(tracking))
@@ -212,12 +172,12 @@ async def test_pause_a_run_holds_every_live_worker_of_it(
         assert {row(top.stdout, w.id).split()[0] for w in workers} == {"paused"}
         assert row(top.stdout, other.id).split()[0] == "running"
         assert other.pid is not None
-        assert not _held(info, other.id, other.pid)
+        assert not kernel_holds(info, other.id, other.pid)
         unpaused = await client.unpause(run=run)
         assert unpaused.unpaused == sorted(w.id for w in workers)
         for w in workers:
             assert w.pid is not None
-            assert not _held(info, w.id, w.pid)
+            assert not kernel_holds(info, w.id, w.pid)
 
 
 async def test_a_subtree_pause_covers_a_delegated_child_and_not_a_sibling(
@@ -234,9 +194,9 @@ async def test_a_subtree_pause_covers_a_delegated_child_and_not_a_sibling(
         assert answer.paused == sorted([parent.id, child.id, grandchild.id])
         for w in (parent, child, grandchild):
             assert w.pid is not None
-            assert _held(info, w.id, w.pid)
+            assert kernel_holds(info, w.id, w.pid)
         assert sibling.pid is not None
-        assert not _held(info, sibling.id, sibling.pid)
+        assert not kernel_holds(info, sibling.id, sibling.pid)
         # Only the child's subtree let go: the parent stays paused.
         assert (await client.unpause(worker=child.id)).unpaused == sorted([child.id, grandchild.id])
         assert (await client.status(parent.id)).paused
@@ -299,7 +259,7 @@ async def test_a_crash_with_a_paused_worker_ends_it_and_leaves_nothing_frozen(
             await wait_output(client, worker.id, b"2\n")
             await client.pause(worker=worker.id)
         assert worker.pid is not None
-        group = _cgroup(info, worker.id)
+        group = cgroup_of(info, worker.id)
         members = [int(x) for x in (group / "cgroup.procs").read_text().split()] if group else []
         await trio.to_thread.run_sync(tracking.kill)
         if group is not None:  # a dead daemon leaves its workers as they are: frozen

@@ -82,8 +82,10 @@ async def _journal_notes(client: AsyncClient, worker: str) -> list[str]:
 async def test_info_says_what_is_enforced_and_how(client: AsyncClient) -> None:
     with trio.fail_after(10):
         info = await client.info()
-    assert set(info.controls) == {"memory", "cpus", "pids"}
-    for kind, control in info.controls.items():
+    assert set(info.controls) == {"memory", "cpus", "pids", "freeze"}
+    assert info.controls["freeze"] == p.Control(enforced=True, how="cgroup v2 cgroup.freeze")
+    for kind in p.LIMIT_KINDS:
+        control = info.controls[kind]
         assert control.enforced, (kind, control)
         assert "cgroup v1" in control.how, control
         assert "subagentd-" in control.how, control
@@ -284,7 +286,11 @@ async def test_a_limit_is_refused_where_cgroups_are_off(daemon_dirs: DaemonProce
     with trio.fail_after(20):
         async with AsyncClient(daemon_dirs.socket) as client:
             info = await client.info()
-            assert all(not c.enforced for c in info.controls.values())
+            assert all(not info.controls[kind].enforced for kind in p.LIMIT_KINDS)
+            # A pause is still had, by signals over the scanned tree.
+            assert info.controls["freeze"] == p.Control(
+                enforced=True, how="SIGSTOP/SIGCONT over the process tree (scan)"
+            )
             assert "--cgroups off" in info.controls["memory"].how
             with pytest.raises(Refused, match=r"memory limit, which this daemon cannot enforce"):
                 await client.spawn(sh("true"), limits=p.Limits(memory=64 * MIB))

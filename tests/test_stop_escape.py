@@ -1,4 +1,5 @@
-"""A process that moves itself out of its worker's cgroup does not escape a stop.
+"""A process that moves itself out of its worker's cgroup does not escape a stop, nor a
+pause.
 
 Where workers have cgroups, any of them may write `cgroup.procs` where it can (a delegated
 user service anywhere in its subtree, root anywhere): into the daemon's own cgroup, a
@@ -33,6 +34,7 @@ from subagentd.daemon.processes._reaper import REAPER
 
 from .conftest import DaemonProcess
 from .helpers import alive, sh, wait_output
+from .pausing import proc_state
 
 PYTHON = sys.executable
 
@@ -156,6 +158,31 @@ async def test_a_child_that_moved_itself_out_of_its_workers_cgroup_ends_with_its
             # stopped worker's id was ended.
             live = [w for w in await user.ls() if w.state == "running"]
             assert len(live) == (1 if move == "sibling" else 0)
+
+
+@pytest.mark.parametrize("move", MOVES)
+async def test_a_child_that_moved_itself_out_of_its_workers_cgroup_is_held_by_its_pause(
+    user: AsyncClient, move: str
+) -> None:
+    # Out of the frozen cgroup, it is stopped (SIGSTOP), and continued by the unpause;
+    # moved into a cgroup inside its own, the kernel freezes it with the rest.
+    with trio.fail_after(30):
+        worker_id, pid, dest, made = await _escaping_worker(user, move)
+        with reaped_after(made, [pid]):
+            assert (await user.pause(worker=worker_id)).paused == [worker_id]
+            if move == "inside":
+                assert "frozen 1" in (dest / "cgroup.events").read_text()
+                assert proc_state(pid) != "T"
+            else:
+                assert proc_state(pid) == "T", f"the child in {move}'s cgroup was not held"
+            assert (await user.unpause(worker=worker_id)).unpaused == [worker_id]
+            assert proc_state(pid) != "T"
+            if move == "inside":
+                assert "frozen 0" in (dest / "cgroup.events").read_text()
+            # Paused again, a stop ends it at once (continued with its TERM).
+            await user.pause(worker=worker_id)
+            assert await user.stop(worker_id)
+            assert not alive(pid), f"the child that moved into {move}'s cgroup survived"
 
 
 @pytest.mark.parametrize("move", MOVES)

@@ -275,6 +275,22 @@ def _last_state(journal: Journal, record: WorkerRecord, *, since: float | None =
         record.exit_code = int(code) if code.lstrip("-").isdigit() else None
 
 
+def _paused_when_it_died(journal: Journal, record: WorkerRecord) -> bool:
+    """Whether the attempt was paused as the daemon died: its record says so, or its
+    journal's last pause entry of this attempt is `paused` (a pause is journaled at once,
+    its record committed only with the next change). Its recent entries only: a paused
+    worker writes nothing after its pause but what its pipe held."""
+    if record.paused_since is not None:
+        return True
+    recent = journal.read(max(0, journal.last_seq - 64), 64)
+    said = [
+        e.data
+        for e in recent
+        if e.kind == "state" and e.data in (b"paused", b"unpaused") and e.at >= record.started_at
+    ]
+    return bool(said) and said[-1] == b"paused"
+
+
 async def _took(progress: RecoveryProgress | None) -> None:
     """One more worker taken back: said in `info`, and the server's turn (it answers
     meanwhile: `info` at once, the rest `recovering`)."""
@@ -336,6 +352,9 @@ async def _interrupt(
                 _last_state(journal, record, since=record.started_at)
             stdout_tail = journal.tail_bytes("stdout", STDOUT_TAIL_BYTES)
             if not record.ended:
+                if _paused_when_it_died(journal, record):  # its pause ends with it
+                    record.unpause(daemon.clock())
+                    journal.append("state", b"unpaused", daemon.clock())
                 journal.append(
                     "state", b"interrupted (the daemon died while it ran)", daemon.clock()
                 )

@@ -619,28 +619,37 @@ async def adopt(
         unread=unread,
         held=held if stopped == checkpoint.stopped_by_reload else None,  # a stop writes
     )
+    held_on: list[tuple[str, WorkerProcess]] = []
+    let_go: list[tuple[str, WorkerProcess]] = []
     for carried, process, journal, stdout_tail in adopted:
         live = LiveWorker(
             record=daemon.registry.worker(carried.id), journal=journal, process=process
         )
         live.stdout_tail += stdout_tail
-        _paused_as_the_kernel_says(daemon, live, process)
+        if live.record.paused_since is not None:
+            paused = _paused_as_the_kernel_says(daemon, live, process)
+            (held_on if paused else let_go).append((carried.id, process))
         daemon.supervisor.add(live)
+    if held_on or let_go:
+        # What a pause or unpause the reload cut short left half done is finished.
+        await daemon.launcher.carry_pauses(held_on, let_go)
     daemon.image_generation = checkpoint.image_generation + 1
     daemon.reloads = checkpoint.reloads + 1
     return len(daemon.supervisor), stopped
 
 
-def _paused_as_the_kernel_says(daemon: Daemon, live: LiveWorker, process: WorkerProcess) -> None:
+def _paused_as_the_kernel_says(daemon: Daemon, live: LiveWorker, process: WorkerProcess) -> bool:
     """A worker is paused across a reload if the kernel still holds it (its cgroup's
     `cgroup.freeze`, else its leader stopped): the record's word is checked, never taken
     alone, nor the kernel's (a leader that stopped itself is not paused: its timeout
-    runs). Paused since the record says (its timeout's deadline moves from then)."""
-    record, now = live.record, daemon.clock()
-    if record.paused_since is not None and daemon.launcher.paused_now(process):
-        record.pause(now)
-    else:
-        record.unpause(now)
+    runs). Paused since the record says (its timeout's deadline moves from then). One the
+    record says paused that the kernel no longer holds (let go behind the daemon's back:
+    its cgroup thawed, its tree sent SIGCONT) is journaled `unpaused`, as its pause ended.
+    Whether it is paused."""
+    if live.record.paused_since is not None and daemon.launcher.paused_now(process):
+        return True
+    daemon.supervisor.unpaused(live)
+    return False
 
 
 def _start_check(command: list[str]) -> subprocess.Popen[bytes]:

@@ -74,6 +74,35 @@ class Marked:
         return found
 
 
+def outside_cgroups(
+    marked: Marked, trees: Iterable[tuple[int, str, int]], inside: Collection[int]
+) -> list[ProcStat]:
+    """What of each worker's tree runs outside its cgroup (`inside`: the pids in the
+    workers' cgroups): for a pause, while the tree still runs (a stop searches once the
+    cgroup is empty). Each tree is a leader's pid, its worker id and its start; its
+    processes outside are those of the search started since, in the leader's process
+    group or forked by a process inside, those carrying its worker id, and what they
+    forked. Read again (the search may recall an older state)."""
+    table = marked.table
+    roots: set[int] = set()
+    for leader, worker_id, since in trees:
+        roots.update(
+            pid
+            for pid, stat in table.items()
+            if pid not in inside
+            and stat.starttime >= since
+            and (stat.pgid == leader or stat.ppid in inside)
+        )
+        roots.update(stat.pid for stat in marked.carriers(worker_id, since))
+    found = []
+    for stat in with_descendants(table, roots):
+        now = read_stat(stat.pid)
+        same = now is not None and now.starttime == stat.starttime
+        if stat.pid not in inside and same and now is not None and running(now):
+            found.append(now)
+    return found
+
+
 def worker_ids_of(pid: int) -> list[str]:
     """The worker ids process `pid` carries in its environment (none if it cannot be read:
     another user's process, to a daemon not run as root, is not ours to end anyway).

@@ -9,6 +9,13 @@ A frozen process keeps its pid, its pipes and its memory; what a TERM would do w
 the thaw (a stop thaws first), while ``cgroup.kill`` ends a frozen cgroup at once. The v1
 ``freezer`` hierarchy is not used: wherever the daemon has its own v2 cgroup for a
 worker, that cgroup has ``cgroup.freeze`` (Linux 5.2 and later), which does the same.
+What moved itself out of the cgroup (`_escapes`: a worker may write `cgroup.procs`
+elsewhere) is not frozen with it: once the cgroup is frozen (nothing in it forks any
+more), what of its tree is outside the cgroup (in the worker's process group, forked by
+what is in the cgroup, or orphaned carrying its worker id, and what they forked) is found
+by the stop's escape search (`_escapes.outside_cgroups`: the processes started since the
+worker, not all of /proc) and stopped by SIGSTOP, with the limits below; an unpause
+continues it.
 
 Without one: every process of the tree found by scanning /proc (`_tree.tree_members`) is
 sent SIGSTOP, through a pidfd checked against the scan, and /proc scanned again until a
@@ -33,7 +40,7 @@ import os
 import select
 import signal
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 
 import trio
 
@@ -43,7 +50,7 @@ from ._tree import Pinned, ProcessTable, ProcStat, patiently, read_stat, running
 
 log = get_logger()
 
-#: What `DaemonInfo.freeze` says of each mechanism.
+#: What `DaemonInfo.controls["freeze"]` says of each mechanism.
 CGROUP_FREEZE = "cgroup v2 cgroup.freeze"
 SIGSTOP_FREEZE = "SIGSTOP/SIGCONT over the process tree (scan)"
 #: How long a pause waits for the kernel to say its processes are held (a cgroup's
@@ -128,42 +135,83 @@ async def freeze_cgroups(groups: list[WorkerCgroup], frozen: bool) -> list[str]:
     return await trio.to_thread.run_sync(wait_settled, asked, frozen, SETTLE_SECONDS)
 
 
+def cgroup_pids(groups: Iterable[WorkerCgroup]) -> set[int]:
+    """The pids in each cgroup and in the cgroups below it (a worker may make some)."""
+    pids: set[int] = set()
+    for group in groups:
+        for where, _, names in os.walk(group.path):
+            if "cgroup.procs" in names:
+                with (
+                    contextlib.suppress(OSError, ValueError),
+                    open(os.path.join(where, "cgroup.procs"), "rb") as f,
+                ):
+                    pids.update(int(pid) for pid in f.read().split())
+    return pids
+
+
 # -- without: SIGSTOP and SIGCONT over the tree ------------------------------
+#: What a pause holds by signals, found again at each call: a scanned tree's processes,
+#: or what of a cgroup's tree is outside it.
+Find = Callable[[], Awaitable[list[ProcStat]]]
 
 
-async def _members(processes: ProcessTable, trees: list[Tree]) -> list[ProcStat]:
+def tree_finder(processes: ProcessTable, trees: list[Tree]) -> Find:
+    """Every live process of each tree, by a scan of /proc."""
+
     async def find() -> list[ProcStat]:
         table = await processes.scan()
         return [m for tree in trees for m in tree_members(table, *tree) if running(m)]
 
-    return await patiently(find)
+    return find
 
 
-async def stop_trees(processes: ProcessTable, trees: list[Tree]) -> bool:
-    """SIGSTOP every process of each tree, scanning again until a scan finds every process
-    stopped and none not yet sent one (bounded: `STOP_SCANS`, `SETTLE_SECONDS`); False
-    if that did not come in time (the pause stands: what was found is stopped)."""
+async def stop_found(find: Find) -> bool:
+    """SIGSTOP every process `find` finds, finding again until every process found is
+    stopped and none was not yet sent one (bounded: `STOP_SCANS`, `SETTLE_SECONDS`);
+    False if that did not come in time (the pause stands: what was found is stopped).
+    The first search and its signals are outside the bound: a search slower than it (a
+    loaded machine, thousands of processes) must not leave a pause that stopped nothing."""
     sent: set[tuple[int, int]] = set()
+
+    async def stop_fresh() -> bool:
+        """One search, and SIGSTOP to what it found not yet sent one; True if it found
+        nothing fresh and everything stopped."""
+        members = await patiently(find)
+        fresh = [m for m in members if (m.pid, m.starttime) not in sent]
+        if not fresh and all(m.state in ("T", "t") for m in members):
+            return True
+        with Pinned(fresh) as pinned:
+            pinned.signal(signal.SIGSTOP)
+        sent.update((m.pid, m.starttime) for m in fresh)
+        return False
+
+    if await stop_fresh():
+        return True
     with trio.move_on_after(SETTLE_SECONDS):
-        for _ in range(STOP_SCANS):
-            members = await _members(processes, trees)
-            fresh = [m for m in members if (m.pid, m.starttime) not in sent]
-            if not fresh and all(m.state in ("T", "t") for m in members):
-                return True
-            with Pinned(fresh) as pinned:
-                pinned.signal(signal.SIGSTOP)
-            sent.update((m.pid, m.starttime) for m in fresh)
+        for _ in range(STOP_SCANS - 1):
             await trio.lowlevel.checkpoint()
+            if await stop_fresh():
+                return True
     return False
 
 
-async def continue_trees(processes: ProcessTable, trees: list[Tree]) -> None:
-    """SIGCONT every process of each tree (a second scan finds what a first one missed)."""
+async def continue_found(find: Find) -> None:
+    """SIGCONT every process `find` finds (a second search finds what a first missed)."""
     sent: set[int] = set()
     for _ in range(2):
-        members = [m for m in await _members(processes, trees) if m.pid not in sent]
+        members = [m for m in await patiently(find) if m.pid not in sent]
         with Pinned(members) as pinned:
             pinned.signal(signal.SIGCONT, sent=sent)
+
+
+async def stop_trees(processes: ProcessTable, trees: list[Tree]) -> bool:
+    """`stop_found` over each tree found by scanning /proc."""
+    return await stop_found(tree_finder(processes, trees))
+
+
+async def continue_trees(processes: ProcessTable, trees: list[Tree]) -> None:
+    """`continue_found` over each tree found by scanning /proc."""
+    await continue_found(tree_finder(processes, trees))
 
 
 def stopped_now(pid: int, pid_start: int) -> bool:

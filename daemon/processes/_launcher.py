@@ -19,25 +19,30 @@ from typing import Literal, Protocol
 
 import trio
 
-from subagentd.protocol import Usage
+from subagentd.protocol import Control, Usage
 
 from .._logging import get_logger
 from ._cgroup import Cgroups, Leader, WorkerCgroup, end_cgroup, peer_cgroup
 from ._controllers import Controllers, LimitNodes, LimitPlan, LimitsHit
-from ._escapes import MarkerSearch, StopBatch, end_escaped, end_marked_by
+from ._escapes import MarkerSearch, StopBatch, end_escaped, end_marked_by, outside_cgroups
 from ._freezer import (
     CGROUP_FREEZE,
     SIGSTOP_FREEZE,
+    Find,
+    Tree,
+    cgroup_pids,
+    continue_found,
     continue_trees,
     freeze_asked,
     freeze_cgroups,
+    stop_found,
     stop_trees,
     stopped_now,
     write_freeze,
 )
 from ._process import WorkerProcess
 from ._relay import Relays
-from ._tree import Graces, ProcessTable, end_marked, end_tree
+from ._tree import Graces, ProcessTable, ProcStat, end_marked, end_tree
 from ._usage import UsageReader, WorkerTree
 
 log = get_logger()
@@ -113,8 +118,8 @@ class Launcher(Protocol):
         ...
 
     @property
-    def freeze(self) -> str:
-        """How `pause` holds a tree still (reported by `info`)."""
+    def freeze(self) -> Control:
+        """How `pause` holds a tree still (`info`'s ``controls["freeze"]``)."""
         ...
 
     async def pause(self, targets: list[tuple[str, WorkerProcess]]) -> list[str]:
@@ -125,6 +130,15 @@ class Launcher(Protocol):
 
     async def unpause(self, targets: list[tuple[str, WorkerProcess]]) -> None:
         """Let each worker's tree go on (the ids that `pause` held)."""
+        ...
+
+    async def carry_pauses(
+        self, held: list[tuple[str, WorkerProcess]], let_go: list[tuple[str, WorkerProcess]]
+    ) -> None:
+        """After a reload, of the workers that were paused: hold `held` whole (a pause
+        that the reload cut short may have stopped its leader, not yet what it forked), and
+        let `let_go` go on whole (its leader was let go: an unpause cut short, or someone
+        else's SIGCONT, may have left the rest stopped, which no unpause would then reach)."""
         ...
 
     def thaw_now(self, process: WorkerProcess) -> None:
@@ -353,8 +367,10 @@ class LocalLauncher:
         return process
 
     @property
-    def freeze(self) -> str:
-        return CGROUP_FREEZE if self.cgroups is not None else SIGSTOP_FREEZE
+    def freeze(self) -> Control:
+        return Control(
+            enforced=True, how=CGROUP_FREEZE if self.cgroups is not None else SIGSTOP_FREEZE
+        )
 
     async def pause(self, targets: list[tuple[str, WorkerProcess]]) -> list[str]:
         groups = {p.cgroup.path.name: p.cgroup for _, p in targets if p.cgroup is not None}
@@ -366,7 +382,23 @@ class LocalLauncher:
         unsettled = await freeze_cgroups(list(groups.values()), True) if groups else []
         if trees and not await stop_trees(self.processes, trees):
             unsettled += [worker_id for _, worker_id, _ in trees]
+        if groups:
+            # What moved itself out of its cgroup is not frozen with it: stopped.
+            escaped = _cgrouped_trees(targets)
+            if not await stop_found(self._outside(escaped, list(groups.values()))):
+                unsettled += [worker_id for _, worker_id, _ in escaped]
         return unsettled
+
+    def _outside(self, trees: list[Tree], groups: list[WorkerCgroup]) -> Find:
+        """What of these cgroups' trees runs outside them, by the stop's escape search
+        (the processes started since the oldest of them), for a pause or an unpause."""
+        since = min((start for _, _, start in trees), default=0)
+
+        async def find() -> list[ProcStat]:
+            marked = await self.markers.marked(since)
+            return outside_cgroups(marked, trees, cgroup_pids(groups))
+
+        return find
 
     async def unpause(self, targets: list[tuple[str, WorkerProcess]]) -> None:
         groups = [p.cgroup for _, p in targets if p.cgroup is not None]
@@ -377,8 +409,19 @@ class LocalLauncher:
         ]
         if groups:
             await freeze_cgroups(groups, False)
+            await continue_found(self._outside(_cgrouped_trees(targets), groups))
         if trees:
             await continue_trees(self.processes, trees)
+
+    async def carry_pauses(
+        self, held: list[tuple[str, WorkerProcess]], let_go: list[tuple[str, WorkerProcess]]
+    ) -> None:
+        # A cgroup is held or let go whole by the kernel; asked again, at once. What of
+        # its tree is outside it, or a tree without one, is stopped or continued whole.
+        if held:
+            await self.pause(held)
+        if let_go:
+            await self.unpause(let_go)
 
     def thaw_now(self, process: WorkerProcess) -> None:
         if process.cgroup is not None:
@@ -591,3 +634,13 @@ def _remove(group: WorkerCgroup, wanted: Callable[[str], bool] | None = None) ->
             log.warning("cgroup.busy", cgroup=str(group.path))
     except OSError as exc:
         log.warning("cgroup.not_removed", cgroup=str(group.path), error=str(exc))
+
+
+def _cgrouped_trees(targets: list[tuple[str, WorkerProcess]]) -> list[Tree]:
+    """The trees of the targets that have cgroups: leader, worker id, start (what of them
+    left their cgroups is found by them)."""
+    return [
+        (p.pid, worker_id, p.starttime)
+        for worker_id, p in targets
+        if p.cgroup is not None and not p.reaped
+    ]

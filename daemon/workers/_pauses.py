@@ -6,19 +6,29 @@ launcher holds the processes still (`processes/_freezer.py`).
 
 Only workers running, with a process, and not being stopped are paused or unpaused: a
 worker starting has no tree yet, and one whose stop is in flight must take its TERM (a
-stop thaws a paused worker first). A worker spawned later into a paused subtree is not
-paused: its parent, frozen, cannot have asked for it, and whoever did wants it to run.
-One pause or unpause at a time, so two never cross in the kernel's freezer.
+stop thaws a paused worker first), as must what is left of one whose own process has
+exited (its tree being ended: a pause of it would outlast it). A worker spawned later
+into a paused subtree is not paused: its parent, frozen, cannot have asked for it, and
+whoever did wants it to run.
+
+One pause or unpause of a worker at a time, so two never cross in the kernel's freezer
+(or in the signals sent over its tree); each holds the workers it reaches (`WorkerLocks`,
+taken in id order, so two reaching overlapping sets cannot wait on each other in a
+circle), never the others: a freeze that does not settle (the kernel's wait for
+`frozen 1`, bounded at 5 s) holds up the pauses of those it reaches, not every pause.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 
 import trio
 
 from subagentd.protocol.errors import Invalid, Refused
 
+from .._faults import Faults
 from .._logging import get_logger
 from ..core._registry import Registry
 from ..processes._launcher import Launcher
@@ -38,25 +48,78 @@ class Pausing:
     already: list[str] = field(default_factory=list)
 
 
+@dataclass
+class _Lock:
+    lock: trio.Lock = field(default_factory=trio.Lock)
+    #: The pauses and unpauses holding or waiting for it: gone from `WorkerLocks` at 0.
+    users: int = 0
+
+
+class WorkerLocks:
+    """A lock a worker, for those being paused or unpaused; kept only while in use."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, _Lock] = {}
+
+    def __len__(self) -> int:
+        return len(self._locks)
+
+    @contextlib.asynccontextmanager
+    async def holding(self, ids: Iterable[str]) -> AsyncIterator[frozenset[str]]:
+        """Hold each worker's lock (taken in id order) for the body; the ids held."""
+        ordered = sorted(set(ids))
+        for worker_id in ordered:
+            self._locks.setdefault(worker_id, _Lock()).users += 1
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                for worker_id in ordered:
+                    await stack.enter_async_context(self._locks[worker_id].lock)
+                yield frozenset(ordered)
+        finally:
+            for worker_id in ordered:
+                entry = self._locks[worker_id]
+                entry.users -= 1
+                if not entry.users:
+                    del self._locks[worker_id]
+
+
 class Pauses:
     """The pause verbs: pause and unpause, of a worker's subtree or of a run."""
 
     def __init__(
-        self, registry: Registry, reader: Reader, supervisor: Supervisor, launcher: Launcher
+        self,
+        registry: Registry,
+        reader: Reader,
+        supervisor: Supervisor,
+        launcher: Launcher,
+        faults: Faults,
     ) -> None:
         self._registry = registry
         self._reader = reader
         self._supervisor = supervisor
         self._launcher = launcher
-        self._lock = trio.Lock()
+        self._faults = faults
+        self.locks = WorkerLocks()
+
+    @contextlib.asynccontextmanager
+    async def _holding(
+        self, verb: str, worker: str | None, run: str | None
+    ) -> AsyncIterator[list[LiveWorker]]:
+        """The live workers in reach, their locks held for the body: found before the
+        wait (refused then if none), and again once they are held, of those held (one
+        spawned meanwhile is not reached; one ended or being stopped meanwhile is not)."""
+        first = self._reach(verb, worker, run)
+        async with self.locks.holding(live.record.id for live in first) as held:
+            yield [live for live in self._reach(verb, worker, run) if live.record.id in held]
 
     async def pause(self, worker: str | None, run: str | None) -> Pausing:
-        async with self._lock:
-            reached = self._reach("pause", worker, run)
+        async with self._holding("pause", worker, run) as reached:
             fresh = [live for live in reached if live.record.paused_since is None]
             already = sorted(live.record.id for live in reached if live not in fresh)
             for live in fresh:
                 self._supervisor.paused(live)
+            for live in fresh:  # for the tests: a freeze the kernel is slow to settle
+                await self._faults.hold_at("hold-pause", live.record.name)
             unsettled = await self._launcher.pause(_targets(fresh))
             changed = sorted(live.record.id for live in fresh)
             if unsettled:
@@ -65,8 +128,7 @@ class Pauses:
             return Pausing(changed=changed, already=already)
 
     async def unpause(self, worker: str | None, run: str | None) -> Pausing:
-        async with self._lock:
-            reached = self._reach("unpause", worker, run)
+        async with self._holding("unpause", worker, run) as reached:
             fresh = [live for live in reached if live.record.paused_since is not None]
             already = sorted(live.record.id for live in reached if live not in fresh)
             await self._launcher.unpause(_targets(fresh))
@@ -103,6 +165,7 @@ class Pauses:
             and live.process is not None
             and not live.record.ended
             and not live.stop_asked
+            and not live.terminating  # its own process exited: its tree is being ended
         ]
         if not reached:
             states = {
@@ -113,7 +176,7 @@ class Pauses:
             why = ", ".join(sorted(states)) or "none"
             raise Refused(
                 f"nothing running in {what} to {verb} (its workers: {why}; a worker ended, "
-                "starting or being stopped is not paused)"
+                "starting, being stopped or ending is not paused)"
             )
         return reached
 

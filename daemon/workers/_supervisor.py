@@ -345,6 +345,8 @@ class Supervisor:
         # Read from its limit nodes before they go: whether the kernel OOM-killed it.
         hit = self._launcher.limits_hit(process)
         process.close()
+        # A pause that came as its tree ended ends with it: said before its ending.
+        self.unpaused(live)
         # Live until its ending is written, so whoever waits for it (a stop's answer, a
         # wait, a reload's exec) waits for the write too.
         with self._holding(), trio.CancelScope(shield=True):
@@ -500,6 +502,7 @@ class Supervisor:
             log.exception("worker.not_reaped", worker=record.id)
         self._let_go(live)
         try:
+            self.unpaused(live)  # its pause ends with it
             self._ending(
                 record, live.journal, live.returncode, bytes(live.stdout_tail), failure=why
             )
