@@ -193,9 +193,10 @@ class Daemon:
         returncode: int | None,
         stdout_tail: bytes,
         hit: LimitsHit | None = None,
+        note: bytes | None = None,
     ) -> None:
         """`_finish`, in one transaction with the endings of the same scheduling batch."""
-        await self.endings.finish_together(record, journal, returncode, stdout_tail, hit)
+        await self.endings.finish_together(record, journal, returncode, stdout_tail, hit, note)
 
     def _ended(self) -> None:
         """A worker ended: its handle's expiry is due, and idle exit may look again."""

@@ -109,8 +109,8 @@ async def test_a_lease_on_a_result_file_loses_the_workers_wake(daemon: DaemonPro
 async def test_descriptor_exhaustion_as_a_worker_ends_loses_its_wake(
     daemon: DaemonProcess,
 ) -> None:
-    """EMFILE while a worker ends (issue 11: exhaustion is a state, not a loss): the
-    result cannot be opened, yet the worker's wake is posted, its preview saying why
+    """EMFILE while a worker ends (issue 11: exhaustion is a state, not a loss): its
+    result file cannot be opened, yet the worker's wake is posted, its preview saying why
     and giving the end of stdout."""
     assert daemon.proc is not None
     pid = daemon.proc.pid
@@ -119,7 +119,11 @@ async def test_descriptor_exhaustion_as_a_worker_ends_loses_its_wake(
         async with AsyncClient(daemon.socket) as client:
             run = await client.new_run()
             worker = await client.spawn(
-                sh(f"while [ ! -e {gate} ]; do sleep 0.02; done; echo done"), run=run
+                sh(
+                    f'echo my result > "$SUBAGENTD_RESULT"; '
+                    f"while [ ! -e {gate} ]; do sleep 0.02; done; echo done"
+                ),
+                run=run,
             )
             soft, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)
             resource.prlimit(pid, resource.RLIMIT_NOFILE, (3, hard))

@@ -221,6 +221,7 @@ class Reloader:
                     self._exec(attempt, kept)
         finally:
             daemon.spawner.reloading = False
+            daemon.supervisor.handed_over = False  # the exec failed: this image supervises on
 
     async def _check_new_image(self) -> str:
         """Refuse the reload unless the image on disk now can take over with this config
@@ -361,6 +362,9 @@ class Reloader:
         owner and listed. (The in-process tests build a reload from this, as the exec
         does: tests/inprocess.py.)"""
         daemon = self.daemon
+        # A stop of many's notes left to the endings, written before the journals are
+        # carried: the next image takes a stop asked for said in the journal.
+        daemon.supervisor.hand_over()
         # The live workers' records as they stand now (a stop asked since their start is
         # known in memory alone, and a start whose commit failed on a full disk): the new
         # image takes every record from the store.

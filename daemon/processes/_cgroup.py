@@ -457,11 +457,14 @@ async def end_cgroup(
     if leader_termed and leader is not None:
         termed_by_pid.add(leader.pid)
         told.add(leader.pid)
+    # `cgroup.events` first: in a stop_run of thousands, the leaders have their TERMs
+    # (`term_leader`) before any stop's task runs, and most have exited by then, so one
+    # read says so where a list of the members (empty), then its events, took two; and
+    # no grace's cancel scope is made for a tree already gone.
+    if not await _populated(group):
+        return 0
     with (graces or Graces()).period(grace):
-        # `cgroup.events` first: in a stop_run of thousands, the leaders have their TERMs
-        # (`term_leader`) before any stop's task runs, and most have exited by then, so
-        # one read says so where a list of the members (empty), then its events, took two.
-        pids = await _members(group) if await _populated(group) else []
+        pids = await _members(group)
         while pids:
             with _pinned(group, pids, leader) as (pinned, unpinned):
                 told.update(pinned, unpinned)

@@ -324,16 +324,19 @@ class StopBatch:
         self.since = since if self.since is None else min(self.since, since)
 
     async def searched(self, markers: MarkerSearch) -> Marked | None:
-        """The one search made for the whole batch once its cgroups are empty: its
-        thousands of stops ask it as one, not each in turn through the search's lock.
-        None if the search was cancelled (each then asks `markers` itself)."""
-        if self.found is None and self._searching is None:
+        """The one search made for the whole batch once its cgroups are all empty: its
+        thousands of stops ask it as one, not each in turn through the search's lock,
+        and each waits once (the first asking waits for the emptying, then searches; the
+        others wait for that search alone: one task switch each, not two). None if the
+        search was cancelled (each then asks `markers` itself)."""
+        if self._searching is None:
             self._searching = trio.Event()
             try:
+                await self.all_empty.wait()
                 self.found = await markers.marked(self.since or 0)
             finally:
                 self._searching.set()
-        elif self.found is None and self._searching is not None:
+        elif not self._searching.is_set():
             await self._searching.wait()
         return self.found
 

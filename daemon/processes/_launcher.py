@@ -490,7 +490,6 @@ class LocalLauncher:
                 # grace. Searched once every cgroup of the batch is empty, so nothing of
                 # their trees is left to fork a child the search would miss, and one search
                 # serves the batch (docs/design.md, "Stopping exactly what you mean").
-                await batch.all_empty.wait()
                 found = await batch.searched(self.markers)
                 if found is not None and not found.carriers(worker_id, process.starttime):
                     return killed  # nearly every one of a stop_run's: nothing escaped

@@ -223,14 +223,20 @@ class Archive:
         so, and the tail of stdout follows.
         """
         note = ""
-        try:
-            raw = self.read(self.RESULT, RESULT_LIMIT + 1)
-        except NotRegularFile:
-            note, raw = RESULT_REFUSED, stdout_tail()
-        except FileNotFoundError:
+        # Most workers write none: one look that needs no descriptor and raises nothing
+        # says so (a stop_run's 10,000 endings each opened the archive, then failed to
+        # open the result). What is there, whatever it is, is opened as before.
+        if not os.access(f"{self.path}/{self.RESULT}", os.F_OK, follow_symlinks=False):
             raw = stdout_tail()
-        except OSError as exc:
-            note, raw = RESULT_UNREADABLE.format(exc.strerror or exc), stdout_tail()
+        else:
+            try:
+                raw = self.read(self.RESULT, RESULT_LIMIT + 1)
+            except NotRegularFile:
+                note, raw = RESULT_REFUSED, stdout_tail()
+            except FileNotFoundError:
+                raw = stdout_tail()
+            except OSError as exc:
+                note, raw = RESULT_UNREADABLE.format(exc.strerror or exc), stdout_tail()
         text = note + raw[:RESULT_LIMIT].decode("utf-8", errors="replace")
         if len(raw) > RESULT_LIMIT:
             text += f"\n[result cut at {RESULT_LIMIT} bytes; the file holds the rest]"

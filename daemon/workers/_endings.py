@@ -83,15 +83,17 @@ class Endings:
         returncode: int | None,
         stdout_tail: bytes,
         hit: LimitsHit | None = None,
+        note: bytes | None = None,
     ) -> None:
         """`finish`, its transaction shared with the endings reached in the same scheduling
         batch (`GroupCommit`); returns once it is written. The ending is made (its state,
         its journal's last entry, its wake) when the batch is written, in the same step,
-        so no one sees it before the store has it."""
+        so no one sees it before the store has it. `note`: a state entry journaled just
+        before the ending's (a stop of many's `stopping`), in the same opening."""
         wakes: list[Wake | None] = []
 
         def make() -> Change:
-            keep = self._close(record, journal, returncode, stdout_tail, None, hit)
+            keep = self._close(record, journal, returncode, stdout_tail, None, hit, note)
             change, wake = self._written_down(record, stdout_tail, keep)
             wakes.append(wake)
             return change
@@ -115,9 +117,10 @@ class Endings:
         stdout_tail: bytes,
         failure: str | None,
         hit: LimitsHit | None = None,
+        note: bytes | None = None,
     ) -> bytes | None:
-        """Its terminal state, and its journal's last entry: the stdout tail to keep in the
-        store with its ending, if any."""
+        """Its terminal state, and its journal's last entry (after `note`, a state entry
+        left to it): the stdout tail to keep in the store with its ending, if any."""
         if failure is None:
             self._faults.raise_at("ending", record.name)
         now = self._clock()
@@ -129,6 +132,8 @@ class Endings:
             self._note_limits(record, journal, hit, now)
         try:
             if journal.writable:
+                if note is not None:
+                    journal.append("state", note, now)
                 journal.append("state", f"{record.state} exit_code={returncode}".encode(), now)
         except OSError as exc:
             self._problems.disk_failed(f"journal of {record.id}", exc)

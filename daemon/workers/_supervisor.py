@@ -60,6 +60,10 @@ UNSEEN_STOP_FROM = 100
 #: stop_run of 10,000 (~10 s of the daemon's work on a loaded machine) keeps it paused.
 UNSEEN_STOP_MOST = 10.0
 UNSEEN_STOP_MOST_A_WORKER = 0.003
+#: In a stop of UNSEEN_STOP_FROM workers or more, a worker's `stopping` note is written
+#: with its ending (one opening of its parked journal, not two), or this long after the
+#: stop was asked for a tree still not gone (and before a reload's exec).
+STOPPING_NOTE_LATE = 5.0
 #: When to offer a worker's full stdin more (`busy`'s retry_after): it reads when it will.
 STDIN_RETRY = 0.1
 
@@ -114,6 +118,10 @@ class LiveWorker:
     #: Its journal says a stop is in flight. A stop asked before this was made (an
     #: image before a reload) was said there by the image that was asked.
     stop_journaled: bool = False
+    #: Stopped as one of a stop of many (UNSEEN_STOP_FROM or more): its `stopping` note
+    #: waits for its ending (STOPPING_NOTE_LATE), and its ending logs no line of its own
+    #: (the stop's `stop.many_ended` counts them).
+    in_many: bool = False
     #: Chunks read from its pipes that the disk has not taken yet (each retried).
     chunks_held: Tally = field(default_factory=Tally)
     #: What its start leaves to do once the spawn is answered (written down, logged):
@@ -153,7 +161,8 @@ class Ending(Protocol):
 
 class EndingTogether(Protocol):
     """`Ending`, written with the others reached in the same scheduling batch; returns
-    once it is in the store."""
+    once it is in the store. `note`: a state entry its journal takes first (a stop of
+    many's `stopping`, left to the ending)."""
 
     async def __call__(
         self,
@@ -162,6 +171,7 @@ class EndingTogether(Protocol):
         returncode: int | None,
         stdout_tail: bytes,
         hit: LimitsHit | None = None,
+        note: bytes | None = None,
     ) -> None: ...
 
 
@@ -200,6 +210,8 @@ class Supervisor:
         self._some_released = trio.Event()
         #: Set once the image serves: adopted workers' supervision waits for it.
         self._serving = trio.Event()
+        #: A reload's checkpoint was taken (`hand_over`): the next image ends the workers.
+        self.handed_over = False
 
     # -- what is live ----------------------------------------------------------
 
@@ -341,32 +353,43 @@ class Supervisor:
                 # From here the nursery takes no new task (it only waits for its pumps):
                 # a stop asked now finds its tree ended, or waits for the next supervision.
                 live.watch = None
+        if self.handed_over:
+            # Woken before a checkpoint that carries it (an in-process reload's image
+            # ends so, tests/inprocess.py; an exec runs nothing after it): the next
+            # image reaps it and writes its ending, its pipes carried open.
+            await trio.sleep_forever()
         live.returncode = returncode = process.reap()
         # Read from its limit nodes before they go: whether the kernel OOM-killed it.
         hit = self._launcher.limits_hit(process)
         process.close()
         # A pause that came as its tree ended ends with it: said before its ending.
         self.unpaused(live)
+        # A stop of many's note, left to the ending: written first, in the same opening.
+        note = None
+        if live.stop_asked and not live.stop_journaled:
+            live.stop_journaled = True
+            note = self._stopping_note(live)
         # Live until its ending is written, so whoever waits for it (a stop's answer, a
         # wait, a reload's exec) waits for the write too.
         with self._holding(), trio.CancelScope(shield=True):
             await self._ending_together(
-                record, live.journal, returncode, bytes(live.stdout_tail), hit
+                record, live.journal, returncode, bytes(live.stdout_tail), hit, note
             )
         self._let_go(live)
         live.ended.set()
         live.grown.set()
         # Its tree is reaped, its cgroup empty: removing that waits for no answer.
         self._later(functools.partial(self._release, record.id, process))
-        self._later(
-            functools.partial(
-                log.info,
-                "worker.ended",
-                worker=record.id,
-                state=record.state,
-                exit_code=record.exit_code,
+        if not live.in_many:  # a stop of many's are counted by its `stop.many_ended`
+            self._later(
+                functools.partial(
+                    log.info,
+                    "worker.ended",
+                    worker=record.id,
+                    state=record.state,
+                    exit_code=record.exit_code,
+                )
             )
-        )
 
     def _let_go(self, live: LiveWorker) -> None:
         """No longer live: unless a resume made it live again already (its ending written,
@@ -501,6 +524,8 @@ class Supervisor:
         except Exception:
             log.exception("worker.not_reaped", worker=record.id)
         self._let_go(live)
+        if live.stop_asked:  # a stop of many's note, left to the ending
+            self._journal_stopping(live)
         try:
             self.unpaused(live)  # its pause ends with it
             self._ending(
@@ -523,7 +548,8 @@ class Supervisor:
     async def _terminate(self, live: LiveWorker) -> None:
         """End the worker's whole process tree, once, however many ask."""
         if live.terminating:
-            await live.terminated.wait()
+            if not live.terminated.is_set():  # ended by the stop's task: no switch for it
+                await live.terminated.wait()
             return
         live.terminating = True
         process = live.process
@@ -620,8 +646,10 @@ class Supervisor:
         """What a stop does at once, in the request that asks it (no task switch first):
         say so in its journal, then TERM its own process where the launcher finds the rest
         of its tree without it. The rest are found and TERMed while it exits: a run's
-        hundred stops have all their leaders exiting before the first tree is searched."""
-        self._journal_stopping(live)
+        hundred stops have all their leaders exiting before the first tree is searched.
+        In a stop of many, the journal's note waits for the ending (`STOPPING_NOTE_LATE`)."""
+        if not live.in_many:
+            self._journal_stopping(live)
         self._thaw_to_end(live)
         process = live.process
         if not live.terminating and not live.leader_termed and process is not None:
@@ -675,14 +703,17 @@ class Supervisor:
         grown, live.grown = live.grown, trio.Event()
         grown.set()
 
+    @staticmethod
+    def _stopping_note(live: LiveWorker) -> bytes:
+        return f"stopping reason={live.record.stop_reason}".encode()
+
     def _journal_stopping(self, live: LiveWorker) -> None:
         """Say in its journal, once, that its stop is in flight: a watch shows it."""
-        if live.stop_journaled:
+        if live.stop_journaled or not live.journal.writable:
             return
         live.stop_journaled = True
-        said = f"stopping reason={live.record.stop_reason}".encode()
         try:
-            live.journal.append("state", said, self._clock())
+            live.journal.append("state", self._stopping_note(live), self._clock())
         except OSError as exc:  # the stop goes ahead unsaid: it matters more
             self._disk_trouble(f"journal of {live.record.id}", exc)
             return
@@ -692,6 +723,23 @@ class Supervisor:
         grown, live.grown = live.grown, trio.Event()
         grown.set()
 
+    def hand_over(self) -> None:
+        """A reload's checkpoint is taken (`handed_over` until the reload fails): write
+        every stop of many's note still left to its ending, since the next image takes a
+        stop asked for said, and end no worker from here."""
+        self.handed_over = True
+        for live in self._live.values():
+            if live.stop_asked:
+                self._journal_stopping(live)
+
+    async def _note_stopping_late(self, asked: list[LiveWorker]) -> None:
+        """A stop of many's note, for the trees still not gone STOPPING_NOTE_LATE after
+        it was asked: a watch of one that takes its grace shows its stop in flight."""
+        await trio.sleep(STOPPING_NOTE_LATE)
+        for live in asked:
+            if not live.ended.is_set():
+                self._journal_stopping(live)
+
     def ask_stop(self, ids: list[str]) -> None:
         asked = [
             live
@@ -699,6 +747,9 @@ class Supervisor:
             if (live := self._live.get(worker_id)) is not None and not live.stop_asked
         ]
         if len(asked) >= UNSEEN_STOP_FROM and self._background is not None:
+            for live in asked:
+                live.in_many = True
+            self._background.start_soon(self._note_stopping_late, asked)
             # From before the first TERM until they have all ended (or for
             # UNSEEN_STOP_MOST...), no collection, and what stood before is out of the
             # collector's sight after: else each full collection the stop's own objects
@@ -727,16 +778,24 @@ class Supervisor:
                 ended = True
         finally:
             UNSEEN.let_go(pause=True)
+        states: dict[str, int] = {}
+        for live in asked:
+            if live.ended.is_set():
+                states[live.record.state] = states.get(live.record.state, 0) + 1
+        # The one line for them all: their endings log none of their own (`in_many`).
         log.info(
             "stop.many_ended" if ended else "stop.many_still_ending",
             workers=len(asked),
+            states=states,
             collections=_collections() - collections,
         )
 
     async def wait_ended(self, ids: list[str]) -> None:
         for worker_id in ids:
             live = self._live.get(worker_id)
-            if live is not None:
+            # Not a checkpoint for each ended already: a stop_run's wait for its 10,000
+            # wakes once for each worker still live when it comes back, not for all.
+            if live is not None and not live.ended.is_set():
                 await live.ended.wait()
 
 
