@@ -119,6 +119,7 @@ class AsyncClient:
         key: str | None = None,
         stdin_open: bool = False,
         limits: Limits | None = None,
+        priority: int = 0,
     ) -> WorkerView:
         """Start a worker; ``cwd`` defaults to this process's working directory.
 
@@ -129,7 +130,8 @@ class AsyncClient:
 
         ``stdin_open``: its stdin is a pipe the daemon keeps open for `send` (not with
         ``input``). ``limits``: what it and all it delegates may take together
-        (`Limits`; `parse_limits` reads "2G", "1.5", "100"), over its agent's."""
+        (`Limits`; `parse_limits` reads "2G", "1.5", "100"), over its agent's.
+        ``priority``: over a cap, where it waits in the queue (higher first)."""
         return await self._call(
             _core.spawn(
                 argv,
@@ -145,13 +147,21 @@ class AsyncClient:
                 key=key,
                 stdin_open=stdin_open,
                 limits=limits,
+                priority=priority,
             )
         )
 
-    async def new_run(self, outer: str | None = None, *, limits: Limits | None = None) -> str:
+    async def new_run(
+        self,
+        outer: str | None = None,
+        *,
+        limits: Limits | None = None,
+        max_running: int | None = None,
+    ) -> str:
         """A new run (nested in ``outer``); ``limits``: what its workers may take
-        together."""
-        return await self._call(_core.new_run(outer, limits=limits))
+        together; ``max_running``: how many of its workers may run at once (a spawn over
+        it is queued, and starts in its turn)."""
+        return await self._call(_core.new_run(outer, limits=limits, max_running=max_running))
 
     async def ls(
         self, all: bool = False, run: str | None = None, *, usage: bool = False

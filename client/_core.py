@@ -244,6 +244,7 @@ def spawn(
     key: str | None = None,
     stdin_open: bool = False,
     limits: Limits | None = None,
+    priority: int = 0,
 ) -> Call[WorkerView]:
     request = Spawn(
         id=0,
@@ -261,6 +262,7 @@ def spawn(
         key=new_key() if key is None else key,
         stdin_open=stdin_open,
         limits=limits or None,
+        priority=priority,
     )
     return _call(request, lambda reply: reply.worker)
 
@@ -272,8 +274,11 @@ def new_key() -> str:
     return secrets.token_hex(16)
 
 
-def new_run(outer: str | None = None, *, limits: Limits | None = None) -> Call[str]:
-    return _call(NewRun(id=0, outer=outer, limits=limits or None), lambda reply: reply.run)
+def new_run(
+    outer: str | None = None, *, limits: Limits | None = None, max_running: int | None = None
+) -> Call[str]:
+    request = NewRun(id=0, outer=outer, limits=limits or None, max_running=max_running)
+    return _call(request, lambda reply: reply.run)
 
 
 def ls(all: bool = False, run: str | None = None, usage: bool = False) -> Call[list[WorkerView]]:

@@ -125,6 +125,7 @@ class Client:
         key: str | None = None,
         stdin_open: bool = False,
         limits: Limits | None = None,
+        priority: int = 0,
     ) -> WorkerView:
         """Start a worker; ``cwd`` defaults to this process's working directory.
 
@@ -135,7 +136,8 @@ class Client:
 
         ``stdin_open``: its stdin is a pipe the daemon keeps open for `send` (not with
         ``input``). ``limits``: what it and all it delegates may take together
-        (`Limits`; `parse_limits` reads "2G", "1.5", "100"), over its agent's."""
+        (`Limits`; `parse_limits` reads "2G", "1.5", "100"), over its agent's.
+        ``priority``: over a cap, where it waits in the queue (higher first)."""
         return self._call(
             _core.spawn(
                 argv,
@@ -151,13 +153,21 @@ class Client:
                 key=key,
                 stdin_open=stdin_open,
                 limits=limits,
+                priority=priority,
             )
         )
 
-    def new_run(self, outer: str | None = None, *, limits: Limits | None = None) -> str:
+    def new_run(
+        self,
+        outer: str | None = None,
+        *,
+        limits: Limits | None = None,
+        max_running: int | None = None,
+    ) -> str:
         """A new run (nested in ``outer``); ``limits``: what its workers may take
-        together."""
-        return self._call(_core.new_run(outer, limits=limits))
+        together; ``max_running``: how many of its workers may run at once (a spawn over
+        it is queued, and starts in its turn)."""
+        return self._call(_core.new_run(outer, limits=limits, max_running=max_running))
 
     def ls(
         self, all: bool = False, run: str | None = None, *, usage: bool = False

@@ -35,6 +35,8 @@ from ._messages import MAX_NAME_LENGTH as MAX_NAME_LENGTH
 from ._messages import MAX_PATH_LENGTH as MAX_PATH_LENGTH
 from ._messages import MAX_PATTERN_LENGTH as MAX_PATTERN_LENGTH
 from ._messages import MAX_PIDS as MAX_PIDS
+from ._messages import MAX_PRIORITY as MAX_PRIORITY
+from ._messages import MAX_RUNNING as MAX_RUNNING
 from ._messages import MAX_SEND_BYTES as MAX_SEND_BYTES
 from ._messages import MAX_TIMEOUT as MAX_TIMEOUT
 from ._messages import MIN_ANSWER_BYTES as MIN_ANSWER_BYTES
@@ -73,6 +75,7 @@ from ._messages import Latest as Latest
 from ._messages import LatestResumable as LatestResumable
 from ._messages import Limits as Limits
 from ._messages import ListWorkers as ListWorkers
+from ._messages import MaxRunning as MaxRunning
 from ._messages import Name as Name
 from ._messages import NewRun as NewRun
 from ._messages import OutputKind as OutputKind
@@ -80,6 +83,7 @@ from ._messages import OutputRelays as OutputRelays
 from ._messages import Page as Page
 from ._messages import Pause as Pause
 from ._messages import Paused as Paused
+from ._messages import Priority as Priority
 from ._messages import Recovery as Recovery
 from ._messages import Reload as Reload
 from ._messages import ReloadReply as ReloadReply

@@ -130,6 +130,12 @@ MemoryLimit = Annotated[int, msgspec.Meta(ge=MIN_MEMORY, le=MAX_MEMORY)]
 #: Finite by its bounds: nan and inf fail them.
 CpuLimit = Annotated[float, msgspec.Meta(ge=MIN_CPUS, le=MAX_CPUS)]
 PidsLimit = Annotated[int, msgspec.Meta(ge=1, le=MAX_PIDS)]
+#: A cap on workers running at once (a run's, an agent's, the daemon's): 1 to 100,000.
+MAX_RUNNING = 100_000
+MaxRunning = Annotated[int, msgspec.Meta(ge=1, le=MAX_RUNNING)]
+#: A spawn's place among the queued: higher starts first; 0 unless given.
+MAX_PRIORITY = 1_000_000
+Priority = Annotated[int, msgspec.Meta(ge=-MAX_PRIORITY, le=MAX_PRIORITY)]
 #: The kinds of limit, as `Limits` and `DaemonInfo.controls` name them.
 LIMIT_KINDS = ("memory", "cpus", "pids")
 
@@ -219,8 +225,15 @@ class WorkerView(msgspec.Struct, kw_only=True):
     #: run's may still bound it).
     limits: Limits | None = None
     #: Why it ended as it did, beyond its state: "memory_limit" (it ended `failed`, the
-    #: kernel having OOM-killed it at a memory limit); empty otherwise.
+    #: kernel having OOM-killed it at a memory limit), "never_started" (stopped while it
+    #: was queued); empty otherwise.
     reason: str = ""
+    #: Waiting in the queue for a slot under a cap (`Spawn` over `max_running`): its
+    #: process not started. `state` is `starting`: a field, as `stopping` and `paused`
+    #: are, so an older peer's decoder (which knows only the states above) reads it.
+    queued: bool = False
+    #: Its place in the queue while `queued`, from 1 (the next to start as caps allow).
+    queue_position: int | None = None
 
 
 class Resumed(WorkerView, kw_only=True):
@@ -659,6 +672,8 @@ class Spawn(Request[WorkerReply], tag="spawn"):
     #: What the worker and all it delegates may take together (over its agent's limits,
     #: kind by kind); None: its agent's, if any.
     limits: Limits | None = None
+    #: Over a cap, where it waits in the queue: a higher priority first, then first in.
+    priority: Priority = 0
 
     for_workers = True
     again_after_reloading = True
@@ -671,6 +686,8 @@ class NewRun(Request[RunReply], tag="new_run"):
     outer: Id | None = None
     #: What the run's workers may take together; None: no limit of the run's own.
     limits: Limits | None = None
+    #: How many of the run's own workers may run at once (more wait, queued); None: no cap.
+    max_running: MaxRunning | None = None
 
 
 class ListWorkers(Request[WorkerList], tag="list_workers"):
@@ -899,6 +916,7 @@ class Resume(Request[WorkerReply], tag="resume"):
     run: Id | None = None
     parent: Id | None = None
     stdin_open: bool | None = None
+    priority: Priority | None = None
     #: As `Spawn.key`: a repeat answers the attempt the first one started.
     key: RequestKey | None = None
 
@@ -908,7 +926,7 @@ class Resume(Request[WorkerReply], tag="resume"):
     #: The fields refused when given: all but `worker`, `timeout` and `key`.
     FROZEN: ClassVar[tuple[str, ...]] = (
         "input", "argv", "model", "env", "cwd", "grace", "agent", "name", "run", "parent",
-        "stdin_open",
+        "stdin_open", "priority",
     )  # fmt: skip
 
     def resendable(self) -> bool:

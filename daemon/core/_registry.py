@@ -30,6 +30,8 @@ from subagentd.protocol import (
 )
 from subagentd.protocol.errors import Invalid, NotFound, Refused, RunStopped
 
+from ._schedule import Queued, Schedule
+
 #: Seconds between TERM and KILL when a spawn names none.
 DEFAULT_GRACE = 5.0
 #: Seconds a finished worker's handle is kept uncollected (`--finished-ttl`).
@@ -101,6 +103,11 @@ class WorkerRecord(msgspec.Struct, kw_only=True, weakref=True):
     limit_path: str = ""
     #: Why it ended as it did beyond its state ("memory_limit"); empty otherwise.
     reason: str = ""
+    #: Waiting in the queue for a slot under the caps (`core/_schedule.py`): its seq
+    #: there, which keeps its order across restarts; None once started (or never queued).
+    queued: int | None = None
+    #: Its place among the queued: higher first (`Spawn.priority`).
+    priority: int = 0
 
     def __setattr__(self, name: str, value: object) -> None:
         # Every change of state (or of whether a result is owed), wherever it is made,
@@ -185,6 +192,18 @@ class WorkerRecord(msgspec.Struct, kw_only=True, weakref=True):
             paused=self.paused,
             limits=self.limits,
             reason=self.reason,
+            queued=self.queued is not None and not self.ended,
+            queue_position=self.queue_position,
+        )
+
+    @property
+    def queue_position(self) -> int | None:
+        """Its place in its registry's queue, from 1; None when not queued."""
+        if self.queued is None or self.ended:
+            return None
+        counts = _counts_of(self)
+        return (
+            None if counts is None or counts.schedule is None else counts.schedule.position(self.id)
         )
 
     def summary(self) -> WorkerView:
@@ -204,6 +223,8 @@ class StateCounts:
         self._counts: dict[str, int] = {}
         #: Held workers owing a result (`WorkerRecord.owes_result`).
         self.owed = 0
+        #: The schedule of the registry holding these records: their queue positions.
+        self.schedule: Schedule | None = None
 
     def add(self, record: WorkerRecord) -> None:
         key = id(record)
@@ -356,6 +377,8 @@ class RunRecord(msgspec.Struct, kw_only=True):
     implicit: bool = False
     #: What its workers may take together (`new_run`'s); None: no limit of its own.
     limits: Limits | None = None
+    #: How many of its own workers may run at once (`new_run`'s); None: no cap.
+    max_running: int | None = None
 
 
 class Registry:
@@ -368,6 +391,9 @@ class Registry:
         self._places: list[tuple[float, str]] = []
         self._counts = StateCounts()
         self._runs: dict[str, RunRecord] = {}
+        #: What may run now under the caps, and the queue (a run's cap read from its record).
+        self.schedule = Schedule(run_cap=self._run_cap)
+        self._counts.schedule = self.schedule
         self._make_id = make_id
         self._children: dict[str, list[str]] = {}  # worker id -> ids it delegated to
         self._run_members: dict[str, list[str]] = {}  # run id -> worker ids
@@ -389,7 +415,11 @@ class Registry:
     # -- runs ----------------------------------------------------------------
 
     def new_run(
-        self, now: float, outer: str | None = None, limits: Limits | None = None
+        self,
+        now: float,
+        outer: str | None = None,
+        limits: Limits | None = None,
+        max_running: int | None = None,
     ) -> RunRecord:
         if outer is not None:
             outer_run = self.run(outer)
@@ -397,13 +427,23 @@ class Registry:
                 raise RunStopped(f"run {outer} was stopped; a run cannot be nested in it")
             # Whoever nests a run in it holds its id now: it stays when its workers go.
             outer_run.implicit = False
-        run = RunRecord(id=self._fresh_id("r"), outer=outer, created_at=now, limits=limits)
+        run = RunRecord(
+            id=self._fresh_id("r"),
+            outer=outer,
+            created_at=now,
+            limits=limits,
+            max_running=max_running,
+        )
         self._runs[run.id] = run
         self._run_members[run.id] = []
         self._inner_runs[run.id] = []
         if outer is not None:
             self._inner_runs[outer].append(run.id)
         return run
+
+    def _run_cap(self, run_id: str) -> int | None:
+        run = self._runs.get(run_id)
+        return None if run is None else run.max_running
 
     def run(self, run_id: str) -> RunRecord:
         try:
@@ -487,8 +527,10 @@ class Registry:
         grace: float | None = None,
         timeout: float | None = None,
         limits: Limits | None = None,
+        priority: int = 0,
     ) -> WorkerRecord:
-        """A new worker in state `starting`. Refuses with `run_stopped` into a stopped run.
+        """A new worker in state `starting` (`admit` then says whether it starts or waits).
+        Refuses with `run_stopped` into a stopped run.
 
         A stopped run refuses every spawn but the delegation of a worker of it that is
         live and not being stopped: its stop asked every worker it had to stop, so such a
@@ -542,6 +584,7 @@ class Registry:
             started_at=now,
             turn=self.turn,
             limits=limits or None,
+            priority=priority,
         )
         if self.fence is not None:
             record.fence = self.fence.epoch
@@ -554,6 +597,45 @@ class Registry:
         if parent is not None:
             self._children[parent].append(worker_id)
         return record
+
+    # -- the queue -----------------------------------------------------------
+
+    def admit(self, record: WorkerRecord) -> bool:
+        """Whether a worker just registered may start now under the caps; else it waits in
+        the queue, its seq there kept in its record (`queued`)."""
+        record.queued = self.schedule.admit(record.id, record.run, record.agent, record.priority)
+        return record.queued is None
+
+    def dequeue(self, now: float) -> list[WorkerRecord]:
+        """The queued workers that may start now, in order, each out of the queue and
+        counted as running (its start time now); a stopped one is left to its ending."""
+        starting: list[WorkerRecord] = []
+        for worker_id in self.schedule.to_start():
+            record = self._workers.get(worker_id)
+            if record is None or record.ended or record.stop_reason is not None:
+                self.schedule.ended(worker_id)
+                continue
+            record.queued = None
+            record.started_at = now
+            starting.append(record)
+        return starting
+
+    def queued_among(self, ids: Iterable[str]) -> list[WorkerRecord]:
+        """Those of `ids` that wait in the queue (not started, not ended)."""
+        found = (self._workers.get(worker_id) for worker_id in ids)
+        return [r for r in found if r is not None and r.queued is not None and not r.ended]
+
+    def _restore_schedule(self) -> None:
+        """The schedule again from the records held: what runs, and the queue in order."""
+        live = [r for r in self._workers.values() if not r.ended]
+        self.schedule.restore(
+            ((r.id, r.run, r.agent) for r in live if r.queued is None),
+            (
+                Queued(r.id, r.run, r.agent, r.priority, r.queued)
+                for r in live
+                if r.queued is not None
+            ),
+        )
 
     def worker_for_token(self, token: str) -> str | None:
         return self._by_token.get(token)
@@ -604,6 +686,7 @@ class Registry:
             record.state = "failed"
         record.exit_code = exit_code
         record.ended_at = now
+        self.schedule.ended(worker_id)
         heapq.heappush(self._endings, (now, worker_id))
         if len(self._endings) > 2 * len(self._workers) + 1024:
             # Collected handles leave stale entries that surface only at their
@@ -777,6 +860,7 @@ class Registry:
                 heapq.heappush(self._endings, (record.ended_at, record.id))
         self._tombstones = {t.id: t for t in tombstones}
         self.turn, self.fence, self.fence_epochs = turn, fence, fence_epochs
+        self._restore_schedule()
 
     def _describe_run(self, run_id: str, *, implicit: bool) -> None:
         if run_id not in self._runs:
@@ -844,6 +928,8 @@ class Registry:
         record.collected = record.expired = False
         record.timeout = timeout
         record.turn = self.turn
+        record.queued = None
+        self.schedule.running(record.id, record.run, record.agent)  # a resume is not queued
         return record
 
     def reopen_run(self, run_id: str) -> list[str]:

@@ -882,9 +882,9 @@ class Server:
                     task[0].cancel()
                     await task[1].wait()
                 return Done(id=rid)
-            case NewRun(outer=outer, limits=limits):
+            case NewRun(outer=outer, limits=limits, max_running=max_running):
                 daemon.launcher.controllers.refuse_unenforced(limits, "the new run")
-                return RunReply(id=rid, run=daemon.runs.new_run(outer, limits or None))
+                return RunReply(id=rid, run=daemon.runs.new_run(outer, limits or None, max_running))
             case StopRun(run=run, wait=wait):
                 reply = _stopped(rid, daemon.stops.stop_run(run))
                 if wait:

@@ -23,6 +23,7 @@ from subagentd.protocol import (
     Grace,
     LimitError,
     Limits,
+    MaxRunning,
     Name,
     Timeout,
     parse_limits,
@@ -47,6 +48,8 @@ class AgentDef(msgspec.Struct, forbid_unknown_fields=True):
     memory: int | str | None = None
     cpus: float | str | None = None
     pids: int | str | None = None
+    #: How many workers of this agent may run at once, across runs (more wait, queued).
+    max_running: MaxRunning | None = None
 
     def limits(self) -> Limits | None:
         """Its limits (LimitError naming the key, for one that cannot be taken)."""

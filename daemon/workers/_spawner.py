@@ -32,9 +32,10 @@ from ..store._journal import Journal
 from ..store._statedir import StateDir
 from ..store._store import Change, Store
 from ._agents import AgentDef, ConfigError, frozen_agent, load_agents
-from ._command import Launch, inherited_env, own_bin_dir, resolve
+from ._command import Launch, inherited_env, own_bin_dir, resolve, worker_environment
 from ._endings import Endings
 from ._git import git_state
+from ._queue import Held, Queue
 from ._reader import Reader
 from ._supervisor import LiveWorker, Supervisor
 
@@ -103,7 +104,28 @@ class Spawner:
         self.inherited_env = inherited_env(os.environ)
         #: The daemon's own bin directory, put last on every worker's PATH (`subagentctl`).
         self.tools = own_bin_dir()
+        #: Workers spawned over a cap, waiting their turn (the registry's schedule decides).
+        self.queue = Queue(
+            registry,
+            store,
+            reader,
+            supervisor,
+            problems,
+            clock=clock,
+            launch=lambda live, held: self.launch(
+                live, held.argv, held.cwd, held.env, held.stdin, stdin_open=held.stdin_open
+            ),
+            end_unstarted=self.end_unstarted,
+            environment=lambda env: worker_environment(self.inherited_env, env, self.tools),
+            may_launch=lambda: not self.reloading and not self.shutting_down,
+        )
+        registry.schedule.agent_cap = self._agent_cap
         self.load_config()
+
+    def _agent_cap(self, agent: str) -> int | None:
+        """An agent's cap on its workers running at once (agents.toml's `max_running`)."""
+        found = self.agents.get(agent)
+        return None if found is None else found.max_running
 
     def load_config(self) -> None:
         try:
@@ -236,7 +258,10 @@ class Spawner:
             grace=launch.grace,
             timeout=launch.timeout,
             limits=limits,
+            priority=request.priority,
         )
+        if record.stop_reason is None:
+            self._registry.admit(record)  # over a cap, it waits: queued in its first write
         try:
             # In the store before its archive or process exists, so a crash at any point
             # after leaves a record for recovery to find. A run's row changes only when
@@ -300,6 +325,9 @@ class Spawner:
                 f"{exc.strerror or exc}; free some space and spawn again"
             ) from exc
         live = LiveWorker(record=record, journal=journal)
+        if record.queued is not None:
+            held = Held(argv, cwd, launch.worker_env, stdin, request.stdin_open)
+            return self.queue.hold(live, held)
         self._supervisor.add(live)
         if record.stop_reason is not None:
             self.end_unstarted(live, f"stopped at birth: launch fence {record.fence} was cancelled")

@@ -1,0 +1,175 @@
+"""Parallel caps and the queue, against a real daemon: a spawn over a cap is answered at
+once `queued`, starts in its turn, and a stop ends it without ever starting it."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+import trio
+
+from subagentd import protocol as p
+from subagentd.client import AsyncClient
+from subagentd.protocol import WorkerView
+from subagentd.protocol.errors import Invalid
+
+from .conftest import DaemonProcess
+from .helpers import RawConnection
+
+#: A worker that notes its start and end in a shared log, holding its slot a moment.
+NOTING = (
+    "echo start $SUBAGENTD_WORKER_ID >> {log}; sleep {hold}; echo end $SUBAGENTD_WORKER_ID >> {log}"
+)
+#: The same, holding its slot until the file `go` is there.
+GATED = (
+    "echo start $SUBAGENTD_WORKER_ID >> {log}; while [ ! -e {go} ]; do sleep 0.01; done; "
+    "echo end $SUBAGENTD_WORKER_ID >> {log}"
+)
+
+
+@pytest.fixture
+async def client(daemon: DaemonProcess) -> AsyncIterator[AsyncClient]:
+    async with AsyncClient(daemon.socket) as client:
+        yield client
+
+
+def most_at_once(lines: list[str]) -> int:
+    running = most = 0
+    for line in lines:
+        running += 1 if line.startswith("start ") else -1
+        most = max(most, running)
+    return most
+
+
+async def wakes_for(
+    client: AsyncClient, daemon: DaemonProcess, run: str, ids: list[str]
+) -> list[str]:
+    """Once each of `ids` has ended: the ids of the wakes `run` holds, in seq order."""
+    for worker_id in ids:
+        await client.wait(worker_id)
+    conn = await RawConnection.open(daemon.socket)
+    async with conn.stream:
+        await conn.send(p.Subscribe(id=2, run=run))
+        reply = await conn.receive()
+        assert isinstance(reply, p.Wakes)
+        return [wake.id for wake in reply.wakes]
+
+
+async def test_forty_spawns_under_a_cap_of_four_never_run_more_than_four_and_end_in_order(
+    client: AsyncClient, daemon: DaemonProcess
+) -> None:
+    log, go = daemon.root / "starts.log", daemon.root / "go"
+    with trio.fail_after(120):
+        run = await client.new_run(max_running=4)
+        spawned: list[WorkerView] = []
+        for _ in range(40):
+            spawned.append(await client.spawn(["sh", "-c", GATED.format(log=log, go=go)], run=run))
+        # Answered at once, while the first four hold every slot: queued, in order.
+        assert [v.queued for v in spawned] == [False] * 4 + [True] * 36
+        assert [v.queue_position for v in spawned[4:]] == list(range(1, 37))
+        assert all(v.state == "starting" and v.pid is None for v in spawned[4:])
+        go.touch()
+        ended = await wakes_for(client, daemon, run, [v.id for v in spawned])
+    ids = [v.id for v in spawned]
+    assert sorted(ended) == sorted(ids)  # each ended once
+    lines = log.read_text().splitlines()
+    assert most_at_once(lines) <= 4
+    starts = [line.split()[1] for line in lines if line.startswith("start ")]
+    assert starts == ids  # first in, first out
+    assert all(w.state == "finished" for w in await client.ls(all=True, run=run))
+
+
+async def test_ls_and_status_show_the_queue_position(client: AsyncClient) -> None:
+    with trio.fail_after(30):
+        run = await client.new_run(max_running=1)
+        first = await client.spawn(["sleep", "30"], run=run)
+        second = await client.spawn(["true"], run=run)
+        third = await client.spawn(["true"], run=run)
+        assert (first.queued, first.queue_position) == (False, None)
+        assert (second.queued, second.queue_position) == (True, 1)
+        assert (third.queued, third.queue_position) == (True, 2)
+        listed = {v.id: v.queue_position for v in await client.ls(run=run)}
+        assert listed == {first.id: None, second.id: 1, third.id: 2}
+        await client.stop(second.id)
+        assert (await client.status(third.id)).queue_position == 1
+        await client.stop_run(run)
+
+
+async def test_a_higher_priority_starts_first(client: AsyncClient, daemon: DaemonProcess) -> None:
+    log = daemon.root / "starts.log"
+    with trio.fail_after(30):
+        run = await client.new_run(max_running=1)
+        holder = await client.spawn(["sh", "-c", NOTING.format(log=log, hold=0.5)], run=run)
+        low = await client.spawn(["sh", "-c", NOTING.format(log=log, hold=0)], run=run)
+        high = await client.spawn(["sh", "-c", NOTING.format(log=log, hold=0)], run=run, priority=5)
+        assert high.queue_position == 1 and (await client.status(low.id)).queue_position == 2
+        await wakes_for(client, daemon, run, [holder.id, low.id, high.id])
+    starts = [line.split()[1] for line in log.read_text().splitlines() if line.startswith("start")]
+    assert starts == [holder.id, high.id, low.id]
+
+
+async def test_stop_run_with_thirty_queued_ends_them_all_unstarted_one_wake_each(
+    client: AsyncClient, daemon: DaemonProcess
+) -> None:
+    log = daemon.root / "starts.log"
+    with trio.fail_after(60):
+        run = await client.new_run(max_running=2)
+        spawned = [
+            await client.spawn(["sh", "-c", NOTING.format(log=log, hold=30)], run=run)
+            for _ in range(32)
+        ]
+        queued = {v.id for v in spawned if v.queued}
+        assert len(queued) == 30
+        stopped = await client.stop_run(run)
+        assert set(stopped) == {v.id for v in spawned}
+        ended = await wakes_for(client, daemon, run, [v.id for v in spawned])
+        assert sorted(ended) == sorted(v.id for v in spawned)  # one wake each
+    for worker_id in queued:
+        view = await client.status(worker_id)
+        assert (view.state, view.reason, view.pid, view.queued) == (
+            "stopped",
+            "never_started",
+            None,
+            False,
+        )
+    starts = [line.split()[1] for line in log.read_text().splitlines() if line.startswith("start")]
+    assert not queued & set(starts)  # none of the queued ever started
+
+
+async def test_a_stopped_queued_worker_ends_at_once_and_its_wait_answers(
+    client: AsyncClient,
+) -> None:
+    with trio.fail_after(30):
+        run = await client.new_run(max_running=1)
+        await client.spawn(["sleep", "30"], run=run)
+        waiting = await client.spawn(["true"], run=run)
+        async with trio.open_nursery() as nursery:
+            results: list[WorkerView] = []
+
+            async def wait() -> None:
+                results.append(await client.wait(waiting.id))
+
+            nursery.start_soon(wait)
+            await trio.sleep(0.2)  # the wait is in the daemon (it is not a condition)
+            assert not results
+            await client.stop(waiting.id)
+        assert results[0].state == "stopped"
+        await client.stop_run(run)
+
+
+@pytest.mark.parametrize("value", [0, -1, 100_001, 2**63, 1.5, "four", float("nan")])
+async def test_a_hostile_max_running_is_invalid_naming_the_field(
+    client: AsyncClient, value: object
+) -> None:
+    with trio.fail_after(10), pytest.raises(Invalid, match="max_running"):
+        await client.new_run(max_running=value)  # type: ignore[arg-type]
+    assert await client.new_run()  # the daemon serves on
+
+
+@pytest.mark.parametrize("value", [1_000_001, -1_000_001, 2**63, 0.5, "high", float("inf")])
+async def test_a_hostile_priority_is_invalid_naming_the_field(
+    client: AsyncClient, value: object
+) -> None:
+    with trio.fail_after(10), pytest.raises(Invalid, match="priority"):
+        await client.spawn(["true"], priority=value)  # type: ignore[arg-type]
+    assert await client.spawn(["true"])
