@@ -61,9 +61,8 @@ async def test_forty_spawns_under_a_cap_of_four_never_run_more_than_four_and_end
     log, go = daemon.root / "starts.log", daemon.root / "go"
     with trio.fail_after(120):
         run = await client.new_run(max_running=4)
-        spawned: list[WorkerView] = []
-        for _ in range(40):
-            spawned.append(await client.spawn(["sh", "-c", GATED.format(log=log, go=go)], run=run))
+        gated = ["sh", "-c", GATED.format(log=log, go=go)]
+        spawned = [await client.spawn(gated, run=run) for _ in range(40)]
         # Answered at once, while the first four hold every slot: queued, in order.
         assert [v.queued for v in spawned] == [False] * 4 + [True] * 36
         assert [v.queue_position for v in spawned[4:]] == list(range(1, 37))
@@ -102,7 +101,8 @@ async def test_a_higher_priority_starts_first(client: AsyncClient, daemon: Daemo
         holder = await client.spawn(["sh", "-c", NOTING.format(log=log, hold=0.5)], run=run)
         low = await client.spawn(["sh", "-c", NOTING.format(log=log, hold=0)], run=run)
         high = await client.spawn(["sh", "-c", NOTING.format(log=log, hold=0)], run=run, priority=5)
-        assert high.queue_position == 1 and (await client.status(low.id)).queue_position == 2
+        assert high.queue_position == 1
+        assert (await client.status(low.id)).queue_position == 2
         await wakes_for(client, daemon, run, [holder.id, low.id, high.id])
     starts = [line.split()[1] for line in log.read_text().splitlines() if line.startswith("start")]
     assert starts == [holder.id, high.id, low.id]
