@@ -4,6 +4,7 @@ once `queued`, starts in its turn, and a stop ends it without ever starting it."
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 import trio
@@ -31,6 +32,18 @@ GATED = (
 async def client(daemon: DaemonProcess) -> AsyncIterator[AsyncClient]:
     async with AsyncClient(daemon.socket) as client:
         yield client
+
+
+def started(log: Path) -> list[str]:
+    """The ids of the workers that started, each as often as it did (in no order: two
+    started a moment apart may write in either order)."""
+    return [line.split()[1] for line in log.read_text().splitlines() if line.startswith("start")]
+
+
+async def start_order(client: AsyncClient, ids: list[str]) -> list[str]:
+    """`ids` in the order the daemon started them (by their start times)."""
+    views = [await client.status(worker_id) for worker_id in ids]
+    return [v.id for v in sorted(views, key=lambda v: v.started_at)]
 
 
 def most_at_once(lines: list[str]) -> int:
@@ -73,8 +86,8 @@ async def test_forty_spawns_under_a_cap_of_four_never_run_more_than_four_and_end
     assert sorted(ended) == sorted(ids)  # each ended once
     lines = log.read_text().splitlines()
     assert most_at_once(lines) <= 4
-    starts = [line.split()[1] for line in lines if line.startswith("start ")]
-    assert starts == ids  # first in, first out
+    assert sorted(started(log)) == sorted(ids)  # each started once
+    assert await start_order(client, ids) == ids  # first in, first out
     assert all(w.state == "finished" for w in await client.ls(all=True, run=run))
 
 
@@ -104,8 +117,8 @@ async def test_a_higher_priority_starts_first(client: AsyncClient, daemon: Daemo
         assert high.queue_position == 1
         assert (await client.status(low.id)).queue_position == 2
         await wakes_for(client, daemon, run, [holder.id, low.id, high.id])
-    starts = [line.split()[1] for line in log.read_text().splitlines() if line.startswith("start")]
-    assert starts == [holder.id, high.id, low.id]
+    assert sorted(started(log)) == sorted([holder.id, high.id, low.id])
+    assert await start_order(client, [holder.id, low.id, high.id]) == [holder.id, high.id, low.id]
 
 
 async def test_stop_run_with_thirty_queued_ends_them_all_unstarted_one_wake_each(
@@ -132,8 +145,7 @@ async def test_stop_run_with_thirty_queued_ends_them_all_unstarted_one_wake_each
             None,
             False,
         )
-    starts = [line.split()[1] for line in log.read_text().splitlines() if line.startswith("start")]
-    assert not queued & set(starts)  # none of the queued ever started
+    assert not queued & set(started(log))  # none of the queued ever started
 
 
 async def test_a_stopped_queued_worker_ends_at_once_and_its_wait_answers(
@@ -173,3 +185,56 @@ async def test_a_hostile_priority_is_invalid_naming_the_field(
     with trio.fail_after(10), pytest.raises(Invalid, match="priority"):
         await client.spawn(["true"], priority=value)  # type: ignore[arg-type]
     assert await client.spawn(["true"])
+
+
+async def test_a_reload_in_the_middle_loses_and_duplicates_nothing(
+    client: AsyncClient, daemon: DaemonProcess
+) -> None:
+    log, go = daemon.root / "starts.log", daemon.root / "go"
+    with trio.fail_after(120):
+        run = await client.new_run(max_running=3)
+        gated = ["sh", "-c", GATED.format(log=log, go=go)]
+        spawned = [await client.spawn(gated, run=run) for _ in range(12)]
+        await client.reload()
+        after = {v.id: v for v in await client.ls(run=run)}
+        assert [after[v.id].queue_position for v in spawned] == [None] * 3 + list(range(1, 10))
+        go.touch()
+        ended = await wakes_for(client, daemon, run, [v.id for v in spawned])
+    ids = [v.id for v in spawned]
+    assert sorted(ended) == sorted(ids)
+    lines = log.read_text().splitlines()
+    assert most_at_once(lines) <= 3
+    assert sorted(started(log)) == sorted(ids)
+    assert await start_order(client, ids) == ids
+    assert {w.state for w in await client.ls(all=True, run=run)} == {"finished"}
+
+
+async def test_a_kill_9_keeps_the_queue_in_order_and_starts_none_twice(
+    daemon: DaemonProcess,
+) -> None:
+    log, go = daemon.root / "starts.log", daemon.root / "go"
+    with trio.fail_after(120):
+        async with AsyncClient(daemon.socket) as client:
+            run = await client.new_run(max_running=2)
+            gated = ["sh", "-c", GATED.format(log=log, go=go)]
+            spawned = [await client.spawn(gated, run=run) for _ in range(10)]
+        daemon.kill()
+        await trio.to_thread.run_sync(daemon.start)
+        async with AsyncClient(daemon.socket) as client:
+            after = {v.id: v for v in await client.ls(all=True, run=run)}
+            # The two running were ended with the daemon (their slots free: the next two
+            # took them); the rest wait as they were, in order.
+            assert [after[v.id].state for v in spawned[:2]] == ["interrupted"] * 2
+            positions = [after[v.id].queue_position for v in spawned[2:]]
+            moved_on = positions.count(None)
+            assert moved_on <= 2
+            assert positions == [None] * moved_on + list(range(1, 9 - moved_on))
+            go.touch()
+            ended = await wakes_for(client, daemon, run, [v.id for v in spawned])
+            states = [(await client.status(v.id)).state for v in spawned]
+            order = await start_order(client, [v.id for v in spawned[2:]])
+    ids = [v.id for v in spawned]
+    assert sorted(ended) == sorted(ids)  # one wake each, none lost
+    assert states == ["interrupted"] * 2 + ["finished"] * 8
+    assert sorted(started(log)) == sorted(ids)  # each started once
+    assert order == ids[2:]  # the queued in their order

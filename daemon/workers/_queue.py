@@ -124,7 +124,9 @@ class Queue:
             self._end_unstarted(live, f"stopped ({record.stop_reason}) while queued: never started")
 
     async def run(self) -> None:
-        """Start each queued worker in its turn, for good."""
+        """Start each queued worker in its turn, for good, from the moment the image serves
+        (recovery done, supervision hosted)."""
+        await self._supervisor.wait_serving()
         while True:
             await self._wanted.wait()
             self._wanted = trio.Event()
@@ -156,6 +158,10 @@ class Queue:
                 await self._launch(live, held)
             except RemoteError as exc:  # ended already, and said so (out of descriptors)
                 log.warning("worker.queued_start_refused", worker=record.id, error=str(exc))
+            except Exception as exc:
+                log.exception("worker.queued_start_failed", worker=record.id)
+                if live.process is None and not live.ended.is_set():
+                    self._end_unstarted(live, f"failed to start ({type(exc).__name__}: {exc})")
 
     def _live_of(self, record: WorkerRecord) -> LiveWorker | None:
         """The queued worker as its ending or start needs it: its journal open."""

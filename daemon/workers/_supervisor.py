@@ -254,6 +254,10 @@ class Supervisor:
     def take_queued(self, worker_id: str) -> LiveWorker | None:
         return self._queued.pop(worker_id, None)
 
+    async def wait_serving(self) -> None:
+        """Return once the image serves (supervision hosted: a launch may be supervised)."""
+        await self._serving.wait()
+
     def serving(self) -> None:
         """The image serves (READY=1 sent): supervision of the adopted workers begins."""
         self._serving.set()
