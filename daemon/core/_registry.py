@@ -610,14 +610,18 @@ class Registry:
         """The queued workers that may start now, in order, each out of the queue and
         counted as running (its start time now); a stopped one is left to its ending."""
         starting: list[WorkerRecord] = []
-        for worker_id in self.schedule.to_start():
-            record = self._workers.get(worker_id)
-            if record is None or record.ended or record.stop_reason is not None:
-                self.schedule.ended(worker_id)
-                continue
-            record.queued = None
-            record.started_at = now
-            starting.append(record)
+        skipped = True
+        while skipped:  # a stopped one's slot goes to the next in line
+            skipped = False
+            for worker_id in self.schedule.to_start():
+                record = self._workers.get(worker_id)
+                if record is None or record.ended or record.stop_reason is not None:
+                    self.schedule.ended(worker_id)
+                    skipped = True
+                    continue
+                record.queued = None
+                record.started_at = now
+                starting.append(record)
         return starting
 
     def queued_among(self, ids: Iterable[str]) -> list[WorkerRecord]:
