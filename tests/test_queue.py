@@ -238,3 +238,132 @@ async def test_a_kill_9_keeps_the_queue_in_order_and_starts_none_twice(
     assert states == ["interrupted"] * 2 + ["finished"] * 8
     assert sorted(started(log)) == sorted(ids)  # each started once
     assert order == ids[2:]  # the queued in their order
+
+
+async def _queued_behind(client: AsyncClient, run: str, count: int) -> list[WorkerView]:
+    """`count` workers queued in `run` (capped at 1) behind one that holds its slot."""
+    await client.spawn(["sleep", "30"], run=run)
+    queued = [await client.spawn(["true"], run=run) for _ in range(count)]
+    assert all(v.queued for v in queued)
+    return queued
+
+
+async def _never_started(client: AsyncClient, ids: list[str]) -> None:
+    for worker_id in ids:
+        view = await client.status(worker_id)
+        assert (view.state, view.reason, view.pid) == ("stopped", "never_started", None)
+
+
+async def test_a_turn_cancel_reaches_the_queued_of_that_turn_only(client: AsyncClient) -> None:
+    with trio.fail_after(30):
+        run = await client.new_run(max_running=1)
+        await client.spawn(["sleep", "30"], run=run)
+        turn = await client.begin_turn()
+        of_turn = [await client.spawn(["true"], run=run) for _ in range(2)]
+        await client.begin_turn()
+        later = await client.spawn(["true"], run=run)
+        cancelled = await client.cancel(f"turn:{turn}")
+        assert sorted(cancelled) == sorted(v.id for v in of_turn)
+        await _never_started(client, cancelled)
+        assert (await client.status(later.id)).queue_position == 1
+        await client.stop_run(run)
+
+
+async def test_a_cancelled_launch_fence_reaches_the_queued_under_it(client: AsyncClient) -> None:
+    with trio.fail_after(30):
+        run = await client.new_run(max_running=1)
+        epoch = await client.set_fence()
+        queued = await _queued_behind(client, run, 3)
+        cancelled = await client.cancel_fence(epoch)
+        assert {v.id for v in queued} <= set(cancelled)
+        await _never_started(client, [v.id for v in queued])
+
+
+async def test_a_stopped_parent_ends_its_queued_delegates_unstarted(client: AsyncClient) -> None:
+    with trio.fail_after(30):
+        run = await client.new_run(max_running=1)
+        parent = await client.spawn(["sleep", "30"], run=run)
+        child = await client.spawn(["true"], parent=parent.id)
+        assert child.queued
+        await client.stop(parent.id)
+        await _never_started(client, [child.id])
+
+
+async def test_an_agents_cap_holds_across_runs(daemon_dirs: DaemonProcess) -> None:
+    daemon_dirs.config.write_text(
+        '[agents.gpu]\ncommand = ["sh", "-c", "echo up; exec sleep 30"]\nmax_running = 1\n'
+    )
+    daemon_dirs.start()
+    with trio.fail_after(30):
+        async with AsyncClient(daemon_dirs.socket) as client:
+            first = await client.spawn([], agent="gpu")
+            second = await client.spawn([], agent="gpu", run=await client.new_run())
+            other = await client.spawn(["sleep", "30"])
+            assert (first.queued, second.queued, other.queued) == (False, True, False)
+            # A wait for a queued worker's output waits for its start (its journal grows).
+            waiting = await client.wait_for(second.id, "up", timeout=0.3)
+            assert waiting.outcome == "timed_out"
+            assert waiting.worker.queued
+            await client.stop(first.id)
+            assert (await client.wait_for(second.id, "up", timeout=10)).outcome == "matched"
+            await client.stop(second.id)
+
+
+@pytest.mark.parametrize("cap", ["0", "-1", "100001", "nan", "four", ""])
+def test_subagentd_refuses_a_hostile_max_running(daemon_dirs: DaemonProcess, cap: str) -> None:
+    import subprocess
+
+    from .conftest import BIN
+
+    done = subprocess.run(
+        [str(BIN / "subagentd"), "--max-running", cap, "--check"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 2
+    assert "--max-running" in done.stderr
+
+
+@pytest.mark.parametrize("cap", ["0", "-3", "100001", "1.5", '"many"', "nan", "[]", '""'])
+def test_agents_toml_refuses_a_hostile_max_running(daemon_dirs: DaemonProcess, cap: str) -> None:
+    daemon_dirs.config.write_text(f'[agents.gpu]\ncommand = ["true"]\nmax_running = {cap}\n')
+    from subagentd.daemon.workers._agents import ConfigError, load_agents
+
+    with pytest.raises(ConfigError, match=r"agents\.gpu\.max_running"):
+        load_agents(daemon_dirs.config)
+
+
+async def test_the_daemons_cap_counts_every_run_and_outlives_a_reload(
+    daemon_dirs: DaemonProcess,
+) -> None:
+    daemon_dirs.start("--max-running", "2")
+    with trio.fail_after(60):
+        async with AsyncClient(daemon_dirs.socket) as client:
+            holding = ["sh", "-c", "echo up; exec sleep 30"]
+            views = [await client.spawn(holding, run=await client.new_run()) for _ in range(3)]
+            assert [v.queued for v in views] == [False, False, True]
+            await client.reload()
+            fourth = await client.spawn(["true"])
+            assert fourth.queue_position == 2
+            await client.stop(views[0].id)
+            assert (await client.wait_for(views[2].id, "up", timeout=10)).outcome == "matched"
+            assert (await client.status(fourth.id)).queue_position == 1
+
+
+async def test_a_shutdown_ends_the_queued_unstarted_one_wake_each(
+    daemon_dirs: DaemonProcess,
+) -> None:
+    daemon_dirs.start()
+    with trio.fail_after(60):
+        async with AsyncClient(daemon_dirs.socket) as client:
+            run = await client.new_run(max_running=1)
+            queued = await _queued_behind(client, run, 3)
+        await trio.to_thread.run_sync(daemon_dirs.terminate)
+        await trio.to_thread.run_sync(daemon_dirs.start)
+        async with AsyncClient(daemon_dirs.socket) as client:
+            await _never_started(client, [v.id for v in queued])
+            everyone = [w.id for w in await client.ls(all=True, run=run)]
+            assert len(everyone) == 4  # the one that ran, stopped, and the three queued
+            ended = await wakes_for(client, daemon_dirs, run, everyone)
+            assert sorted(ended) == sorted(everyone)  # one wake each

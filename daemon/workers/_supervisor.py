@@ -208,7 +208,8 @@ class Supervisor:
     # -- what is live ----------------------------------------------------------
 
     def get(self, worker_id: str) -> LiveWorker | None:
-        return self._live.get(worker_id)
+        """A worker not yet ended: live, or queued (no process, as one starting)."""
+        return self._live.get(worker_id) or self._queued.get(worker_id)
 
     def __contains__(self, worker_id: object) -> bool:
         return worker_id in self._live
@@ -750,7 +751,7 @@ class Supervisor:
 
     async def wait_ended(self, ids: list[str]) -> None:
         for worker_id in ids:
-            live = self._live.get(worker_id) or self._queued.get(worker_id)
+            live = self.get(worker_id)
             if live is not None:
                 await live.ended.wait()
 
