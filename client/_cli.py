@@ -27,6 +27,8 @@ from subagentd.protocol import (
     MAX_CPUS,
     MAX_GRACE,
     MAX_PIDS,
+    MAX_PRIORITY,
+    MAX_RUNNING,
     MAX_SEND_BYTES,
     MAX_TIMEOUT,
     MIN_CPUS,
@@ -109,6 +111,8 @@ WORKER_FIELDS = (
     "archive",
     "stopping",
     "paused",
+    "queued",
+    "queue_position",
 )
 WAKE_FIELDS = ("id", "run", "parent", "state", "exit_code", "preview")
 RELOAD_FIELDS = ("image_generation", "carried_live", "stopped_by_reload")
@@ -190,6 +194,12 @@ class Human:
     def spawned(self, view: WorkerView) -> None:
         worker_id = printable(view.id)
         print(f"{worker_id} (run {printable(view.run)})")
+        if view.queued:
+            print(
+                f"subagentctl: {worker_id} is {_state(view)}: over a cap on workers running "
+                "at once, it starts in its turn",
+                file=sys.stderr,
+            )
         if view.state in TERMINAL_STATES:
             # Registered but never run: a cancelled launch fence, or an exec that failed.
             print(
@@ -473,11 +483,14 @@ def _said(exc: BaseException) -> None:
 
 def _state(view: WorkerView) -> str:
     """Its state as a person reads it: `stopping` while a stop is in flight, `paused`
-    while paused, and why it ended beyond its state ("failed (memory_limit)")."""
+    while paused, `queued #N` while it waits its turn (N its place in the queue), and why
+    it ended beyond its state ("failed (memory_limit)")."""
     if view.stopping:
         return "stopping"
     if view.paused:
         return "paused"
+    if view.queued:
+        return "queued" if view.queue_position is None else f"queued #{view.queue_position}"
     return f"{view.state} ({view.reason})" if view.reason else view.state
 
 
@@ -523,12 +536,13 @@ def spawn(daemon: Client, args: argparse.Namespace, out: Output) -> None:
         key=args.key,
         stdin_open=args.stdin == "open",
         limits=_limits(args),
+        priority=args.priority,
     )
     out.spawned(worker)
 
 
 def new_run(daemon: Client, args: argparse.Namespace, out: Output) -> None:
-    out.run(daemon.new_run(args.outer, limits=_limits(args)))
+    out.run(daemon.new_run(args.outer, limits=_limits(args), max_running=args.max_running))
 
 
 def _limits(args: argparse.Namespace) -> Limits | None:
@@ -895,11 +909,28 @@ def parser() -> argparse.ArgumentParser:
         help="open: keep its stdin a pipe the daemon holds, for `subagentctl send` "
         "(carried across a reload); not with --input",
     )
+    sub.add_argument(
+        "--priority",
+        metavar="P",
+        type=int,
+        default=0,
+        help=f"over a cap on workers running at once (its run's --max-running, its agent's "
+        f"max_running, the daemon's), where it waits: higher first, then first in "
+        f"(-{MAX_PRIORITY} to {MAX_PRIORITY}; default: 0)",
+    )
     _limit_flags(sub, "it and every worker it delegates (over its agent's limits)")
     sub.add_argument("argv", nargs="*", metavar="CMD", help="the command, after --")
 
     sub = command("new-run", new_run, "Create a run and print its id.")
     sub.add_argument("--outer", metavar="R", help="nest it under run R: stopping R stops it too")
+    sub.add_argument(
+        "--max-running",
+        metavar="N",
+        type=int,
+        help=f"run at most N of its workers at once (1 to {MAX_RUNNING}): a spawn over it is "
+        "answered at once, queued (ls shows `queued #K`), and starts as one of them ends, "
+        "first in first out (or by --priority); a stop of the run ends the queued unstarted",
+    )
     _limit_flags(sub, "the run's workers")
 
     sub = command(

@@ -36,6 +36,7 @@ from subagentd.protocol import (
     MAX_PATH_LENGTH,
     MAX_PATTERN_LENGTH,
     MAX_PIDS,
+    MAX_PRIORITY,
     MAX_SEND_BYTES,
     MAX_TIMEOUT,
     MIN_CPUS,
@@ -291,6 +292,15 @@ class SpawnArguments(Arguments):
             f"{MAX_PIDS}); a fork past it fails"
         ),
     ] = None
+    priority: Annotated[
+        int,
+        Field(
+            ge=-MAX_PRIORITY,
+            le=MAX_PRIORITY,
+            description="over a cap on workers running at once (its run's, its agent's, the "
+            "daemon's), where it waits in the queue: higher first, then first in",
+        ),
+    ] = 0
     ready: Annotated[
         str | None,
         Field(

@@ -68,6 +68,7 @@ async def subagent_spawn(a: args.SpawnArguments) -> Answer:
             key=a.key,
             stdin_open=a.stdin_open,
             limits=parse_limits(a.memory, a.cpus, a.pids),
+            priority=a.priority,
         )
         if a.ready is None:
             return Answer(f"spawned {text.worker_line(view)}", shapes.worker(view, time.time()))

@@ -3,6 +3,7 @@ once `queued`, starts in its turn, and a stop ends it without ever starting it."
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -367,3 +368,86 @@ async def test_a_shutdown_ends_the_queued_unstarted_one_wake_each(
             assert len(everyone) == 4  # the one that ran, stopped, and the three queued
             ended = await wakes_for(client, daemon_dirs, run, everyone)
             assert sorted(ended) == sorted(everyone)  # one wake each
+
+
+def test_subagentctl_caps_a_run_and_shows_the_queue(daemon: DaemonProcess) -> None:
+    made = daemon.ctl("new-run", "--max-running", "1")
+    assert made.returncode == 0, made.stderr
+    run = made.stdout.split()[0]
+    first = daemon.ctl("spawn", "--run", run, "--", "sleep", "30")
+    assert first.returncode == 0, first.stderr
+    assert "queued" not in first.stderr
+    second = daemon.ctl("spawn", "--run", run, "--priority", "3", "--", "true")
+    assert second.returncode == 0, second.stderr
+    waiting = second.stdout.split()[0]
+    assert f"{waiting} is queued #1" in second.stderr
+    listed = daemon.ctl("ls", "--run", run)
+    assert any(waiting in line and "queued #1" in line for line in listed.stdout.splitlines())
+    status = json.loads(daemon.ctl("--json", "status", waiting).stdout)
+    assert (status["state"], status["queued"], status["queue_position"]) == ("starting", True, 1)
+    assert "queued #1" in daemon.ctl("status", waiting).stdout
+    top = daemon.ctl("top", "--once", "--run", run)
+    assert top.returncode == 0, top.stderr
+    assert "queued #1" in top.stdout
+    assert "1 running, 1 queued" in top.stdout
+    document = json.loads(daemon.ctl("top", "--once", "--json", "--run", run).stdout)
+    assert (document["running"], document["queued"]) == (1, 1)
+    assert daemon.ctl("stop", "--run", run).returncode == 0
+    assert "stopped (never_started)" in daemon.ctl("status", waiting).stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "field"),
+    [
+        (["new-run", "--max-running", "0"], "max_running"),
+        (["new-run", "--max-running", "100001"], "max_running"),
+        (["new-run", "--max-running", "four"], "--max-running"),
+        (["spawn", "--priority", "1000001", "--", "true"], "priority"),
+        (["spawn", "--priority", "nan", "--", "true"], "--priority"),
+    ],
+)
+def test_subagentctl_refuses_a_hostile_cap_or_priority_naming_it(
+    daemon: DaemonProcess, args: list[str], field: str
+) -> None:
+    done = daemon.ctl(*args)
+    assert done.returncode != 0
+    assert field in done.stderr
+    assert "Traceback" not in done.stderr
+    assert daemon.ctl("info").returncode == 0  # the daemon serves on
+
+
+def test_the_help_says_how_caps_queue(daemon: DaemonProcess) -> None:
+    assert "--max-running" in daemon.ctl("new-run", "--help").stdout
+    assert "--priority" in daemon.ctl("spawn", "--help").stdout
+    import subprocess
+
+    from .conftest import BIN
+
+    helped = subprocess.run(
+        [str(BIN / "subagentd"), "--help"], capture_output=True, text=True, timeout=30
+    )
+    assert "--max-running" in helped.stdout
+
+
+async def test_the_mcp_tools_show_the_queue_and_take_a_priority(daemon: DaemonProcess) -> None:
+    from .test_mcp import call, mcp_server, refused
+
+    with trio.fail_after(40):
+        async with AsyncClient(daemon.socket) as client:
+            run = await client.new_run(max_running=1)
+        async with mcp_server(daemon) as session:
+            await call(session, "subagent_spawn", argv=["sleep", "30"], run=run)
+            queued = await call(session, "subagent_spawn", argv=["true"], run=run, priority=2)
+            assert (queued["state"], queued["queued"], queued["queue_position"]) == (
+                "starting",
+                True,
+                1,
+            )
+            listed = await call(session, "subagent_list", run=run)
+            assert [w["queue_position"] for w in listed["workers"]] == [None, 1]
+            for priority in (1_000_001, -1_000_001, 1.5, "high", True):
+                error = await refused(session, "subagent_spawn", argv=["true"], priority=priority)
+                assert error["message"].startswith("priority: ")
+            await call(session, "subagent_stop", worker=queued["id"])
+            stopped = await call(session, "subagent_status", worker=queued["id"])
+            assert (stopped["state"], stopped["reason"]) == ("stopped", "never_started")
