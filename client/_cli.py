@@ -326,6 +326,8 @@ class Human:
                 ("image_generation", info.image_generation),
                 ("reloads", info.reloads),
                 ("workers", counts or "none"),
+                ("queued", info.queued),
+                ("max_running", "no cap" if info.max_running is None else info.max_running),
                 *_usage_fields(info.usage, "workers_"),
                 *_recovering_field(info),
                 ("holds_park", info.holds_park),

@@ -314,6 +314,8 @@ class Daemon:
             state_dir=str(self.state_dir.root),
             relays=self.launcher.relays.info(),
             controls=dict(self.launcher.controllers.controls),
+            queued=self.registry.schedule.queued_count(),
+            max_running=self.registry.schedule.daemon_cap,
             problems=self.problems.current()
             + self.store_upkeep.unwritten_problem()
             + self.store.problems

@@ -401,6 +401,10 @@ class DaemonInfo(msgspec.Struct, kw_only=True):
     #: What this daemon can enforce, by kind ("memory", "cpus", "pids"), and how; a spawn
     #: or new_run asking for a kind not enforced is refused. Empty: an image before limits.
     controls: dict[str, Control] = {}
+    #: Workers waiting in the queue (counted under "starting" in `workers` as well).
+    queued: int = 0
+    #: The daemon's own cap on workers running at once (`--max-running`); None: none.
+    max_running: int | None = None
 
 
 # -- replies and events: daemon to client --------------------------------------

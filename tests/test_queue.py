@@ -451,3 +451,20 @@ async def test_the_mcp_tools_show_the_queue_and_take_a_priority(daemon: DaemonPr
             await call(session, "subagent_stop", worker=queued["id"])
             stopped = await call(session, "subagent_status", worker=queued["id"])
             assert (stopped["state"], stopped["reason"]) == ("stopped", "never_started")
+
+
+async def test_info_counts_the_queue_and_says_the_daemons_cap(daemon_dirs: DaemonProcess) -> None:
+    daemon_dirs.start("--max-running", "1")
+    with trio.fail_after(30):
+        async with AsyncClient(daemon_dirs.socket) as client:
+            await client.spawn(["sleep", "30"])
+            await client.spawn(["true"])
+            info = await client.info()
+            assert (info.queued, info.max_running, info.workers) == (
+                1,
+                1,
+                {"running": 1, "starting": 1},
+            )
+    shown = daemon_dirs.ctl("info").stdout
+    assert "queued: 1" in shown
+    assert "max_running: 1" in shown

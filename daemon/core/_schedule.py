@@ -141,6 +141,9 @@ class Schedule:
             return None
         return bisect.bisect_left(self._order, (*queued.place, worker)) + 1
 
+    def queued_count(self) -> int:
+        return len(self._queued)
+
     def is_queued(self, worker: str) -> bool:
         return worker in self._queued
 
