@@ -256,6 +256,7 @@ class Daemon:
         while self.supervisor or self.registry.schedule.queued():
             ids = self.registry.stop_all("shutdown")
             self.supervisor.ask_stop(ids)
+            self.spawner.queue.end_stopped(ids)  # whatever ask_stop's hook did not reach
             log.info("daemon.stopping_workers", count=len(ids))
             await self.supervisor.wait_ended(self.supervisor.ids())
         # What moved itself out of its worker's cgroup, or outlived a worker that ended by
