@@ -257,3 +257,13 @@ class ScheduleMachine(RuleBasedStateMachine):
 
 TestScheduleMachine = ScheduleMachine.TestCase
 TestScheduleMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_a_dequeue_of_at_most_one_leaves_the_rest_queued_in_order() -> None:
+    registry = _registry(None)
+    run = registry.new_run(0.0, max_running=1).id
+    holder, *waiting = (_spawn(registry, run) for _ in range(3))
+    registry.stop(waiting[0].id)  # met first: its slot goes to the next in the same call
+    registry.ended(holder.id, 0, 2.0)
+    assert registry.dequeue(2.0, most=1) == [waiting[1]]
+    assert registry.dequeue(2.0, most=1) == []

@@ -606,14 +606,16 @@ class Registry:
         record.queued = self.schedule.admit(record.id, record.run, record.agent, record.priority)
         return record.queued is None
 
-    def dequeue(self, now: float) -> list[WorkerRecord]:
-        """The queued workers that may start now, in order, each out of the queue and
-        counted as running (its start time now); a stopped one is left to its ending."""
+    def dequeue(self, now: float, most: int | None = None) -> list[WorkerRecord]:
+        """The queued workers that may start now (at most `most`), in order, each out of
+        the queue and counted as running (its start time now); a stopped one is left to
+        its ending."""
         starting: list[WorkerRecord] = []
         skipped = True
         while skipped:  # a stopped one's slot goes to the next in line
             skipped = False
-            for worker_id in self.schedule.to_start():
+            left = None if most is None else most - len(starting)
+            for worker_id in self.schedule.to_start(left):
                 record = self._workers.get(worker_id)
                 if record is None or record.ended or record.stop_reason is not None:
                     self.schedule.ended(worker_id)

@@ -107,11 +107,15 @@ class Schedule:
 
     # -- what it answers ---------------------------------------------------------
 
-    def to_start(self) -> list[str]:
-        """The queued workers that may start now, in the order to start them; each is
-        counted as running from here (told `ended` if its start fails)."""
+    def to_start(self, most: int | None = None) -> list[str]:
+        """The queued workers that may start now (at most `most`), in the order to start
+        them; each is counted as running from here (told `ended` if its start fails)."""
         started: list[str] = []
-        while self._queued and self._below(self.daemon_cap, len(self._running)):
+        while (
+            self._queued
+            and self._below(self.daemon_cap, len(self._running))
+            and (most is None or len(started) < most)
+        ):
             best: tuple[int, int, str] | None = None
             for run, entries in self._by_run.items():
                 if not self._below(self._run_cap(run), self._counts.get(("run", run), 0)):

@@ -130,11 +130,15 @@ class Queue:
         while True:
             await self._wanted.wait()
             self._wanted = trio.Event()
-            # A reload's fence is a flag of the spawner's, no event: looked at again soon.
-            while not self._may_launch():  # noqa: ASYNC110
-                await trio.sleep(GATE_RETRY)
-            for record in self._registry.dequeue(self._clock()):
-                await self._start(record)
+            while True:
+                # A reload's fence is a flag of the spawner's, no event: looked at again
+                # soon. Asked before each start: one taken from the queue is started.
+                while not self._may_launch():  # noqa: ASYNC110
+                    await trio.sleep(GATE_RETRY)
+                starting = self._registry.dequeue(self._clock(), most=1)
+                if not starting:
+                    break
+                await self._start(starting[0])
 
     async def _start(self, record: WorkerRecord) -> None:
         """Start one worker whose turn came: its record out of the queue first (in the store

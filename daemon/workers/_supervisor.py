@@ -255,6 +255,10 @@ class Supervisor:
     def take_queued(self, worker_id: str) -> LiveWorker | None:
         return self._queued.pop(worker_id, None)
 
+    def queued(self) -> list[LiveWorker]:
+        """The queued workers held (their journals open), in the order they came."""
+        return list(self._queued.values())
+
     async def wait_serving(self) -> None:
         """Return once the image serves (supervision hosted: a launch may be supervised)."""
         await self._serving.wait()
