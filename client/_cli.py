@@ -24,10 +24,12 @@ from typing import Any, BinaryIO, Protocol, TextIO
 import msgspec
 
 from subagentd.protocol import (
+    MAX_BACKOFF,
     MAX_CPUS,
     MAX_GRACE,
     MAX_PIDS,
     MAX_PRIORITY,
+    MAX_RETRIES,
     MAX_RUNNING,
     MAX_SEND_BYTES,
     MAX_TIMEOUT,
@@ -181,6 +183,8 @@ class Human:
                 *_usage_fields(view.usage),
                 ("exit_code", view.exit_code),
                 ("attempt", view.attempt),
+                ("retries", view.retries or None),
+                ("retry_at", _time(view.retry_at)),
                 ("turn", view.turn),
                 ("started_at", _time(view.started_at)),
                 ("ended_at", _time(view.ended_at)),
@@ -539,6 +543,10 @@ def spawn(daemon: Client, args: argparse.Namespace, out: Output) -> None:
         stdin_open=args.stdin == "open",
         limits=_limits(args),
         priority=args.priority,
+        retries=args.retries,
+        backoff=args.backoff[0],
+        backoff_max=args.backoff[1],
+        retry_on=args.retry_on,
     )
     out.spawned(worker)
 
@@ -834,6 +842,15 @@ def _limit_flags(sub: argparse.ArgumentParser, whose: str) -> None:
     )
 
 
+def _backoff(text: str) -> tuple[float, float | None]:
+    """--backoff S or S:MAX: seconds, the daemon checks their bounds (nan, inf, negative)."""
+    first, colon, most = text.partition(":")
+    try:
+        return float(first), float(most) if colon else None
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected S or S:MAX in seconds, got {text!r}") from None
+
+
 def _env_pair(text: str) -> tuple[str, str]:
     key, sep, value = text.partition("=")
     if not sep or not key:
@@ -919,6 +936,30 @@ def parser() -> argparse.ArgumentParser:
         help=f"over a cap on workers running at once (its run's --max-running, its agent's "
         f"max_running, the daemon's), where it waits: higher first, then first in "
         f"(-{MAX_PRIORITY} to {MAX_PRIORITY}; default: 0)",
+    )
+    sub.add_argument(
+        "--retries",
+        metavar="N",
+        type=int,
+        default=0,
+        help=f"when it ends failed (a non-zero exit, or memory_limit), start it again, up to "
+        f"N times (0 to {MAX_RETRIES}): the same id, from its snapshot, after --backoff; its "
+        "parent is woken once, when the last attempt ends; a stop ends the retries",
+    )
+    sub.add_argument(
+        "--backoff",
+        metavar="S[:MAX]",
+        type=_backoff,
+        default=(1.0, None),
+        help=f"seconds before the first retry, doubling each time up to MAX (0 to "
+        f"{MAX_BACKOFF:.0f}; default: 1, up to a day)",
+    )
+    sub.add_argument(
+        "--retry-on",
+        choices=["timeout"],
+        action="append",
+        default=[],
+        help="retry a worker that timed out too (not retried unless asked)",
     )
     _limit_flags(sub, "it and every worker it delegates (over its agent's limits)")
     sub.add_argument("argv", nargs="*", metavar="CMD", help="the command, after --")

@@ -245,6 +245,10 @@ def spawn(
     stdin_open: bool = False,
     limits: Limits | None = None,
     priority: int = 0,
+    retries: int = 0,
+    backoff: float = 1.0,
+    backoff_max: float | None = None,
+    retry_on: Sequence[str] = (),
 ) -> Call[WorkerView]:
     request = Spawn(
         id=0,
@@ -263,6 +267,10 @@ def spawn(
         stdin_open=stdin_open,
         limits=limits or None,
         priority=priority,
+        retries=retries,
+        backoff=backoff,
+        backoff_max=backoff_max,
+        retry_on=list(retry_on),  # type: ignore[arg-type]  # checked by the daemon
     )
     return _call(request, lambda reply: reply.worker)
 

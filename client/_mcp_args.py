@@ -23,6 +23,7 @@ from pydantic import (
 from subagentd.protocol import (
     MAX_ARG_BYTES,
     MAX_ARGS,
+    MAX_BACKOFF,
     MAX_CONTEXT_LINES,
     MAX_CPUS,
     MAX_EPOCH,
@@ -37,6 +38,7 @@ from subagentd.protocol import (
     MAX_PATTERN_LENGTH,
     MAX_PIDS,
     MAX_PRIORITY,
+    MAX_RETRIES,
     MAX_SEND_BYTES,
     MAX_TIMEOUT,
     MIN_CPUS,
@@ -301,6 +303,38 @@ class SpawnArguments(Arguments):
             "daemon's), where it waits in the queue: higher first, then first in",
         ),
     ] = 0
+    retries: Annotated[
+        int,
+        Field(
+            ge=0,
+            le=MAX_RETRIES,
+            description="when it ends failed (a non-zero exit, or memory_limit), start it "
+            "again up to this many times (the same id, from its snapshot) after `backoff`; "
+            "its parent is woken once, by the last attempt; a stop ends the retries",
+        ),
+    ] = 0
+    backoff: Annotated[
+        float,
+        Field(
+            ge=0,
+            le=MAX_BACKOFF,
+            allow_inf_nan=False,
+            description="seconds before the first retry, doubling each time",
+        ),
+    ] = 1.0
+    backoff_max: Annotated[
+        float | None,
+        Field(
+            ge=0,
+            le=MAX_BACKOFF,
+            allow_inf_nan=False,
+            description="the most seconds a retry's backoff grows to (default: a day)",
+        ),
+    ] = None
+    retry_on: Annotated[
+        list[Literal["timeout"]],
+        Field(max_length=1, description='["timeout"]: retry a worker that timed out too'),
+    ] = []
     ready: Annotated[
         str | None,
         Field(

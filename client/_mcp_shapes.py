@@ -102,6 +102,13 @@ class WorkerOut(Shape):
     queue_position: int | None = Field(
         default=None, description="its place in the queue while queued, from 1 (the next)"
     )
+    retries: int = Field(
+        default=0, description="how many times it may be started again after failing"
+    )
+    retry_at: float | None = Field(
+        default=None,
+        description=f"while it waits out a retry's backoff: when its next attempt starts: {EPOCH}",
+    )
 
 
 class WorkersOut(Shape):

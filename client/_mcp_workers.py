@@ -69,6 +69,10 @@ async def subagent_spawn(a: args.SpawnArguments) -> Answer:
             stdin_open=a.stdin_open,
             limits=parse_limits(a.memory, a.cpus, a.pids),
             priority=a.priority,
+            retries=a.retries,
+            backoff=a.backoff,
+            backoff_max=a.backoff_max,
+            retry_on=a.retry_on,
         )
         if a.ready is None:
             return Answer(f"spawned {text.worker_line(view)}", shapes.worker(view, time.time()))

@@ -126,6 +126,10 @@ class Client:
         stdin_open: bool = False,
         limits: Limits | None = None,
         priority: int = 0,
+        retries: int = 0,
+        backoff: float = 1.0,
+        backoff_max: float | None = None,
+        retry_on: Sequence[str] = (),
     ) -> WorkerView:
         """Start a worker; ``cwd`` defaults to this process's working directory.
 
@@ -137,7 +141,10 @@ class Client:
         ``stdin_open``: its stdin is a pipe the daemon keeps open for `send` (not with
         ``input``). ``limits``: what it and all it delegates may take together
         (`Limits`; `parse_limits` reads "2G", "1.5", "100"), over its agent's.
-        ``priority``: over a cap, where it waits in the queue (higher first)."""
+        ``priority``: over a cap, where it waits in the queue (higher first).
+        ``retries``: attempts more it gets (same id, from its snapshot) when it ends
+        failed, after ``backoff`` seconds doubling up to ``backoff_max``; ``retry_on``
+        ``["timeout"]``: a timed-out one too. Its parent is woken once, by the last."""
         return self._call(
             _core.spawn(
                 argv,
@@ -154,6 +161,10 @@ class Client:
                 stdin_open=stdin_open,
                 limits=limits,
                 priority=priority,
+                retries=retries,
+                backoff=backoff,
+                backoff_max=backoff_max,
+                retry_on=retry_on,
             )
         )
 

@@ -187,8 +187,11 @@ class Daemon:
         stdout_tail: bytes,
         failure: str | None = None,
     ) -> None:
-        """The supervisor's hand-over of an ending (made before the parts it needs)."""
+        """The supervisor's hand-over of an ending (made before the parts it needs); one
+        given another attempt (`Registry.retry`) goes to the queue."""
         self.endings.finish(record, journal, returncode, stdout_tail, failure)
+        if not record.ended:
+            self.spawner.queue.retrying(record, journal)
 
     async def _finish_together(
         self,
@@ -200,6 +203,8 @@ class Daemon:
     ) -> None:
         """`_finish`, in one transaction with the endings of the same scheduling batch."""
         await self.endings.finish_together(record, journal, returncode, stdout_tail, hit)
+        if not record.ended:
+            self.spawner.queue.retrying(record, journal)
 
     def _ended(self) -> None:
         """A worker ended: its handle's expiry is due, and idle exit may look again."""

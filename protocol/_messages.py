@@ -136,6 +136,14 @@ MaxRunning = Annotated[int, msgspec.Meta(ge=1, le=MAX_RUNNING)]
 #: A spawn's place among the queued: higher starts first; 0 unless given.
 MAX_PRIORITY = 1_000_000
 Priority = Annotated[int, msgspec.Meta(ge=-MAX_PRIORITY, le=MAX_PRIORITY)]
+#: Attempts a failed worker may be given again: 0 to 100.
+MAX_RETRIES = 100
+Retries = Annotated[int, msgspec.Meta(ge=0, le=MAX_RETRIES)]
+#: Seconds before a retry (doubling each time up to its most): 0 to a day.
+MAX_BACKOFF = 86_400.0
+Backoff = Annotated[float, msgspec.Meta(ge=0, le=MAX_BACKOFF)]
+#: What else a retry is made for, beyond `failed`: a timeout.
+RetryOn = Annotated[list[Literal["timeout"]], msgspec.Meta(max_length=1)]
 #: The kinds of limit, as `Limits` and `DaemonInfo.controls` name them.
 LIMIT_KINDS = ("memory", "cpus", "pids")
 
@@ -234,6 +242,10 @@ class WorkerView(msgspec.Struct, kw_only=True):
     queued: bool = False
     #: Its place in the queue while `queued`, from 1 (the next to start as caps allow).
     queue_position: int | None = None
+    #: How many times it may be started again after failing (`Spawn.retries`).
+    retries: int = 0
+    #: While it waits out a retry's backoff: when its next attempt may start.
+    retry_at: float | None = None
 
 
 class Resumed(WorkerView, kw_only=True):
@@ -678,6 +690,13 @@ class Spawn(Request[WorkerReply], tag="spawn"):
     limits: Limits | None = None
     #: Over a cap, where it waits in the queue: a higher priority first, then first in.
     priority: Priority = 0
+    #: Attempts more a failed worker gets (same id, from its snapshot), after `backoff`
+    #: seconds, doubling each time up to `backoff_max`; its parent is woken once, by the last.
+    retries: Retries = 0
+    backoff: Backoff = 1.0
+    backoff_max: Backoff | None = None
+    #: Retried too when it ends so: `timeout` (a timed-out worker).
+    retry_on: RetryOn = []
 
     for_workers = True
     again_after_reloading = True

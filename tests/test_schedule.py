@@ -124,10 +124,13 @@ class ScheduleMachine(RuleBasedStateMachine):
         self.runs: list[str] = []
         self.caps: dict[str, int | None] = {}
         self.running: set[str] = set()
-        self.started_ever: set[str] = set()
+        #: (worker, attempt) of every start.
+        self.started_ever: set[tuple[str, int]] = set()
         self.stopped_runs: set[str] = set()
         #: Each queued worker's seq, as it was given (its record forgets it once started).
         self.seqs: dict[str, int] = {}
+        #: When each retried worker's next attempt may start (its backoff over).
+        self.due: dict[str, float] = {}
         self.now = 1.0
 
     @rule(cap=st.none() | st.integers(1, 4))
@@ -147,15 +150,20 @@ class ScheduleMachine(RuleBasedStateMachine):
         which=st.integers(0, 2),
         agent=st.sampled_from([None, "coder", "tester"]),
         priority=st.integers(-1, 1),
+        retries=st.integers(0, 2),
+        backoff=st.sampled_from([0.0, 1.0, 2.5]),
     )
     @precondition(lambda self: bool(self.runs))
-    def spawn(self, which: int, agent: str | None, priority: int) -> None:
+    def spawn(
+        self, which: int, agent: str | None, priority: int, retries: int, backoff: float
+    ) -> None:
         run = self.runs[which % len(self.runs)]
         try:
             record = _spawn(self.registry, run, agent, priority)
         except RunStopped:
             assert run in self.stopped_runs
             return
+        record.retries, record.backoff = retries, backoff
         if record.queued is None:
             self._started(record)
         else:
@@ -169,6 +177,31 @@ class ScheduleMachine(RuleBasedStateMachine):
         self.running.discard(worker)
         self.now += 1
         self.registry.ended(worker, 0, self.now)
+        self._dequeue()
+
+    @rule(data=st.data())
+    @precondition(lambda self: bool(self.running))
+    def fail(self, data: st.DataObject) -> None:
+        """A running worker fails: retried (back in the queue until its backoff is over)
+        while it has attempts left, else ended."""
+        worker = data.draw(st.sampled_from(sorted(self.running)))
+        self.running.discard(worker)
+        self.now += 1
+        record = self.registry.ended(worker, 1, self.now)
+        attempt = record.attempt
+        if self.registry.retry(record, self.now) is not None:
+            assert record.attempt == attempt + 1 <= record.retries + 1
+            assert record.queued is not None
+            assert record.retry_at is not None
+            self.seqs[worker], self.due[worker] = record.queued, record.retry_at
+        else:
+            assert record.ended
+        self._dequeue()
+
+    @rule(seconds=st.sampled_from([0.5, 1.0, 3.0]))
+    def tick(self, seconds: float) -> None:
+        """Time passes: retries whose backoff is over may start."""
+        self.now += seconds
         self._dequeue()
 
     @rule(data=st.data())
@@ -205,15 +238,20 @@ class ScheduleMachine(RuleBasedStateMachine):
         self._dequeue()
 
     def _started(self, record: WorkerRecord) -> None:
-        assert record.id not in self.started_ever, "started twice"
+        assert (record.id, record.attempt) not in self.started_ever, "started twice"
+        assert self.now >= self.due.get(record.id, 0.0), "a retry started before its backoff"
         assert record.stop_reason is None, "started after a stop"
         assert not self.registry.run_stopped(record.run), "started after its run stopped"
-        self.started_ever.add(record.id)
+        self.started_ever.add((record.id, record.attempt))
         self.running.add(record.id)
 
     def _dequeue(self) -> None:
         for record in self.registry.dequeue(self.now):
-            waiting = [self.registry.worker(w) for w in self.registry.schedule.queued()]
+            waiting = [
+                w
+                for w in map(self.registry.worker, self.registry.schedule.queued())
+                if (w.retry_at or 0) <= self.now  # a retry not yet due holds no place
+            ]
             ahead = [
                 w
                 for w in waiting
@@ -241,6 +279,8 @@ class ScheduleMachine(RuleBasedStateMachine):
             return
         for worker in self.registry.schedule.queued():
             record = self.registry.worker(worker)
+            if (record.retry_at or 0) > self.now:
+                continue  # waiting out its backoff
             run_cap, agent_cap = self.caps.get(record.run), AGENT_CAPS.get(record.agent or "")
             run_full = run_cap is not None and sum(r.run == record.run for r in live) >= run_cap
             agent_full = agent_cap is not None and (

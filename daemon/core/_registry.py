@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 import msgspec
 
 from subagentd.protocol import (
+    MAX_BACKOFF,
     MAX_GRACE,
     TERMINAL_STATES,
     Limits,
@@ -108,6 +109,14 @@ class WorkerRecord(msgspec.Struct, kw_only=True, weakref=True):
     queued: int | None = None
     #: Its place among the queued: higher first (`Spawn.priority`).
     priority: int = 0
+    #: Attempts more it may be given after failing, the first backoff and its most, and
+    #: the endings beyond `failed` retried too (`Spawn.retries`...).
+    retries: int = 0
+    backoff: float = 1.0
+    backoff_max: float | None = None
+    retry_on: list[str] = msgspec.field(default_factory=list)
+    #: While it waits out a retry's backoff (queued): when its next attempt may start.
+    retry_at: float | None = None
 
     def __setattr__(self, name: str, value: object) -> None:
         # Every change of state (or of whether a result is owed), wherever it is made,
@@ -194,6 +203,8 @@ class WorkerRecord(msgspec.Struct, kw_only=True, weakref=True):
             reason=self.reason,
             queued=self.queued is not None and not self.ended,
             queue_position=self.queue_position,
+            retries=self.retries,
+            retry_at=None if self.ended else self.retry_at,
         )
 
     @property
@@ -528,6 +539,10 @@ class Registry:
         timeout: float | None = None,
         limits: Limits | None = None,
         priority: int = 0,
+        retries: int = 0,
+        backoff: float = 1.0,
+        backoff_max: float | None = None,
+        retry_on: list[str] | None = None,
     ) -> WorkerRecord:
         """A new worker in state `starting` (`admit` then says whether it starts or waits).
         Refuses with `run_stopped` into a stopped run.
@@ -545,6 +560,11 @@ class Registry:
             raise Invalid(f"grace must be zero or more seconds, not {grace}")
         if timeout is not None and timeout < 0:
             raise Invalid(f"timeout must be zero or more seconds, not {timeout}")
+        if backoff_max is not None and backoff_max < backoff:
+            raise Invalid(
+                f"backoff_max ({backoff_max:g} s) is less than backoff ({backoff:g} s): the "
+                "backoff doubles from backoff up to backoff_max"
+            )
         if parent is not None:
             parent_record = self.worker(parent)
             if run is not None and run != parent_record.run:
@@ -585,6 +605,10 @@ class Registry:
             turn=self.turn,
             limits=limits or None,
             priority=priority,
+            retries=retries,
+            backoff=backoff,
+            backoff_max=backoff_max,
+            retry_on=list(retry_on or ()),
         )
         if self.fence is not None:
             record.fence = self.fence.epoch
@@ -606,6 +630,31 @@ class Registry:
         record.queued = self.schedule.admit(record.id, record.run, record.agent, record.priority)
         return record.queued is None
 
+    def retry(self, record: WorkerRecord, now: float) -> float | None:
+        """A worker just ended (`ended`): if it ended `failed` (or `timed_out`, asked so)
+        on its own with attempts left, it is given its next attempt instead: the same id,
+        back in the queue until its backoff has passed (`retry_at`), not ended; answers
+        that backoff. None: its ending stands."""
+        retried = record.state == "failed" and record.stop_reason is None
+        retried |= record.state == "timed_out" and "timeout" in record.retry_on
+        if not retried or record.attempt > record.retries or self.run_stopped(record.run):
+            return None
+        most = MAX_BACKOFF if record.backoff_max is None else record.backoff_max
+        delay = min(record.backoff * (1 << min(record.attempt - 1, 64)), most)
+        record.attempt += 1
+        record.state = "starting"
+        record.stop_reason = None
+        record.exit_code = None
+        record.reason = ""
+        record.pid = record.pid_start = record.pipes = None
+        record.ended_at = None
+        record.paused_since, record.paused_for = None, 0.0
+        record.retry_at = now + delay
+        record.queued = self.schedule.retry(
+            record.id, record.run, record.agent, record.priority, record.retry_at
+        )
+        return delay
+
     def dequeue(self, now: float, most: int | None = None) -> list[WorkerRecord]:
         """The queued workers that may start now (at most `most`), in order, each out of
         the queue and counted as running (its start time now); a stopped one is left to
@@ -615,13 +664,13 @@ class Registry:
         while skipped:  # a stopped one's slot goes to the next in line
             skipped = False
             left = None if most is None else most - len(starting)
-            for worker_id in self.schedule.to_start(left):
+            for worker_id in self.schedule.to_start(left, now):
                 record = self._workers.get(worker_id)
                 if record is None or record.ended or record.stop_reason is not None:
                     self.schedule.ended(worker_id)
                     skipped = True
                     continue
-                record.queued = None
+                record.queued = record.retry_at = None
                 record.started_at = now
                 starting.append(record)
         return starting
@@ -637,7 +686,7 @@ class Registry:
         self.schedule.restore(
             ((r.id, r.run, r.agent) for r in live if r.queued is None),
             (
-                Queued(r.id, r.run, r.agent, r.priority, r.queued)
+                Queued(r.id, r.run, r.agent, r.priority, r.queued, r.retry_at or 0.0)
                 for r in live
                 if r.queued is not None
             ),

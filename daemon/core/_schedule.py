@@ -12,6 +12,7 @@ worker held back by a full run never holds back one of another run.
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -28,6 +29,8 @@ class Queued:
     agent: str | None
     priority: int
     seq: int
+    #: Not before this time (a retry's backoff: seconds since the epoch); 0: at once.
+    not_before: float = 0.0
 
     @property
     def place(self) -> tuple[int, int]:
@@ -77,6 +80,20 @@ class Schedule:
         self.wait(Queued(worker, run, agent, priority, self.last_seq))
         return self.last_seq
 
+    def retry(
+        self, worker: str, run: str, agent: str | None, priority: int, not_before: float
+    ) -> int:
+        """A worker that ended, given another attempt: it waits in the queue, and starts
+        no sooner than `not_before`; the seq it waits under."""
+        self.last_seq += 1
+        self.wait(Queued(worker, run, agent, priority, self.last_seq, not_before))
+        return self.last_seq
+
+    def next_due(self, now: float) -> float | None:
+        """When the soonest retry still waiting out its backoff may start; None: none."""
+        waiting = [q.not_before for q in self._queued.values() if q.not_before > now]
+        return min(waiting, default=None)
+
     def wait(self, queued: Queued) -> None:
         """Put a worker in the queue at its place (a restored one under its own seq)."""
         if queued.worker in self._queued or queued.worker in self._running:
@@ -107,9 +124,10 @@ class Schedule:
 
     # -- what it answers ---------------------------------------------------------
 
-    def to_start(self, most: int | None = None) -> list[str]:
-        """The queued workers that may start now (at most `most`), in the order to start
-        them; each is counted as running from here (told `ended` if its start fails)."""
+    def to_start(self, most: int | None = None, now: float = math.inf) -> list[str]:
+        """The queued workers that may start now (at most `most`; none waiting out its
+        backoff past `now`), in the order to start them; each is counted as running from
+        here (told `ended` if its start fails)."""
         started: list[str] = []
         while (
             self._queued
@@ -123,6 +141,8 @@ class Schedule:
                 for entry in entries:
                     if best is not None and entry >= best:
                         break
+                    if self._queued[entry[2]].not_before > now:
+                        continue  # a retry waiting out its backoff
                     agent = self._queued[entry[2]].agent
                     if agent is None or self._below(
                         self.agent_cap(agent), self._counts.get(("agent", agent), 0)

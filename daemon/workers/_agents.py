@@ -19,12 +19,15 @@ from subagentd.protocol import (
     MAX_ARG_BYTES,
     MAX_EXEC_BYTES,
     Argv,
+    Backoff,
     Env,
     Grace,
     LimitError,
     Limits,
     MaxRunning,
     Name,
+    Retries,
+    RetryOn,
     Timeout,
     parse_limits,
 )
@@ -50,6 +53,11 @@ class AgentDef(msgspec.Struct, forbid_unknown_fields=True):
     pids: int | str | None = None
     #: How many workers of this agent may run at once, across runs (more wait, queued).
     max_running: MaxRunning | None = None
+    #: Its retry policy (`Spawn.retries`...), unless a spawn gives retries of its own.
+    retries: Retries = 0
+    backoff: Backoff = 1.0
+    backoff_max: Backoff | None = None
+    retry_on: RetryOn = []
 
     def limits(self) -> Limits | None:
         """Its limits (LimitError naming the key, for one that cannot be taken)."""

@@ -12,6 +12,7 @@ again.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,6 +107,13 @@ class Queue:
                 self._supervisor.hold_queued(live)
         self.slot_freed()
 
+    def retrying(self, record: WorkerRecord, journal: Journal) -> None:
+        """A worker that failed, given another attempt: it waits in the queue (its record,
+        with its `retry_at`, written by its would-be ending's transaction)."""
+        self._supervisor.hold_queued(LiveWorker(record=record, journal=journal))
+        log.info("worker.retrying", worker=record.id, attempt=record.attempt, at=record.retry_at)
+        self.slot_freed()
+
     def slot_freed(self) -> None:
         """A worker ended (or caps changed): whoever's turn it is may start."""
         self._wanted.set()
@@ -120,15 +128,22 @@ class Queue:
             live = self._live_of(record)
             if live is None:
                 continue
-            record.reason = NEVER_STARTED
-            self._end_unstarted(live, f"stopped ({record.stop_reason}) while queued: never started")
+            if record.attempt == 1:
+                record.reason = NEVER_STARTED
+                why = f"stopped ({record.stop_reason}) while queued: never started"
+            else:
+                why = f"stopped ({record.stop_reason}) before attempt {record.attempt} started"
+            self._end_unstarted(live, why)
 
     async def run(self) -> None:
         """Start each queued worker in its turn, for good, from the moment the image serves
         (recovery done, supervision hosted)."""
         await self._supervisor.wait_serving()
         while True:
-            await self._wanted.wait()
+            # A retry waiting out its backoff is due by the wall clock: woken for it too.
+            due = self._registry.schedule.next_due(self._clock())
+            with trio.move_on_after(math.inf if due is None else max(0.0, due - self._clock())):
+                await self._wanted.wait()
             self._wanted = trio.Event()
             while True:
                 # A reload's fence is a flag of the spawner's, no event: looked at again

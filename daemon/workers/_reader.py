@@ -153,14 +153,21 @@ class Reader:
         return Archive(path)
 
     async def wait(self, worker_id: str) -> WorkerView:
-        self.lookup(worker_id)
-        await self._supervisor.wait_ended([worker_id])
+        await self._wait_last_attempt(worker_id)
         return self.lookup(worker_id).view()
+
+    async def _wait_last_attempt(self, worker_id: str) -> None:
+        """Until the worker has ended for good: an attempt that failed with retries left
+        is followed by the next (`Registry.retry`), the same id, waited for in turn."""
+        while self.lookup(worker_id).state not in TERMINAL_STATES:
+            if self._supervisor.get(worker_id) is None:
+                return  # not live, not ended: an ended image's record (recovery's to end)
+            await self._supervisor.wait_ended([worker_id])
 
     async def collect(self, worker_id: str, *, wait: bool) -> WorkerResult:
         found = self.lookup(worker_id)
         if wait:
-            await self._supervisor.wait_ended([worker_id])
+            await self._wait_last_attempt(worker_id)
             found = self.lookup(worker_id)
         elif found.state not in TERMINAL_STATES:
             raise Busy(f"worker {worker_id} is still {found.state}: {op(Collect)} it with wait")

@@ -12,6 +12,7 @@ import os
 import signal
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import trio
 
@@ -259,6 +260,7 @@ class Spawner:
             timeout=launch.timeout,
             limits=limits,
             priority=request.priority,
+            **_retry_policy(request, launch.agent),
         )
         if record.stop_reason is None:
             self._registry.admit(record)  # over a cap, it waits: queued in its first write
@@ -463,6 +465,20 @@ class Spawner:
             "daemon's descriptor limit (ulimit -n, LimitNOFILE=), then spawn again",
             retry_after=DESCRIPTORS_RETRY,
         )
+
+
+def _retry_policy(request: Spawn, agent: AgentDef | None) -> dict[str, Any]:
+    """A spawn's retries, backoff and what else is retried: its own if it gives retries,
+    else its agent's (agents.toml), else none."""
+    source: Spawn | AgentDef = request
+    if not request.retries and agent is not None and agent.retries:
+        source = agent
+    return {
+        "retries": source.retries,
+        "backoff": source.backoff,
+        "backoff_max": source.backoff_max,
+        "retry_on": list(source.retry_on),
+    }
 
 
 def _pipe_inodes(process: WorkerProcess) -> tuple[int, int, int]:
