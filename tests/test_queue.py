@@ -10,13 +10,12 @@ from pathlib import Path
 import pytest
 import trio
 
-from subagentd import protocol as p
 from subagentd.client import AsyncClient
 from subagentd.protocol import WorkerView
 from subagentd.protocol.errors import Invalid
 
 from .conftest import DaemonProcess
-from .helpers import RawConnection
+from .helpers import pending_wakes
 
 #: A worker that notes its start and end in a shared log, holding its slot a moment.
 NOTING = (
@@ -61,12 +60,7 @@ async def wakes_for(
     """Once each of `ids` has ended: the ids of the wakes `run` holds, in seq order."""
     for worker_id in ids:
         await client.wait(worker_id)
-    conn = await RawConnection.open(daemon.socket)
-    async with conn.stream:
-        await conn.send(p.Subscribe(id=2, run=run))
-        reply = await conn.receive()
-        assert isinstance(reply, p.Wakes)
-        return [wake.id for wake in reply.wakes]
+    return [wake.id for wake in await pending_wakes(daemon, run)]
 
 
 async def test_forty_spawns_under_a_cap_of_four_never_run_more_than_four_and_end_in_order(

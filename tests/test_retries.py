@@ -15,12 +15,12 @@ import trio
 import trio.lowlevel
 from trio.testing import MockClock
 
-from subagentd import protocol as p
 from subagentd.client import AsyncClient
 from subagentd.protocol.errors import Invalid
 
 from .conftest import DaemonProcess
-from .helpers import RawConnection, sh
+from .helpers import pending_wakes as _wakes
+from .helpers import sh
 from .inprocess import at, held, in_process
 
 #: Fails on its first two attempts, then finishes (SUBAGENTD_RESUME is the attempt).
@@ -34,15 +34,6 @@ FLAKY = (
 async def client(daemon: DaemonProcess) -> AsyncIterator[AsyncClient]:
     async with AsyncClient(daemon.socket) as client:
         yield client
-
-
-async def _wakes(daemon: DaemonProcess, run: str) -> list[p.Wake]:
-    conn = await RawConnection.open(daemon.socket)
-    async with conn.stream:
-        await conn.send(p.Subscribe(id=2, run=run))
-        reply = await conn.receive()
-        assert isinstance(reply, p.Wakes)
-        return reply.wakes
 
 
 async def _until_note(client: AsyncClient, worker_id: str, text: str) -> None:

@@ -161,6 +161,18 @@ class WorkerRecord(msgspec.Struct, kw_only=True, weakref=True):
             self.paused_for += max(0.0, now - self.paused_since)
             self.paused_since = None
 
+    def next_attempt(self) -> None:
+        """Its next attempt (a resume's, a retry's): `starting`, nothing of the last
+        attempt's process, end or pause left."""
+        self.attempt += 1
+        self.state = "starting"
+        self.stop_reason = None
+        self.exit_code = None
+        self.reason = ""
+        self.pid = self.pid_start = self.pipes = None
+        self.ended_at = None
+        self.paused_since, self.paused_for = None, 0.0
+
     def timeout_left(self, now: float) -> float | None:
         """Seconds until its timeout, not counting the time it spent paused; None if it
         has none (or is paused: its timeout does not run)."""
@@ -641,14 +653,7 @@ class Registry:
             return None
         most = MAX_BACKOFF if record.backoff_max is None else record.backoff_max
         delay = min(record.backoff * (1 << min(record.attempt - 1, 64)), most)
-        record.attempt += 1
-        record.state = "starting"
-        record.stop_reason = None
-        record.exit_code = None
-        record.reason = ""
-        record.pid = record.pid_start = record.pipes = None
-        record.ended_at = None
-        record.paused_since, record.paused_for = None, 0.0
+        record.next_attempt()
         record.retry_at = now + delay
         record.queued = self.schedule.retry(
             record.id, record.run, record.agent, record.priority, record.retry_at
@@ -971,15 +976,8 @@ class Registry:
                 "nothing ran; resume it again to carry it on"
             )
         self._resuming.pop(record.id, None)
-        record.attempt += 1
-        record.state = "starting"
-        record.stop_reason = None
-        record.exit_code = None
-        record.reason = ""
-        record.pid = record.pid_start = record.pipes = None
+        record.next_attempt()
         record.started_at = now
-        record.ended_at = None
-        record.paused_since, record.paused_for = None, 0.0  # a new attempt runs
         record.collected = record.expired = False
         record.timeout = timeout
         record.turn = self.turn
