@@ -124,6 +124,7 @@ class AsyncClient:
         backoff: float = 1.0,
         backoff_max: float | None = None,
         retry_on: Sequence[str] = (),
+        ready: str | None = None,
     ) -> WorkerView:
         """Start a worker; ``cwd`` defaults to this process's working directory.
 
@@ -138,7 +139,9 @@ class AsyncClient:
         ``priority``: over a cap, where it waits in the queue (higher first).
         ``retries``: attempts more it gets (same id, from its snapshot) when it ends
         failed, after ``backoff`` seconds doubling up to ``backoff_max``; ``retry_on``
-        ``["timeout"]``: a timed-out one too. Its parent is woken once, by the last."""
+        ``["timeout"]``: a timed-out one too. Its parent is woken once, by the last.
+        ``ready``: a pattern (RE2); the worker is marked ready once a line of its output
+        matches it (`wait` with ``ready`` waits for that)."""
         return await self._call(
             _core.spawn(
                 argv,
@@ -159,6 +162,7 @@ class AsyncClient:
                 backoff=backoff,
                 backoff_max=backoff_max,
                 retry_on=retry_on,
+                ready=ready,
             )
         )
 
@@ -337,9 +341,10 @@ class AsyncClient:
     async def collect(self, worker_id: str, wait: bool = False) -> WorkerResult:
         return await self._call(_core.collect(worker_id, wait))
 
-    async def wait(self, worker_id: str) -> WorkerView:
-        """Return once the worker has ended, with how it ended."""
-        return await self._call(_core.wait(worker_id))
+    async def wait(self, worker_id: str, ready: bool = False) -> WorkerView:
+        """Return once the worker has ended (with ``ready``: or is ready, its spawn's
+        ready pattern matched), with how it stands."""
+        return await self._call(_core.wait(worker_id, ready))
 
     async def grep(
         self,

@@ -183,6 +183,7 @@ class Human:
                 *_usage_fields(view.usage),
                 ("exit_code", view.exit_code),
                 ("attempt", view.attempt),
+                ("ready", "yes" if view.ready else None),
                 ("retries", view.retries or None),
                 ("retry_at", _time(view.retry_at)),
                 ("turn", view.turn),
@@ -497,6 +498,8 @@ def _state(view: WorkerView) -> str:
         return "paused"
     if view.queued:
         return "queued" if view.queue_position is None else f"queued #{view.queue_position}"
+    if view.ready and view.state not in TERMINAL_STATES:
+        return f"{view.state} (ready)"
     return f"{view.state} ({view.reason})" if view.reason else view.state
 
 
@@ -547,6 +550,7 @@ def spawn(daemon: Client, args: argparse.Namespace, out: Output) -> None:
         backoff=args.backoff[0],
         backoff_max=args.backoff[1],
         retry_on=args.retry_on,
+        ready=args.ready,
     )
     out.spawned(worker)
 
@@ -618,6 +622,10 @@ def collect(daemon: Client, args: argparse.Namespace, out: Output) -> None:
 
 
 def wait(daemon: Client, args: argparse.Namespace, out: Output) -> int | None:
+    if args.ready:
+        view = daemon.wait(args.worker, ready=True)
+        out.worker(view)
+        return EXIT_OK if view.ready else EXIT_NO_MATCH
     if args.pattern is None:
         out.ended(daemon.wait(args.worker))
         return None
@@ -938,6 +946,12 @@ def parser() -> argparse.ArgumentParser:
         f"(-{MAX_PRIORITY} to {MAX_PRIORITY}; default: 0)",
     )
     sub.add_argument(
+        "--ready",
+        metavar="PATTERN",
+        help="mark it ready once a line of its output matches PATTERN (RE2, as wait --for): "
+        "shown in status and ls, kept across reloads; `subagentctl wait --ready` waits for it",
+    )
+    sub.add_argument(
         "--retries",
         metavar="N",
         type=int,
@@ -1078,6 +1092,12 @@ def parser() -> argparse.ArgumentParser:
     sub.add_argument("worker", metavar="ID")
     sub.add_argument(
         "--for", dest="pattern", metavar="PATTERN", help="wait for a line matching PATTERN"
+    )
+    sub.add_argument(
+        "--ready",
+        action="store_true",
+        help="until it is ready (its spawn --ready pattern matched: exit 0) or has ended "
+        "(exit 4); prints its status",
     )
     sub.add_argument(
         "--timeout",

@@ -249,6 +249,7 @@ def spawn(
     backoff: float = 1.0,
     backoff_max: float | None = None,
     retry_on: Sequence[str] = (),
+    ready: str | None = None,
 ) -> Call[WorkerView]:
     request = Spawn(
         id=0,
@@ -271,6 +272,7 @@ def spawn(
         backoff=backoff,
         backoff_max=backoff_max,
         retry_on=list(retry_on),  # type: ignore[arg-type]  # checked by the daemon
+        ready=ready,
     )
     return _call(request, lambda reply: reply.worker)
 
@@ -339,8 +341,8 @@ def collect(worker_id: str, wait: bool = False) -> Call[WorkerResult]:
     return _call(Collect(id=0, worker=worker_id, wait=wait), lambda reply: reply.result)
 
 
-def wait(worker_id: str) -> Call[WorkerView]:
-    return _call(Wait(id=0, worker=worker_id), lambda reply: reply.worker)
+def wait(worker_id: str, ready: bool = False) -> Call[WorkerView]:
+    return _call(Wait(id=0, worker=worker_id, ready=ready), lambda reply: reply.worker)
 
 
 def grep(

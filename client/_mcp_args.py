@@ -448,6 +448,13 @@ class WaitArguments(Arguments):
             "regular expression (RE2 syntax); lines already written count",
         ),
     ] = None
+    ready: Annotated[
+        bool,
+        Field(
+            description="instead of its end, wait until it is ready (the `ready` pattern it "
+            "was spawned with matched): outcome matched; ended if it ended first",
+        ),
+    ] = False
 
     def waits(self) -> float | None:
         return self.timeout

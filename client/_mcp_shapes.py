@@ -102,6 +102,11 @@ class WorkerOut(Shape):
     queue_position: int | None = Field(
         default=None, description="its place in the queue while queued, from 1 (the next)"
     )
+    ready_at: float | None = Field(
+        default=None,
+        description=f"when the `ready` pattern it was spawned with matched its output: {EPOCH}; "
+        "null: not ready (yet)",
+    )
     retries: int = Field(
         default=0, description="how many times it may be started again after failing"
     )

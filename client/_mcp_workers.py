@@ -73,6 +73,7 @@ async def subagent_spawn(a: args.SpawnArguments) -> Answer:
             backoff=a.backoff,
             backoff_max=a.backoff_max,
             retry_on=a.retry_on,
+            ready=a.ready,
         )
         if a.ready is None:
             return Answer(f"spawned {text.worker_line(view)}", shapes.worker(view, time.time()))

@@ -130,6 +130,7 @@ class Client:
         backoff: float = 1.0,
         backoff_max: float | None = None,
         retry_on: Sequence[str] = (),
+        ready: str | None = None,
     ) -> WorkerView:
         """Start a worker; ``cwd`` defaults to this process's working directory.
 
@@ -144,7 +145,9 @@ class Client:
         ``priority``: over a cap, where it waits in the queue (higher first).
         ``retries``: attempts more it gets (same id, from its snapshot) when it ends
         failed, after ``backoff`` seconds doubling up to ``backoff_max``; ``retry_on``
-        ``["timeout"]``: a timed-out one too. Its parent is woken once, by the last."""
+        ``["timeout"]``: a timed-out one too. Its parent is woken once, by the last.
+        ``ready``: a pattern (RE2); the worker is marked ready once a line of its output
+        matches it (`wait` with ``ready`` waits for that)."""
         return self._call(
             _core.spawn(
                 argv,
@@ -165,6 +168,7 @@ class Client:
                 backoff=backoff,
                 backoff_max=backoff_max,
                 retry_on=retry_on,
+                ready=ready,
             )
         )
 
@@ -291,9 +295,10 @@ class Client:
     def collect(self, worker_id: str, wait: bool = False) -> WorkerResult:
         return self._call(_core.collect(worker_id, wait))
 
-    def wait(self, worker_id: str) -> WorkerView:
-        """Block until the worker has ended; answers how it ended."""
-        return self._call(_core.wait(worker_id))
+    def wait(self, worker_id: str, ready: bool = False) -> WorkerView:
+        """Block until the worker has ended (with ``ready``: or is ready, its spawn's
+        ready pattern matched); answers how it stands."""
+        return self._call(_core.wait(worker_id, ready))
 
     def grep(
         self,

@@ -211,6 +211,8 @@ def state_of(view: WorkerView) -> str:
         return f"{view.state} ({view.reason})" if view.reason else view.state
     if view.queued and not view.stopping:
         return "queued" if view.queue_position is None else f"queued #{view.queue_position}"
+    if view.ready and not view.stopping and not view.paused:
+        return "ready"
     return "stopping" if view.stopping else "paused" if view.paused else view.state
 
 
@@ -550,6 +552,7 @@ _STATE_STYLES = {
     "stopping": "yellow",
     "paused": "cyan",
     "queued": "blue",
+    "ready": "green",
     "failed": "red",
     "timed_out": "red",
 }

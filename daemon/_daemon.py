@@ -229,6 +229,7 @@ class Daemon:
                 self.store_upkeep.check_the_store_is_linked,
                 self.afterwards.do_after_answers,
                 self.spawner.queue.run,
+                self.spawner.readiness.run,
             ):
                 timers.start_soon(_keep_running, task)
             await timers.start(self.launcher.relays.run)

@@ -246,6 +246,9 @@ class WorkerView(msgspec.Struct, kw_only=True):
     retries: int = 0
     #: While it waits out a retry's backoff: when its next attempt may start.
     retry_at: float | None = None
+    #: Its output matched its spawn's `ready` pattern (this attempt's), and when.
+    ready: bool = False
+    ready_at: float | None = None
 
 
 class Resumed(WorkerView, kw_only=True):
@@ -697,6 +700,8 @@ class Spawn(Request[WorkerReply], tag="spawn"):
     backoff_max: Backoff | None = None
     #: Retried too when it ends so: `timeout` (a timed-out worker).
     retry_on: RetryOn = []
+    #: Marks the worker `ready` once a line of its output matches (RE2, as `wait_for`'s).
+    ready: Pattern | None = None
 
     for_workers = True
     again_after_reloading = True
@@ -810,6 +815,8 @@ class Collect(Request[ResultReply], tag="collect"):
 
 class Wait(Request[WorkerReply], tag="wait"):
     worker: Id
+    #: Answer once the worker is ready (its spawn's `ready` matched) or has ended.
+    ready: bool = False
 
     for_workers = True
 

@@ -117,6 +117,11 @@ class WorkerRecord(msgspec.Struct, kw_only=True, weakref=True):
     retry_on: list[str] = msgspec.field(default_factory=list)
     #: While it waits out a retry's backoff (queued): when its next attempt may start.
     retry_at: float | None = None
+    #: Its spawn's ready pattern; when this attempt's output matched it (None: not yet);
+    #: the journal seq this attempt's output comes after (what is searched for it).
+    ready_pattern: str | None = None
+    ready_at: float | None = None
+    ready_since: int = 0
 
     def __setattr__(self, name: str, value: object) -> None:
         # Every change of state (or of whether a result is owed), wherever it is made,
@@ -172,6 +177,7 @@ class WorkerRecord(msgspec.Struct, kw_only=True, weakref=True):
         self.pid = self.pid_start = self.pipes = None
         self.ended_at = None
         self.paused_since, self.paused_for = None, 0.0
+        self.ready_at = None
 
     def timeout_left(self, now: float) -> float | None:
         """Seconds until its timeout, not counting the time it spent paused; None if it
@@ -217,6 +223,8 @@ class WorkerRecord(msgspec.Struct, kw_only=True, weakref=True):
             queue_position=self.queue_position,
             retries=self.retries,
             retry_at=None if self.ended else self.retry_at,
+            ready=self.ready_at is not None,
+            ready_at=self.ready_at,
         )
 
     @property
@@ -555,6 +563,7 @@ class Registry:
         backoff: float = 1.0,
         backoff_max: float | None = None,
         retry_on: list[str] | None = None,
+        ready: str | None = None,
     ) -> WorkerRecord:
         """A new worker in state `starting` (`admit` then says whether it starts or waits).
         Refuses with `run_stopped` into a stopped run.
@@ -621,6 +630,7 @@ class Registry:
             backoff=backoff,
             backoff_max=backoff_max,
             retry_on=list(retry_on or ()),
+            ready_pattern=ready,
         )
         if self.fence is not None:
             record.fence = self.fence.epoch

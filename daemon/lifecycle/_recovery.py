@@ -113,6 +113,7 @@ async def recover(
     for stone in daemon.registry.tombstones().values():
         stone.archive = _archive_at(daemon, stone.id)
     daemon.spawner.queue.restore()
+    daemon.spawner.readiness.restore()
     log.info("recovery.done", retained=len(records), interrupted=interrupted)
     return interrupted
 

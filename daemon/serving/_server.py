@@ -836,6 +836,14 @@ class Server:
                 return page
             case Collect(worker=worker, wait=wait):
                 return ResultReply(id=rid, result=await daemon.reader.collect(worker, wait=wait))
+            case Wait(worker=worker, ready=True):
+                if getattr(daemon.reader.lookup(worker), "ready_pattern", None) is None:
+                    raise Invalid(
+                        f"ready: worker {worker} was spawned without a ready pattern; "
+                        "wait for it without ready"
+                    )
+                await daemon.spawner.readiness.wait_ready(worker)
+                return WorkerReply(id=rid, worker=daemon.reader.lookup(worker).view())
             case Wait(worker=worker):
                 return WorkerReply(id=rid, worker=await daemon.reader.wait(worker))
             case Grep(worker=worker, pattern=pattern, before=before, after=after, limit=limit):

@@ -36,8 +36,10 @@ from ._agents import AgentDef, ConfigError, frozen_agent, load_agents
 from ._command import Launch, inherited_env, own_bin_dir, resolve, worker_environment
 from ._endings import Endings
 from ._git import git_state
+from ._grep import compile_pattern
 from ._queue import Held, Queue
 from ._reader import Reader
+from ._readiness import Readiness
 from ._supervisor import LiveWorker, Supervisor
 
 log = get_logger()
@@ -121,6 +123,8 @@ class Spawner:
             may_launch=lambda: not self.reloading and not self.shutting_down,
         )
         registry.schedule.agent_cap = self._agent_cap
+        #: Workers spawned with a ready pattern, searched until it matches.
+        self.readiness = Readiness(registry, store, reader, supervisor, problems, clock=clock)
         self.load_config()
 
     def _agent_cap(self, agent: str) -> int | None:
@@ -156,6 +160,11 @@ class Spawner:
             raise Refused("the daemon is shutting down: it starts no new workers")
         if self.reloading:
             raise Reloading("the daemon is reloading; spawn again", retry_after=RELOAD_RETRY)
+        if request.ready is not None:
+            try:
+                compile_pattern(request.ready)
+            except Invalid as exc:  # "pattern: ...": said of this field
+                raise Invalid(f"ready: {exc.message.removeprefix('pattern: ')}") from None
         launch = resolve(
             request,
             agents=self.agents,
@@ -261,6 +270,7 @@ class Spawner:
             limits=limits,
             priority=request.priority,
             **_retry_policy(request, launch.agent),
+            ready=request.ready,
         )
         if record.stop_reason is None:
             self._registry.admit(record)  # over a cap, it waits: queued in its first write
@@ -364,6 +374,7 @@ class Spawner:
         if record.attempt > 1:
             worker_env["SUBAGENTD_RESUME"] = str(record.attempt)
         plan = self._limit_plan(record)
+        record.ready_since = live.journal.last_seq  # its ready line is this attempt's
         try:
             process = await self._launcher.start(
                 record.id,
@@ -385,6 +396,7 @@ class Spawner:
         self._supervisor.supervise(
             live, process, after_start=lambda: self._write_start(live, process.pid, argv)
         )
+        self.readiness.watch(record)
         return record.view()
 
     def _limit_plan(self, record: WorkerRecord) -> LimitPlan | None:
