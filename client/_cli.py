@@ -551,6 +551,9 @@ def spawn(daemon: Client, args: argparse.Namespace, out: Output) -> None:
         backoff_max=args.backoff[1],
         retry_on=args.retry_on,
         ready=args.ready,
+        after=args.after,
+        after_ok=args.after_ok,
+        after_ready=args.after_ready,
     )
     out.spawned(worker)
 
@@ -850,6 +853,10 @@ def _limit_flags(sub: argparse.ArgumentParser, whose: str) -> None:
     )
 
 
+def _ids(text: str) -> list[str]:
+    return [part for part in text.split(",") if part]
+
+
 def _backoff(text: str) -> tuple[float, float | None]:
     """--backoff S or S:MAX: seconds, the daemon checks their bounds (nan, inf, negative)."""
     first, colon, most = text.partition(":")
@@ -951,6 +958,21 @@ def parser() -> argparse.ArgumentParser:
         help="mark it ready once a line of its output matches PATTERN (RE2, as wait --for): "
         "shown in status and ls, kept across reloads; `subagentctl wait --ready` waits for it",
     )
+    for flag, meaning in (
+        ("--after", "have all ended"),
+        (
+            "--after-ok",
+            "have all finished with exit 0 (else it ends stopped (skipped), naming which)",
+        ),
+        ("--after-ready", "are all ready (their spawn --ready matched)"),
+    ):
+        sub.add_argument(
+            flag,
+            metavar="W1,W2",
+            type=_ids,
+            default=[],
+            help=f"start it (queued until then) once these workers {meaning}",
+        )
     sub.add_argument(
         "--retries",
         metavar="N",

@@ -250,6 +250,9 @@ def spawn(
     backoff_max: float | None = None,
     retry_on: Sequence[str] = (),
     ready: str | None = None,
+    after: Sequence[str] = (),
+    after_ok: Sequence[str] = (),
+    after_ready: Sequence[str] = (),
 ) -> Call[WorkerView]:
     request = Spawn(
         id=0,
@@ -273,6 +276,9 @@ def spawn(
         backoff_max=backoff_max,
         retry_on=list(retry_on),  # type: ignore[arg-type]  # checked by the daemon
         ready=ready,
+        after=list(after),
+        after_ok=list(after_ok),
+        after_ready=list(after_ready),
     )
     return _call(request, lambda reply: reply.worker)
 

@@ -303,6 +303,22 @@ class SpawnArguments(Arguments):
             "daemon's), where it waits in the queue: higher first, then first in",
         ),
     ] = 0
+    after: Annotated[
+        list[Annotated[str, Field(max_length=MAX_ID_LENGTH)]],
+        Field(max_length=64, description="start it once these workers have all ended"),
+    ] = []
+    after_ok: Annotated[
+        list[Annotated[str, Field(max_length=MAX_ID_LENGTH)]],
+        Field(
+            max_length=64,
+            description="start it once these have all finished with exit 0; else it ends "
+            'stopped, reason "skipped", naming which did not',
+        ),
+    ] = []
+    after_ready: Annotated[
+        list[Annotated[str, Field(max_length=MAX_ID_LENGTH)]],
+        Field(max_length=64, description="start it once these are all ready"),
+    ] = []
     retries: Annotated[
         int,
         Field(

@@ -131,6 +131,9 @@ class Client:
         backoff_max: float | None = None,
         retry_on: Sequence[str] = (),
         ready: str | None = None,
+        after: Sequence[str] = (),
+        after_ok: Sequence[str] = (),
+        after_ready: Sequence[str] = (),
     ) -> WorkerView:
         """Start a worker; ``cwd`` defaults to this process's working directory.
 
@@ -147,7 +150,9 @@ class Client:
         failed, after ``backoff`` seconds doubling up to ``backoff_max``; ``retry_on``
         ``["timeout"]``: a timed-out one too. Its parent is woken once, by the last.
         ``ready``: a pattern (RE2); the worker is marked ready once a line of its output
-        matches it (`wait` with ``ready`` waits for that)."""
+        matches it (`wait` with ``ready`` waits for that). ``after``, ``after_ok``,
+        ``after_ready``: it starts once those workers have ended, finished (exit 0; else it
+        ends stopped, reason skipped) or are ready."""
         return self._call(
             _core.spawn(
                 argv,
@@ -169,6 +174,9 @@ class Client:
                 backoff_max=backoff_max,
                 retry_on=retry_on,
                 ready=ready,
+                after=after,
+                after_ok=after_ok,
+                after_ready=after_ready,
             )
         )
 

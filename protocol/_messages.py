@@ -142,6 +142,9 @@ Retries = Annotated[int, msgspec.Meta(ge=0, le=MAX_RETRIES)]
 #: Seconds before a retry (doubling each time up to its most): 0 to a day.
 MAX_BACKOFF = 86_400.0
 Backoff = Annotated[float, msgspec.Meta(ge=0, le=MAX_BACKOFF)]
+#: The workers a spawn may wait for (`Spawn.after`...): at most 64 each.
+MAX_AFTER = 64
+AfterIds = Annotated[list[Id], msgspec.Meta(max_length=MAX_AFTER)]
 #: What else a retry is made for, beyond `failed`: a timeout.
 RetryOn = Annotated[list[Literal["timeout"]], msgspec.Meta(max_length=1)]
 #: The kinds of limit, as `Limits` and `DaemonInfo.controls` name them.
@@ -702,6 +705,12 @@ class Spawn(Request[WorkerReply], tag="spawn"):
     retry_on: RetryOn = []
     #: Marks the worker `ready` once a line of its output matches (RE2, as `wait_for`'s).
     ready: Pattern | None = None
+    #: Start it (queued until then) once these workers have all ended; once these all
+    #: finished with exit 0 (else it ends `stopped`, reason `skipped`, naming which did
+    #: not); once these are all ready. Existing workers only, each within the caller's reach.
+    after: AfterIds = []
+    after_ok: AfterIds = []
+    after_ready: AfterIds = []
 
     for_workers = True
     again_after_reloading = True

@@ -307,3 +307,13 @@ def test_a_dequeue_of_at_most_one_leaves_the_rest_queued_in_order() -> None:
     registry.ended(holder.id, 0, 2.0)
     assert registry.dequeue(2.0, most=1) == [waiting[1]]
     assert registry.dequeue(2.0, most=1) == []
+
+
+def test_a_worker_that_starts_after_others_waits_held_back_until_unblocked() -> None:
+    schedule = Schedule()
+    assert schedule.admit("w-after", "r", None, blocked=True) == 1  # room, but held back
+    assert schedule.admit("w-next", "r", None) is None  # held back: it holds nobody back
+    assert schedule.to_start() == []
+    assert schedule.blocked() == ["w-after"]
+    schedule.unblock("w-after")
+    assert (schedule.blocked(), schedule.to_start()) == ([], ["w-after"])

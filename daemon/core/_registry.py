@@ -122,6 +122,15 @@ class WorkerRecord(msgspec.Struct, kw_only=True, weakref=True):
     ready_pattern: str | None = None
     ready_at: float | None = None
     ready_since: int = 0
+    #: The workers it starts after: once ended, once finished (exit 0), once ready
+    #: (`Spawn.after`...); it waits queued, held back, until they are (`blocked`).
+    after: list[str] = msgspec.field(default_factory=list)
+    after_ok: list[str] = msgspec.field(default_factory=list)
+    after_ready: list[str] = msgspec.field(default_factory=list)
+
+    @property
+    def waits_for_others(self) -> bool:
+        return bool(self.after or self.after_ok or self.after_ready)
 
     def __setattr__(self, name: str, value: object) -> None:
         # Every change of state (or of whether a result is owed), wherever it is made,
@@ -564,6 +573,7 @@ class Registry:
         backoff_max: float | None = None,
         retry_on: list[str] | None = None,
         ready: str | None = None,
+        after: tuple[list[str], list[str], list[str]] = ([], [], []),
     ) -> WorkerRecord:
         """A new worker in state `starting` (`admit` then says whether it starts or waits).
         Refuses with `run_stopped` into a stopped run.
@@ -631,6 +641,9 @@ class Registry:
             backoff_max=backoff_max,
             retry_on=list(retry_on or ()),
             ready_pattern=ready,
+            after=list(after[0]),
+            after_ok=list(after[1]),
+            after_ready=list(after[2]),
         )
         if self.fence is not None:
             record.fence = self.fence.epoch
@@ -648,9 +661,20 @@ class Registry:
 
     def admit(self, record: WorkerRecord) -> bool:
         """Whether a worker just registered may start now under the caps; else it waits in
-        the queue, its seq there kept in its record (`queued`)."""
-        record.queued = self.schedule.admit(record.id, record.run, record.agent, record.priority)
+        the queue, its seq there kept in its record (`queued`). One that starts after
+        others waits held back until `unblock`."""
+        record.queued = self.schedule.admit(
+            record.id, record.run, record.agent, record.priority, record.waits_for_others
+        )
         return record.queued is None
+
+    def blocked(self) -> list[WorkerRecord]:
+        """The queued workers held back until others have ended or are ready."""
+        return [self._workers[w] for w in self.schedule.blocked()]
+
+    def unblock(self, worker_id: str) -> None:
+        """What it waited for has come: it takes its place in the queue."""
+        self.schedule.unblock(worker_id)
 
     def retry(self, record: WorkerRecord, now: float) -> float | None:
         """A worker just ended (`ended`): if it ended `failed` (or `timed_out`, asked so)
@@ -701,7 +725,15 @@ class Registry:
         self.schedule.restore(
             ((r.id, r.run, r.agent) for r in live if r.queued is None),
             (
-                Queued(r.id, r.run, r.agent, r.priority, r.queued, r.retry_at or 0.0)
+                Queued(
+                    r.id,
+                    r.run,
+                    r.agent,
+                    r.priority,
+                    r.queued,
+                    r.retry_at or 0.0,
+                    blocked=r.waits_for_others and r.attempt == 1,
+                )
                 for r in live
                 if r.queued is not None
             ),

@@ -12,6 +12,7 @@ worker held back by a full run never holds back one of another run.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ class Queued:
     seq: int
     #: Not before this time (a retry's backoff: seconds since the epoch); 0: at once.
     not_before: float = 0.0
+    #: Held back until `unblock` (it starts after other workers).
+    blocked: bool = False
 
     @property
     def place(self) -> tuple[int, int]:
@@ -68,17 +71,28 @@ class Schedule:
 
     # -- what it is told ---------------------------------------------------------
 
-    def admit(self, worker: str, run: str, agent: str | None, priority: int = 0) -> int | None:
+    def admit(
+        self, worker: str, run: str, agent: str | None, priority: int = 0, blocked: bool = False
+    ) -> int | None:
         """A spawn: None if it may start now (counted as running from here), else the seq
         it waits under (its record keeps it, for the order across restarts). Whatever
         waits already is held back by a cap this one is not under (else the slot that
         freed would have started it), so one with room overtakes none it shares a cap with."""
-        if self._room(run, agent):
+        if not blocked and self._room(run, agent):
             self._count(worker, run, agent)
             return None
         self.last_seq += 1
-        self.wait(Queued(worker, run, agent, priority, self.last_seq))
+        self.wait(Queued(worker, run, agent, priority, self.last_seq, blocked=blocked))
         return self.last_seq
+
+    def blocked(self) -> list[str]:
+        """The queued held back (`Queued.blocked`), in queue order."""
+        return [w for w in self.queued() if self._queued[w].blocked]
+
+    def unblock(self, worker: str) -> None:
+        queued = self._queued.get(worker)
+        if queued is not None and queued.blocked:
+            self._queued[worker] = dataclasses.replace(queued, blocked=False)
 
     def retry(
         self, worker: str, run: str, agent: str | None, priority: int, not_before: float
@@ -141,8 +155,8 @@ class Schedule:
                 for entry in entries:
                     if best is not None and entry >= best:
                         break
-                    if self._queued[entry[2]].not_before > now:
-                        continue  # a retry waiting out its backoff
+                    if self._queued[entry[2]].not_before > now or self._queued[entry[2]].blocked:
+                        continue  # a retry waiting out its backoff; one waiting for others
                     agent = self._queued[entry[2]].agent
                     if agent is None or self._below(
                         self.agent_cap(agent), self._counts.get(("agent", agent), 0)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import trio
 
-from subagentd.protocol import WorkerView
+from subagentd.protocol import TERMINAL_STATES, WorkerView
 from subagentd.protocol.errors import RemoteError
 
 from .._logging import get_logger
@@ -36,6 +36,8 @@ log = get_logger()
 
 #: Why a queued worker that a stop reached ended (`WorkerView.reason`).
 NEVER_STARTED = "never_started"
+#: Why one that started after others ended: one of them could not do what it waited for.
+SKIPPED = "skipped"
 #: While the daemon takes no launches (a reload's fence), the queue looks again after this.
 GATE_RETRY = 0.05
 
@@ -90,6 +92,8 @@ class Queue:
         """A worker registered over a cap waits (its record, queued, is in the store)."""
         self._held[live.record.id] = held
         self._supervisor.hold_queued(live)
+        if live.record.waits_for_others:
+            self.slot_freed()  # what it waits for may have come already
         log.info(
             "worker.queued",
             worker=live.record.id,
@@ -150,10 +154,53 @@ class Queue:
                 # soon. Asked before each start: one taken from the queue is started.
                 while not self._may_launch():  # noqa: ASYNC110
                     await trio.sleep(GATE_RETRY)
+                self._check_after()
                 starting = self._registry.dequeue(self._clock(), most=1)
                 if not starting:
                     break
                 await self._start(starting[0])
+
+    def _check_after(self) -> None:
+        """Each worker held back until others have ended (or are ready): let it take its
+        place once they have; end it, skipped, once one of them cannot do what it waits for."""
+        for record in self._registry.blocked():
+            if record.stop_reason is not None:
+                continue  # its stop ends it
+            verdict = self._after(record)
+            if verdict is None:
+                continue
+            if not verdict:
+                self._registry.unblock(record.id)
+                continue
+            live = self._live_of(record)
+            if live is not None:
+                record.stop_reason, record.reason = "after", SKIPPED
+                self._held.pop(record.id, None)
+                self._end_unstarted(live, verdict)
+
+    def _after(self, record: WorkerRecord) -> str | None:
+        """What the workers `record` starts after say: "" (go), a reason to skip it, or
+        None (wait on)."""
+        waiting = False
+        for named in record.after:
+            waiting |= self._reader.lookup(named).state not in TERMINAL_STATES
+        for named in record.after_ok:
+            found = self._reader.lookup(named)
+            if found.state not in TERMINAL_STATES:
+                waiting = True
+            elif found.state != "finished":
+                return (
+                    f"skipped: worker {named} ended {found.state} (exit_code="
+                    f"{found.exit_code}), and this one starts only after it finishes"
+                )
+        for named in record.after_ready:
+            found = self._reader.lookup(named)
+            if found.ready_at is not None:
+                continue
+            if found.state in TERMINAL_STATES:
+                return f"skipped: worker {named} ended {found.state} before it was ready"
+            waiting = True
+        return None if waiting else ""
 
     async def _start(self, record: WorkerRecord) -> None:
         """Start one worker whose turn came: its record out of the queue first (in the store

@@ -45,6 +45,8 @@ class Readiness:
         self._pending: list[WorkerRecord] = []
         #: Set when each worker's search is over (ready, or ended): what `wait_ready` awaits.
         self._over: dict[str, trio.Event] = {}
+        #: Told each time a worker becomes ready (the queue: who starts after it).
+        self.on_ready: Callable[[], None] = lambda: None
 
     async def run(self) -> None:
         """Host the searches, for good."""
@@ -111,3 +113,4 @@ class Readiness:
         except OSError as exc:
             self._problems.disk_failed("store (a worker's readiness)", exc)
         log.info("worker.ready", worker=record.id, attempt=record.attempt)
+        self.on_ready()

@@ -125,6 +125,7 @@ class Spawner:
         registry.schedule.agent_cap = self._agent_cap
         #: Workers spawned with a ready pattern, searched until it matches.
         self.readiness = Readiness(registry, store, reader, supervisor, problems, clock=clock)
+        self.readiness.on_ready = self.queue.slot_freed  # whoever starts after it may go
         self.load_config()
 
     def _agent_cap(self, agent: str) -> int | None:
@@ -165,6 +166,8 @@ class Spawner:
                 compile_pattern(request.ready)
             except Invalid as exc:  # "pattern: ...": said of this field
                 raise Invalid(f"ready: {exc.message.removeprefix('pattern: ')}") from None
+        for named in (*request.after, *request.after_ok, *request.after_ready):
+            self._reader.lookup(named)  # not_found for a worker never seen
         launch = resolve(
             request,
             agents=self.agents,
@@ -271,6 +274,7 @@ class Spawner:
             priority=request.priority,
             **_retry_policy(request, launch.agent),
             ready=request.ready,
+            after=(request.after, request.after_ok, request.after_ready),
         )
         if record.stop_reason is None:
             self._registry.admit(record)  # over a cap, it waits: queued in its first write
