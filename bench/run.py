@@ -55,6 +55,7 @@ BENCHES: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     ("pause", {"sleepers": 100, "rounds": 20}, {"sleepers": 10, "rounds": 2}),
     ("usage", {"workers": 1000, "seconds": 10, "rounds": 3},
      {"workers": 50, "seconds": 2, "rounds": 1}),
+    ("schedule", {"workers": 10_000}, {"workers": 200}),
 ]  # fmt: skip
 
 

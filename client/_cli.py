@@ -24,9 +24,13 @@ from typing import Any, BinaryIO, Protocol, TextIO
 import msgspec
 
 from subagentd.protocol import (
+    MAX_BACKOFF,
     MAX_CPUS,
     MAX_GRACE,
     MAX_PIDS,
+    MAX_PRIORITY,
+    MAX_RETRIES,
+    MAX_RUNNING,
     MAX_SEND_BYTES,
     MAX_TIMEOUT,
     MIN_CPUS,
@@ -109,6 +113,8 @@ WORKER_FIELDS = (
     "archive",
     "stopping",
     "paused",
+    "queued",
+    "queue_position",
 )
 WAKE_FIELDS = ("id", "run", "parent", "state", "exit_code", "preview")
 RELOAD_FIELDS = ("image_generation", "carried_live", "stopped_by_reload")
@@ -177,6 +183,9 @@ class Human:
                 *_usage_fields(view.usage),
                 ("exit_code", view.exit_code),
                 ("attempt", view.attempt),
+                ("ready", "yes" if view.ready else None),
+                ("retries", view.retries or None),
+                ("retry_at", _time(view.retry_at)),
                 ("turn", view.turn),
                 ("started_at", _time(view.started_at)),
                 ("ended_at", _time(view.ended_at)),
@@ -190,6 +199,12 @@ class Human:
     def spawned(self, view: WorkerView) -> None:
         worker_id = printable(view.id)
         print(f"{worker_id} (run {printable(view.run)})")
+        if view.queued:
+            print(
+                f"subagentctl: {worker_id} is {_state(view)}: over a cap on workers running "
+                "at once, it starts in its turn",
+                file=sys.stderr,
+            )
         if view.state in TERMINAL_STATES:
             # Registered but never run: a cancelled launch fence, or an exec that failed.
             print(
@@ -316,6 +331,8 @@ class Human:
                 ("image_generation", info.image_generation),
                 ("reloads", info.reloads),
                 ("workers", counts or "none"),
+                ("queued", info.queued),
+                ("max_running", "no cap" if info.max_running is None else info.max_running),
                 *_usage_fields(info.usage, "workers_"),
                 *_recovering_field(info),
                 ("holds_park", info.holds_park),
@@ -474,11 +491,16 @@ def _said(exc: BaseException) -> None:
 
 def _state(view: WorkerView) -> str:
     """Its state as a person reads it: `stopping` while a stop is in flight, `paused`
-    while paused, and why it ended beyond its state ("failed (memory_limit)")."""
+    while paused, `queued #N` while it waits its turn (N its place in the queue), and why
+    it ended beyond its state ("failed (memory_limit)")."""
     if view.stopping:
         return "stopping"
     if view.paused:
         return "paused"
+    if view.queued:
+        return "queued" if view.queue_position is None else f"queued #{view.queue_position}"
+    if view.ready and view.state not in TERMINAL_STATES:
+        return f"{view.state} (ready)"
     return f"{view.state} ({view.reason})" if view.reason else view.state
 
 
@@ -524,12 +546,21 @@ def spawn(daemon: Client, args: argparse.Namespace, out: Output) -> None:
         key=args.key,
         stdin_open=args.stdin == "open",
         limits=_limits(args),
+        priority=args.priority,
+        retries=args.retries,
+        backoff=args.backoff[0],
+        backoff_max=args.backoff[1],
+        retry_on=args.retry_on,
+        ready=args.ready,
+        after=args.after,
+        after_ok=args.after_ok,
+        after_ready=args.after_ready,
     )
     out.spawned(worker)
 
 
 def new_run(daemon: Client, args: argparse.Namespace, out: Output) -> None:
-    out.run(daemon.new_run(args.outer, limits=_limits(args)))
+    out.run(daemon.new_run(args.outer, limits=_limits(args), max_running=args.max_running))
 
 
 def _limits(args: argparse.Namespace) -> Limits | None:
@@ -595,6 +626,10 @@ def collect(daemon: Client, args: argparse.Namespace, out: Output) -> None:
 
 
 def wait(daemon: Client, args: argparse.Namespace, out: Output) -> int | None:
+    if args.ready:
+        view = daemon.wait(args.worker, ready=True)
+        out.worker(view)
+        return EXIT_OK if view.ready else EXIT_NO_MATCH
     if args.pattern is None:
         out.ended(daemon.wait(args.worker))
         return None
@@ -827,6 +862,19 @@ def _limit_flags(sub: argparse.ArgumentParser, whose: str) -> None:
     )
 
 
+def _ids(text: str) -> list[str]:
+    return [part for part in text.split(",") if part]
+
+
+def _backoff(text: str) -> tuple[float, float | None]:
+    """--backoff S or S:MAX: seconds, the daemon checks their bounds (nan, inf, negative)."""
+    first, colon, most = text.partition(":")
+    try:
+        return float(first), float(most) if colon else None
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected S or S:MAX in seconds, got {text!r}") from None
+
+
 def _env_pair(text: str) -> tuple[str, str]:
     key, sep, value = text.partition("=")
     if not sep or not key:
@@ -904,11 +952,73 @@ def parser() -> argparse.ArgumentParser:
         help="open: keep its stdin a pipe the daemon holds, for `subagentctl send` "
         "(carried across a reload); not with --input",
     )
+    sub.add_argument(
+        "--priority",
+        metavar="P",
+        type=int,
+        default=0,
+        help=f"over a cap on workers running at once (its run's --max-running, its agent's "
+        f"max_running, the daemon's), where it waits: higher first, then first in "
+        f"(-{MAX_PRIORITY} to {MAX_PRIORITY}; default: 0)",
+    )
+    sub.add_argument(
+        "--ready",
+        metavar="PATTERN",
+        help="mark it ready once a line of its output matches PATTERN (RE2, as wait --for): "
+        "shown in status and ls, kept across reloads; `subagentctl wait --ready` waits for it",
+    )
+    for flag, meaning in (
+        ("--after", "have all ended"),
+        (
+            "--after-ok",
+            "have all finished with exit 0 (else it ends stopped (skipped), naming which)",
+        ),
+        ("--after-ready", "are all ready (their spawn --ready matched)"),
+    ):
+        sub.add_argument(
+            flag,
+            metavar="W1,W2",
+            type=_ids,
+            default=[],
+            help=f"start it (queued until then) once these workers {meaning}",
+        )
+    sub.add_argument(
+        "--retries",
+        metavar="N",
+        type=int,
+        default=0,
+        help=f"when it ends failed (a non-zero exit, or memory_limit), start it again, up to "
+        f"N times (0 to {MAX_RETRIES}): the same id, from its snapshot, after --backoff; its "
+        "parent is woken once, when the last attempt ends; a stop ends the retries",
+    )
+    sub.add_argument(
+        "--backoff",
+        metavar="S[:MAX]",
+        type=_backoff,
+        default=(1.0, None),
+        help=f"seconds before the first retry, doubling each time up to MAX (0 to "
+        f"{MAX_BACKOFF:.0f}; default: 1, up to a day)",
+    )
+    sub.add_argument(
+        "--retry-on",
+        choices=["timeout"],
+        action="append",
+        default=[],
+        help="retry a worker that timed out too (not retried unless asked)",
+    )
     _limit_flags(sub, "it and every worker it delegates (over its agent's limits)")
     sub.add_argument("argv", nargs="*", metavar="CMD", help="the command, after --")
 
     sub = command("new-run", new_run, "Create a run and print its id.")
     sub.add_argument("--outer", metavar="R", help="nest it under run R: stopping R stops it too")
+    sub.add_argument(
+        "--max-running",
+        metavar="N",
+        type=int,
+        help=f"run at most N of its workers at once (1 to {MAX_RUNNING}): a spawn over it is "
+        "answered at once, queued (ls shows `queued #K`), and starts as one of them ends, "
+        "first in first out (or by --priority); a stop of the run ends the queued unstarted",
+    )
     _limit_flags(sub, "the run's workers")
 
     sub = command(
@@ -1013,6 +1123,12 @@ def parser() -> argparse.ArgumentParser:
     sub.add_argument("worker", metavar="ID")
     sub.add_argument(
         "--for", dest="pattern", metavar="PATTERN", help="wait for a line matching PATTERN"
+    )
+    sub.add_argument(
+        "--ready",
+        action="store_true",
+        help="until it is ready (its spawn --ready pattern matched: exit 0) or has ended "
+        "(exit 4); prints its status",
     )
     sub.add_argument(
         "--timeout",

@@ -244,6 +244,15 @@ def spawn(
     key: str | None = None,
     stdin_open: bool = False,
     limits: Limits | None = None,
+    priority: int = 0,
+    retries: int = 0,
+    backoff: float = 1.0,
+    backoff_max: float | None = None,
+    retry_on: Sequence[str] = (),
+    ready: str | None = None,
+    after: Sequence[str] = (),
+    after_ok: Sequence[str] = (),
+    after_ready: Sequence[str] = (),
 ) -> Call[WorkerView]:
     request = Spawn(
         id=0,
@@ -261,6 +270,15 @@ def spawn(
         key=new_key() if key is None else key,
         stdin_open=stdin_open,
         limits=limits or None,
+        priority=priority,
+        retries=retries,
+        backoff=backoff,
+        backoff_max=backoff_max,
+        retry_on=list(retry_on),  # type: ignore[arg-type]  # checked by the daemon
+        ready=ready,
+        after=list(after),
+        after_ok=list(after_ok),
+        after_ready=list(after_ready),
     )
     return _call(request, lambda reply: reply.worker)
 
@@ -272,8 +290,11 @@ def new_key() -> str:
     return secrets.token_hex(16)
 
 
-def new_run(outer: str | None = None, *, limits: Limits | None = None) -> Call[str]:
-    return _call(NewRun(id=0, outer=outer, limits=limits or None), lambda reply: reply.run)
+def new_run(
+    outer: str | None = None, *, limits: Limits | None = None, max_running: int | None = None
+) -> Call[str]:
+    request = NewRun(id=0, outer=outer, limits=limits or None, max_running=max_running)
+    return _call(request, lambda reply: reply.run)
 
 
 def ls(all: bool = False, run: str | None = None, usage: bool = False) -> Call[list[WorkerView]]:
@@ -326,8 +347,8 @@ def collect(worker_id: str, wait: bool = False) -> Call[WorkerResult]:
     return _call(Collect(id=0, worker=worker_id, wait=wait), lambda reply: reply.result)
 
 
-def wait(worker_id: str) -> Call[WorkerView]:
-    return _call(Wait(id=0, worker=worker_id), lambda reply: reply.worker)
+def wait(worker_id: str, ready: bool = False) -> Call[WorkerView]:
+    return _call(Wait(id=0, worker=worker_id, ready=ready), lambda reply: reply.worker)
 
 
 def grep(

@@ -23,6 +23,7 @@ from pydantic import (
 from subagentd.protocol import (
     MAX_ARG_BYTES,
     MAX_ARGS,
+    MAX_BACKOFF,
     MAX_CONTEXT_LINES,
     MAX_CPUS,
     MAX_EPOCH,
@@ -36,6 +37,8 @@ from subagentd.protocol import (
     MAX_PATH_LENGTH,
     MAX_PATTERN_LENGTH,
     MAX_PIDS,
+    MAX_PRIORITY,
+    MAX_RETRIES,
     MAX_SEND_BYTES,
     MAX_TIMEOUT,
     MIN_CPUS,
@@ -291,6 +294,63 @@ class SpawnArguments(Arguments):
             f"{MAX_PIDS}); a fork past it fails"
         ),
     ] = None
+    priority: Annotated[
+        int,
+        Field(
+            ge=-MAX_PRIORITY,
+            le=MAX_PRIORITY,
+            description="over a cap on workers running at once (its run's, its agent's, the "
+            "daemon's), where it waits in the queue: higher first, then first in",
+        ),
+    ] = 0
+    after: Annotated[
+        list[Annotated[str, Field(max_length=MAX_ID_LENGTH)]],
+        Field(max_length=64, description="start it once these workers have all ended"),
+    ] = []
+    after_ok: Annotated[
+        list[Annotated[str, Field(max_length=MAX_ID_LENGTH)]],
+        Field(
+            max_length=64,
+            description="start it once these have all finished with exit 0; else it ends "
+            'stopped, reason "skipped", naming which did not',
+        ),
+    ] = []
+    after_ready: Annotated[
+        list[Annotated[str, Field(max_length=MAX_ID_LENGTH)]],
+        Field(max_length=64, description="start it once these are all ready"),
+    ] = []
+    retries: Annotated[
+        int,
+        Field(
+            ge=0,
+            le=MAX_RETRIES,
+            description="when it ends failed (a non-zero exit, or memory_limit), start it "
+            "again up to this many times (the same id, from its snapshot) after `backoff`; "
+            "its parent is woken once, by the last attempt; a stop ends the retries",
+        ),
+    ] = 0
+    backoff: Annotated[
+        float,
+        Field(
+            ge=0,
+            le=MAX_BACKOFF,
+            allow_inf_nan=False,
+            description="seconds before the first retry, doubling each time",
+        ),
+    ] = 1.0
+    backoff_max: Annotated[
+        float | None,
+        Field(
+            ge=0,
+            le=MAX_BACKOFF,
+            allow_inf_nan=False,
+            description="the most seconds a retry's backoff grows to (default: a day)",
+        ),
+    ] = None
+    retry_on: Annotated[
+        list[Literal["timeout"]],
+        Field(max_length=1, description='["timeout"]: retry a worker that timed out too'),
+    ] = []
     ready: Annotated[
         str | None,
         Field(
@@ -404,6 +464,13 @@ class WaitArguments(Arguments):
             "regular expression (RE2 syntax); lines already written count",
         ),
     ] = None
+    ready: Annotated[
+        bool,
+        Field(
+            description="instead of its end, wait until it is ready (the `ready` pattern it "
+            "was spawned with matched): outcome matched; ended if it ended first",
+        ),
+    ] = False
 
     def waits(self) -> float | None:
         return self.timeout

@@ -91,7 +91,28 @@ class WorkerOut(Shape):
     reason: str = Field(
         default="",
         description='why it ended as it did beyond its state: "memory_limit" (failed, the '
-        "kernel having killed it at a memory limit); empty otherwise",
+        'kernel having killed it at a memory limit), "never_started" (stopped while it was '
+        "queued); empty otherwise",
+    )
+    queued: bool = Field(
+        default=False,
+        description="waiting in the queue for a slot under a cap on workers running at once "
+        "(state is starting; its process not started)",
+    )
+    queue_position: int | None = Field(
+        default=None, description="its place in the queue while queued, from 1 (the next)"
+    )
+    ready_at: float | None = Field(
+        default=None,
+        description=f"when the `ready` pattern it was spawned with matched its output: {EPOCH}; "
+        "null: not ready (yet)",
+    )
+    retries: int = Field(
+        default=0, description="how many times it may be started again after failing"
+    )
+    retry_at: float | None = Field(
+        default=None,
+        description=f"while it waits out a retry's backoff: when its next attempt starts: {EPOCH}",
     )
 
 
@@ -290,4 +311,6 @@ def state_of(view: WorkerView) -> str:
         return "stopping"
     if view.paused:
         return "paused"
+    if view.queued:
+        return "queued" if view.queue_position is None else f"queued #{view.queue_position}"
     return f"{view.state} ({view.reason})" if view.reason else view.state

@@ -28,17 +28,26 @@ EVENTS_COUNTED = 10_000
 
 
 async def subagent_wait(a: args.WaitArguments) -> Answer:
-    """Wait until a worker ends, or (with `pattern`) until a line of its output matches,
+    """Wait until a worker ends, or (with `pattern`) until a line of its output matches, or
+    (with `ready`) until it is ready (the `ready` pattern it was spawned with matched),
     for at most `timeout` seconds (default 30; keep it under 50, as a host gives up on a
     call after its own timeout, and call again to wait longer). `outcome` says which
     happened: matched (with the line), ended, or timed_out; `worker` is its state then.
     Sends progress notifications while it waits, to a host that asks for them."""
+    outcome: str
+    line: str | None
+    view: WorkerView
     async with connection() as daemon:
-        if a.pattern is not None:
+        if a.ready:
+            outcome, line = "timed_out", None
+            with trio.move_on_after(a.timeout):
+                view = await daemon.wait(a.worker, ready=True)
+                outcome = "matched" if view.ready else "ended"
+            if outcome == "timed_out":
+                view = await daemon.status(a.worker)
+        elif a.pattern is not None:
             waited = await daemon.wait_for(a.worker, a.pattern, timeout=a.timeout)
-            outcome: str = waited.outcome
-            line: str | None = waited.line
-            view: WorkerView = waited.worker
+            outcome, line, view = waited.outcome, waited.line, waited.worker
         else:
             outcome, line = "timed_out", None
             with trio.move_on_after(a.timeout):

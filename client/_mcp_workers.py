@@ -68,6 +68,15 @@ async def subagent_spawn(a: args.SpawnArguments) -> Answer:
             key=a.key,
             stdin_open=a.stdin_open,
             limits=parse_limits(a.memory, a.cpus, a.pids),
+            priority=a.priority,
+            retries=a.retries,
+            backoff=a.backoff,
+            backoff_max=a.backoff_max,
+            retry_on=a.retry_on,
+            ready=a.ready,
+            after=a.after,
+            after_ok=a.after_ok,
+            after_ready=a.after_ready,
         )
         if a.ready is None:
             return Answer(f"spawned {text.worker_line(view)}", shapes.worker(view, time.time()))

@@ -125,6 +125,15 @@ class Client:
         key: str | None = None,
         stdin_open: bool = False,
         limits: Limits | None = None,
+        priority: int = 0,
+        retries: int = 0,
+        backoff: float = 1.0,
+        backoff_max: float | None = None,
+        retry_on: Sequence[str] = (),
+        ready: str | None = None,
+        after: Sequence[str] = (),
+        after_ok: Sequence[str] = (),
+        after_ready: Sequence[str] = (),
     ) -> WorkerView:
         """Start a worker; ``cwd`` defaults to this process's working directory.
 
@@ -135,7 +144,15 @@ class Client:
 
         ``stdin_open``: its stdin is a pipe the daemon keeps open for `send` (not with
         ``input``). ``limits``: what it and all it delegates may take together
-        (`Limits`; `parse_limits` reads "2G", "1.5", "100"), over its agent's."""
+        (`Limits`; `parse_limits` reads "2G", "1.5", "100"), over its agent's.
+        ``priority``: over a cap, where it waits in the queue (higher first).
+        ``retries``: attempts more it gets (same id, from its snapshot) when it ends
+        failed, after ``backoff`` seconds doubling up to ``backoff_max``; ``retry_on``
+        ``["timeout"]``: a timed-out one too. Its parent is woken once, by the last.
+        ``ready``: a pattern (RE2); the worker is marked ready once a line of its output
+        matches it (`wait` with ``ready`` waits for that). ``after``, ``after_ok``,
+        ``after_ready``: it starts once those workers have ended, finished (exit 0; else it
+        ends stopped, reason skipped) or are ready."""
         return self._call(
             _core.spawn(
                 argv,
@@ -151,13 +168,29 @@ class Client:
                 key=key,
                 stdin_open=stdin_open,
                 limits=limits,
+                priority=priority,
+                retries=retries,
+                backoff=backoff,
+                backoff_max=backoff_max,
+                retry_on=retry_on,
+                ready=ready,
+                after=after,
+                after_ok=after_ok,
+                after_ready=after_ready,
             )
         )
 
-    def new_run(self, outer: str | None = None, *, limits: Limits | None = None) -> str:
+    def new_run(
+        self,
+        outer: str | None = None,
+        *,
+        limits: Limits | None = None,
+        max_running: int | None = None,
+    ) -> str:
         """A new run (nested in ``outer``); ``limits``: what its workers may take
-        together."""
-        return self._call(_core.new_run(outer, limits=limits))
+        together; ``max_running``: how many of its workers may run at once (a spawn over
+        it is queued, and starts in its turn)."""
+        return self._call(_core.new_run(outer, limits=limits, max_running=max_running))
 
     def ls(
         self, all: bool = False, run: str | None = None, *, usage: bool = False
@@ -270,9 +303,10 @@ class Client:
     def collect(self, worker_id: str, wait: bool = False) -> WorkerResult:
         return self._call(_core.collect(worker_id, wait))
 
-    def wait(self, worker_id: str) -> WorkerView:
-        """Block until the worker has ended; answers how it ended."""
-        return self._call(_core.wait(worker_id))
+    def wait(self, worker_id: str, ready: bool = False) -> WorkerView:
+        """Block until the worker has ended (with ``ready``: or is ready, its spawn's
+        ready pattern matched); answers how it stands."""
+        return self._call(_core.wait(worker_id, ready))
 
     def grep(
         self,

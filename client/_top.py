@@ -1,10 +1,11 @@
 """subagentctl top: the daemon's workers (or one run's) as a live table, for a person.
 
 One row per worker: its state (``stopping`` while a stop is in flight, ``paused`` while
-paused), run, id indented under its parent, name, age, pid, its CPU % and memory now (its
-whole tree's, read once a frame with the listing: `Usage`) and the last line of its
-output. Keys select a row, stop its worker (and subtree) or its run, follow its journal,
-and sort the rows by CPU % or memory (biggest first) or put them back in the tree's order.
+paused, ``queued #N`` while it waits its turn under a cap), run, id indented under its
+parent, name, age, pid, its CPU % and memory now (its whole tree's, read once a frame
+with the listing: `Usage`) and the last line of its output. Keys select a row, stop its
+worker (and subtree) or its run, follow its journal, and sort the rows by CPU % or
+memory (biggest first) or put them back in the tree's order.
 A worker that ends while shown stays on screen, in its final state.
 
 Drawn with rich's ``Live`` (the optional extra ``subagentd[top]``), driven from
@@ -208,7 +209,20 @@ def tree(views: Sequence[WorkerView]) -> list[Row]:
 def state_of(view: WorkerView) -> str:
     if view.state in TERMINAL_STATES:
         return f"{view.state} ({view.reason})" if view.reason else view.state
+    if view.queued and not view.stopping:
+        return "queued" if view.queue_position is None else f"queued #{view.queue_position}"
+    if view.ready and not view.stopping and not view.paused:
+        return "ready"
     return "stopping" if view.stopping else "paused" if view.paused else view.state
+
+
+def _running(rows: list[Row]) -> int:
+    """Of `rows`, the workers not ended and not waiting in the queue."""
+    return sum(1 for row in rows if row.view.state not in TERMINAL_STATES and not row.view.queued)
+
+
+def _queued(rows: list[Row]) -> int:
+    return sum(1 for row in rows if row.view.queued)
 
 
 def age(seconds: float) -> str:
@@ -412,8 +426,10 @@ def frame_lines(
     else:
         rows = screen.rows()
         scope = f"run {screen.run}" if screen.run else "all runs"
-        running = sum(1 for row in rows if row.view.state not in TERMINAL_STATES)
-        title = f"subagentd top: {scope}, {running} running, {len(rows)} shown"
+        title = f"subagentd top: {scope}, {_running(rows)} running"
+        if queued := _queued(rows):
+            title += f", {queued} queued"
+        title += f", {len(rows)} shown"
         if screen.order in ORDER_SHOWN:
             title += f", {ORDER_SHOWN[screen.order]}"
         lines = [_line(title, "bold")]
@@ -439,7 +455,8 @@ def document(screen: Screen, now: float) -> dict[str, object]:
     return {
         "run": screen.run,
         "at": now,
-        "running": sum(1 for row in rows if row.view.state not in TERMINAL_STATES),
+        "running": _running(rows),
+        "queued": _queued(rows),
         "workers": [
             {
                 **msgspec.to_builtins(row.view),
@@ -522,7 +539,8 @@ def _table(
 
     lines = [laid_out(COLUMNS, ["bold"] * len(COLUMNS))]
     for row, values in zip(rows, cells, strict=True):
-        line = laid_out(values, [_STATE_STYLES.get(values[0], ""), *[""] * (len(COLUMNS) - 1)])
+        style = _STATE_STYLES.get(values[0].partition(" ")[0], "")  # "queued #3": queued
+        line = laid_out(values, [style, *[""] * (len(COLUMNS) - 1)])
         if row.view.id == screen.selected:
             line.stylize("reverse")
         lines.append(line)
@@ -533,6 +551,8 @@ _STATE_STYLES = {
     "running": "green",
     "stopping": "yellow",
     "paused": "cyan",
+    "queued": "blue",
+    "ready": "green",
     "failed": "red",
     "timed_out": "red",
 }

@@ -69,8 +69,10 @@ class Daemon:
         launcher: Launcher,
         faults: frozenset[tuple[str, str]] = frozenset(),
         store: Store | None = None,
+        max_running: int | None = None,
     ) -> None:
-        """`store`: opened already (the start waited for its lock); else opened here."""
+        """`store`: opened already (the start waited for its lock); else opened here;
+        `max_running`: the daemon's cap on workers running at once (None: none)."""
         self.state_dir = state_dir
         #: Where a test's fault is injected (see _faults.FAULT_ENV); empty but in tests.
         self.faults = Faults(faults, fifos=state_dir.root)
@@ -82,6 +84,7 @@ class Daemon:
         self.afterwards = Afterwards(launcher)
         self.pid = os.getpid()  # for `info`, asked at every call: one system call less
         self.registry = Registry()
+        self.registry.schedule.daemon_cap = max_running
         #: What is wrong right now (reported by `info`).
         self.problems = Problems()
         #: The live workers and their supervision.
@@ -170,6 +173,8 @@ class Daemon:
         self.stops = Stops(
             self.registry, self.reader, self.supervisor, self.runs, self.problems, self.afterwards
         )
+        # Whatever a stop reaches that waits in the queue ends there, never started.
+        self.supervisor.queued_stopped = self.spawner.queue.end_stopped
         #: The pause verbs: a worker's subtree, a run.
         self.pauses = Pauses(self.registry, self.reader, self.supervisor, launcher, self.faults)
         #: Set and replaced whenever something happens that idle exit must notice.
@@ -183,8 +188,11 @@ class Daemon:
         stdout_tail: bytes,
         failure: str | None = None,
     ) -> None:
-        """The supervisor's hand-over of an ending (made before the parts it needs)."""
+        """The supervisor's hand-over of an ending (made before the parts it needs); one
+        given another attempt (`Registry.retry`) goes to the queue."""
         self.endings.finish(record, journal, returncode, stdout_tail, failure)
+        if not record.ended:
+            self.spawner.queue.retrying(record, journal)
 
     async def _finish_together(
         self,
@@ -197,10 +205,13 @@ class Daemon:
     ) -> None:
         """`_finish`, in one transaction with the endings of the same scheduling batch."""
         await self.endings.finish_together(record, journal, returncode, stdout_tail, hit, note)
+        if not record.ended:
+            self.spawner.queue.retrying(record, journal)
 
     def _ended(self) -> None:
         """A worker ended: its handle's expiry is due, and idle exit may look again."""
         self.retention.ended()
+        self.spawner.queue.slot_freed()
         self.touch()
 
     def touch(self) -> None:
@@ -219,6 +230,8 @@ class Daemon:
                 self.store_upkeep.write_what_the_store_kept_out,
                 self.store_upkeep.check_the_store_is_linked,
                 self.afterwards.do_after_answers,
+                self.spawner.queue.run,
+                self.spawner.readiness.run,
             ):
                 timers.start_soon(_keep_running, task)
             await timers.start(self.launcher.relays.run)
@@ -246,9 +259,12 @@ class Daemon:
     async def shutdown(self) -> None:
         """Stop every worker and wait until all are gone; start none meanwhile."""
         self.spawner.shutting_down = True
-        while self.supervisor:  # a spawn already past its checks may still land: stop it too
+        # A spawn already past its checks may still land: stop it too. The queued end
+        # unstarted, as every stop ends them.
+        while self.supervisor or self.registry.schedule.queued():
             ids = self.registry.stop_all("shutdown")
             self.supervisor.ask_stop(ids)
+            self.spawner.queue.end_stopped(ids)  # whatever ask_stop's hook did not reach
             log.info("daemon.stopping_workers", count=len(ids))
             await self.supervisor.wait_ended(self.supervisor.ids())
         # What moved itself out of its worker's cgroup, or outlived a worker that ended by
@@ -306,6 +322,8 @@ class Daemon:
             state_dir=str(self.state_dir.root),
             relays=self.launcher.relays.info(),
             controls={**self.launcher.controllers.controls, FREEZE_CONTROL: self.launcher.freeze},
+            queued=self.registry.schedule.queued_count(),
+            max_running=self.registry.schedule.daemon_cap,
             problems=self.problems.current()
             + self.store_upkeep.unwritten_problem()
             + self.store.problems

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from subagentd.protocol import (
+    MAX_RUNNING,
     default_config_path,
     default_socket_path,
     default_state_dir,
@@ -135,6 +136,15 @@ def _parser() -> argparse.ArgumentParser:
         "kept; 0 relays every worker)",
     )
     parser.add_argument(
+        "--max-running",
+        type=_max_running,
+        default=None,
+        metavar="N",
+        help="run at most N workers at once across every run; a spawn over it is "
+        "answered at once, queued, and starts in its turn as a worker ends "
+        "(default: no cap; runs and agents may have caps of their own)",
+    )
+    parser.add_argument(
         "--cgroups",
         choices=["auto", "off"],
         default="auto",
@@ -186,6 +196,18 @@ def _descriptor_number(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
     if not 0 <= value <= MAX_RELAY_ABOVE:
         raise argparse.ArgumentTypeError(f"{text!r} is not between 0 and {MAX_RELAY_ABOVE}")
+    return value
+
+
+def _max_running(text: str) -> int:
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not 1 <= value <= MAX_RUNNING:
+        raise argparse.ArgumentTypeError(f"{text!r} is not between 1 and {MAX_RUNNING}")
     return value
 
 
@@ -401,6 +423,7 @@ def _settings(args: argparse.Namespace) -> Settings:
         reload_interval=args.reload_interval,
         request_key_ttl=args.request_key_ttl,
         relay_above=args.relay_above,
+        max_running=args.max_running,
     )
 
 

@@ -11,6 +11,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from subagentd.protocol import MaxRunning
+
 from ._logging import LogFormat
 from .core._registry import DEFAULT_FINISHED_TTL, DEFAULT_KEEP_ARCHIVES_DAYS
 from .core._request_keys import DEFAULT_REQUEST_KEY_TTL
@@ -45,6 +47,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     #: A new worker's pipes go to an output relay once their descriptor numbers come at
     #: or above this (None: the default worked out from the limit, `default_relay_above`).
     relay_above: Annotated[int, msgspec.Meta(ge=0, le=MAX_RELAY_ABOVE)] | None = None
+    #: The daemon's cap on workers running at once (`--max-running`); None: none.
+    max_running: MaxRunning | None = None
 
     def command_line(self) -> list[str]:
         """The options of `subagentd` that give these very settings: a reload's exec passes
@@ -64,6 +68,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             options.append(f"--idle-exit={self.idle_exit!r}")
         if self.relay_above is not None:
             options.append(f"--relay-above={self.relay_above}")
+        if self.max_running is not None:
+            options.append(f"--max-running={self.max_running}")
         if self.log_format is not None:
             options.append(f"--log-format={self.log_format}")
         return options

@@ -21,6 +21,7 @@ from ._messages import MAX_ACK_WAKES as MAX_ACK_WAKES
 from ._messages import MAX_ANSWER_BYTES as MAX_ANSWER_BYTES
 from ._messages import MAX_ARG_BYTES as MAX_ARG_BYTES
 from ._messages import MAX_ARGS as MAX_ARGS
+from ._messages import MAX_BACKOFF as MAX_BACKOFF
 from ._messages import MAX_CONTEXT_LINES as MAX_CONTEXT_LINES
 from ._messages import MAX_CPUS as MAX_CPUS
 from ._messages import MAX_EPOCH as MAX_EPOCH
@@ -36,6 +37,9 @@ from ._messages import MAX_NAME_LENGTH as MAX_NAME_LENGTH
 from ._messages import MAX_PATH_LENGTH as MAX_PATH_LENGTH
 from ._messages import MAX_PATTERN_LENGTH as MAX_PATTERN_LENGTH
 from ._messages import MAX_PIDS as MAX_PIDS
+from ._messages import MAX_PRIORITY as MAX_PRIORITY
+from ._messages import MAX_RETRIES as MAX_RETRIES
+from ._messages import MAX_RUNNING as MAX_RUNNING
 from ._messages import MAX_SEND_BYTES as MAX_SEND_BYTES
 from ._messages import MAX_TIMEOUT as MAX_TIMEOUT
 from ._messages import MIN_ANSWER_BYTES as MIN_ANSWER_BYTES
@@ -46,6 +50,7 @@ from ._messages import Abort as Abort
 from ._messages import Ack as Ack
 from ._messages import AnswerBytes as AnswerBytes
 from ._messages import Argv as Argv
+from ._messages import Backoff as Backoff
 from ._messages import BeginTurn as BeginTurn
 from ._messages import Cancel as Cancel
 from ._messages import CancelFence as CancelFence
@@ -74,6 +79,7 @@ from ._messages import Latest as Latest
 from ._messages import LatestResumable as LatestResumable
 from ._messages import Limits as Limits
 from ._messages import ListWorkers as ListWorkers
+from ._messages import MaxRunning as MaxRunning
 from ._messages import Name as Name
 from ._messages import NewRun as NewRun
 from ._messages import OutputKind as OutputKind
@@ -81,6 +87,7 @@ from ._messages import OutputRelays as OutputRelays
 from ._messages import Page as Page
 from ._messages import Pause as Pause
 from ._messages import Paused as Paused
+from ._messages import Priority as Priority
 from ._messages import Recovery as Recovery
 from ._messages import Reload as Reload
 from ._messages import ReloadReply as ReloadReply
@@ -92,6 +99,8 @@ from ._messages import ResumableRun as ResumableRun
 from ._messages import Resume as Resume
 from ._messages import Resumed as Resumed
 from ._messages import ResumeRun as ResumeRun
+from ._messages import Retries as Retries
+from ._messages import RetryOn as RetryOn
 from ._messages import RunReply as RunReply
 from ._messages import Send as Send
 from ._messages import Sent as Sent

@@ -31,6 +31,8 @@ class IntegerField:
     many: bool
     ge: int | None
     le: int | None
+    #: nil is a value of it too (`int | None`: nil means none, as `max_running`'s).
+    nullable: bool = False
 
 
 @functools.cache
@@ -44,8 +46,9 @@ def integer_fields(kind: type[msgspec.Struct]) -> tuple[IntegerField, ...]:
         if isinstance(inner, msgspec.inspect.ListType):
             many, inner = True, inner.item_type
         choices = inner.types if isinstance(inner, msgspec.inspect.UnionType) else (inner,)
+        nullable = any(isinstance(choice, msgspec.inspect.NoneType) for choice in choices)
         found.extend(
-            IntegerField(field.name, many, choice.ge, choice.le)
+            IntegerField(field.name, many, choice.ge, choice.le, nullable)
             for choice in choices
             if isinstance(choice, msgspec.inspect.IntType)
         )

@@ -130,6 +130,23 @@ MemoryLimit = Annotated[int, msgspec.Meta(ge=MIN_MEMORY, le=MAX_MEMORY)]
 #: Finite by its bounds: nan and inf fail them.
 CpuLimit = Annotated[float, msgspec.Meta(ge=MIN_CPUS, le=MAX_CPUS)]
 PidsLimit = Annotated[int, msgspec.Meta(ge=1, le=MAX_PIDS)]
+#: A cap on workers running at once (a run's, an agent's, the daemon's): 1 to 100,000.
+MAX_RUNNING = 100_000
+MaxRunning = Annotated[int, msgspec.Meta(ge=1, le=MAX_RUNNING)]
+#: A spawn's place among the queued: higher starts first; 0 unless given.
+MAX_PRIORITY = 1_000_000
+Priority = Annotated[int, msgspec.Meta(ge=-MAX_PRIORITY, le=MAX_PRIORITY)]
+#: Attempts a failed worker may be given again: 0 to 100.
+MAX_RETRIES = 100
+Retries = Annotated[int, msgspec.Meta(ge=0, le=MAX_RETRIES)]
+#: Seconds before a retry (doubling each time up to its most): 0 to a day.
+MAX_BACKOFF = 86_400.0
+Backoff = Annotated[float, msgspec.Meta(ge=0, le=MAX_BACKOFF)]
+#: The workers a spawn may wait for (`Spawn.after`...): at most 64 each.
+MAX_AFTER = 64
+AfterIds = Annotated[list[Id], msgspec.Meta(max_length=MAX_AFTER)]
+#: What else a retry is made for, beyond `failed`: a timeout.
+RetryOn = Annotated[list[Literal["timeout"]], msgspec.Meta(max_length=1)]
 #: The kinds of limit, as `Limits` and `DaemonInfo.controls` name them.
 LIMIT_KINDS = ("memory", "cpus", "pids")
 #: What `DaemonInfo.controls` says beside the limits: how `pause` holds a tree still.
@@ -222,8 +239,22 @@ class WorkerView(msgspec.Struct, kw_only=True):
     #: run's may still bound it).
     limits: Limits | None = None
     #: Why it ended as it did, beyond its state: "memory_limit" (it ended `failed`, the
-    #: kernel having OOM-killed it at a memory limit); empty otherwise.
+    #: kernel having OOM-killed it at a memory limit), "never_started" (stopped while it
+    #: was queued); empty otherwise.
     reason: str = ""
+    #: Waiting in the queue for a slot under a cap (`Spawn` over `max_running`): its
+    #: process not started. `state` is `starting`: a field, as `stopping` and `paused`
+    #: are, so an older peer's decoder (which knows only the states above) reads it.
+    queued: bool = False
+    #: Its place in the queue while `queued`, from 1 (the next to start as caps allow).
+    queue_position: int | None = None
+    #: How many times it may be started again after failing (`Spawn.retries`).
+    retries: int = 0
+    #: While it waits out a retry's backoff: when its next attempt may start.
+    retry_at: float | None = None
+    #: Its output matched its spawn's `ready` pattern (this attempt's), and when.
+    ready: bool = False
+    ready_at: float | None = None
 
 
 class Resumed(WorkerView, kw_only=True):
@@ -391,6 +422,10 @@ class DaemonInfo(msgspec.Struct, kw_only=True):
     #: "SIGSTOP/SIGCONT over the process tree (scan)" where workers have no cgroups).
     #: Empty: an image before limits.
     controls: dict[str, Control] = {}
+    #: Workers waiting in the queue (counted under "starting" in `workers` as well).
+    queued: int = 0
+    #: The daemon's own cap on workers running at once (`--max-running`); None: none.
+    max_running: int | None = None
 
 
 # -- replies and events: daemon to client --------------------------------------
@@ -662,6 +697,23 @@ class Spawn(Request[WorkerReply], tag="spawn"):
     #: What the worker and all it delegates may take together (over its agent's limits,
     #: kind by kind); None: its agent's, if any.
     limits: Limits | None = None
+    #: Over a cap, where it waits in the queue: a higher priority first, then first in.
+    priority: Priority = 0
+    #: Attempts more a failed worker gets (same id, from its snapshot), after `backoff`
+    #: seconds, doubling each time up to `backoff_max`; its parent is woken once, by the last.
+    retries: Retries = 0
+    backoff: Backoff = 1.0
+    backoff_max: Backoff | None = None
+    #: Retried too when it ends so: `timeout` (a timed-out worker).
+    retry_on: RetryOn = []
+    #: Marks the worker `ready` once a line of its output matches (RE2, as `wait_for`'s).
+    ready: Pattern | None = None
+    #: Start it (queued until then) once these workers have all ended; once these all
+    #: finished with exit 0 (else it ends `stopped`, reason `skipped`, naming which did
+    #: not); once these are all ready. Existing workers only, each within the caller's reach.
+    after: AfterIds = []
+    after_ok: AfterIds = []
+    after_ready: AfterIds = []
 
     for_workers = True
     again_after_reloading = True
@@ -674,6 +726,8 @@ class NewRun(Request[RunReply], tag="new_run"):
     outer: Id | None = None
     #: What the run's workers may take together; None: no limit of the run's own.
     limits: Limits | None = None
+    #: How many of the run's own workers may run at once (more wait, queued); None: no cap.
+    max_running: MaxRunning | None = None
 
 
 class ListWorkers(Request[WorkerList], tag="list_workers"):
@@ -773,6 +827,8 @@ class Collect(Request[ResultReply], tag="collect"):
 
 class Wait(Request[WorkerReply], tag="wait"):
     worker: Id
+    #: Answer once the worker is ready (its spawn's `ready` matched) or has ended.
+    ready: bool = False
 
     for_workers = True
 
@@ -902,6 +958,7 @@ class Resume(Request[WorkerReply], tag="resume"):
     run: Id | None = None
     parent: Id | None = None
     stdin_open: bool | None = None
+    priority: Priority | None = None
     #: As `Spawn.key`: a repeat answers the attempt the first one started.
     key: RequestKey | None = None
 
@@ -911,7 +968,7 @@ class Resume(Request[WorkerReply], tag="resume"):
     #: The fields refused when given: all but `worker`, `timeout` and `key`.
     FROZEN: ClassVar[tuple[str, ...]] = (
         "input", "argv", "model", "env", "cwd", "grace", "agent", "name", "run", "parent",
-        "stdin_open",
+        "stdin_open", "priority",
     )  # fmt: skip
 
     def resendable(self) -> bool:

@@ -238,6 +238,8 @@ class InProcess:
                 live.journal.detach()  # its descriptor is the new image's now
             else:
                 live.journal.release()
+        for live in daemon.supervisor.queued():  # no process; the next image opens them again
+            live.journal.release()
         # (The ended journals its reader kept open close as the old image is collected.)
         assert self.control.sock.fileno() == checkpoint.listen_fd
         self.control.sock.detach()
@@ -251,6 +253,8 @@ class InProcess:
             if live.process is not None:
                 live.process.unwatch()  # init reaps them (here: the harness, below)
                 live.process.close()  # its pipes: the workers write into the void
+            live.journal.release()
+        for live in daemon.supervisor.queued():
             live.journal.release()
         self.control.sock.close()  # the socket file stays, as after a kill
         # The lock goes with the process; the file naming the holder stays. (Forgotten by

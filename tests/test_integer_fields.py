@@ -32,7 +32,10 @@ PAST_THE_WIRE = [2**64, 2**70, -(2**63) - 1, -(2**70)]
 
 
 def _beyond(field: IntegerField, value: Any) -> bool:
-    """Whether `value` is not what `field` takes (an int within its bounds)."""
+    """Whether `value` is not what `field` takes (an int within its bounds, or nil where
+    nil means none)."""
+    if value is None and field.nullable:
+        return False
     if not isinstance(value, int) or isinstance(value, bool):
         return True
     low = field.ge if field.ge is not None else WIRE_MIN

@@ -21,7 +21,11 @@ The promises checked:
   running, or a result owed by one that ended on its own (a stopped or interrupted
   worker owes none), neither collected nor past its TTL.
 - a spawn sent again with its key (its answer lost, say) answers the worker it made,
-  as it is now, across reloads, crashes and its release, and makes no other.
+  as it is now, across reloads, crashes and its release, and makes no other;
+- a run with a cap (`max_running`) never runs more than it: a spawn over it is queued
+  (`starting`, `queued`), started first in first out as slots free (a stop, an ending,
+  a crash), across reloads and crashes; a stop ends a queued worker unstarted, with one
+  wake; nothing starts after its run was stopped.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from hypothesis import strategies as st
 from trio.testing import MockClock
 
 from subagentd.daemon.core._request_keys import DEFAULT_REQUEST_KEY_TTL
+from subagentd.protocol import WorkerView
 from subagentd.protocol.errors import Busy, NotFound, RunStopped
 
 from .helpers import sh
@@ -55,8 +60,9 @@ from .inprocess import InProcess, held, in_process, short_root
 TTL = 60.0
 #: A worker that ends at once, with this exit code and result.
 QUICK = 'echo out; printf "R$1" > "$SUBAGENTD_RESULT"; exit $2'
-#: A worker that ends once its FIFO is written to (the `End` step).
-HELD = 'read x < "$3"; echo out; printf "R$1" > "$SUBAGENTD_RESULT"; exit $2'
+#: A worker that ends once its FIFO is written to (the `End` step); it says `up` on stderr
+#: as it starts (what tells a queued one's start).
+HELD = 'echo up >&2; read x < "$3"; echo out; printf "R$1" > "$SUBAGENTD_RESULT"; exit $2'
 
 
 # -- the steps -----------------------------------------------------------------
@@ -64,7 +70,7 @@ HELD = 'read x < "$3"; echo out; printf "R$1" > "$SUBAGENTD_RESULT"; exit $2'
 
 @dataclass(frozen=True)
 class NewRun:
-    pass
+    cap: int | None = None  # its max_running
 
 
 @dataclass(frozen=True)
@@ -143,7 +149,7 @@ _WEIGHTED: list[st.SearchStrategy[Step]] = [
     *[st.builds(Stop, pick=_pick)] * 2,
     st.builds(StopRun, pick=_pick),
     *[st.builds(Collect, pick=_pick)] * 2,
-    st.just(NewRun()),
+    st.builds(NewRun, cap=st.none() | st.integers(1, 2)),
     st.just(Expire()),
     st.just(Drain()),
     st.builds(Again, pick=_pick),
@@ -164,7 +170,8 @@ class Worker:
     parent: str | None
     code: int
     fifo: Path | None  # a held worker's
-    state: str = "running"  # what the daemon must say
+    #: What the daemon must say; "queued": `starting`, queued (its run at its cap).
+    state: str = "running"
     collected: bool = False
     expired: bool = False  # past its TTL uncollected
     woken: bool = False  # its wake was delivered (and acknowledged)
@@ -175,7 +182,7 @@ class Worker:
 
     @property
     def ended(self) -> bool:
-        return self.state != "running"
+        return self.state not in ("running", "queued")
 
     @property
     def result(self) -> str:
@@ -193,7 +200,24 @@ class Model:
     root: Path
     workers: dict[str, Worker] = field(default_factory=dict)
     runs: dict[str, bool] = field(default_factory=dict)  # run: stopped
+    caps: dict[str, int | None] = field(default_factory=dict)  # run: its max_running
     spawns: int = 0  # asked for, refused or not
+
+    def full(self, run: str) -> bool:
+        """Whether `run` runs as many workers as its cap lets it."""
+        cap = self.caps.get(run)
+        started = [w for w in self.workers.values() if w.run == run and w.state == "running"]
+        return cap is not None and len(started) >= cap
+
+    def start_due(self) -> list[Worker]:
+        """The queued workers whose turn has come (first in, first out in each run), now
+        running."""
+        started = []
+        for worker in sorted(self.workers.values(), key=lambda w: w.n):
+            if worker.state == "queued" and not self.full(worker.run):
+                worker.state = "running"
+                started.append(worker)
+        return started
 
     def running(self) -> list[Worker]:
         return [w for w in self.workers.values() if not w.ended]
@@ -241,14 +265,16 @@ class Player:
             with held(self.clock):  # real workers' waits must not let the clock jump
                 await self._play(step)
         with held(self.clock):
+            await self.settle()
             await self.check()
 
     async def _play(self, step: Step) -> None:
         model = self.model
         match step:
-            case NewRun():
+            case NewRun(cap):
                 async with self.d.client() as client:
-                    model.runs[await client.new_run()] = False
+                    run = await client.new_run(max_running=cap)
+                model.runs[run], model.caps[run] = False, cap
             case Spawn():
                 await self.spawn(step)
             case End(pick):
@@ -272,7 +298,8 @@ class Player:
                 _event("crash interrupting live workers" if model.running() else "crash, none live")
                 await self.d.crash_and_restart()
                 for worker in model.running():
-                    model.end(worker, "interrupted")
+                    if worker.state == "running":  # a queued one waits on, in its place
+                        model.end(worker, "interrupted")
 
     async def spawn(self, step: Spawn) -> None:
         model = self.model
@@ -294,13 +321,18 @@ class Player:
                 return
             asked: dict[str, object] = {"key": f"spawn-{n}"}
             asked |= {"parent": parent.id} if parent is not None else {"run": run}
+            queued = model.full(run)
             view = await client.spawn(argv, **asked)  # type: ignore[arg-type]
             assert (view.run, view.parent) == (run, parent.id if parent else None)
+            assert view.queued == queued, (view, model.caps[run])
             worker = Worker(n, view.id, run, view.parent, step.code, fifo)
+            worker.state = "queued" if queued else "running"
+            if queued:
+                _event("a spawn queued over its run's cap")
             worker.asked, worker.asked_at = {"argv": argv, **asked}, trio.current_time()
             model.workers[worker.id] = worker
             self.log.append(f"  -> {worker.id} (R{n}) in {run}, parent {worker.parent}")
-            if not step.held:
+            if not step.held and not queued:
                 await client.wait(worker.id)
                 model.end(worker, "finished" if step.code == 0 else "failed")
 
@@ -315,11 +347,13 @@ class Player:
         worker = workers[pick % len(workers)]
         async with self.d.client() as client:
             view = await client.spawn(**worker.asked)  # type: ignore[arg-type]
-        assert (view.id, view.state) == (worker.id, worker.state), (worker, view)
+        assert (view.id, _state(view)) == (worker.id, worker.state), (worker, view)
         _event("a spawn sent again after its worker ended" if worker.ended else "sent again")
 
     async def end(self, pick: int) -> None:
-        candidates = [w for w in self.model.running() if w.fifo is not None]
+        candidates = [
+            w for w in self.model.running() if w.fifo is not None and w.state == "running"
+        ]
         if not candidates:
             return
         worker = candidates[pick % len(candidates)]
@@ -367,7 +401,7 @@ class Player:
         worker = list(model.workers.values())[pick % len(model.workers)]
         async with self.d.client() as client:
             if not worker.ended:
-                with pytest.raises(Busy, match="still running"):
+                with pytest.raises(Busy, match=r"still (running|starting)"):
                     await client.collect(worker.id)
                 return
             got = await client.collect(worker.id)
@@ -410,13 +444,28 @@ class Player:
         lost = [w.id for w in model.workers.values() if w.ended and not w.woken]
         assert not lost, f"endings whose wake was lost: {lost}"
 
+    async def settle(self) -> None:
+        """The queued workers whose turn came start (each seen to: a held one says `up`),
+        and a quick one among them ends, which may start the next."""
+        model = self.model
+        async with self.d.client() as client:
+            while started := model.start_due():
+                for worker in started:
+                    _event("a queued worker started in its turn")
+                    if worker.fifo is None:
+                        await client.wait(worker.id)
+                        model.end(worker, "finished" if worker.code == 0 else "failed")
+                    else:
+                        waited = await client.wait_for(worker.id, "^up$", timeout=60)
+                        assert waited.outcome == "matched", (worker, waited)
+
     async def check(self) -> None:
         """What the daemon says of every worker is what the model says."""
         model = self.model
         async with self.d.client() as client:
             for worker in model.workers.values():
                 view = await client.status(worker.id)
-                assert view.state == worker.state, (worker, view)
+                assert _state(view) == worker.state, (worker, view)
                 if worker.ended and (worker.collected or worker.expired):
                     # Released (or about to be): a collect answers as it did, from the archive.
                     got = await client.collect(worker.id)
@@ -442,6 +491,14 @@ class Player:
                         assert (got.state, got.result) == (worker.state, worker.result), worker
 
 
+def _state(view: WorkerView) -> str:
+    """A view's state as the model says it: `queued` for one waiting in the queue."""
+    if view.queued:
+        assert view.state == "starting", view
+        return "queued"
+    return view.state
+
+
 def _event(what: str) -> None:
     """Count `what` in hypothesis' statistics (how often the machine got there)."""
     if currently_in_test_context():
@@ -457,6 +514,9 @@ async def _play(root: Path, steps: list[Step], report: Callable[[str], None] = n
         with held(clock):
             async with d.client() as client:
                 model.runs[await client.new_run()] = False
+                # And one capped at 1 from the start: the queue is in play in most examples.
+                capped = await client.new_run(max_running=1)
+                model.runs[capped], model.caps[capped] = False, 1
         try:
             for step in steps:
                 await player.play(step)

@@ -81,8 +81,11 @@ class Authority:
                 "workflow, not to a worker in it"
             )
         match request:
-            case Spawn(parent=parent) if parent is not None:
-                self._reach(caller, parent)  # none given: the new worker is the caller's
+            case Spawn(parent=parent, after=after, after_ok=after_ok, after_ready=after_ready):
+                if parent is not None:
+                    self._reach(caller, parent)  # none given: the new worker is the caller's
+                for named in (*after, *after_ok, *after_ready):
+                    self._reach(caller, named)
             case (
                 Status(worker=worker)
                 | Watch(worker=worker)

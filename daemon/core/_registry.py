@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 import msgspec
 
 from subagentd.protocol import (
+    MAX_BACKOFF,
     MAX_GRACE,
     TERMINAL_STATES,
     Limits,
@@ -29,6 +30,8 @@ from subagentd.protocol import (
     op,
 )
 from subagentd.protocol.errors import Invalid, NotFound, Refused, RunStopped
+
+from ._schedule import Queued, Schedule
 
 #: Seconds between TERM and KILL when a spawn names none.
 DEFAULT_GRACE = 5.0
@@ -101,6 +104,33 @@ class WorkerRecord(msgspec.Struct, kw_only=True, weakref=True):
     limit_path: str = ""
     #: Why it ended as it did beyond its state ("memory_limit"); empty otherwise.
     reason: str = ""
+    #: Waiting in the queue for a slot under the caps (`core/_schedule.py`): its seq
+    #: there, which keeps its order across restarts; None once started (or never queued).
+    queued: int | None = None
+    #: Its place among the queued: higher first (`Spawn.priority`).
+    priority: int = 0
+    #: Attempts more it may be given after failing, the first backoff and its most, and
+    #: the endings beyond `failed` retried too (`Spawn.retries`...).
+    retries: int = 0
+    backoff: float = 1.0
+    backoff_max: float | None = None
+    retry_on: list[str] = msgspec.field(default_factory=list)
+    #: While it waits out a retry's backoff (queued): when its next attempt may start.
+    retry_at: float | None = None
+    #: Its spawn's ready pattern; when this attempt's output matched it (None: not yet);
+    #: the journal seq this attempt's output comes after (what is searched for it).
+    ready_pattern: str | None = None
+    ready_at: float | None = None
+    ready_since: int = 0
+    #: The workers it starts after: once ended, once finished (exit 0), once ready
+    #: (`Spawn.after`...); it waits queued, held back, until they are (`blocked`).
+    after: list[str] = msgspec.field(default_factory=list)
+    after_ok: list[str] = msgspec.field(default_factory=list)
+    after_ready: list[str] = msgspec.field(default_factory=list)
+
+    @property
+    def waits_for_others(self) -> bool:
+        return bool(self.after or self.after_ok or self.after_ready)
 
     def __setattr__(self, name: str, value: object) -> None:
         # Every change of state (or of whether a result is owed), wherever it is made,
@@ -145,6 +175,19 @@ class WorkerRecord(msgspec.Struct, kw_only=True, weakref=True):
             self.paused_for += max(0.0, now - self.paused_since)
             self.paused_since = None
 
+    def next_attempt(self) -> None:
+        """Its next attempt (a resume's, a retry's): `starting`, nothing of the last
+        attempt's process, end or pause left."""
+        self.attempt += 1
+        self.state = "starting"
+        self.stop_reason = None
+        self.exit_code = None
+        self.reason = ""
+        self.pid = self.pid_start = self.pipes = None
+        self.ended_at = None
+        self.paused_since, self.paused_for = None, 0.0
+        self.ready_at = None
+
     def timeout_left(self, now: float) -> float | None:
         """Seconds until its timeout, not counting the time it spent paused; None if it
         has none (or is paused: its timeout does not run)."""
@@ -185,6 +228,22 @@ class WorkerRecord(msgspec.Struct, kw_only=True, weakref=True):
             paused=self.paused,
             limits=self.limits,
             reason=self.reason,
+            queued=self.queued is not None and not self.ended,
+            queue_position=self.queue_position,
+            retries=self.retries,
+            retry_at=None if self.ended else self.retry_at,
+            ready=self.ready_at is not None,
+            ready_at=self.ready_at,
+        )
+
+    @property
+    def queue_position(self) -> int | None:
+        """Its place in its registry's queue, from 1; None when not queued."""
+        if self.queued is None or self.ended:
+            return None
+        counts = _counts_of(self)
+        return (
+            None if counts is None or counts.schedule is None else counts.schedule.position(self.id)
         )
 
     def summary(self) -> WorkerView:
@@ -204,6 +263,8 @@ class StateCounts:
         self._counts: dict[str, int] = {}
         #: Held workers owing a result (`WorkerRecord.owes_result`).
         self.owed = 0
+        #: The schedule of the registry holding these records: their queue positions.
+        self.schedule: Schedule | None = None
 
     def add(self, record: WorkerRecord) -> None:
         key = id(record)
@@ -356,6 +417,8 @@ class RunRecord(msgspec.Struct, kw_only=True):
     implicit: bool = False
     #: What its workers may take together (`new_run`'s); None: no limit of its own.
     limits: Limits | None = None
+    #: How many of its own workers may run at once (`new_run`'s); None: no cap.
+    max_running: int | None = None
 
 
 class Registry:
@@ -368,6 +431,9 @@ class Registry:
         self._places: list[tuple[float, str]] = []
         self._counts = StateCounts()
         self._runs: dict[str, RunRecord] = {}
+        #: What may run now under the caps, and the queue (a run's cap read from its record).
+        self.schedule = Schedule(run_cap=self._run_cap)
+        self._counts.schedule = self.schedule
         self._make_id = make_id
         self._children: dict[str, list[str]] = {}  # worker id -> ids it delegated to
         self._run_members: dict[str, list[str]] = {}  # run id -> worker ids
@@ -389,7 +455,11 @@ class Registry:
     # -- runs ----------------------------------------------------------------
 
     def new_run(
-        self, now: float, outer: str | None = None, limits: Limits | None = None
+        self,
+        now: float,
+        outer: str | None = None,
+        limits: Limits | None = None,
+        max_running: int | None = None,
     ) -> RunRecord:
         if outer is not None:
             outer_run = self.run(outer)
@@ -397,13 +467,23 @@ class Registry:
                 raise RunStopped(f"run {outer} was stopped; a run cannot be nested in it")
             # Whoever nests a run in it holds its id now: it stays when its workers go.
             outer_run.implicit = False
-        run = RunRecord(id=self._fresh_id("r"), outer=outer, created_at=now, limits=limits)
+        run = RunRecord(
+            id=self._fresh_id("r"),
+            outer=outer,
+            created_at=now,
+            limits=limits,
+            max_running=max_running,
+        )
         self._runs[run.id] = run
         self._run_members[run.id] = []
         self._inner_runs[run.id] = []
         if outer is not None:
             self._inner_runs[outer].append(run.id)
         return run
+
+    def _run_cap(self, run_id: str) -> int | None:
+        run = self._runs.get(run_id)
+        return None if run is None else run.max_running
 
     def run(self, run_id: str) -> RunRecord:
         try:
@@ -500,8 +580,16 @@ class Registry:
         grace: float | None = None,
         timeout: float | None = None,
         limits: Limits | None = None,
+        priority: int = 0,
+        retries: int = 0,
+        backoff: float = 1.0,
+        backoff_max: float | None = None,
+        retry_on: list[str] | None = None,
+        ready: str | None = None,
+        after: tuple[list[str], list[str], list[str]] = ([], [], []),
     ) -> WorkerRecord:
-        """A new worker in state `starting`. Refuses with `run_stopped` into a stopped run.
+        """A new worker in state `starting` (`admit` then says whether it starts or waits).
+        Refuses with `run_stopped` into a stopped run.
 
         A stopped run refuses every spawn but the delegation of a worker of it that is
         live and not being stopped: its stop asked every worker it had to stop, so such a
@@ -516,6 +604,11 @@ class Registry:
             raise Invalid(f"grace must be zero or more seconds, not {grace}")
         if timeout is not None and timeout < 0:
             raise Invalid(f"timeout must be zero or more seconds, not {timeout}")
+        if backoff_max is not None and backoff_max < backoff:
+            raise Invalid(
+                f"backoff_max ({backoff_max:g} s) is less than backoff ({backoff:g} s): the "
+                "backoff doubles from backoff up to backoff_max"
+            )
         if parent is not None:
             parent_record = self.worker(parent)
             if run is not None and run != parent_record.run:
@@ -555,6 +648,15 @@ class Registry:
             started_at=now,
             turn=self.turn,
             limits=limits or None,
+            priority=priority,
+            retries=retries,
+            backoff=backoff,
+            backoff_max=backoff_max,
+            retry_on=list(retry_on or ()),
+            ready_pattern=ready,
+            after=list(after[0]),
+            after_ok=list(after[1]),
+            after_ready=list(after[2]),
         )
         if self.fence is not None:
             record.fence = self.fence.epoch
@@ -567,6 +669,88 @@ class Registry:
         if parent is not None:
             self._children[parent].append(worker_id)
         return record
+
+    # -- the queue -----------------------------------------------------------
+
+    def admit(self, record: WorkerRecord) -> bool:
+        """Whether a worker just registered may start now under the caps; else it waits in
+        the queue, its seq there kept in its record (`queued`). One that starts after
+        others waits held back until `unblock`."""
+        record.queued = self.schedule.admit(
+            record.id, record.run, record.agent, record.priority, record.waits_for_others
+        )
+        return record.queued is None
+
+    def blocked(self) -> list[WorkerRecord]:
+        """The queued workers held back until others have ended or are ready."""
+        return [self._workers[w] for w in self.schedule.blocked()]
+
+    def unblock(self, worker_id: str) -> None:
+        """What it waited for has come: it takes its place in the queue."""
+        self.schedule.unblock(worker_id)
+
+    def retry(self, record: WorkerRecord, now: float) -> float | None:
+        """A worker just ended (`ended`): if it ended `failed` (or `timed_out`, asked so)
+        on its own with attempts left, it is given its next attempt instead: the same id,
+        back in the queue until its backoff has passed (`retry_at`), not ended; answers
+        that backoff. None: its ending stands."""
+        retried = record.state == "failed" and record.stop_reason is None
+        retried |= record.state == "timed_out" and "timeout" in record.retry_on
+        if not retried or record.attempt > record.retries or self.run_stopped(record.run):
+            return None
+        most = MAX_BACKOFF if record.backoff_max is None else record.backoff_max
+        delay = min(record.backoff * (1 << min(record.attempt - 1, 64)), most)
+        record.next_attempt()
+        record.retry_at = now + delay
+        record.queued = self.schedule.retry(
+            record.id, record.run, record.agent, record.priority, record.retry_at
+        )
+        return delay
+
+    def dequeue(self, now: float, most: int | None = None) -> list[WorkerRecord]:
+        """The queued workers that may start now (at most `most`), in order, each out of
+        the queue and counted as running (its start time now); a stopped one is left to
+        its ending."""
+        starting: list[WorkerRecord] = []
+        skipped = True
+        while skipped:  # a stopped one's slot goes to the next in line
+            skipped = False
+            left = None if most is None else most - len(starting)
+            for worker_id in self.schedule.to_start(left, now):
+                record = self._workers.get(worker_id)
+                if record is None or record.ended or record.stop_reason is not None:
+                    self.schedule.ended(worker_id)
+                    skipped = True
+                    continue
+                record.queued = record.retry_at = None
+                record.started_at = now
+                starting.append(record)
+        return starting
+
+    def queued_among(self, ids: Iterable[str]) -> list[WorkerRecord]:
+        """Those of `ids` that wait in the queue (not started, not ended)."""
+        found = (self._workers.get(worker_id) for worker_id in ids)
+        return [r for r in found if r is not None and r.queued is not None and not r.ended]
+
+    def _restore_schedule(self) -> None:
+        """The schedule again from the records held: what runs, and the queue in order."""
+        live = [r for r in self._workers.values() if not r.ended]
+        self.schedule.restore(
+            ((r.id, r.run, r.agent) for r in live if r.queued is None),
+            (
+                Queued(
+                    r.id,
+                    r.run,
+                    r.agent,
+                    r.priority,
+                    r.queued,
+                    r.retry_at or 0.0,
+                    blocked=r.waits_for_others and r.attempt == 1,
+                )
+                for r in live
+                if r.queued is not None
+            ),
+        )
 
     def worker_for_token(self, token: str) -> str | None:
         return self._by_token.get(token)
@@ -617,6 +801,7 @@ class Registry:
             record.state = "failed"
         record.exit_code = exit_code
         record.ended_at = now
+        self.schedule.ended(worker_id)
         heapq.heappush(self._endings, (now, worker_id))
         if len(self._endings) > 2 * len(self._workers) + 1024:
             # Collected handles leave stale entries that surface only at their
@@ -790,6 +975,7 @@ class Registry:
                 heapq.heappush(self._endings, (record.ended_at, record.id))
         self._tombstones = {t.id: t for t in tombstones}
         self.turn, self.fence, self.fence_epochs = turn, fence, fence_epochs
+        self._restore_schedule()
 
     def _describe_run(self, run_id: str, *, implicit: bool) -> None:
         if run_id not in self._runs:
@@ -845,18 +1031,13 @@ class Registry:
                 "nothing ran; resume it again to carry it on"
             )
         self._resuming.pop(record.id, None)
-        record.attempt += 1
-        record.state = "starting"
-        record.stop_reason = None
-        record.exit_code = None
-        record.reason = ""
-        record.pid = record.pid_start = record.pipes = None
+        record.next_attempt()
         record.started_at = now
-        record.ended_at = None
-        record.paused_since, record.paused_for = None, 0.0  # a new attempt runs
         record.collected = record.expired = False
         record.timeout = timeout
         record.turn = self.turn
+        record.queued = None
+        self.schedule.running(record.id, record.run, record.agent)  # a resume is not queued
         return record
 
     def reopen_run(self, run_id: str) -> list[str]:

@@ -82,7 +82,8 @@ async def recover(
         if rebuilt is not None:
             records.append(rebuilt)
         await _took(progress)
-    running = [r for r in records if not r.ended and r.id not in carried]
+    # A queued worker never started: it stays queued, in its place (`workers/_queue.py`).
+    running = [r for r in records if not r.ended and r.queued is None and r.id not in carried]
     if progress is not None:
         progress.begin("ending what was running", len(running), trio.current_time())
         # A test's hold: see protocol/README.md, Recovery.
@@ -111,6 +112,8 @@ async def recover(
         record.archive = _archive_at(daemon, record.id)
     for stone in daemon.registry.tombstones().values():
         stone.archive = _archive_at(daemon, stone.id)
+    daemon.spawner.queue.restore()
+    daemon.spawner.readiness.restore()
     log.info("recovery.done", retained=len(records), interrupted=interrupted)
     return interrupted
 

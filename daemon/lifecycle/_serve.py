@@ -158,6 +158,7 @@ async def serve(
             ),
             faults=read_faults(os.environ.get(FAULT_ENV, "")),
             store=store,
+            max_running=settings.max_running,
         )
     except BaseException as exc:  # the store cannot be opened (a newer schema, no disk)
         if isinstance(exc, WaitStopped) and handoff is not None:

@@ -836,6 +836,14 @@ class Server:
                 return page
             case Collect(worker=worker, wait=wait):
                 return ResultReply(id=rid, result=await daemon.reader.collect(worker, wait=wait))
+            case Wait(worker=worker, ready=True):
+                if getattr(daemon.reader.lookup(worker), "ready_pattern", None) is None:
+                    raise Invalid(
+                        f"ready: worker {worker} was spawned without a ready pattern; "
+                        "wait for it without ready"
+                    )
+                await daemon.spawner.readiness.wait_ready(worker)
+                return WorkerReply(id=rid, worker=daemon.reader.lookup(worker).view())
             case Wait(worker=worker):
                 return WorkerReply(id=rid, worker=await daemon.reader.wait(worker))
             case Grep(worker=worker, pattern=pattern, before=before, after=after, limit=limit):
@@ -882,9 +890,9 @@ class Server:
                     task[0].cancel()
                     await task[1].wait()
                 return Done(id=rid)
-            case NewRun(outer=outer, limits=limits):
+            case NewRun(outer=outer, limits=limits, max_running=max_running):
                 daemon.launcher.controllers.refuse_unenforced(limits, "the new run")
-                return RunReply(id=rid, run=daemon.runs.new_run(outer, limits or None))
+                return RunReply(id=rid, run=daemon.runs.new_run(outer, limits or None, max_running))
             case StopRun(run=run, wait=wait):
                 reply = _stopped(rid, daemon.stops.stop_run(run))
                 if wait:

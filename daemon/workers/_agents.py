@@ -19,11 +19,15 @@ from subagentd.protocol import (
     MAX_ARG_BYTES,
     MAX_EXEC_BYTES,
     Argv,
+    Backoff,
     Env,
     Grace,
     LimitError,
     Limits,
+    MaxRunning,
     Name,
+    Retries,
+    RetryOn,
     Timeout,
     parse_limits,
 )
@@ -47,6 +51,13 @@ class AgentDef(msgspec.Struct, forbid_unknown_fields=True):
     memory: int | str | None = None
     cpus: float | str | None = None
     pids: int | str | None = None
+    #: How many workers of this agent may run at once, across runs (more wait, queued).
+    max_running: MaxRunning | None = None
+    #: Its retry policy (`Spawn.retries`...), unless a spawn gives retries of its own.
+    retries: Retries = 0
+    backoff: Backoff = 1.0
+    backoff_max: Backoff | None = None
+    retry_on: RetryOn = []
 
     def limits(self) -> Limits | None:
         """Its limits (LimitError naming the key, for one that cannot be taken)."""

@@ -139,6 +139,17 @@ class Endings:
             self._problems.disk_failed(f"journal of {record.id}", exc)
         except JournalCorrupt as exc:  # its file replaced while closed: the ending goes on
             log.error("worker.journal_refused", worker=record.id, error=str(exc))
+        ended_as = record.state
+        if (delay := self._registry.retry(record, now)) is not None:
+            # Not an ending: its next attempt waits out the backoff (its journal goes on).
+            self._note(
+                record,
+                journal,
+                f"attempt {record.attempt - 1} ended {ended_as} (exit_code={returncode}): "
+                f"attempt {record.attempt} of {record.retries + 1} in {delay:g} s",
+                now,
+            )
+            return None
         journal.close()
         # Its tail serves the collect that follows.
         self._reader.keep_journal_open(record.id, journal)
@@ -151,6 +162,13 @@ class Endings:
         ):
             return stdout_tail[-STDOUT_TAIL_BYTES:]
         return None
+
+    def _note(self, record: WorkerRecord, journal: Journal, note: str, now: float) -> None:
+        try:
+            if journal.writable:
+                journal.append("note", note.encode(), now)
+        except (OSError, JournalCorrupt) as exc:
+            log.error("worker.not_noted", worker=record.id, error=str(exc))
 
     def _note_limits(
         self, record: WorkerRecord, journal: Journal, hit: LimitsHit, now: float
@@ -213,6 +231,8 @@ class Endings:
     ) -> tuple[Change, Wake | None]:
         """The change that writes an ended worker down, and the wake it posts (None: one
         was posted before a fault, and is restated as it stands now)."""
+        if not record.ended:  # given another attempt (`Registry.retry`): no wake yet
+            return Change(workers=[record]), None
         archive = self._reader.archive_of(record.id)
 
         def tail() -> bytes:

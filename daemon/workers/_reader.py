@@ -153,14 +153,21 @@ class Reader:
         return Archive(path)
 
     async def wait(self, worker_id: str) -> WorkerView:
-        self.lookup(worker_id)
-        await self._supervisor.wait_ended([worker_id])
+        await self._wait_last_attempt(worker_id)
         return self.lookup(worker_id).view()
+
+    async def _wait_last_attempt(self, worker_id: str) -> None:
+        """Until the worker has ended for good: an attempt that failed with retries left
+        is followed by the next (`Registry.retry`), the same id, waited for in turn."""
+        while self.lookup(worker_id).state not in TERMINAL_STATES:
+            if self._supervisor.get(worker_id) is None:
+                return  # not live, not ended: an ended image's record (recovery's to end)
+            await self._supervisor.wait_ended([worker_id])
 
     async def collect(self, worker_id: str, *, wait: bool) -> WorkerResult:
         found = self.lookup(worker_id)
         if wait:
-            await self._supervisor.wait_ended([worker_id])
+            await self._wait_last_attempt(worker_id)
             found = self.lookup(worker_id)
         elif found.state not in TERMINAL_STATES:
             raise Busy(f"worker {worker_id} is still {found.state}: {op(Collect)} it with wait")
@@ -328,7 +335,9 @@ class Reader:
         while len(self._checkpoints) > OPEN_JOURNALS:
             self._checkpoints.popitem(last=False)
 
-    async def wait_for(self, worker_id: str, pattern: str, seconds: float) -> WaitForResult:
+    async def wait_for(
+        self, worker_id: str, pattern: str, seconds: float, *, since: int = 0
+    ) -> WaitForResult:
         """Once a line of the worker's output matches (what it wrote so far first, then what
         it writes), once it ends, or after `seconds`: whichever comes first. A line
         counts once it ends (or the output does); the scan's work is bounded by the time."""
@@ -336,12 +345,14 @@ class Reader:
         self.lookup(worker_id)
         outcome: WaitOutcome = "timed_out"
         with trio.move_on_after(seconds):
-            outcome = await self._wait_for_line(worker_id, scanner)
+            outcome = await self._wait_for_line(worker_id, scanner, since)
         line = scanner.matches[0].line if outcome == "matched" else None
         return WaitForResult(outcome=outcome, line=line, worker=self.lookup(worker_id).view())
 
-    async def _wait_for_line(self, worker_id: str, scanner: LineScanner) -> WaitOutcome:
-        cursor = 0
+    async def _wait_for_line(
+        self, worker_id: str, scanner: LineScanner, since: int = 0
+    ) -> WaitOutcome:
+        cursor = since
         while True:
             live = self._supervisor.get(worker_id)
             grown = live.grown if live is not None else None

@@ -38,8 +38,10 @@ class Runs:
         self.saved: set[str] = set()
         self._run_stopped: dict[str, trio.Event] = {}
 
-    def new_run(self, outer: str | None, limits: Limits | None = None) -> str:
-        run = self._registry.new_run(self._clock(), outer, limits)
+    def new_run(
+        self, outer: str | None, limits: Limits | None = None, max_running: int | None = None
+    ) -> str:
+        run = self._registry.new_run(self._clock(), outer, limits, max_running)
         # The outer run is no longer implicit: a restart must keep it too.
         self.save_runs([run.id] if outer is None else [run.id, outer])
         return run.id

@@ -13,6 +13,7 @@ import os
 import signal
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import trio
 
@@ -33,10 +34,13 @@ from ..store._journal import Journal
 from ..store._statedir import StateDir
 from ..store._store import Change, Store
 from ._agents import AgentDef, ConfigError, frozen_agent, load_agents
-from ._command import Launch, inherited_env, own_bin_dir, resolve
+from ._command import Launch, inherited_env, own_bin_dir, resolve, worker_environment
 from ._endings import Endings
 from ._git import git_state
+from ._grep import compile_pattern
+from ._queue import Held, Queue
 from ._reader import Reader
+from ._readiness import Readiness
 from ._supervisor import LiveWorker, Supervisor
 
 log = get_logger()
@@ -104,7 +108,31 @@ class Spawner:
         self.inherited_env = inherited_env(os.environ)
         #: The daemon's own bin directory, put last on every worker's PATH (`subagentctl`).
         self.tools = own_bin_dir()
+        #: Workers spawned over a cap, waiting their turn (the registry's schedule decides).
+        self.queue = Queue(
+            registry,
+            store,
+            reader,
+            supervisor,
+            problems,
+            clock=clock,
+            launch=lambda live, held: self.launch(
+                live, held.argv, held.cwd, held.env, held.stdin, stdin_open=held.stdin_open
+            ),
+            end_unstarted=self.end_unstarted,
+            environment=lambda env: worker_environment(self.inherited_env, env, self.tools),
+            may_launch=lambda: not self.reloading and not self.shutting_down,
+        )
+        registry.schedule.agent_cap = self._agent_cap
+        #: Workers spawned with a ready pattern, searched until it matches.
+        self.readiness = Readiness(registry, store, reader, supervisor, problems, clock=clock)
+        self.readiness.on_ready = self.queue.slot_freed  # whoever starts after it may go
         self.load_config()
+
+    def _agent_cap(self, agent: str) -> int | None:
+        """An agent's cap on its workers running at once (agents.toml's `max_running`)."""
+        found = self.agents.get(agent)
+        return None if found is None else found.max_running
 
     def load_config(self) -> None:
         try:
@@ -134,6 +162,13 @@ class Spawner:
             raise Refused("the daemon is shutting down: it starts no new workers")
         if self.reloading:
             raise Reloading("the daemon is reloading; spawn again", retry_after=RELOAD_RETRY)
+        if request.ready is not None:
+            try:
+                compile_pattern(request.ready)
+            except Invalid as exc:  # "pattern: ...": said of this field
+                raise Invalid(f"ready: {exc.message.removeprefix('pattern: ')}") from None
+        for named in (*request.after, *request.after_ok, *request.after_ready):
+            self._reader.lookup(named)  # not_found for a worker never seen
         launch = resolve(
             request,
             agents=self.agents,
@@ -237,7 +272,13 @@ class Spawner:
             grace=launch.grace,
             timeout=launch.timeout,
             limits=limits,
+            priority=request.priority,
+            **_retry_policy(request, launch.agent),
+            ready=request.ready,
+            after=(request.after, request.after_ok, request.after_ready),
         )
+        if record.stop_reason is None:
+            self._registry.admit(record)  # over a cap, it waits: queued in its first write
         try:
             # In the store before its archive or process exists, so a crash at any point
             # after leaves a record for recovery to find. A run's row changes only when
@@ -301,6 +342,9 @@ class Spawner:
                 f"{exc.strerror or exc}; free some space and spawn again"
             ) from exc
         live = LiveWorker(record=record, journal=journal)
+        if record.queued is not None:
+            held = Held(argv, cwd, launch.worker_env, stdin, request.stdin_open)
+            return self.queue.hold(live, held)
         self._supervisor.add(live)
         if record.stop_reason is not None:
             self.end_unstarted(live, f"stopped at birth: launch fence {record.fence} was cancelled")
@@ -335,6 +379,7 @@ class Spawner:
         if record.attempt > 1:
             worker_env["SUBAGENTD_RESUME"] = str(record.attempt)
         plan = self._limit_plan(record)
+        record.ready_since = live.journal.last_seq  # its ready line is this attempt's
         try:
             process = await self._launcher.start(
                 record.id,
@@ -356,6 +401,7 @@ class Spawner:
         self._supervisor.supervise(
             live, process, after_start=lambda: self._write_start(live, process.pid, argv)
         )
+        self.readiness.watch(record)
         return record.view()
 
     def _limit_plan(self, record: WorkerRecord) -> LimitPlan | None:
@@ -438,6 +484,20 @@ class Spawner:
             "daemon's descriptor limit (ulimit -n, LimitNOFILE=), then spawn again",
             retry_after=DESCRIPTORS_RETRY,
         )
+
+
+def _retry_policy(request: Spawn, agent: AgentDef | None) -> dict[str, Any]:
+    """A spawn's retries, backoff and what else is retried: its own if it gives retries,
+    else its agent's (agents.toml), else none."""
+    source: Spawn | AgentDef = request
+    if not request.retries and agent is not None and agent.retries:
+        source = agent
+    return {
+        "retries": source.retries,
+        "backoff": source.backoff,
+        "backoff_max": source.backoff_max,
+        "retry_on": list(source.retry_on),
+    }
 
 
 def _pipe_inodes(process: WorkerProcess) -> tuple[int, int, int]:

@@ -201,6 +201,10 @@ class Supervisor:
         self._disk_trouble = disk_trouble
         self._disk_ok = disk_ok
         self._live: dict[str, LiveWorker] = {}
+        #: Queued workers (`_queue.py`): not live, no process; held here to be waited for.
+        self._queued: dict[str, LiveWorker] = {}
+        #: Told the ids of every stop asked: the queue ends those of them it holds.
+        self.queued_stopped: Callable[[list[str]], None] = lambda ids: None
         self._nursery: trio.Nursery | None = None
         self._background: trio.Nursery | None = None  # the reaper
         #: Tasks holding what an exec would lose (see `wait_nothing_in_hand`).
@@ -216,7 +220,8 @@ class Supervisor:
     # -- what is live ----------------------------------------------------------
 
     def get(self, worker_id: str) -> LiveWorker | None:
-        return self._live.get(worker_id)
+        """A worker not yet ended: live, or queued (no process, as one starting)."""
+        return self._live.get(worker_id) or self._queued.get(worker_id)
 
     def __contains__(self, worker_id: object) -> bool:
         return worker_id in self._live
@@ -253,6 +258,22 @@ class Supervisor:
     def end_unstarted(self, live: LiveWorker) -> None:
         """A worker whose process never started (or never will): no longer live."""
         self._live.pop(live.record.id, None)
+        self._queued.pop(live.record.id, None)
+
+    def hold_queued(self, live: LiveWorker) -> None:
+        """A queued worker: waited for (`wait_ended`) but not live, until `take_queued`."""
+        self._queued[live.record.id] = live
+
+    def take_queued(self, worker_id: str) -> LiveWorker | None:
+        return self._queued.pop(worker_id, None)
+
+    def queued(self) -> list[LiveWorker]:
+        """The queued workers held (their journals open), in the order they came."""
+        return list(self._queued.values())
+
+    async def wait_serving(self) -> None:
+        """Return once the image serves (supervision hosted: a launch may be supervised)."""
+        await self._serving.wait()
 
     def serving(self) -> None:
         """The image serves (READY=1 sent): supervision of the adopted workers begins."""
@@ -762,6 +783,8 @@ class Supervisor:
             if live.watch is not None:  # else its supervision, when it starts, stops it
                 self._begin_stop(live)
                 live.watch.start_soon(self._stop, live)
+        if self._queued:
+            self.queued_stopped(ids)
 
     @staticmethod
     async def _let_go_once_ended(asked: list[LiveWorker], collections: int) -> None:
@@ -792,7 +815,7 @@ class Supervisor:
 
     async def wait_ended(self, ids: list[str]) -> None:
         for worker_id in ids:
-            live = self._live.get(worker_id)
+            live = self.get(worker_id)
             # Not a checkpoint for each ended already: a stop_run's wait for its 10,000
             # wakes once for each worker still live when it comes back, not for all.
             if live is not None and not live.ended.is_set():
