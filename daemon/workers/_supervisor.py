@@ -800,6 +800,9 @@ class Supervisor:
                         await live.ended.wait()
                 ended = True
         finally:
+            # Counted before collection may come back: the log line's own making could
+            # bring one, which would be no stop's.
+            made = _collections() - collections
             UNSEEN.let_go(pause=True)
         states: dict[str, int] = {}
         for live in asked:
@@ -810,7 +813,7 @@ class Supervisor:
             "stop.many_ended" if ended else "stop.many_still_ending",
             workers=len(asked),
             states=states,
-            collections=_collections() - collections,
+            collections=made,
         )
 
     async def wait_ended(self, ids: list[str]) -> None:
