@@ -4,6 +4,7 @@ once `queued`, starts in its turn, and a stop ends it without ever starting it."
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -233,6 +234,30 @@ async def test_a_kill_9_keeps_the_queue_in_order_and_starts_none_twice(
     assert states == ["interrupted"] * 2 + ["finished"] * 8
     assert sorted(started(log)) == sorted(ids)  # each started once
     assert order == ids[2:]  # the queued in their order
+
+
+async def test_a_queued_worker_whose_journal_cannot_be_opened_at_restore_wakes_once(
+    daemon: DaemonProcess,
+) -> None:
+    """Its journal made a FIFO while the daemon was down (kill -9): it ends unstarted at
+    the restart, said in the log, with the one wake every ending posts."""
+    with trio.fail_after(60):
+        async with AsyncClient(daemon.socket) as client:
+            run = await client.new_run(max_running=1)
+            holder = await client.spawn(["sleep", "30"], run=run)
+            queued = await client.spawn(["true"], run=run)
+            assert queued.queued
+        daemon.kill()
+        journal = daemon.state_dir / "archives" / queued.id / "journal"
+        journal.unlink()
+        os.mkfifo(journal)
+        await trio.to_thread.run_sync(daemon.start)
+        async with AsyncClient(daemon.socket) as client:
+            view = await client.status(queued.id)
+            assert (view.queue_position, view.pid, view.reason) == (None, None, "never_started")
+            wakes = await wakes_for(client, daemon, run, [holder.id, queued.id])
+    assert sorted(wakes) == sorted([holder.id, queued.id])  # one each, none lost
+    assert "worker.queued_journal" in daemon.log()
 
 
 async def _queued_behind(client: AsyncClient, run: str, count: int) -> list[WorkerView]:

@@ -204,6 +204,12 @@ class Endings:
             os.kill(os.getpid(), signal.SIGKILL)  # a crash mid-transaction, for the tests
         self._faults.raise_at("record", record.name)
 
+    def without_journal(self, record: WorkerRecord) -> None:
+        """Write down the ending of a worker ended (`Registry.ended`) whose journal could not
+        be opened: its state and its one wake, nothing journaled."""
+        self.record(record)
+        self._ended()
+
     def record(
         self,
         record: WorkerRecord,

@@ -67,6 +67,7 @@ class Queue:
         clock: Callable[[], float],
         launch: Callable[[LiveWorker, Held], Awaitable[WorkerView]],
         end_unstarted: Callable[[LiveWorker, str], None],
+        end_unopened: Callable[[WorkerRecord], None],
         environment: Callable[[dict[str, str]], dict[str, str]],
         may_launch: Callable[[], bool],
     ) -> None:
@@ -81,6 +82,7 @@ class Queue:
         self._clock = clock
         self._launch = launch
         self._end_unstarted = end_unstarted
+        self._end_unopened = end_unopened
         self._environment = environment
         self._may_launch = may_launch
         #: What each queued worker of this image's spawns starts with; one queued before
@@ -238,12 +240,10 @@ class Queue:
             journal = Journal.open(self._journal_path(record.id), writable=True)
         except Exception as exc:  # a damaged archive: it ends, said, and nothing starts
             log.error("worker.queued_journal", worker=record.id, error=str(exc))
+            self._held.pop(record.id, None)
             self._registry.ended(record.id, None, self._clock())
             record.reason = NEVER_STARTED
-            try:
-                self._store.commit(Change(workers=[record]), "a queued worker's ending")
-            except OSError as disk:
-                self._problems.disk_failed("store (a queued worker)", disk)
+            self._end_unopened(record)  # its one wake, as every ending's
             return None
         return LiveWorker(record=record, journal=journal)
 

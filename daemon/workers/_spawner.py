@@ -120,6 +120,7 @@ class Spawner:
                 live, held.argv, held.cwd, held.env, held.stdin, stdin_open=held.stdin_open
             ),
             end_unstarted=self.end_unstarted,
+            end_unopened=self._endings.without_journal,
             environment=lambda env: worker_environment(self.inherited_env, env, self.tools),
             may_launch=lambda: not self.reloading and not self.shutting_down,
         )
