@@ -237,6 +237,10 @@ def test_json_carries_every_field_the_text_shows(daemon: DaemonProcess, tmp_path
             assert key in document
         elif key in ("cpu", "memory", "processes", "usage_from"):
             continue  # above
+        elif key == "ready":  # said for a person: yes, else nothing
+            assert value == ("yes" if document["ready"] else "-")
+        elif key == "retries":  # none asked: nothing
+            assert value == str(document["retries"] or "-")
         else:
             assert str(document[key] if document[key] is not None else "-") == value, key
     assert (document["argv"], document["cwd"], document["agent"]) == (
