@@ -186,6 +186,13 @@ class SpawnedOut(WorkerOut):
     ready: ReadyOut | None = Field(default=None, description="with `ready`: what the wait saw")
 
 
+class RunOut(Shape):
+    run: str = Field(description="the run's id, to pass as subagent_spawn's `run`")
+    max_running: int | None = Field(
+        description="how many of its workers may run at once; null: no cap"
+    )
+
+
 class SentOut(Shape):
     worker: str
     written: int = Field(description="bytes written to the worker's stdin")
