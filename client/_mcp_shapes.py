@@ -92,7 +92,8 @@ class WorkerOut(Shape):
         default="",
         description='why it ended as it did beyond its state: "memory_limit" (failed, the '
         'kernel having killed it at a memory limit), "never_started" (stopped while it was '
-        "queued); empty otherwise",
+        'queued), "skipped" (stopped unstarted: a worker it was to start after did not end, '
+        "finish or get ready as asked); empty otherwise",
     )
     queued: bool = Field(
         default=False,
@@ -234,10 +235,17 @@ class WakeOut(Shape):
     state: WorkerState
     exit_code: int | None
     preview: str
+    attempt: int = Field(
+        default=1,
+        description="the attempt that ended it for good (a retried or resumed worker's is "
+        "past 1): a worker is woken for once, by its last attempt",
+    )
     reason: str = Field(
         default="",
         description='why it ended as it did beyond its state: "memory_limit" (failed, the '
-        "kernel having killed it at a memory limit); empty otherwise",
+        'kernel having killed it at a memory limit), "never_started" (stopped while it '
+        'was queued), "skipped" (stopped unstarted: a worker it was to start after did not '
+        "end, finish or get ready as asked); empty otherwise",
     )
 
 
