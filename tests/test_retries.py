@@ -4,7 +4,6 @@ a stop ends the retries; a timeout is retried only when asked."""
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import math
@@ -22,6 +21,7 @@ from subagentd.protocol.errors import Invalid
 from .conftest import DaemonProcess
 from .helpers import pending_wakes as _wakes
 from .helpers import sh
+from .helpers import until_note as _until_note
 from .inprocess import at, held, in_process
 
 #: Fails on its first two attempts, then finishes (SUBAGENTD_RESUME is the attempt).
@@ -35,15 +35,6 @@ FLAKY = (
 async def client(daemon: DaemonProcess) -> AsyncIterator[AsyncClient]:
     async with AsyncClient(daemon.socket) as client:
         yield client
-
-
-async def _until_note(client: AsyncClient, worker_id: str, text: str) -> None:
-    """Follow the worker's journal until a note holding `text` (its retry's, say)."""
-    async with contextlib.aclosing(client.watch(worker_id, follow=True)) as entries:
-        async for entry in entries:
-            if entry.kind == "note" and text in entry.data.decode():
-                return
-    raise AssertionError(f"no note {text!r}")
 
 
 async def _notes(client: AsyncClient, worker_id: str) -> list[str]:
