@@ -116,7 +116,7 @@ WORKER_FIELDS = (
     "queued",
     "queue_position",
 )
-WAKE_FIELDS = ("id", "run", "parent", "state", "exit_code", "preview")
+WAKE_FIELDS = ("id", "run", "parent", "state", "exit_code", "preview", "attempt", "reason")
 RELOAD_FIELDS = ("image_generation", "carried_live", "stopped_by_reload")
 #: What `info` says of each way of deciding whom a connection acts as.
 AUTHORITY_MEANS = {
@@ -310,6 +310,8 @@ class Human:
     def wake(self, wake: Wake) -> None:
         state = f"{wake.state} ({wake.reason})" if wake.reason else wake.state
         words = [wake.id, state, f"exit={_or_dash(wake.exit_code)}"]
+        if wake.attempt > 1:
+            words.append(f"attempt={wake.attempt}")
         if preview := _one_line(wake.preview):
             words.append(preview)
         print(" ".join(words), flush=True)  # flushed before it is acknowledged
@@ -491,12 +493,15 @@ def _said(exc: BaseException) -> None:
 
 def _state(view: WorkerView) -> str:
     """Its state as a person reads it: `stopping` while a stop is in flight, `paused`
-    while paused, `queued #N` while it waits its turn (N its place in the queue), and why
+    while paused, `retrying (attempt N)` while it waits out a retry's backoff, `queued #N`
+    while it waits its turn (N its place in the queue), and why
     it ended beyond its state ("failed (memory_limit)")."""
     if view.stopping:
         return "stopping"
     if view.paused:
         return "paused"
+    if view.retry_at is not None:
+        return f"retrying (attempt {view.attempt})"
     if view.queued:
         return "queued" if view.queue_position is None else f"queued #{view.queue_position}"
     if view.ready and view.state not in TERMINAL_STATES:

@@ -39,6 +39,7 @@ from subagentd.protocol import (
     MAX_PIDS,
     MAX_PRIORITY,
     MAX_RETRIES,
+    MAX_RUNNING,
     MAX_SEND_BYTES,
     MAX_TIMEOUT,
     MIN_CPUS,
@@ -263,7 +264,8 @@ class SpawnArguments(Arguments):
         str | None,
         Field(
             max_length=MAX_ID_LENGTH,
-            description="an existing run to start it in (default: a new run)",
+            description="an existing run to start it in, e.g. one subagent_new_run made with "
+            "a cap on its workers running at once (default: a new run, with no cap)",
         ),
     ] = None
     stdin_open: Annotated[
@@ -368,6 +370,50 @@ class SpawnArguments(Arguments):
 
     def waits(self) -> float | None:
         return None if self.ready is None else self.ready_timeout
+
+
+class NewRunArguments(Arguments):
+    max_running: Annotated[
+        int | None,
+        Field(
+            ge=1,
+            le=MAX_RUNNING,
+            description="run at most this many of its workers at once: a spawn into it over "
+            "the cap is answered at once, queued (its `queue_position` says where), and "
+            "starts as one of them ends, first in first out (or by the spawn's `priority`); "
+            "a stop of the run ends the queued ones unstarted (absent: no cap)",
+        ),
+    ] = None
+    outer: Annotated[
+        str | None,
+        Field(
+            min_length=1,
+            max_length=MAX_ID_LENGTH,
+            description="nest it under this run: stopping that run stops this one too, and "
+            "its limits bound this one's",
+        ),
+    ] = None
+    memory: Annotated[
+        int | str | None,
+        _limit(memory_bytes),
+        Field(
+            description='what the run\'s workers may hold in memory together: bytes, or "512M", '
+            '"1.5G", "2GiB" (1M to 1P)'
+        ),
+    ] = None
+    cpus: Annotated[
+        float | int | str | None,
+        _limit(cores),
+        Field(
+            description=f"the cores of CPU the run's workers may use together ({MIN_CPUS} to "
+            f"{MAX_CPUS:g}, e.g. 1.5)"
+        ),
+    ] = None
+    pids: Annotated[
+        int | str | None,
+        _limit(process_count),
+        Field(description=f"the processes the run's workers may have at once (1 to {MAX_PIDS})"),
+    ] = None
 
 
 class ListArguments(Arguments):

@@ -92,7 +92,8 @@ class WorkerOut(Shape):
         default="",
         description='why it ended as it did beyond its state: "memory_limit" (failed, the '
         'kernel having killed it at a memory limit), "never_started" (stopped while it was '
-        "queued); empty otherwise",
+        'queued), "skipped" (stopped unstarted: a worker it was to start after did not end, '
+        "finish or get ready as asked); empty otherwise",
     )
     queued: bool = Field(
         default=False,
@@ -186,6 +187,13 @@ class SpawnedOut(WorkerOut):
     ready: ReadyOut | None = Field(default=None, description="with `ready`: what the wait saw")
 
 
+class RunOut(Shape):
+    run: str = Field(description="the run's id, to pass as subagent_spawn's `run`")
+    max_running: int | None = Field(
+        description="how many of its workers may run at once; null: no cap"
+    )
+
+
 class SentOut(Shape):
     worker: str
     written: int = Field(description="bytes written to the worker's stdin")
@@ -227,10 +235,17 @@ class WakeOut(Shape):
     state: WorkerState
     exit_code: int | None
     preview: str
+    attempt: int = Field(
+        default=1,
+        description="the attempt that ended it for good (a retried or resumed worker's is "
+        "past 1): a worker is woken for once, by its last attempt",
+    )
     reason: str = Field(
         default="",
         description='why it ended as it did beyond its state: "memory_limit" (failed, the '
-        "kernel having killed it at a memory limit); empty otherwise",
+        'kernel having killed it at a memory limit), "never_started" (stopped while it '
+        'was queued), "skipped" (stopped unstarted: a worker it was to start after did not '
+        "end, finish or get ready as asked); empty otherwise",
     )
 
 

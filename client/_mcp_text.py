@@ -94,7 +94,8 @@ def wake_line(wake: Wake) -> str:
     # As `subagentctl events` prints it: the preview on the wake's one line.
     preview = printable(wake.preview, SHOWN_NAME)
     state = f"{wake.state} ({wake.reason})" if wake.reason else wake.state
-    return f"{wake.id} {state} exit={wake.exit_code} {preview}".rstrip()
+    attempt = f" attempt={wake.attempt}" if wake.attempt > 1 else ""
+    return f"{wake.id} {state} exit={wake.exit_code}{attempt} {preview}".rstrip()
 
 
 def ids(found: Iterable[str]) -> str:

@@ -18,6 +18,7 @@ from subagentd.protocol import (
     Grep,
     LatestResumable,
     ListWorkers,
+    NewRun,
     Pause,
     Request,
     Resume,
@@ -42,6 +43,7 @@ from ._mcp_workers import (
     subagent_cancel,
     subagent_latest_resumable,
     subagent_list,
+    subagent_new_run,
     subagent_pause,
     subagent_restart,
     subagent_resume,
@@ -106,6 +108,7 @@ def _tool(
 
 
 TOOLS: tuple[Tool, ...] = (
+    _tool(subagent_new_run, shapes.RunOut, CHANGES, NewRun),
     _tool(subagent_spawn, shapes.SpawnedOut, CHANGES, Spawn, WaitFor, Watch, blocks=True),
     _tool(subagent_restart, shapes.RestartedOut, STOPS, Stop, Wait, Resume, blocks=True),
     _tool(subagent_list, shapes.WorkersOut, READ_ONLY, ListWorkers),

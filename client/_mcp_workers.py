@@ -1,5 +1,6 @@
-"""subagentd-mcp's tools that start, see and act on workers: spawn (with a ready line),
-restart, list, status, send, stop, stop a run, cancel, resume, and the latest resumable run.
+"""subagentd-mcp's tools that start, see and act on workers: a new run (with a cap),
+spawn (with a ready line), restart, list, status, send, stop, stop a run, cancel, resume,
+and the latest resumable run.
 """
 
 from __future__ import annotations
@@ -34,6 +35,23 @@ from ._text import printable
 
 #: Lines of output a spawn's `ready` answers when no line matched.
 READY_TAIL_LINES = 20
+
+
+async def subagent_new_run(a: args.NewRunArguments) -> Answer:
+    """Create a run to spawn workers into (subagent_spawn's `run`) and return its id.
+
+    With `max_running` N, at most N of its workers run at once: a spawn over the cap is
+    answered at once, its worker queued (`queued`, with its `queue_position`), and
+    started in its turn as a running one ends (first in first out, a higher `priority`
+    first); hand it 40 workers and it runs them N at a time. `memory`, `cpus` and `pids`
+    bound what its workers may take together. Not offered inside a worker: a run
+    belongs to whoever started the workflow (a worker's agent may carry its own
+    `max_running` in agents.toml)."""
+    limits = parse_limits(a.memory, a.cpus, a.pids)
+    async with connection() as daemon:
+        run = await daemon.new_run(a.outer, limits=limits, max_running=a.max_running)
+    cap = "no cap" if a.max_running is None else f"at most {a.max_running} running at once"
+    return Answer(f"new run {run} ({cap})", {"run": run, "max_running": a.max_running})
 
 
 async def subagent_spawn(a: args.SpawnArguments) -> Answer:

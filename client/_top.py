@@ -209,6 +209,8 @@ def tree(views: Sequence[WorkerView]) -> list[Row]:
 def state_of(view: WorkerView) -> str:
     if view.state in TERMINAL_STATES:
         return f"{view.state} ({view.reason})" if view.reason else view.state
+    if view.retry_at is not None and not view.stopping:
+        return f"retrying (attempt {view.attempt})"
     if view.queued and not view.stopping:
         return "queued" if view.queue_position is None else f"queued #{view.queue_position}"
     if view.ready and not view.stopping and not view.paused:
@@ -552,6 +554,7 @@ _STATE_STYLES = {
     "stopping": "yellow",
     "paused": "cyan",
     "queued": "blue",
+    "retrying": "blue",
     "ready": "green",
     "failed": "red",
     "timed_out": "red",

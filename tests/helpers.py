@@ -72,6 +72,15 @@ async def wait_output(client: AsyncClient, worker_id: str, marker: bytes) -> byt
     return await follow_stdout(client, worker_id, lambda seen: marker in seen)
 
 
+async def until_note(client: AsyncClient, worker_id: str, text: str) -> None:
+    """Follow the worker's journal until a note holding `text` (its retry's, say)."""
+    async with contextlib.aclosing(client.watch(worker_id, follow=True)) as entries:
+        async for entry in entries:
+            if entry.kind == "note" and text in entry.data.decode():
+                return
+    raise AssertionError(f"no note {text!r} in {worker_id}'s journal")
+
+
 async def paged_stdout(client: AsyncClient, worker_id: str, limit: int = 10_000) -> bytes:
     """A finished worker's whole stdout, read back page by page from cursor 0."""
     text, cursor = b"", 0

@@ -23,7 +23,7 @@ from .conftest import BIN, DaemonProcess
 from .helpers import sh
 
 #: The `events --json` shape (a wake as on the wire): exactly these fields today.
-WAKE_FIELDS = {"id", "run", "parent", "state", "exit_code", "preview"}
+WAKE_FIELDS = {"id", "run", "parent", "state", "exit_code", "preview", "attempt", "reason"}
 
 
 @pytest.fixture
@@ -213,6 +213,8 @@ def test_ctl_events_prints_each_wake_once_in_the_design_shape(daemon: DaemonProc
             "state": "finished",
             "exit_code": 0,
             "preview": "all good\n",
+            "attempt": 1,
+            "reason": "",
         },
         spawned[1]: {
             "id": spawned[1],
@@ -221,6 +223,8 @@ def test_ctl_events_prints_each_wake_once_in_the_design_shape(daemon: DaemonProc
             "state": "failed",
             "exit_code": 4,
             "preview": "broken\n",
+            "attempt": 1,
+            "reason": "",
         },
     }
     second = daemon.ctl("--json", "events", "--run", run)

@@ -25,7 +25,14 @@ The promises checked:
 - a run with a cap (`max_running`) never runs more than it: a spawn over it is queued
   (`starting`, `queued`), started first in first out as slots free (a stop, an ending,
   a crash), across reloads and crashes; a stop ends a queued worker unstarted, with one
-  wake; nothing starts after its run was stopped.
+  wake; nothing starts after its run was stopped; no capped run ever has more running;
+- a failing worker with retries (`retries`, no backoff) starts again, the same id, its
+  `attempt` counted, back in its run's queue behind those already waiting; its parent
+  is woken once, by its last attempt (whose `attempt` the wake says); a stop or a crash
+  ends the retries;
+- a worker spawned to start after others (`after`, `after_ok`) waits queued, held back,
+  until they have all ended, then takes its place in the queue; an `after_ok` one whose
+  worker ended other than `finished` ends `stopped`, unstarted, with one wake.
 """
 
 from __future__ import annotations
@@ -49,20 +56,24 @@ from hypothesis import (
 from hypothesis import strategies as st
 from trio.testing import MockClock
 
+from subagentd.client import AsyncClient
 from subagentd.daemon.core._request_keys import DEFAULT_REQUEST_KEY_TTL
 from subagentd.protocol import WorkerView
 from subagentd.protocol.errors import Busy, NotFound, RunStopped
 
-from .helpers import sh
+from .helpers import sh, until_note
 from .inprocess import InProcess, held, in_process, short_root
 
 #: The finished TTL: an expiry step lets the mock clock run past it.
 TTL = 60.0
 #: A worker that ends at once, with this exit code and result.
 QUICK = 'echo out; printf "R$1" > "$SUBAGENTD_RESULT"; exit $2'
-#: A worker that ends once its FIFO is written to (the `End` step); it says `up` on stderr
-#: as it starts (what tells a queued one's start).
-HELD = 'echo up >&2; read x < "$3"; echo out; printf "R$1" > "$SUBAGENTD_RESULT"; exit $2'
+#: A worker that ends once its FIFO is written to (the `End` step); it says `up-A` on
+#: stderr as attempt A starts (what tells a queued one's start, and a retry's).
+HELD = (
+    'echo "up-${SUBAGENTD_RESUME:-1}" >&2; read x < "$3"; echo out; '
+    'printf "R$1" > "$SUBAGENTD_RESULT"; exit $2'
+)
 
 
 # -- the steps -----------------------------------------------------------------
@@ -79,6 +90,9 @@ class Spawn:
     code: int
     parent: int | None  # among the running workers; None: top-level, in a run
     run: int  # among the runs
+    retries: int = 0  # attempts more when it fails (each attempt exits `code`)
+    after: tuple[int, ...] = ()  # among all workers: it starts once they have ended
+    ok: bool = False  # `after_ok` instead: once they all finished, else it is skipped
 
 
 @dataclass(frozen=True)
@@ -138,6 +152,9 @@ def _spawn(held: bool) -> st.SearchStrategy[Spawn]:
         code=st.sampled_from([0, 3]),
         parent=st.none() | st.integers(0, 3),
         run=st.integers(0, 2),
+        retries=st.sampled_from([0, 0, 1, 2]),
+        after=st.sampled_from([()] * 3 + [(0,), (1,)]) | st.tuples(_pick, _pick),
+        ok=st.booleans(),
     )
 
 
@@ -170,8 +187,19 @@ class Worker:
     parent: str | None
     code: int
     fifo: Path | None  # a held worker's
-    #: What the daemon must say; "queued": `starting`, queued (its run at its cap).
+    #: What the daemon must say; "queued": `starting`, queued (its run at its cap, or
+    #: waiting for those it starts after, or for its retry).
     state: str = "running"
+    #: Its place in its run's queue: a spawn's, or a retry's (which goes to the back).
+    order: int = 0
+    retries: int = 0
+    attempt: int = 1
+    #: The workers it starts after, until it takes its place in the queue (or is skipped).
+    after: list[str] = field(default_factory=list)
+    ok: bool = False  # after them all finished (`after_ok`)
+    #: An attempt of it ended on its own, writing its result: a failed attempt retried
+    #: leaves its result file for the next, which a stop or a crash then does not clear.
+    wrote: bool = False
     collected: bool = False
     expired: bool = False  # past its TTL uncollected
     woken: bool = False  # its wake was delivered (and acknowledged)
@@ -187,7 +215,7 @@ class Worker:
     @property
     def result(self) -> str:
         """What a collect answers: the result it wrote, or its stdout (none) if it did not."""
-        return f"R{self.n}" if self.state in ("finished", "failed") else ""
+        return f"R{self.n}" if self.wrote or self.state in ("finished", "failed") else ""
 
     @property
     def key(self) -> tuple[str, str]:
@@ -202,6 +230,11 @@ class Model:
     runs: dict[str, bool] = field(default_factory=dict)  # run: stopped
     caps: dict[str, int | None] = field(default_factory=dict)  # run: its max_running
     spawns: int = 0  # asked for, refused or not
+    places: int = 0  # places taken in a queue: spawns, and retries
+
+    def place(self) -> int:
+        self.places += 1
+        return self.places
 
     def full(self, run: str) -> bool:
         """Whether `run` runs as many workers as its cap lets it."""
@@ -213,14 +246,35 @@ class Model:
         """The queued workers whose turn has come (first in, first out in each run), now
         running."""
         started = []
-        for worker in sorted(self.workers.values(), key=lambda w: w.n):
-            if worker.state == "queued" and not self.full(worker.run):
+        for worker in sorted(self.workers.values(), key=lambda w: w.order):
+            if worker.state == "queued" and not worker.after and not self.full(worker.run):
                 worker.state = "running"
                 started.append(worker)
         return started
 
     def running(self) -> list[Worker]:
         return [w for w in self.workers.values() if not w.ended]
+
+    def unblock(self) -> tuple[list[Worker], list[Worker]]:
+        """The workers waiting for others whose wait is over: those that take their place
+        in the queue (each it starts after has ended), and those skipped, now ended
+        `stopped` (`after_ok`, and one of them ended other than `finished`)."""
+        placed, skipped = [], []
+        for worker in self.workers.values():
+            if worker.state != "queued" or not worker.after:
+                continue
+            named = [self.workers[i] for i in worker.after]
+            if worker.ok and any(w.ended and w.state != "finished" for w in named):
+                self.end(worker, "stopped")
+                skipped.append(worker)
+            elif all(w.ended for w in named):
+                worker.after = []
+                placed.append(worker)
+        return placed, skipped
+
+    def retried(self, worker: Worker) -> bool:
+        """Whether `worker`'s attempt, ending as it does on its own, is retried."""
+        return worker.code != 0 and worker.attempt <= worker.retries
 
     def subtree(self, worker_id: str) -> Iterator[Worker]:
         yield self.workers[worker_id]
@@ -314,6 +368,9 @@ class Player:
             fifo = model.root / f"go-{n}"
             os.mkfifo(fifo)
         argv = [*sh(HELD if step.held else QUICK), "sh", str(n), str(step.code), str(fifo)]
+        everyone = list(model.workers.values())
+        picks = step.after if everyone else ()
+        after = list(dict.fromkeys(everyone[p % len(everyone)].id for p in picks))
         async with self.d.client() as client:
             if parent is None and model.runs[run]:
                 with pytest.raises(RunStopped):
@@ -321,20 +378,48 @@ class Player:
                 return
             asked: dict[str, object] = {"key": f"spawn-{n}"}
             asked |= {"parent": parent.id} if parent is not None else {"run": run}
-            queued = model.full(run)
+            if step.retries:
+                asked |= {"retries": step.retries, "backoff": 0.0}
+            if after:
+                asked |= {"after_ok" if step.ok else "after": after}
+            queued = bool(after) or model.full(run)
             view = await client.spawn(argv, **asked)  # type: ignore[arg-type]
             assert (view.run, view.parent) == (run, parent.id if parent else None)
             assert view.queued == queued, (view, model.caps[run])
-            worker = Worker(n, view.id, run, view.parent, step.code, fifo)
+            worker = Worker(n, view.id, run, view.parent, step.code, fifo, order=model.place())
+            worker.retries, worker.after, worker.ok = step.retries, after, step.ok and bool(after)
             worker.state = "queued" if queued else "running"
-            if queued:
+            if after:
+                _event(
+                    "a spawn waiting for others (after_ok)"
+                    if step.ok
+                    else "a spawn waiting (after)"
+                )
+            elif queued:
                 _event("a spawn queued over its run's cap")
             worker.asked, worker.asked_at = {"argv": argv, **asked}, trio.current_time()
             model.workers[worker.id] = worker
-            self.log.append(f"  -> {worker.id} (R{n}) in {run}, parent {worker.parent}")
+            self.log.append(
+                f"  -> {worker.id} (R{n}) in {run}, parent {worker.parent}, after {after}"
+            )
             if not step.held and not queued:
-                await client.wait(worker.id)
-                model.end(worker, "finished" if step.code == 0 else "failed")
+                await self.attempt_ended(client, worker)
+
+    async def attempt_ended(self, client: AsyncClient, worker: Worker) -> None:
+        """`worker`'s attempt ends on its own (its exit): retried, it is back in its run's
+        queue (once its journal says so); else it has ended, for good."""
+        if self.model.retried(worker):
+            await until_note(client, worker.id, f"attempt {worker.attempt} ended failed")
+            _event("a failed attempt retried")
+            worker.wrote = True
+            worker.attempt += 1
+            worker.state, worker.order = "queued", self.model.place()
+            return
+        ended = await client.wait(worker.id)
+        assert ended.attempt == worker.attempt, (worker, ended)
+        if worker.attempt > 1:
+            _event("a retried worker ended for good")
+        self.model.end(worker, "finished" if worker.code == 0 else "failed")
 
     async def again(self, pick: int) -> None:
         workers = [
@@ -368,8 +453,7 @@ class Player:
             _event("end of a worker carried by a reload")
         await trio.to_thread.run_sync(go)
         async with self.d.client() as client:
-            await client.wait(worker.id)
-        self.model.end(worker, "finished" if worker.code == 0 else "failed")
+            await self.attempt_ended(client, worker)
 
     async def stop(self, pick: int) -> None:
         model = self.model
@@ -440,6 +524,7 @@ class Player:
                     assert worker.ended, f"a wake before the ending: {wake}"
                     assert not worker.woken, f"a wake delivered twice: {wake}"
                     assert wake.state == worker.state, (worker, wake)
+                    assert wake.attempt == worker.attempt, (worker, wake)
                     worker.woken = True
         lost = [w.id for w in model.workers.values() if w.ended and not w.woken]
         assert not lost, f"endings whose wake was lost: {lost}"
@@ -449,23 +534,33 @@ class Player:
         and a quick one among them ends, which may start the next."""
         model = self.model
         async with self.d.client() as client:
-            while started := model.start_due():
+            while True:
+                placed, skipped = model.unblock()
+                for worker in skipped:
+                    _event("an after_ok worker skipped")
+                    ended = await client.wait(worker.id)
+                    assert (ended.state, ended.reason, ended.pid) == ("stopped", "skipped", None)
+                started = model.start_due()
+                if not (placed or skipped or started):
+                    break
                 for worker in started:
                     _event("a queued worker started in its turn")
                     if worker.fifo is None:
-                        await client.wait(worker.id)
-                        model.end(worker, "finished" if worker.code == 0 else "failed")
+                        await self.attempt_ended(client, worker)
                     else:
-                        waited = await client.wait_for(worker.id, "^up$", timeout=60)
+                        up = f"^up-{worker.attempt}$"
+                        waited = await client.wait_for(worker.id, up, timeout=60)
                         assert waited.outcome == "matched", (worker, waited)
 
     async def check(self) -> None:
         """What the daemon says of every worker is what the model says."""
         model = self.model
         async with self.d.client() as client:
+            views = {}
             for worker in model.workers.values():
-                view = await client.status(worker.id)
+                view = views[worker.id] = await client.status(worker.id)
                 assert _state(view) == worker.state, (worker, view)
+                assert view.attempt == worker.attempt, (worker, view)
                 if worker.ended and (worker.collected or worker.expired):
                     # Released (or about to be): a collect answers as it did, from the archive.
                     got = await client.collect(worker.id)
@@ -474,6 +569,11 @@ class Player:
             listed = {w.id for w in await client.ls(all=True)}
             info = await client.info()
         assert info.holds_park == model.holds_park(), info.workers
+        for run, cap in model.caps.items():
+            running = [v for v in views.values() if v.run == run and v.state == "running"]
+            assert cap is None or len(running) <= cap, (run, cap, running)
+        for view in views.values():  # nothing starts, nor waits to, after its run stopped
+            assert not (model.runs[view.run] and view.state in ("starting", "running")), view
         for worker in model.workers.values():
             assert (worker.id in listed) == model.held(worker), (worker, listed)
         assert listed <= set(model.workers), (

@@ -28,6 +28,7 @@ from .conftest import BIN, DaemonProcess
 from .helpers import alive, sh, wait_output
 
 TOOLS = {
+    "subagent_new_run",
     "subagent_spawn",
     "subagent_restart",
     "subagent_list",
@@ -255,7 +256,11 @@ async def test_inside_a_worker_the_tools_act_as_that_worker(daemon: DaemonProces
             async with mcp_server(daemon, worker_env) as inside:
                 # The run-level tools, always forbidden to a worker, are not offered at all.
                 listed = {tool.name: tool for tool in (await inside.list_tools()).tools}
-                assert set(listed) == TOOLS - {"subagent_stop_run", "subagent_latest_resumable"}
+                assert set(listed) == TOOLS - {
+                    "subagent_new_run",
+                    "subagent_stop_run",
+                    "subagent_latest_resumable",
+                }
                 # A worker may resume a worker, never a run: `run` is not offered, nor taken.
                 resume = listed["subagent_resume"].input_schema
                 assert set(resume["properties"]) == {"worker", "timeout"}
@@ -281,6 +286,8 @@ async def test_inside_a_worker_the_tools_act_as_that_worker(daemon: DaemonProces
                     )
                     assert (await refused(inside, tool, run=me["run"]))["code"] == "invalid"
                 hidden = await refused(inside, "subagent_stop_run", run=me["run"])
+                assert hidden["code"] == "not_found"
+                hidden = await refused(inside, "subagent_new_run", max_running=2)
                 assert hidden["code"] == "not_found"
                 error = await refused(inside, "subagent_stop", worker=sibling["id"])
                 assert error["code"] == "forbidden"

@@ -67,6 +67,7 @@ async def prepare(daemon: DaemonProcess) -> Workers:
 def successes(w: Workers, cwd: str) -> list[tuple[str, dict[str, Any]]]:
     """A call of every tool that succeeds, in an order that keeps each one's world."""
     return [
+        ("subagent_new_run", {"max_running": 2, "memory": "1G"}),
         ("subagent_spawn", {"argv": ["sh", "-c", "echo ready now"], "ready": "ready"}),
         ("subagent_list", {"all": True}),
         ("subagent_status", {"worker": w.finished}),
@@ -93,6 +94,9 @@ def successes(w: Workers, cwd: str) -> list[tuple[str, dict[str, Any]]]:
 #: A refusal of every tool, with the code it must carry: the daemon's, this server's,
 #: and the arguments' (unknown, wrong type, out of range, empty, huge).
 REFUSALS: list[tuple[str, dict[str, Any], str]] = [
+    ("subagent_new_run", {"max_running": 0}, "invalid"),
+    ("subagent_new_run", {"max_running": "4"}, "invalid"),
+    ("subagent_new_run", {"outer": "r-nope"}, "not_found"),
     ("subagent_spawn", {}, "invalid"),
     ("subagent_spawn", {"argv": ["true"], "envv": {"A": "1"}}, "invalid"),
     ("subagent_spawn", {"argv": "true"}, "invalid"),

@@ -4,8 +4,8 @@ a stop ends the retries; a timeout is retried only when asked."""
 
 from __future__ import annotations
 
-import contextlib
 import itertools
+import json
 import math
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -21,6 +21,7 @@ from subagentd.protocol.errors import Invalid
 from .conftest import DaemonProcess
 from .helpers import pending_wakes as _wakes
 from .helpers import sh
+from .helpers import until_note as _until_note
 from .inprocess import at, held, in_process
 
 #: Fails on its first two attempts, then finishes (SUBAGENTD_RESUME is the attempt).
@@ -34,15 +35,6 @@ FLAKY = (
 async def client(daemon: DaemonProcess) -> AsyncIterator[AsyncClient]:
     async with AsyncClient(daemon.socket) as client:
         yield client
-
-
-async def _until_note(client: AsyncClient, worker_id: str, text: str) -> None:
-    """Follow the worker's journal until a note holding `text` (its retry's, say)."""
-    async with contextlib.aclosing(client.watch(worker_id, follow=True)) as entries:
-        async for entry in entries:
-            if entry.kind == "note" and text in entry.data.decode():
-                return
-    raise AssertionError(f"no note {text!r}")
 
 
 async def _notes(client: AsyncClient, worker_id: str) -> list[str]:
@@ -256,3 +248,52 @@ async def test_the_mcp_spawn_retries(daemon: DaemonProcess) -> None:
             for fields in ({"retries": 101}, {"backoff": -1}, {"retry_on": ["crash"]}):
                 error = await refused(session, "subagent_spawn", argv=["true"], **fields)
                 assert error["message"].startswith(f"{next(iter(fields))}")
+
+
+def test_every_surface_shows_a_retry_waiting_and_the_attempt_that_woke(
+    daemon: DaemonProcess,
+) -> None:
+    # ls and top say it waits to retry, and which attempt; its wake says the attempt that
+    # ended it for good, in `events` (text and --json) and subagent_events.
+    run = daemon.ctl("new-run").stdout.strip()
+    spawned = daemon.ctl(
+        "spawn", "--run", run, "--retries", "1", "--backoff", "600", "--", "sh", "-c", "exit 1"
+    )
+    assert spawned.returncode == 0, spawned.stderr
+    worker = spawned.stdout.split()[0]
+    daemon.ctl("wait", "--for", "attempt 1 ended failed", "--timeout", "20", worker)
+    listed = [line for line in daemon.ctl("ls", "--run", run).stdout.splitlines() if worker in line]
+    assert "retrying (attempt 2)" in listed[0]
+    top = daemon.ctl("top", "--once", "--run", run)
+    assert top.returncode == 0, top.stderr
+    assert "retrying (attempt 2)" in top.stdout
+    assert daemon.ctl("stop", worker).returncode == 0
+    woken = daemon.ctl("events", "--run", run).stdout
+    assert woken.startswith(f"{worker} stopped"), woken
+    assert "attempt=2" in woken.split()
+    # --json carries it too, as does subagent_events: a flaky worker's last attempt.
+    other = daemon.ctl("new-run").stdout.strip()
+    flaky = daemon.ctl(
+        "spawn", "--run", other, "--retries", "2", "--backoff", "0", "--", "sh", "-c", FLAKY
+    ).stdout.split()[0]
+    daemon.ctl("wait", flaky)
+    documents = [
+        json.loads(line)
+        for line in daemon.ctl("--json", "events", "--run", other).stdout.splitlines()
+    ]
+    assert [(d["id"], d["state"], d["attempt"]) for d in documents] == [(flaky, "finished", 3)]
+
+
+async def test_subagent_events_says_the_attempt_that_woke(daemon: DaemonProcess) -> None:
+    from .test_mcp import call, mcp_server
+
+    with trio.fail_after(60):
+        async with mcp_server(daemon) as session:
+            run = (await call(session, "subagent_new_run"))["run"]
+            spawned = await call(
+                session, "subagent_spawn", argv=sh(FLAKY), run=run, retries=2, backoff=0
+            )
+            woken = await call(session, "subagent_events", run=run, timeout=30)
+    assert [(w["id"], w["state"], w["attempt"]) for w in woken["wakes"]] == [
+        (spawned["id"], "finished", 3)
+    ]
