@@ -153,6 +153,16 @@ def _parser() -> argparse.ArgumentParser:
         "forked; off: always find trees by scanning /proc. `subagentctl info` says which is used",
     )
     parser.add_argument(
+        "--cgroup-v1-root",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="look for the cgroup v1 hierarchies (memory, cpu, pids) as directories named "
+        "after their controllers in DIR, not where the mounts are (a host mounting them "
+        "elsewhere; a kind missing there is enforced by cgroup v2 where it can be, else "
+        "refused)",
+    )
+    parser.add_argument(
         "--check",
         action="store_true",
         help="validate the install, the config and the state dir, then exit (0: usable)",
@@ -424,6 +434,7 @@ def _settings(args: argparse.Namespace) -> Settings:
         request_key_ttl=args.request_key_ttl,
         relay_above=args.relay_above,
         max_running=args.max_running,
+        cgroup_v1_root=args.cgroup_v1_root,
     )
 
 

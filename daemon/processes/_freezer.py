@@ -107,7 +107,7 @@ def wait_settled(groups: Iterable[WorkerCgroup], frozen: bool, seconds: float) -
             while (events := _events(fd)) is not None and want not in events:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    unsettled.append(group.path.name)
+                    unsettled.append(group.name)
                     break
                 poll.poll(max(1, int(left * 1000)))
         finally:

@@ -23,7 +23,7 @@ from subagentd.protocol import Control, Usage
 
 from .._logging import get_logger
 from ._cgroup import Cgroups, Leader, WorkerCgroup, end_cgroup, peer_cgroup
-from ._controllers import Controllers, LimitNodes, LimitPlan, LimitsHit
+from ._controllers import Controllers, LimitNodes, LimitPlan, LimitsHit, v2_hit
 from ._escapes import MarkerSearch, StopBatch, end_escaped, end_marked_by, outside_cgroups
 from ._freezer import (
     CGROUP_FREEZE,
@@ -40,10 +40,11 @@ from ._freezer import (
     stopped_now,
     write_freeze,
 )
-from ._process import WorkerProcess
+from ._process import SpawnFailed, WorkerProcess
 from ._relay import Relays
 from ._tree import Graces, ProcessTable, ProcStat, end_marked, end_tree
 from ._usage import UsageReader, WorkerTree
+from ._v2_nodes import V2Nodes
 
 log = get_logger()
 
@@ -273,6 +274,14 @@ class LocalLauncher:
     def _group(self, worker_id: str) -> WorkerCgroup | None:
         return self.cgroups.worker(worker_id) if self.cgroups else None
 
+    def _v2_group(self, limits: LimitPlan | None) -> WorkerCgroup | None:
+        """Its v2 limit nodes' leaf, made (`Controllers.v2_group`); SpawnFailed naming the
+        file that would not take its limits, before anything runs."""
+        try:
+            return self.controllers.v2_group(limits)
+        except OSError as exc:
+            raise SpawnFailed(f"{exc.strerror or exc}; nothing was started") from exc
+
     def _adopted_group(self, worker_id: str) -> WorkerCgroup | None:
         """The cgroup the image before put the worker in, if it is there still (None: its
         tree was found by scanning /proc)."""
@@ -281,6 +290,11 @@ class LocalLauncher:
         group = self.cgroups.worker(worker_id)
         present = worker_id in self._present if self._present is not None else group.exists()
         return group if present else None
+
+    def _adopted_leaf(self, limit_path: str) -> WorkerCgroup | None:
+        """The leaf of its v2 limit nodes an adopted worker was born in, if any."""
+        v2 = self.controllers.v2
+        return v2.group_at(limit_path) if v2 is not None and limit_path else None
 
     @contextlib.contextmanager
     def adopting(self) -> Iterator[None]:
@@ -313,7 +327,8 @@ class LocalLauncher:
             env=env,
             stdin_path=stdin_path,
             stdin_open=stdin_open,
-            cgroup=self._group(worker_id),
+            # A worker with cgroup v2 limits: the leaf of its v2 nodes, born in by clone3.
+            cgroup=self._v2_group(limits) or self._group(worker_id),
             # Where connections are placed by cgroup, one outside every worker's acts for
             # the user: a worker must never start outside its own.
             cgroup_required=self.authority == "kernel",
@@ -347,7 +362,7 @@ class LocalLauncher:
             pid_start,
             stdout,
             stderr,
-            cgroup=self._adopted_group(worker_id),
+            cgroup=self._adopted_leaf(limit_path) or self._adopted_group(worker_id),
             stdin=stdin,
             elsewhere=bool(limit_path),
         )
@@ -373,7 +388,7 @@ class LocalLauncher:
         )
 
     async def pause(self, targets: list[tuple[str, WorkerProcess]]) -> list[str]:
-        groups = {p.cgroup.path.name: p.cgroup for _, p in targets if p.cgroup is not None}
+        groups = {p.cgroup.name: p.cgroup for _, p in targets if p.cgroup is not None}
         trees = [
             (p.pid, worker_id, p.starttime)
             for worker_id, p in targets
@@ -518,7 +533,10 @@ class LocalLauncher:
 
     def limits_hit(self, process: WorkerProcess) -> LimitsHit | None:
         nodes = process.limit_nodes
-        return nodes.hit() if nodes is not None else None
+        hit = nodes.hit() if nodes is not None else None
+        if process.cgroup is not None and process.cgroup.born_into:
+            return v2_hit(process.cgroup, hit)
+        return hit
 
     def holds_tree(self, worker_id: str) -> bool:
         group = self._group(worker_id)
@@ -556,12 +574,12 @@ class LocalLauncher:
         groups, self._unremoved = self._unremoved, []
         nodes, self._unremoved_nodes = self._unremoved_nodes, []
         if groups or nodes:
-            await trio.to_thread.run_sync(_remove_all, groups, wanted, nodes)
+            await trio.to_thread.run_sync(_remove_all, groups, wanted, nodes, self.controllers.v2)
 
     async def sweep(self, live: Container[str]) -> None:
         if self.cgroups is not None:
             for group in self.cgroups.leftovers():
-                if group.path.name in live:
+                if group.name in live:
                     continue
                 killed = await end_cgroup(group, 0)
                 if killed:
@@ -594,6 +612,7 @@ class LocalLauncher:
         groups, self._unremoved = self._unremoved, []
         for group in groups:
             _remove(group)
+            _remove_v2_nodes(group, self.controllers.v2, lambda _: False)
         nodes, self._unremoved_nodes = self._unremoved_nodes, []
         for node in nodes:
             node.remove_unless(lambda _: False)
@@ -616,14 +635,26 @@ def _v1_memory_of(process: WorkerProcess) -> Path | None:
 
 
 def _remove_all(
-    groups: list[WorkerCgroup], wanted: Callable[[str], bool], nodes: list[LimitNodes]
+    groups: list[WorkerCgroup],
+    wanted: Callable[[str], bool],
+    nodes: list[LimitNodes],
+    v2: V2Nodes | None = None,
 ) -> None:
     """Remove ended workers' cgroups and limit nodes (in a thread), but those `wanted`
     again."""
     for group in groups:
         _remove(group, wanted)
+        _remove_v2_nodes(group, v2, wanted)
     for node in nodes:
         node.remove_unless(wanted)
+
+
+def _remove_v2_nodes(
+    group: WorkerCgroup, v2: V2Nodes | None, wanted: Callable[[str], bool]
+) -> None:
+    """A v2-limited worker's leaf removed: the nodes above it nothing uses any longer."""
+    if group.born_into and v2 is not None:
+        v2.remove_nodes(group, wanted)
 
 
 def _remove(group: WorkerCgroup, wanted: Callable[[str], bool] | None = None) -> None:
