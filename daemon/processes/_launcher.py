@@ -261,6 +261,8 @@ class LocalLauncher:
         self._usage = UsageReader()
         #: Ended workers' limit nodes, likewise.
         self._unremoved_nodes: list[LimitNodes] = []
+        #: A dead image's v2-limited workers' leaves, by worker id (`_leftover_group`).
+        self._leftover_leaves: dict[str, WorkerCgroup] | None = None
 
     @property
     def authority(self) -> Literal["kernel", "token"]:
@@ -517,10 +519,23 @@ class LocalLauncher:
             self.processes, process.pid, worker_id, process.starttime, grace, graces
         )
 
+    def _leftover_group(self, worker_id: str) -> WorkerCgroup | None:
+        """A dead image's worker's cgroup: its flat one, else the leaf of its v2 limit nodes
+        (all of a dead image's leaves listed once, at the first asking: a leftover's leaf
+        was there before this image made any)."""
+        group = self._group(worker_id)
+        if group is None or group.exists() or self.controllers.v2 is None:
+            return group
+        if self._leftover_leaves is None:
+            assert self.cgroups is not None
+            self._leftover_leaves = {g.name: g for g in self.cgroups.limited_leaves()}
+        leaf = self._leftover_leaves.get(worker_id)
+        return leaf if leaf is not None and leaf.exists() else group
+
     async def end_leftover_tree(
         self, worker_id: str, pid: int | None, pid_start: int | None, grace: float
     ) -> int:
-        group = self._group(worker_id)
+        group = self._leftover_group(worker_id)
         if group is not None and group.exists():
             with contextlib.suppress(OSError):  # a paused one's: its TERM must reach it
                 write_freeze(group, False)
@@ -539,7 +554,7 @@ class LocalLauncher:
         return hit
 
     def holds_tree(self, worker_id: str) -> bool:
-        group = self._group(worker_id)
+        group = self._leftover_group(worker_id)
         return group is not None and group.exists()
 
     def usage(self, workers: Sequence[tuple[str, WorkerProcess]]) -> dict[str, Usage]:
