@@ -129,7 +129,8 @@ class Hierarchy:
 class LimitPlan:
     """Where a worker goes and what each node on its way says: `path`, the run's node then
     the worker ids of its delegation chain, root first, itself last; `values`, the limits
-    of each (the run's, each ancestor's, its own; None: none of that node's own)."""
+    of each (the run's, each ancestor's, its own; an empty Limits: none of that node's
+    own; None: not known, its record gone)."""
 
     path: tuple[str, ...]
     values: tuple[Limits | None, ...]
@@ -363,7 +364,8 @@ class Controllers:
         if plan is None or not self.hierarchies or not (plan.nested or any(plan.values)):
             return None
         # Only the hierarchies of the kinds limited on its way (each costs a node and two
-        # moves a spawn); all where an ancestor's record, so its limits, is not known.
+        # moves a spawn); all where an ancestor's record, so its limits, is not known
+        # (None; one known to have none is an empty Limits).
         unknown = plan.nested and None in plan.values[1:-1]
         used = tuple(
             hierarchy
