@@ -200,6 +200,7 @@ class StoppedOut(Shape):
 class PausedOut(Shape):
     paused: list[str]
     already_paused: list[str]
+    held_outside: dict[str, int]
 
 
 class UnpausedOut(Shape):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import signal
 from collections.abc import Callable, Container, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
 
@@ -24,7 +25,13 @@ from subagentd.protocol import Control, Usage
 from .._logging import get_logger
 from ._cgroup import Cgroups, Leader, WorkerCgroup, end_cgroup, peer_cgroup
 from ._controllers import Controllers, LimitNodes, LimitPlan, LimitsHit, v2_hit
-from ._escapes import MarkerSearch, StopBatch, end_escaped, end_marked_by, outside_cgroups
+from ._escapes import (
+    MarkerSearch,
+    StopBatch,
+    end_escaped,
+    end_marked_by,
+    outside_by_worker,
+)
 from ._freezer import (
     CGROUP_FREEZE,
     SIGSTOP_FREEZE,
@@ -51,6 +58,16 @@ log = get_logger()
 #: At the daemon's shutdown, what is left in its cgroups, or carries one of its workers'
 #: ids elsewhere, has this long between its TERM and its KILL.
 SWEEP_GRACE = 1.0
+
+
+@dataclass(frozen=True)
+class PauseDone:
+    """What a pause did: the workers the kernel had not said are held by the bound
+    (`unsettled`, still being held), and the pids of each worker's processes it held
+    outside the worker's cgroup (moved out of it: stopped by SIGSTOP, `_escapes`)."""
+
+    unsettled: list[str] = field(default_factory=list)
+    held_outside: dict[str, list[int]] = field(default_factory=dict)
 
 
 class Launcher(Protocol):
@@ -123,10 +140,11 @@ class Launcher(Protocol):
         """How `pause` holds a tree still (`info`'s ``controls["freeze"]``)."""
         ...
 
-    async def pause(self, targets: list[tuple[str, WorkerProcess]]) -> list[str]:
+    async def pause(self, targets: list[tuple[str, WorkerProcess]]) -> PauseDone:
         """Hold each worker's whole tree still (its id, its process), until `unpause`;
         returns once the kernel says they are held, or after a bound: the ids it had not
-        said so of by then (still being held)."""
+        said so of by then (still being held), and what of each tree it held outside the
+        worker's cgroup."""
         ...
 
     async def unpause(self, targets: list[tuple[str, WorkerProcess]]) -> None:
@@ -389,7 +407,7 @@ class LocalLauncher:
             enforced=True, how=CGROUP_FREEZE if self.cgroups is not None else SIGSTOP_FREEZE
         )
 
-    async def pause(self, targets: list[tuple[str, WorkerProcess]]) -> list[str]:
+    async def pause(self, targets: list[tuple[str, WorkerProcess]]) -> PauseDone:
         groups = {p.cgroup.name: p.cgroup for _, p in targets if p.cgroup is not None}
         trees = [
             (p.pid, worker_id, p.starttime)
@@ -399,21 +417,33 @@ class LocalLauncher:
         unsettled = await freeze_cgroups(list(groups.values()), True) if groups else []
         if trees and not await stop_trees(self.processes, trees):
             unsettled += [worker_id for _, worker_id, _ in trees]
+        held: dict[str, set[int]] = {}
         if groups:
             # What moved itself out of its cgroup is not frozen with it: stopped.
             escaped = _cgrouped_trees(targets)
-            if not await stop_found(self._outside(escaped, list(groups.values()))):
+            if not await stop_found(self._outside(escaped, list(groups.values()), held)):
                 unsettled += [worker_id for _, worker_id, _ in escaped]
-        return unsettled
+        outside = {worker_id: sorted(pids) for worker_id, pids in held.items() if pids}
+        return PauseDone(unsettled, outside)
 
-    def _outside(self, trees: list[Tree], groups: list[WorkerCgroup]) -> Find:
+    def _outside(
+        self,
+        trees: list[Tree],
+        groups: list[WorkerCgroup],
+        found_for: dict[str, set[int]] | None = None,
+    ) -> Find:
         """What of these cgroups' trees runs outside them, by the stop's escape search
-        (the processes started since the oldest of them), for a pause or an unpause."""
+        (the processes started since the oldest of them), for a pause or an unpause;
+        `found_for`: where the pids found are kept, by worker (each search adds to it)."""
         since = min((start for _, _, start in trees), default=0)
 
         async def find() -> list[ProcStat]:
             marked = await self.markers.marked(since)
-            return outside_cgroups(marked, trees, cgroup_pids(groups))
+            by_worker = outside_by_worker(marked, trees, cgroup_pids(groups))
+            if found_for is not None:
+                for worker_id, found in by_worker.items():
+                    found_for.setdefault(worker_id, set()).update(stat.pid for stat in found)
+            return [stat for found in by_worker.values() for stat in found]
 
         return find
 
