@@ -154,7 +154,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--cgroup-v1-root",
-        type=Path,
+        type=_v1_root,
         default=None,
         metavar="DIR",
         help="look for the cgroup v1 hierarchies (memory, cpu, pids) as directories named "
@@ -207,6 +207,19 @@ def _descriptor_number(text: str) -> int:
     if not 0 <= value <= MAX_RELAY_ABOVE:
         raise argparse.ArgumentTypeError(f"{text!r} is not between 0 and {MAX_RELAY_ABOVE}")
     return value
+
+
+def _v1_root(text: str) -> Path:
+    """`--cgroup-v1-root`: an absolute path to a directory (the next image is given it as
+    it is, from another working directory)."""
+    import argparse
+
+    path = Path(text)
+    if not text or "\0" in text or not path.is_absolute():
+        raise argparse.ArgumentTypeError(f"{text!r} is not an absolute path")
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a directory")
+    return path
 
 
 def _max_running(text: str) -> int:

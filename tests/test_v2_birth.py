@@ -494,3 +494,17 @@ def test_without_the_helper_a_delegated_v2_controller_is_refused_naming_it(
     assert "cgroup v2 memory controller, delegated to the daemon" in said
     assert "the clone3 helper" in said
     assert "is not built here" in said
+
+
+@pytest.mark.parametrize("given", ["", "relative/dir", "/no/such/dir", "/etc/hostname", "/a\tb"])
+def test_a_hostile_v1_root_is_refused_naming_the_option(given: str) -> None:
+    from .conftest import BIN
+
+    done = subprocess.run(
+        [str(BIN / "subagentd"), "--check", f"--cgroup-v1-root={given}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done
+    assert "--cgroup-v1-root" in done.stderr
