@@ -11,7 +11,7 @@ PACKAGES := -p subagentd.protocol -p subagentd.daemon -p subagentd.client
 
 .PHONY: run test lint typecheck check-units bench clean
 
-$(STAMP): pyproject.toml $(PACKAGE_DIRS)
+$(STAMP): pyproject.toml $(PACKAGE_DIRS) daemon/processes/_clone3.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[test]' --config-settings editable_mode=strict

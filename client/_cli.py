@@ -140,7 +140,9 @@ class Output(Protocol):
     def run(self, run_id: str) -> None: ...
     def stopped(self, ids: list[str], already_stopping: list[str]) -> None: ...
     def cancelled(self, ids: list[str], already_stopping: list[str]) -> None: ...
-    def paused(self, verb: str, ids: list[str], already: list[str]) -> None: ...
+    def paused(
+        self, verb: str, ids: list[str], already: list[str], outside: dict[str, int] | None = None
+    ) -> None: ...
     def turn(self, turn: int) -> None: ...
     def fence(self, epoch: int | None) -> None: ...
     def reopened(self, run: str) -> None: ...
@@ -271,10 +273,19 @@ class Human:
         for worker_id in ids:
             print(printable(worker_id))
 
-    def paused(self, verb: str, ids: list[str], already: list[str]) -> None:
-        # The ids this one changed on stdout; those that already were, on stderr.
+    def paused(
+        self, verb: str, ids: list[str], already: list[str], outside: dict[str, int] | None = None
+    ) -> None:
+        # The ids this one changed on stdout; those that already were, and what a pause
+        # held outside a worker's cgroup, on stderr.
         for worker_id in already:
             print(f"{printable(worker_id)} already {verb}d", file=sys.stderr)
+        for worker_id, count in sorted((outside or {}).items()):
+            said = "process" if count == 1 else "processes"
+            print(
+                f"{printable(worker_id)}: {count} {said} outside its cgroup held by SIGSTOP",
+                file=sys.stderr,
+            )
         for worker_id in ids:
             print(printable(worker_id))
 
@@ -417,8 +428,13 @@ class Json:
     def cancelled(self, ids: list[str], already_stopping: list[str]) -> None:
         _dump({"cancelled": ids, "already_stopping": already_stopping})
 
-    def paused(self, verb: str, ids: list[str], already: list[str]) -> None:
-        _dump({f"{verb}d": ids, f"already_{verb}d": already})
+    def paused(
+        self, verb: str, ids: list[str], already: list[str], outside: dict[str, int] | None = None
+    ) -> None:
+        shown: dict[str, object] = {f"{verb}d": ids, f"already_{verb}d": already}
+        if outside is not None:
+            shown["held_outside"] = outside
+        _dump(shown)
 
     def turn(self, turn: int) -> None:
         _dump({"turn": turn})
@@ -600,7 +616,7 @@ def stop(daemon: Client, args: argparse.Namespace, out: Output) -> None:
 
 def pause(daemon: Client, args: argparse.Namespace, out: Output) -> None:
     answer = daemon.pause(worker=args.worker, run=args.run)
-    out.paused("pause", answer.paused, answer.already_paused)
+    out.paused("pause", answer.paused, answer.already_paused, answer.held_outside)
 
 
 def unpause(daemon: Client, args: argparse.Namespace, out: Output) -> None:

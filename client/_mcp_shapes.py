@@ -208,6 +208,7 @@ class StoppedOut(Shape):
 class PausedOut(Shape):
     paused: list[str]
     already_paused: list[str]
+    held_outside: dict[str, int]
 
 
 class UnpausedOut(Shape):

@@ -334,7 +334,17 @@ async def subagent_pause(a: args.PauseArguments) -> Answer:
     said = f"paused: {text.ids(answer.paused)}" + (
         f"; already paused: {text.ids(answer.already_paused)}" if answer.already_paused else ""
     )
-    return Answer(said, {"paused": answer.paused, "already_paused": answer.already_paused})
+    if answer.held_outside:
+        held = ", ".join(f"{w}: {n}" for w, n in sorted(answer.held_outside.items()))
+        said += f"; processes outside their cgroup held by SIGSTOP: {held}"
+    return Answer(
+        said,
+        {
+            "paused": answer.paused,
+            "already_paused": answer.already_paused,
+            "held_outside": answer.held_outside,
+        },
+    )
 
 
 async def subagent_unpause(a: args.PauseArguments) -> Answer:

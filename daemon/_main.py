@@ -153,6 +153,16 @@ def _parser() -> argparse.ArgumentParser:
         "forked; off: always find trees by scanning /proc. `subagentctl info` says which is used",
     )
     parser.add_argument(
+        "--cgroup-v1-root",
+        type=_v1_root,
+        default=None,
+        metavar="DIR",
+        help="look for the cgroup v1 hierarchies (memory, cpu, pids) as directories named "
+        "after their controllers in DIR, not where the mounts are (a host mounting them "
+        "elsewhere; a kind missing there is enforced by cgroup v2 where it can be, else "
+        "refused)",
+    )
+    parser.add_argument(
         "--check",
         action="store_true",
         help="validate the install, the config and the state dir, then exit (0: usable)",
@@ -197,6 +207,19 @@ def _descriptor_number(text: str) -> int:
     if not 0 <= value <= MAX_RELAY_ABOVE:
         raise argparse.ArgumentTypeError(f"{text!r} is not between 0 and {MAX_RELAY_ABOVE}")
     return value
+
+
+def _v1_root(text: str) -> Path:
+    """`--cgroup-v1-root`: an absolute path to a directory (the next image is given it as
+    it is, from another working directory)."""
+    import argparse
+
+    path = Path(text)
+    if not text or "\0" in text or not path.is_absolute():
+        raise argparse.ArgumentTypeError(f"{text!r} is not an absolute path")
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a directory")
+    return path
 
 
 def _max_running(text: str) -> int:
@@ -424,6 +447,7 @@ def _settings(args: argparse.Namespace) -> Settings:
         request_key_ttl=args.request_key_ttl,
         relay_above=args.relay_above,
         max_running=args.max_running,
+        cgroup_v1_root=args.cgroup_v1_root,
     )
 
 

@@ -49,6 +49,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     relay_above: Annotated[int, msgspec.Meta(ge=0, le=MAX_RELAY_ABOVE)] | None = None
     #: The daemon's cap on workers running at once (`--max-running`); None: none.
     max_running: MaxRunning | None = None
+    #: Where the cgroup v1 hierarchies are looked for, each a directory named after its
+    #: controller (`--cgroup-v1-root`); None: where /proc/self/mountinfo says.
+    cgroup_v1_root: Path | None = None
 
     def command_line(self) -> list[str]:
         """The options of `subagentd` that give these very settings: a reload's exec passes
@@ -72,6 +75,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             options.append(f"--max-running={self.max_running}")
         if self.log_format is not None:
             options.append(f"--log-format={self.log_format}")
+        if self.cgroup_v1_root is not None:
+            options.append(f"--cgroup-v1-root={self.cgroup_v1_root}")
         return options
 
 

@@ -476,10 +476,13 @@ class Stopped(Reply, tag="stopped"):
 
 class Paused(Reply, tag="paused"):
     """A pause's answer: ``paused``, the ids newly paused, sorted; ``already_paused``,
-    the live workers in reach that were paused already (left as they are)."""
+    the live workers in reach that were paused already (left as they are);
+    ``held_outside``, for each worker newly paused with processes outside its cgroup
+    (moved out of it), how many the pause held by SIGSTOP (its journal names them)."""
 
     paused: list[str]
     already_paused: list[str] = []
+    held_outside: dict[str, int] = {}
 
 
 class Unpaused(Reply, tag="unpaused"):

@@ -161,6 +161,7 @@ async def test_pause_a_run_holds_every_live_worker_of_it(
         assert json.loads(paused.stdout) == {
             "paused": sorted(w.id for w in workers),
             "already_paused": [],
+            "held_outside": {},
         }
         for w in workers:
             assert w.pid is not None

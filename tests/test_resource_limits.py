@@ -281,6 +281,28 @@ async def test_a_reload_keeps_limits_in_force(client: AsyncClient, daemon: Daemo
         assert (ended.state, ended.reason) == ("failed", "memory_limit")
 
 
+@needs_v1
+async def test_a_delegate_is_placed_only_in_the_hierarchies_its_way_limits(
+    client: AsyncClient,
+) -> None:
+    """A chain whose root has no limit, its child a memory limit, the grandchild none: the
+    grandchild goes in the memory hierarchy below its parent, and in no other (its
+    ancestors' records are known: none of them limits CPU or processes)."""
+    with trio.fail_after(60):
+        info = await client.info()
+        root = await client.spawn(["sleep", "60"])
+        parent = await client.spawn(
+            ["sleep", "60"], parent=root.id, limits=p.Limits(memory=96 * MIB)
+        )
+        child = await client.spawn(["sleep", "60"], parent=parent.id)
+        relative = f"{root.run}/{root.id}/{parent.id}/{child.id}"
+        assert _node(info, "memory", relative).is_dir()
+        for kind in ("cpus", "pids"):
+            assert not _node(info, kind, relative).exists(), kind
+            assert not _node(info, kind, f"{root.run}/{root.id}").exists(), kind
+        await client.stop(root.id)
+
+
 async def test_a_limit_is_refused_where_cgroups_are_off(daemon_dirs: DaemonProcess) -> None:
     daemon_dirs.start("--cgroups", "off")
     with trio.fail_after(20):

@@ -169,12 +169,20 @@ async def test_a_child_that_moved_itself_out_of_its_workers_cgroup_is_held_by_it
     with trio.fail_after(30):
         worker_id, pid, dest, made = await _escaping_worker(user, move)
         with reaped_after(made, [pid]):
-            assert (await user.pause(worker=worker_id)).paused == [worker_id]
+            paused = await user.pause(worker=worker_id)
+            assert paused.paused == [worker_id]
             if move == "inside":
                 assert "frozen 1" in (dest / "cgroup.events").read_text()
                 assert proc_state(pid) != "T"
+                assert paused.held_outside == {}  # frozen with its cgroup: none outside
             else:
                 assert proc_state(pid) == "T", f"the child in {move}'s cgroup was not held"
+                # The answer says what it held outside, the journal names it.
+                assert paused.held_outside == {worker_id: 1}
+                page = await user.watch_page(worker_id, 0, 10_000)
+                notes = [e.data.decode() for e in page.entries if e.kind == "note"]
+                held = f"paused: 1 process outside its cgroup held by SIGSTOP (pid {pid})"
+                assert held in notes, notes
             assert (await user.unpause(worker=worker_id)).unpaused == [worker_id]
             assert proc_state(pid) != "T"
             if move == "inside":

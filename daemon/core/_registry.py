@@ -517,13 +517,16 @@ class Registry:
                 chain.append(current.id)
                 current = self._workers.get(current.parent) if current.parent else None
             path = (*self._runs_around(record.run), *reversed(chain))
+        # An empty Limits for a run or worker known to have none of its own, None for one
+        # whose record is gone (its limits unknown: `Controllers.nodes` places a worker
+        # below it in every hierarchy, as its nodes may be in any).
         values: list[Limits | None] = []
         for name in path:
             if (run := self._runs.get(name)) is not None:
-                values.append(run.limits)
+                values.append(run.limits or Limits())
             else:
                 found = record if name == record.id else self._workers.get(name)
-                values.append(found.limits if found is not None else None)
+                values.append((found.limits or Limits()) if found is not None else None)
         return path, tuple(values)
 
     def _runs_around(self, run_id: str) -> list[str]:

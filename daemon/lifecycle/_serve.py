@@ -154,7 +154,7 @@ async def serve(
             keep_archives_days=settings.keep_archives_days,
             request_key_ttl=settings.request_key_ttl,
             launcher=LocalLauncher(
-                cgroups, tree_tracking, _relays(settings), _controllers(settings)
+                cgroups, tree_tracking, _relays(settings), _controllers(settings, cgroups)
             ),
             faults=read_faults(os.environ.get(FAULT_ENV, "")),
             store=store,
@@ -403,11 +403,13 @@ def _tree_tracking(settings: Settings) -> tuple[Cgroups | None, str]:
     return cgroups, f"cgroup {cgroups.base}"
 
 
-def _controllers(settings: Settings) -> Controllers:
+def _controllers(settings: Settings, cgroups: Cgroups | None) -> Controllers:
     """Where the kernel can enforce workers' limits; none with --cgroups off."""
     if settings.cgroups == "off":
         return Controllers.off("cgroups are turned off (--cgroups off)")
-    controllers = Controllers.find(settings.state_dir)
+    controllers = Controllers.find(
+        settings.state_dir, v1_root=settings.cgroup_v1_root, cgroups=cgroups
+    )
     for kind, control in controllers.controls.items():
         if not control.enforced:
             log.info("daemon.limit_not_enforced", kind=kind, why=control.how)

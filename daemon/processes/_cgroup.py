@@ -41,6 +41,15 @@ log = get_logger()
 _FORK_LOCK = threading.RLock()
 #: How much of cgroup.procs one read asks for (a pid and its newline take at most 8 bytes).
 _PROCS_READ = 64 * 1024
+#: The leaf of its delegated cgroup the daemon lives in (`Cgroups.find`): that cgroup may
+#: then pass controllers on to the workers' cgroup (v2's no-internal-processes rule).
+#: systemd's `DelegateSubgroup=subagentd-daemon` puts it there at start.
+DAEMON_LEAF = "subagentd-daemon"
+#: Below the workers' cgroup, where workers with cgroup v2 limits live (`_v2_nodes`):
+#: `<base>/.limited/<run>/<worker>/.../self`. No worker's id begins with a dot.
+LIMITED = ".limited"
+#: The leaf a v2-limited worker's own processes live in, in its node (`_v2_limits.LEAF`).
+LEAF = "self"
 
 
 @contextlib.contextmanager
@@ -67,6 +76,14 @@ class WorkerCgroup:
     path: Path
     #: The daemon's own cgroup, where it returns after a fork in this one.
     home: Path
+    #: A v2-limited worker's leaf (`<its node>/self`, `_v2_nodes`): its worker is born in
+    #: it by clone3(CLONE_INTO_CGROUP) (`_born_into`), never by the daemon stepping in.
+    born_into: bool = False
+
+    @property
+    def name(self) -> str:
+        """Its worker's id: the cgroup's name, or a leaf's node's."""
+        return self.path.parent.name if self.born_into else self.path.name
 
     def create(self) -> None:
         # One left by an attempt that ended without removing it is reused: thawed, if a
@@ -193,7 +210,7 @@ class WorkerCgroup:
         between its new attempt's `create` and its fork (`born_in` makes it again). The
         cgroups nested in it are removed between two holds of the lock, never under it."""
         with _FORK_LOCK:
-            if wanted(self.path.name):
+            if wanted(self.name):
                 return True
             try:
                 os.rmdir(self._path_bytes)  # the common case: none nested
@@ -215,7 +232,7 @@ class WorkerCgroup:
                         return False
                     raise
         with _FORK_LOCK:
-            return wanted(self.path.name) or self.remove()
+            return wanted(self.name) or self.remove()
 
     @functools.cached_property
     def _path_bytes(self) -> bytes:
@@ -225,11 +242,15 @@ class WorkerCgroup:
 class Cgroups:
     """The cgroup that holds this daemon's workers' cgroups."""
 
-    def __init__(self, base: Path, home: Path, listed_as: str) -> None:
+    def __init__(self, base: Path, home: Path, listed_as: str, lives_as: str = "") -> None:
         self.base = base
+        #: Where the daemon lives (returns to after a fork in a worker's cgroup): the
+        #: cgroup delegated to it, or its leaf there (`DAEMON_LEAF`).
         self.home = home
         #: `base` as /proc/PID/cgroup names it: its path from the hierarchy's root.
         self._listed_as = _parts(listed_as)
+        #: `home` so named (by default the cgroup `base` is in).
+        self._lives_as = _parts(lives_as) if lives_as else self._listed_as[:-1]
 
     @classmethod
     def find(cls, state_dir: Path) -> Cgroups:
@@ -240,7 +261,11 @@ class Cgroups:
         own = _own_cgroup()
         if own is None:
             raise CgroupsUnavailable("this process is not in a cgroup v2 hierarchy")
-        parent = mount / own.lstrip("/")
+        # An image in its leaf (moved there by the one before, or by systemd's
+        # DelegateSubgroup=): the cgroup delegated to it is the one above.
+        lives = _parts(own)
+        delegated = lives[:-1] if lives[-1:] == (DAEMON_LEAF,) else lives
+        parent = mount.joinpath(*delegated)
         if not os.access(parent / "cgroup.procs", os.W_OK):
             raise CgroupsUnavailable(
                 f"the daemon's cgroup {parent} is not delegated to it "
@@ -254,7 +279,14 @@ class Cgroups:
             raise CgroupsUnavailable(f"cannot create {base}: {exc.strerror or exc}") from exc
         if not (base / "cgroup.kill").exists():
             raise CgroupsUnavailable("the kernel has no cgroup.kill (Linux 5.14 or later has)")
-        return cls(base, home=parent, listed_as=f"{own.rstrip('/')}/{base.name}")
+        if delegated and lives == delegated:
+            lives = _into_leaf(parent, delegated)
+        return cls(
+            base,
+            home=mount.joinpath(*lives),
+            listed_as="/" + "/".join((*delegated, base.name)),
+            lives_as="/" + "/".join(lives),
+        )
 
     def worker(self, worker_id: str) -> WorkerCgroup:
         return WorkerCgroup(self.base / worker_id, self.home)
@@ -283,7 +315,12 @@ class Cgroups:
         depth = len(self._listed_as)
         if len(parts) <= depth or parts[:depth] != self._listed_as:
             return None  # outside the workers' cgroup (or standing in it, in no worker's)
-        return parts[depth]
+        if parts[depth] != LIMITED:
+            return parts[depth]
+        # A v2-limited worker's: `.limited/<run>/<worker>/.../<worker>/self[/nested]`, the
+        # worker the node its leaf is in; in no leaf (a node between), no worker's.
+        below = parts[depth + 1 :]
+        return below[below.index(LEAF) - 1] if LEAF in below[1:] else None
 
     def present(self) -> frozenset[str]:
         """The names (worker ids) of the workers' cgroups there now: one listing for all."""
@@ -297,9 +334,21 @@ class Cgroups:
     def leftovers(self) -> list[WorkerCgroup]:
         """Worker cgroups present now (at a clean start: those a dead daemon left)."""
         try:
-            return [WorkerCgroup(p, self.home) for p in self.base.iterdir() if p.is_dir()]
+            found = [WorkerCgroup(p, self.home) for p in self.base.iterdir() if p.is_dir()]
         except FileNotFoundError:
             return []
+        # The v2-limited workers' leaves, each its worker's (their nodes, emptied, go with
+        # the limit nodes' sweep, `Controllers.sweep`).
+        return [g for g in found if g.path.name != LIMITED] + self.limited_leaves()
+
+    def limited_leaves(self) -> list[WorkerCgroup]:
+        """The leaves of the v2-limited workers present (`LIMITED`)."""
+        leaves: list[WorkerCgroup] = []
+        for parent, dirs, _ in os.walk(self.base / LIMITED):
+            if LEAF in dirs:
+                leaves.append(WorkerCgroup(Path(parent) / LEAF, self.home, born_into=True))
+                dirs.remove(LEAF)  # what a worker made in its own leaf is its
+        return leaves
 
     def all_below(self) -> list[WorkerCgroup]:
         """Every cgroup in the workers' cgroup, deepest first, then that cgroup itself (for
@@ -311,7 +360,7 @@ class Cgroups:
         for parent, dirs, _ in os.walk(self.base, topdown=False):
             found.extend(WorkerCgroup(Path(parent) / name, self.home) for name in dirs)
         own = _own_cgroup()
-        if self.base.is_dir() and own is not None and _parts(own) == self._listed_as[:-1]:
+        if self.base.is_dir() and own is not None and _parts(own) == self._lives_as:
             found.append(WorkerCgroup(self.base, self.home))
         return found
 
@@ -403,6 +452,22 @@ def _exited(pidfd: int) -> bool:
     poll = select.poll()
     poll.register(pidfd, select.POLLIN)
     return bool(poll.poll(0))
+
+
+def _into_leaf(delegated: Path, parts: tuple[str, ...]) -> tuple[str, ...]:
+    """Move the daemon into its leaf of the cgroup delegated to it (`DAEMON_LEAF`), so that
+    cgroup may pass controllers on to the workers' (v2 holds no process in a cgroup that
+    does); where it lives now, as /proc/PID/cgroup names it. Left where it is if the leaf
+    will not take it: its workers' cgroups work as before, and limits needing a v2
+    controller are refused when its cgroup will not pass it on (`_v2_nodes`)."""
+    leaf = delegated / DAEMON_LEAF
+    try:
+        leaf.mkdir(exist_ok=True)
+        _move(leaf, os.getpid())
+    except OSError as exc:
+        log.warning("cgroup.not_in_leaf", cgroup=str(leaf), error=str(exc))
+        return parts
+    return (*parts, DAEMON_LEAF)
 
 
 def _move(cgroup: Path, pid: int) -> None:

@@ -10,9 +10,9 @@ Found once, at start (`Controllers.find`), kind by kind:
   hierarchical, so a worker's limit covers it and all it delegated, and a run's covers
   the run. v1 has no no-internal-processes rule: each worker's processes sit in its own
   node, its delegated workers' in nodes below it.
-- cgroup v2 controllers delegated to the daemon: not enforced by this image (its v2
-  worker cgroups are flat, `_cgroup`, and a v2 cgroup holding processes may pass no
-  controller down): `info` says so, and what the host would need (docs/design.md).
+- else the cgroup v2 controller, where it is delegated to the daemon and the clone3
+  helper is built (`_born_into`): the nodes `_v2_limits` decides, made by `_v2_nodes`, the
+  worker born in its leaf there (`Controllers.v2_group`). Else refused, naming why.
 
 A worker whose run, ancestors and self have no limit is placed in no node at all: the
 common case costs nothing. A limited one is born in its nodes (`LimitNodes.born_in`): the
@@ -37,8 +37,11 @@ from subagentd.protocol import LIMIT_KINDS, Control, Limits
 from subagentd.protocol.errors import Refused
 
 from .._logging import get_logger
-from ._cgroup import _FORK_LOCK
+from . import _born_into
+from ._cgroup import _FORK_LOCK, Cgroups, WorkerCgroup
 from ._forker import FORKER
+from ._v2_limits import limit_files
+from ._v2_nodes import V2Nodes
 
 log = get_logger()
 
@@ -126,7 +129,8 @@ class Hierarchy:
 class LimitPlan:
     """Where a worker goes and what each node on its way says: `path`, the run's node then
     the worker ids of its delegation chain, root first, itself last; `values`, the limits
-    of each (the run's, each ancestor's, its own; None: none of that node's own)."""
+    of each (the run's, each ancestor's, its own; an empty Limits: none of that node's
+    own; None: not known, its record gone)."""
 
     path: tuple[str, ...]
     values: tuple[Limits | None, ...]
@@ -153,6 +157,23 @@ class LimitsHit:
     peak: int | None = None
     #: Forks refused at a process limit (`pids.events` max).
     forks_refused: int = 0
+
+
+def v2_hit(leaf: WorkerCgroup, v1: LimitsHit | None = None) -> LimitsHit:
+    """What its v2 limits did to a worker born in `leaf` (its tree ended, its leaf not yet
+    removed), with what its v1 ones did (`v1`): its processes' OOM kills (the leaf's
+    `memory.events` oom_kill), the peak of its node (it and its delegates: `memory.peak`)
+    and forks refused (the leaf's `pids.events` max). A file the host lacks counts none."""
+    found = v1 or LimitsHit()
+    oom_kills, peak, refused = found.oom_kills, found.peak, found.forks_refused
+    node = leaf.path.parent
+    with contextlib.suppress(OSError, ValueError):
+        oom_kills += _field(leaf.path / "memory.events", "oom_kill")
+    with contextlib.suppress(OSError, ValueError):
+        peak = int(_read(node / "memory.peak"))
+    with contextlib.suppress(OSError, ValueError):
+        refused += _field(leaf.path / "pids.events", "max")
+    return LimitsHit(oom_kills=oom_kills, peak=peak, forks_refused=refused)
 
 
 @dataclass(frozen=True)
@@ -264,40 +285,64 @@ class LimitNodes:
 class Controllers:
     """What this daemon can enforce, and where: `controls`, for `info`, by kind."""
 
-    def __init__(self, hierarchies: dict[str, Hierarchy], controls: dict[str, Control]) -> None:
+    def __init__(
+        self,
+        hierarchies: dict[str, Hierarchy],
+        controls: dict[str, Control],
+        v2: V2Nodes | None = None,
+    ) -> None:
         self.hierarchies = hierarchies
         self.controls = controls
+        #: The kinds enforced by a cgroup v2 controller, and where; None: none is.
+        self.v2 = v2
 
     @classmethod
     def off(cls, why: str) -> Controllers:
         return cls({}, {kind: Control(enforced=False, how=why) for kind in LIMIT_KINDS})
 
     @classmethod
-    def find(cls, state_dir: Path, mounts: Path = Path("/sys/fs/cgroup")) -> Controllers:
-        """Each kind's v1 hierarchy where the daemon may write it (its base made); else why
-        not, and why the v2 controllers are no alternative here."""
+    def find(
+        cls,
+        state_dir: Path,
+        *,
+        v1_root: Path | None = None,
+        cgroups: Cgroups | None = None,
+    ) -> Controllers:
+        """Each kind's v1 hierarchy where the daemon may write it (its base made at the first
+        limited spawn); else its v2 controller, where it is delegated to the daemon (whose
+        workers' cgroups are `cgroups`) and the clone3 helper is built; else why not.
+        `v1_root`: where the v1 hierarchies are looked for (each a directory named after
+        its controller) in place of the mounts /proc/self/mountinfo lists."""
         digest = hashlib.sha256(str(state_dir.resolve()).encode()).hexdigest()[:12]
         own = _own_v1_cgroups()
-        v2 = _v2_delegated()
+        v2 = _v2_delegated(cgroups)
         hierarchies: dict[str, Hierarchy] = {}
         controls: dict[str, Control] = {}
+        v2_kinds: set[str] = set()
         for kind, name in V1_HIERARCHIES.items():
-            mount = _v1_mount(name)
+            mount = _v1_mount(name) if v1_root is None else _v1_under(v1_root, name)
             if mount is None:
-                how = _not_v1(name, "is not mounted", v2)
-                controls[kind] = Control(enforced=False, how=how)
-                continue
-            home = mount / own.get(name, "/").lstrip("/")
-            # Made at the first limited spawn, not here: a daemon no one asks for a limit
-            # leaves no trace in the hierarchies.
-            base = home / f"subagentd-{digest}"
-            if not (os.access(home, os.W_OK) and os.access(home / "tasks", os.W_OK)):
-                why = f"{home} is not writable by the daemon"
-                controls[kind] = Control(enforced=False, how=_not_v1(name, why, v2))
-                continue
-            hierarchies[kind] = Hierarchy(kind=kind, base=base, home=home)
-            controls[kind] = Control(enforced=True, how=_v1_how(kind, base))
-        return cls(hierarchies, controls)
+                where = "is not mounted" if v1_root is None else f"is not under {v1_root}"
+                why = _not_v1(name, where, v2)
+            else:
+                home = mount / own.get(name, "/").lstrip("/")
+                # Made at the first limited spawn, not here: a daemon no one asks for a
+                # limit leaves no trace in the hierarchies.
+                base = home / f"subagentd-{digest}"
+                if os.access(home, os.W_OK) and os.access(home / "tasks", os.W_OK):
+                    hierarchies[kind] = Hierarchy(kind=kind, base=base, home=home)
+                    controls[kind] = Control(enforced=True, how=_v1_how(kind, base))
+                    continue
+                why = _not_v1(name, f"{home} is not writable by the daemon", v2)
+            if cgroups is not None and v2 is not None and _v2_usable(name, v2):
+                v2_kinds.add(kind)
+                controls[kind] = Control(enforced=True, how=_v2_how(kind, cgroups))
+            else:
+                controls[kind] = Control(enforced=False, how=why)
+        nodes = None
+        if v2_kinds and cgroups is not None and v2 is not None:
+            nodes = V2Nodes(cgroups, v2[0], v2[1], frozenset(v2_kinds))
+        return cls(hierarchies, controls, nodes)
 
     def refuse_unenforced(self, limits: Limits | None, asking: str) -> None:
         """Refused naming why, for a request (`asking`) with a limit this daemon cannot
@@ -319,7 +364,8 @@ class Controllers:
         if plan is None or not self.hierarchies or not (plan.nested or any(plan.values)):
             return None
         # Only the hierarchies of the kinds limited on its way (each costs a node and two
-        # moves a spawn); all where an ancestor's record, so its limits, is not known.
+        # moves a spawn); all where an ancestor's record, so its limits, is not known
+        # (None; one known to have none is an empty Limits).
         unknown = plan.nested and None in plan.values[1:-1]
         used = tuple(
             hierarchy
@@ -327,6 +373,27 @@ class Controllers:
             if unknown or any(getattr(v, kind) is not None for v in plan.values if v)
         )
         return LimitNodes(used or tuple(self.hierarchies.values()), plan.relative, plan)
+
+    def places(self, plan: LimitPlan) -> bool:
+        """Whether a worker of `plan` is placed in limit nodes (v1 or v2): its record keeps
+        the path then."""
+        return self.nodes(plan) is not None or self._v2_wanted(plan)
+
+    def v2_group(self, plan: LimitPlan | None) -> WorkerCgroup | None:
+        """The leaf of its v2 limit nodes a worker of `plan` is born in (made, its limits
+        written: `V2NotPlaced` if not); None when no limit enforced by v2 is on its way.
+        A delegate of a worker placed there is placed below it, whatever it asks: its
+        parent's limits cover it only there."""
+        if plan is None or self.v2 is None or not self._v2_wanted(plan):
+            return None
+        return self.v2.place(self.v2.layout_for(plan.path, plan.values))
+
+    def _v2_wanted(self, plan: LimitPlan) -> bool:
+        if self.v2 is None:
+            return False
+        if self.v2.wants(plan.values):
+            return True
+        return plan.nested and self.v2.base.joinpath(*plan.path[:-1]).is_dir()
 
     def nodes_at(self, relative: str) -> LimitNodes | None:
         """The nodes a worker was placed in (`LimitPlan.relative`, as its record keeps it),
@@ -350,10 +417,14 @@ class Controllers:
         for hierarchy in self.hierarchies.values():
             _rmdir(hierarchy.base)
             hierarchy.made = False
+        if self.v2 is not None:
+            _rmdir(self.v2.base)
 
     def sweep(self) -> None:
         """At a clean start: remove every empty node a dead image left, deepest first (one
         still holding a process, a live worker's, stays)."""
+        if self.v2 is not None:
+            self.v2.sweep()
         for hierarchy in self.hierarchies.values():
             if not hierarchy.base.is_dir():
                 continue
@@ -509,18 +580,47 @@ def _v1_mount(name: str) -> Path | None:
     return None
 
 
-def _v2_delegated() -> tuple[Path, frozenset[str]] | None:
-    """The daemon's v2 cgroup and the controllers it has (`cgroup.controllers`: those it
-    may pass on to its children once it holds no process itself); None without v2."""
+def _v2_delegated(cgroups: Cgroups | None = None) -> tuple[Path, frozenset[str]] | None:
+    """The cgroup v2 delegated to the daemon (its workers' cgroup's parent; else its own)
+    and the controllers it has (`cgroup.controllers`: those it may pass on to its
+    children, the daemon living in a leaf of its own there); None without v2."""
     try:
-        with open("/proc/self/mountinfo") as f:
-            mount = next(Path(line.split()[4]) for line in f if " - cgroup2 " in line)
-        with open("/proc/self/cgroup") as f:
-            own = next(line[3:].strip() for line in f if line.startswith("0::"))
-        home = mount / own.lstrip("/")
+        if cgroups is not None:
+            home = cgroups.base.parent
+        else:
+            with open("/proc/self/mountinfo") as f:
+                mount = next(Path(line.split()[4]) for line in f if " - cgroup2 " in line)
+            with open("/proc/self/cgroup") as f:
+                own = next(line[3:].strip() for line in f if line.startswith("0::"))
+            home = mount / own.lstrip("/")
         return home, frozenset(_read(home / "cgroup.controllers").split())
     except (OSError, StopIteration, ValueError):
         return None
+
+
+def _v2_usable(name: str, v2: tuple[Path, frozenset[str]]) -> bool:
+    """Whether the v2 controller `name` is delegated and workers can be born below it."""
+    return name in v2[1] and _born_into.available
+
+
+def _v1_under(root: Path, name: str) -> Path | None:
+    """The v1 hierarchy of controller `name` under `root` (a directory of that name, or a
+    link to its mount); None if there is none."""
+    mount = root / name
+    return mount if (mount / "tasks").exists() else None
+
+
+def _v2_how(kind: str, cgroups: Cgroups) -> str:
+    files = " and ".join(name for name, _ in limit_files(_EXAMPLE[kind]))
+    return (
+        f"cgroup v2 {files} of nodes under {cgroups.base}/.limited (a run's, then each "
+        "worker's, nested; a worker's processes in a leaf of its node, born there by "
+        "clone3)"
+    )
+
+
+#: One limit of each kind, for the files it is written to (`_v2_how`).
+_EXAMPLE = {"memory": Limits(memory=1 << 30), "cpus": Limits(cpus=1.0), "pids": Limits(pids=1)}
 
 
 def _not_v1(name: str, why: str, v2: tuple[Path, frozenset[str]] | None) -> str:
@@ -529,8 +629,8 @@ def _not_v1(name: str, why: str, v2: tuple[Path, frozenset[str]] | None) -> str:
         there = "and there is no cgroup v2 hierarchy"
     elif name in v2[1]:
         there = (
-            f"and the cgroup v2 {name} controller, delegated to the daemon ({v2[0]}), is "
-            "not yet used for limits by this image (docs/design.md, Limits)"
+            f"and the cgroup v2 {name} controller, delegated to the daemon ({v2[0]}), "
+            f"cannot be used: {_born_into.WHY_NOT} (docs/design.md, Limits)"
         )
     else:
         has = ", ".join(sorted(v2[1])) or "none"

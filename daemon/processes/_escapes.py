@@ -83,24 +83,47 @@ def outside_cgroups(
     processes outside are those of the search started since, in the leader's process
     group or forked by a process inside, those carrying its worker id, and what they
     forked. Read again (the search may recall an older state)."""
+    return [stat for found in outside_by_worker(marked, trees, inside).values() for stat in found]
+
+
+def outside_by_worker(
+    marked: Marked, trees: Iterable[tuple[int, str, int]], inside: Collection[int]
+) -> dict[str, list[ProcStat]]:
+    """`outside_cgroups`, by the worker each process was found for (the worker of the
+    process its search started from, the nearest on its way up; a process found from
+    two workers' counts for the first)."""
     table = marked.table
-    roots: set[int] = set()
+    root_of: dict[int, str] = {}
     for leader, worker_id, since in trees:
-        roots.update(
-            pid
-            for pid, stat in table.items()
-            if pid not in inside
-            and stat.starttime >= since
-            and (stat.pgid == leader or stat.ppid in inside)
-        )
-        roots.update(stat.pid for stat in marked.carriers(worker_id, since))
-    found = []
-    for stat in with_descendants(table, roots):
+        for pid, stat in table.items():
+            if (
+                pid not in inside
+                and stat.starttime >= since
+                and (stat.pgid == leader or stat.ppid in inside)
+            ):
+                root_of.setdefault(pid, worker_id)
+        for stat in marked.carriers(worker_id, since):
+            root_of.setdefault(stat.pid, worker_id)
+    found: dict[str, list[ProcStat]] = {}
+    for stat in with_descendants(table, set(root_of)):
         now = read_stat(stat.pid)
         same = now is not None and now.starttime == stat.starttime
         if stat.pid not in inside and same and now is not None and running(now):
-            found.append(now)
+            found.setdefault(_root_worker(stat, table, root_of), []).append(now)
     return found
+
+
+def _root_worker(stat: ProcStat, table: dict[int, ProcStat], root_of: dict[int, str]) -> str:
+    """The worker of the nearest search root at or above `stat` (one is: it was found as
+    a root's descendant)."""
+    seen: set[int] = set()
+    current: ProcStat | None = stat
+    while current is not None and current.pid not in seen:
+        if current.pid in root_of:
+            return root_of[current.pid]
+        seen.add(current.pid)
+        current = table.get(current.ppid)
+    return next(iter(root_of.values()))  # not reached: every descendant has its root
 
 
 def worker_ids_of(pid: int) -> list[str]:

@@ -4,7 +4,8 @@ freezer where the worker has a cgroup, else by SIGSTOP and SIGCONT over its tree
 With a cgroup (v2): ``cgroup.freeze`` written 1 freezes every process in it and in the
 cgroups below it, what they fork meanwhile included; the kernel says it is done by
 ``frozen 1`` in ``cgroup.events``, which it signals (POLLPRI, as it does ``populated``),
-so a pause waits for that, bounded (`SETTLE_SECONDS`), in a thread. Written 0, they go on.
+so a pause waits for that, in a thread, bounded on trio's clock (`SETTLE_SECONDS`).
+Written 0, they go on.
 A frozen process keeps its pid, its pipes and its memory; what a TERM would do waits for
 the thaw (a stop thaws first), while ``cgroup.kill`` ends a frozen cgroup at once. The v1
 ``freezer`` hierarchy is not used: wherever the daemon has its own v2 cgroup for a
@@ -56,6 +57,9 @@ SIGSTOP_FREEZE = "SIGSTOP/SIGCONT over the process tree (scan)"
 #: How long a pause waits for the kernel to say its processes are held (a cgroup's
 #: "frozen 1", or every process of a tree stopped) before it answers regardless.
 SETTLE_SECONDS = 5.0
+#: The settling thread's own bound, past `SETTLE_SECONDS` (`settle` tells it to stop at
+#: that bound, on trio's clock): never reached unless the event loop is held up.
+THREAD_SECONDS = 60.0
 #: Scans of /proc a SIGSTOP pause makes at most, until one finds nothing left to stop.
 STOP_SCANS = 50
 #: A worker's tree as a scan finds it: its leader's pid, its id, its leader's start time.
@@ -88,30 +92,76 @@ def freeze_asked(group: WorkerCgroup) -> bool:
         return False
 
 
-def wait_settled(groups: Iterable[WorkerCgroup], frozen: bool, seconds: float) -> list[str]:
+def wait_settled(
+    groups: Iterable[WorkerCgroup], frozen: bool, seconds: float, stop: int | None = None
+) -> list[str]:
     """Until each cgroup's `cgroup.events` says ``frozen 1`` (or 0, if not `frozen`),
-    woken by the kernel's POLLPRI on it, for at most `seconds` in all: blocking, for a
-    thread. The names of those that did not settle in time (a cgroup gone counts as
-    settled: nothing is left in it to hold)."""
+    woken by the kernel's POLLPRI on it, for at most `seconds` in all, or until `stop` (a
+    pipe's read end, which this closes) is readable: blocking, for a thread. The names of
+    those that did not settle in time (a cgroup gone counts as settled: nothing is left in
+    it to hold)."""
     want = b"frozen 1" if frozen else b"frozen 0"
     deadline = time.monotonic() + seconds
     unsettled: list[str] = []
+    told = False
+    try:
+        for group in groups:
+            try:
+                fd = os.open(group.path / "cgroup.events", os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue
+            try:
+                poll = select.poll()
+                poll.register(fd, select.POLLPRI | select.POLLERR)
+                if stop is not None:
+                    poll.register(stop, select.POLLIN)
+                while (events := _events(fd)) is not None and want not in events:
+                    left = deadline - time.monotonic()
+                    if left <= 0 or told:
+                        unsettled.append(group.name)
+                        break
+                    ready = poll.poll(max(1, int(left * 1000)))
+                    told = any(ready_fd == stop for ready_fd, _ in ready)
+            finally:
+                os.close(fd)
+    finally:
+        if stop is not None:
+            os.close(stop)
+    return unsettled
+
+
+async def settle(groups: list[WorkerCgroup], frozen: bool, seconds: float) -> list[str]:
+    """Wait for the kernel to say each cgroup is frozen (or thawed), bounded by `seconds`
+    on trio's clock (so a test's MockClock drives the bound); the names of those it had
+    not said so of in time. The wait itself is the kernel's, in a thread (`wait_settled`):
+    at the bound the thread is told to stop, and what has settled by then is read once."""
+    stop_r, stop_w = os.pipe2(os.O_CLOEXEC)
+    try:
+        with trio.move_on_after(seconds):
+            return await trio.to_thread.run_sync(
+                wait_settled, groups, frozen, THREAD_SECONDS, stop_r, abandon_on_cancel=True
+            )
+    finally:
+        # The thread, if it still waits, stops (it owns `stop_r`: one that has returned
+        # closed it, so the write may find no reader).
+        with contextlib.suppress(BrokenPipeError):
+            os.write(stop_w, b"\0")
+        os.close(stop_w)
+    return unsettled_now(groups, frozen)
+
+
+def unsettled_now(groups: Iterable[WorkerCgroup], frozen: bool) -> list[str]:
+    """The names of the cgroups whose `cgroup.events` does not say they are frozen (or
+    thawed) now; a cgroup gone counts as settled."""
+    want = b"frozen 1" if frozen else b"frozen 0"
+    unsettled: list[str] = []
     for group in groups:
         try:
-            fd = os.open(group.path / "cgroup.events", os.O_RDONLY | os.O_CLOEXEC)
+            with open(group.path / "cgroup.events", "rb") as f:
+                if want not in f.read():
+                    unsettled.append(group.name)
         except FileNotFoundError:
             continue
-        try:
-            poll = select.poll()
-            poll.register(fd, select.POLLPRI | select.POLLERR)
-            while (events := _events(fd)) is not None and want not in events:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    unsettled.append(group.path.name)
-                    break
-                poll.poll(max(1, int(left * 1000)))
-        finally:
-            os.close(fd)
     return unsettled
 
 
@@ -132,7 +182,7 @@ async def freeze_cgroups(groups: list[WorkerCgroup], frozen: bool) -> list[str]:
     asked = [group for group in groups if write_freeze(group, frozen)]
     if not asked:
         return []
-    return await trio.to_thread.run_sync(wait_settled, asked, frozen, SETTLE_SECONDS)
+    return await settle(asked, frozen, SETTLE_SECONDS)
 
 
 def cgroup_pids(groups: Iterable[WorkerCgroup]) -> set[int]:

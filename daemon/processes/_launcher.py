@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import signal
 from collections.abc import Callable, Container, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
 
@@ -23,8 +24,14 @@ from subagentd.protocol import Control, Usage
 
 from .._logging import get_logger
 from ._cgroup import Cgroups, Leader, WorkerCgroup, end_cgroup, peer_cgroup
-from ._controllers import Controllers, LimitNodes, LimitPlan, LimitsHit
-from ._escapes import MarkerSearch, StopBatch, end_escaped, end_marked_by, outside_cgroups
+from ._controllers import Controllers, LimitNodes, LimitPlan, LimitsHit, v2_hit
+from ._escapes import (
+    MarkerSearch,
+    StopBatch,
+    end_escaped,
+    end_marked_by,
+    outside_by_worker,
+)
 from ._freezer import (
     CGROUP_FREEZE,
     SIGSTOP_FREEZE,
@@ -40,16 +47,27 @@ from ._freezer import (
     stopped_now,
     write_freeze,
 )
-from ._process import WorkerProcess
+from ._process import SpawnFailed, WorkerProcess
 from ._relay import Relays
 from ._tree import Graces, ProcessTable, ProcStat, end_marked, end_tree
 from ._usage import UsageReader, WorkerTree
+from ._v2_nodes import V2Nodes
 
 log = get_logger()
 
 #: At the daemon's shutdown, what is left in its cgroups, or carries one of its workers'
 #: ids elsewhere, has this long between its TERM and its KILL.
 SWEEP_GRACE = 1.0
+
+
+@dataclass(frozen=True)
+class PauseDone:
+    """What a pause did: the workers the kernel had not said are held by the bound
+    (`unsettled`, still being held), and the pids of each worker's processes it held
+    outside the worker's cgroup (moved out of it: stopped by SIGSTOP, `_escapes`)."""
+
+    unsettled: list[str] = field(default_factory=list)
+    held_outside: dict[str, list[int]] = field(default_factory=dict)
 
 
 class Launcher(Protocol):
@@ -122,10 +140,11 @@ class Launcher(Protocol):
         """How `pause` holds a tree still (`info`'s ``controls["freeze"]``)."""
         ...
 
-    async def pause(self, targets: list[tuple[str, WorkerProcess]]) -> list[str]:
+    async def pause(self, targets: list[tuple[str, WorkerProcess]]) -> PauseDone:
         """Hold each worker's whole tree still (its id, its process), until `unpause`;
         returns once the kernel says they are held, or after a bound: the ids it had not
-        said so of by then (still being held)."""
+        said so of by then (still being held), and what of each tree it held outside the
+        worker's cgroup."""
         ...
 
     async def unpause(self, targets: list[tuple[str, WorkerProcess]]) -> None:
@@ -260,6 +279,8 @@ class LocalLauncher:
         self._usage = UsageReader()
         #: Ended workers' limit nodes, likewise.
         self._unremoved_nodes: list[LimitNodes] = []
+        #: A dead image's v2-limited workers' leaves, by worker id (`_leftover_group`).
+        self._leftover_leaves: dict[str, WorkerCgroup] | None = None
 
     @property
     def authority(self) -> Literal["kernel", "token"]:
@@ -273,6 +294,14 @@ class LocalLauncher:
     def _group(self, worker_id: str) -> WorkerCgroup | None:
         return self.cgroups.worker(worker_id) if self.cgroups else None
 
+    def _v2_group(self, limits: LimitPlan | None) -> WorkerCgroup | None:
+        """Its v2 limit nodes' leaf, made (`Controllers.v2_group`); SpawnFailed naming the
+        file that would not take its limits, before anything runs."""
+        try:
+            return self.controllers.v2_group(limits)
+        except OSError as exc:
+            raise SpawnFailed(f"{exc.strerror or exc}; nothing was started") from exc
+
     def _adopted_group(self, worker_id: str) -> WorkerCgroup | None:
         """The cgroup the image before put the worker in, if it is there still (None: its
         tree was found by scanning /proc)."""
@@ -281,6 +310,11 @@ class LocalLauncher:
         group = self.cgroups.worker(worker_id)
         present = worker_id in self._present if self._present is not None else group.exists()
         return group if present else None
+
+    def _adopted_leaf(self, limit_path: str) -> WorkerCgroup | None:
+        """The leaf of its v2 limit nodes an adopted worker was born in, if any."""
+        v2 = self.controllers.v2
+        return v2.group_at(limit_path) if v2 is not None and limit_path else None
 
     @contextlib.contextmanager
     def adopting(self) -> Iterator[None]:
@@ -313,7 +347,8 @@ class LocalLauncher:
             env=env,
             stdin_path=stdin_path,
             stdin_open=stdin_open,
-            cgroup=self._group(worker_id),
+            # A worker with cgroup v2 limits: the leaf of its v2 nodes, born in by clone3.
+            cgroup=self._v2_group(limits) or self._group(worker_id),
             # Where connections are placed by cgroup, one outside every worker's acts for
             # the user: a worker must never start outside its own.
             cgroup_required=self.authority == "kernel",
@@ -347,7 +382,7 @@ class LocalLauncher:
             pid_start,
             stdout,
             stderr,
-            cgroup=self._adopted_group(worker_id),
+            cgroup=self._adopted_leaf(limit_path) or self._adopted_group(worker_id),
             stdin=stdin,
             elsewhere=bool(limit_path),
         )
@@ -372,8 +407,8 @@ class LocalLauncher:
             enforced=True, how=CGROUP_FREEZE if self.cgroups is not None else SIGSTOP_FREEZE
         )
 
-    async def pause(self, targets: list[tuple[str, WorkerProcess]]) -> list[str]:
-        groups = {p.cgroup.path.name: p.cgroup for _, p in targets if p.cgroup is not None}
+    async def pause(self, targets: list[tuple[str, WorkerProcess]]) -> PauseDone:
+        groups = {p.cgroup.name: p.cgroup for _, p in targets if p.cgroup is not None}
         trees = [
             (p.pid, worker_id, p.starttime)
             for worker_id, p in targets
@@ -382,21 +417,33 @@ class LocalLauncher:
         unsettled = await freeze_cgroups(list(groups.values()), True) if groups else []
         if trees and not await stop_trees(self.processes, trees):
             unsettled += [worker_id for _, worker_id, _ in trees]
+        held: dict[str, set[int]] = {}
         if groups:
             # What moved itself out of its cgroup is not frozen with it: stopped.
             escaped = _cgrouped_trees(targets)
-            if not await stop_found(self._outside(escaped, list(groups.values()))):
+            if not await stop_found(self._outside(escaped, list(groups.values()), held)):
                 unsettled += [worker_id for _, worker_id, _ in escaped]
-        return unsettled
+        outside = {worker_id: sorted(pids) for worker_id, pids in held.items() if pids}
+        return PauseDone(unsettled, outside)
 
-    def _outside(self, trees: list[Tree], groups: list[WorkerCgroup]) -> Find:
+    def _outside(
+        self,
+        trees: list[Tree],
+        groups: list[WorkerCgroup],
+        found_for: dict[str, set[int]] | None = None,
+    ) -> Find:
         """What of these cgroups' trees runs outside them, by the stop's escape search
-        (the processes started since the oldest of them), for a pause or an unpause."""
+        (the processes started since the oldest of them), for a pause or an unpause;
+        `found_for`: where the pids found are kept, by worker (each search adds to it)."""
         since = min((start for _, _, start in trees), default=0)
 
         async def find() -> list[ProcStat]:
             marked = await self.markers.marked(since)
-            return outside_cgroups(marked, trees, cgroup_pids(groups))
+            by_worker = outside_by_worker(marked, trees, cgroup_pids(groups))
+            if found_for is not None:
+                for worker_id, found in by_worker.items():
+                    found_for.setdefault(worker_id, set()).update(stat.pid for stat in found)
+            return [stat for found in by_worker.values() for stat in found]
 
         return find
 
@@ -502,10 +549,23 @@ class LocalLauncher:
             self.processes, process.pid, worker_id, process.starttime, grace, graces
         )
 
+    def _leftover_group(self, worker_id: str) -> WorkerCgroup | None:
+        """A dead image's worker's cgroup: its flat one, else the leaf of its v2 limit nodes
+        (all of a dead image's leaves listed once, at the first asking: a leftover's leaf
+        was there before this image made any)."""
+        group = self._group(worker_id)
+        if group is None or group.exists() or self.controllers.v2 is None:
+            return group
+        if self._leftover_leaves is None:
+            assert self.cgroups is not None
+            self._leftover_leaves = {g.name: g for g in self.cgroups.limited_leaves()}
+        leaf = self._leftover_leaves.get(worker_id)
+        return leaf if leaf is not None and leaf.exists() else group
+
     async def end_leftover_tree(
         self, worker_id: str, pid: int | None, pid_start: int | None, grace: float
     ) -> int:
-        group = self._group(worker_id)
+        group = self._leftover_group(worker_id)
         if group is not None and group.exists():
             with contextlib.suppress(OSError):  # a paused one's: its TERM must reach it
                 write_freeze(group, False)
@@ -518,10 +578,13 @@ class LocalLauncher:
 
     def limits_hit(self, process: WorkerProcess) -> LimitsHit | None:
         nodes = process.limit_nodes
-        return nodes.hit() if nodes is not None else None
+        hit = nodes.hit() if nodes is not None else None
+        if process.cgroup is not None and process.cgroup.born_into:
+            return v2_hit(process.cgroup, hit)
+        return hit
 
     def holds_tree(self, worker_id: str) -> bool:
-        group = self._group(worker_id)
+        group = self._leftover_group(worker_id)
         return group is not None and group.exists()
 
     def usage(self, workers: Sequence[tuple[str, WorkerProcess]]) -> dict[str, Usage]:
@@ -556,12 +619,12 @@ class LocalLauncher:
         groups, self._unremoved = self._unremoved, []
         nodes, self._unremoved_nodes = self._unremoved_nodes, []
         if groups or nodes:
-            await trio.to_thread.run_sync(_remove_all, groups, wanted, nodes)
+            await trio.to_thread.run_sync(_remove_all, groups, wanted, nodes, self.controllers.v2)
 
     async def sweep(self, live: Container[str]) -> None:
         if self.cgroups is not None:
             for group in self.cgroups.leftovers():
-                if group.path.name in live:
+                if group.name in live:
                     continue
                 killed = await end_cgroup(group, 0)
                 if killed:
@@ -594,6 +657,7 @@ class LocalLauncher:
         groups, self._unremoved = self._unremoved, []
         for group in groups:
             _remove(group)
+            _remove_v2_nodes(group, self.controllers.v2, lambda _: False)
         nodes, self._unremoved_nodes = self._unremoved_nodes, []
         for node in nodes:
             node.remove_unless(lambda _: False)
@@ -616,14 +680,26 @@ def _v1_memory_of(process: WorkerProcess) -> Path | None:
 
 
 def _remove_all(
-    groups: list[WorkerCgroup], wanted: Callable[[str], bool], nodes: list[LimitNodes]
+    groups: list[WorkerCgroup],
+    wanted: Callable[[str], bool],
+    nodes: list[LimitNodes],
+    v2: V2Nodes | None = None,
 ) -> None:
     """Remove ended workers' cgroups and limit nodes (in a thread), but those `wanted`
     again."""
     for group in groups:
         _remove(group, wanted)
+        _remove_v2_nodes(group, v2, wanted)
     for node in nodes:
         node.remove_unless(wanted)
+
+
+def _remove_v2_nodes(
+    group: WorkerCgroup, v2: V2Nodes | None, wanted: Callable[[str], bool]
+) -> None:
+    """A v2-limited worker's leaf removed: the nodes above it nothing uses any longer."""
+    if group.born_into and v2 is not None:
+        v2.remove_nodes(group, wanted)
 
 
 def _remove(group: WorkerCgroup, wanted: Callable[[str], bool] | None = None) -> None:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from ..store._files import open_regular
-from . import _spawn
+from . import _born_into, _spawn
 from ._cgroup import _FORK_LOCK, WorkerCgroup
 from ._controllers import LimitNodes, LimitsNotPlaced
 from ._forker import FORKER
@@ -381,7 +381,8 @@ def _birth(
         if cgroup is not None:
             try:
                 cgroup.create()
-                birthplace.enter_context(cgroup.born_in())
+                if not cgroup.born_into:  # else born in it by clone3, at `_start`
+                    birthplace.enter_context(cgroup.born_in())
             except OSError as exc:  # its tree is found by scanning, as without cgroups
                 with contextlib.suppress(OSError):
                     cgroup.remove()
@@ -393,7 +394,14 @@ def _birth(
         # (LimitsNotPlaced) naming the node that would not take it.
         leave = limit_nodes.enter() if limit_nodes is not None else None
         try:
-            pid = _start(argv, cwd=cwd, env=env, stdin=stdin, stdout=stdout, stderr=stderr)
+            if cgroup is not None and cgroup.born_into:
+                # Its v2 limits hold from its first instruction; no process of the
+                # daemon's stands in its nodes (`_born_into`).
+                pid = _born_into.spawn_into(
+                    cgroup.path, argv, cwd=cwd, env=env, stdin=stdin, stdout=stdout, stderr=stderr
+                )
+            else:
+                pid = _start(argv, cwd=cwd, env=env, stdin=stdin, stdout=stdout, stderr=stderr)
         except BaseException:
             if leave is not None:
                 leave()

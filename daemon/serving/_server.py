@@ -819,7 +819,12 @@ class Server:
                 return reply
             case Pause(worker=worker, run=run):
                 paused = await daemon.pauses.pause(worker, run)
-                return Paused(id=rid, paused=paused.changed, already_paused=paused.already)
+                return Paused(
+                    id=rid,
+                    paused=paused.changed,
+                    already_paused=paused.already,
+                    held_outside=paused.held_outside,
+                )
             case Unpause(worker=worker, run=run):
                 unpaused = await daemon.pauses.unpause(worker, run)
                 return Unpaused(

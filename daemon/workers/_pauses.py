@@ -46,6 +46,8 @@ class Pausing:
 
     changed: list[str] = field(default_factory=list)
     already: list[str] = field(default_factory=list)
+    #: A pause's: how many processes of each worker it held outside its cgroup.
+    held_outside: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -120,12 +122,16 @@ class Pauses:
                 self._supervisor.paused(live)
             for live in fresh:  # for the tests: a freeze the kernel is slow to settle
                 await self._faults.hold_at("hold-pause", live.record.name)
-            unsettled = await self._launcher.pause(_targets(fresh))
+            done = await self._launcher.pause(_targets(fresh))
             changed = sorted(live.record.id for live in fresh)
-            if unsettled:
-                log.warning("worker.pause_unsettled", workers=unsettled)
-            log.info("worker.paused", paused=changed, already=already)
-            return Pausing(changed=changed, already=already)
+            if done.unsettled:
+                log.warning("worker.pause_unsettled", workers=done.unsettled)
+            for live in fresh:
+                if pids := done.held_outside.get(live.record.id):
+                    self._supervisor.held_outside(live, pids)
+            log.info("worker.paused", paused=changed, already=already, outside=done.held_outside)
+            held = {worker_id: len(pids) for worker_id, pids in done.held_outside.items()}
+            return Pausing(changed=changed, already=already, held_outside=held)
 
     async def unpause(self, worker: str | None, run: str | None) -> Pausing:
         async with self._holding("unpause", worker, run) as reached:

@@ -413,7 +413,7 @@ class Spawner:
         plan = LimitPlan(path, values, nested=parent is not None and bool(parent.limit_path))
         if ("hold-in-nodes", record.name) in self._faults:
             plan = dataclasses.replace(plan, hold=self._state_dir.root / "hold-in-nodes")
-        if self._launcher.controllers.nodes(plan) is None:
+        if not self._launcher.controllers.places(plan):
             record.limit_path = ""
             return None
         record.limit_path = plan.relative

@@ -68,6 +68,10 @@ STOPPING_NOTE_LATE = 5.0
 STDIN_RETRY = 0.1
 
 
+#: A pause's journal note names at most this many pids it held outside a cgroup.
+HELD_PIDS_NOTED = 16
+
+
 class Tally:
     """How many of something are in hand, and a wait until none is."""
 
@@ -511,6 +515,15 @@ class Supervisor:
         live.record.pause(self._clock())
         self._time(live)
         self._journal_extra(live, "state", b"paused")
+
+    def held_outside(self, live: LiveWorker, pids: list[int]) -> None:
+        """Its pause held processes of its tree outside its cgroup (moved out of it): its
+        journal says how many and which (the first `HELD_PIDS_NOTED`)."""
+        shown = ", ".join(str(pid) for pid in pids[:HELD_PIDS_NOTED])
+        more = f" and {len(pids) - HELD_PIDS_NOTED} more" if len(pids) > HELD_PIDS_NOTED else ""
+        said = "process" if len(pids) == 1 else "processes"
+        note = f"paused: {len(pids)} {said} outside its cgroup held by SIGSTOP (pid {shown}{more})"
+        self._journal_extra(live, "note", note.encode())
 
     def unpaused(self, live: LiveWorker) -> None:
         """Paused no longer: its timeout runs again, its deadline later by the pause."""
